@@ -1,0 +1,38 @@
+"""lightning-frozen: DeepSpeed ZeRO-3 for Lightning models whose larger part is frozen.
+
+Importing the package registers the strategy names (``frozen_deepspeed`` and friends) with Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_frozen.errors import (
+    CheckpointFormatError,
+    CheckpointKeysError,
+    ForeignParametersError,
+    FrozenBaseMismatchError,
+    FrozenSetChangedError,
+    FrozenTrainingError,
+    NoTrainableParametersError,
+    UnsupportedOffloadOptimizerError,
+)
+from lightning_frozen.memory import MemoryEstimate, estimate_memory
+from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointFormatError",
+    "CheckpointKeysError",
+    "ForeignParametersError",
+    "FrozenAwareDeepSpeedStrategy",
+    "FrozenBaseMismatchError",
+    "FrozenSetChangedError",
+    "FrozenTrainingError",
+    "MemoryEstimate",
+    "NoTrainableParametersError",
+    "UnsupportedOffloadOptimizerError",
+    "estimate_memory",
+]
+
+if "frozen_deepspeed" not in StrategyRegistry:
+    FrozenAwareDeepSpeedStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,35 @@
+"""Exceptions a caller can catch; each message names the thing at fault and the fix."""
+
+from __future__ import annotations
+
+
+class FrozenTrainingError(RuntimeError):
+    """Base class of every error this package raises on purpose."""
+
+
+class NoTrainableParametersError(FrozenTrainingError):
+    """The model has nothing to train: every parameter is frozen."""
+
+
+class ForeignParametersError(FrozenTrainingError):
+    """The optimizer holds parameters that are not part of the LightningModule."""
+
+
+class FrozenSetChangedError(FrozenTrainingError):
+    """A parameter's ``requires_grad`` flipped during training without a finetuning callback."""
+
+
+class UnsupportedOffloadOptimizerError(FrozenTrainingError):
+    """Optimizer offload was asked for with an optimizer DeepSpeed cannot run on the CPU."""
+
+
+class FrozenBaseMismatchError(FrozenTrainingError):
+    """A checkpoint meets a frozen base other than the one it was trained on."""
+
+
+class CheckpointFormatError(FrozenTrainingError):
+    """A file is not a readable lightning-frozen checkpoint (truncated, foreign or of another layout)."""
+
+
+class CheckpointKeysError(FrozenTrainingError):
+    """A checkpoint's trainable state does not match the module's trainable parameters."""

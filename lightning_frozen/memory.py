@@ -1,0 +1,157 @@
+"""Memory accounting for frozen training: the per-rank estimate and the summary logged at the start of ``fit``.
+
+The arithmetic is the physical limit of ``shared/DESIGN.md``: frozen weights cost their storage dtype / N per
+rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a gradient.
+DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``) count every parameter as
+trainable, which is exactly the cost frozen training avoids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+_PRECISION_BYTES = {
+    "32": 4, "32-true": 4, "bf16": 2, "bf16-mixed": 2, "bf16-true": 2, "16": 2, "16-mixed": 2, "16-true": 2,
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank, split by what holds them and where it lives."""
+
+    trainable_params: int
+    frozen_params: int
+    world_size: int
+    frozen_shards: int
+    frozen_on: str
+    trainable_weights: int
+    gradients: int
+    optimizer_state: int
+    optimizer_on: str
+    lr_zero_workaround_extra: int
+
+    @property
+    def device_bytes(self) -> int:
+        total = self.trainable_weights + self.gradients
+        total += self.frozen_shards if self.frozen_on == "device" else 0
+        total += self.optimizer_state if self.optimizer_on == "device" else 0
+        return total
+
+    @property
+    def host_bytes(self) -> int:
+        total = self.frozen_shards if self.frozen_on == "host" else 0
+        total += self.optimizer_state if self.optimizer_on == "host" else 0
+        return total
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "device_bytes": self.device_bytes, "host_bytes": self.host_bytes}
+
+    def table(self) -> str:
+        rows = [
+            ("trainable params", f"{self.trainable_params:,}", ""),
+            ("frozen params", f"{self.frozen_params:,}", ""),
+            ("ranks", str(self.world_size), ""),
+            ("frozen shards / rank", format_bytes(self.frozen_shards), self.frozen_on),
+            ("trainable weights / rank", format_bytes(self.trainable_weights), "device"),
+            ("gradients / rank", format_bytes(self.gradients), "device"),
+            ("optimizer state / rank", format_bytes(self.optimizer_state), self.optimizer_on),
+            ("device total / rank", format_bytes(self.device_bytes), ""),
+            ("host total / rank", format_bytes(self.host_bytes), ""),
+            ("lr=0 workaround would add", format_bytes(self.lr_zero_workaround_extra), self.optimizer_on),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {value:>12}  {where}".rstrip() for name, value, where in rows)
+
+
+def format_bytes(num: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
+        num /= 1024
+    raise AssertionError("unreachable")
+
+
+def precision_bytes(precision: str) -> int:
+    """Bytes of one element in the compute dtype of a Lightning precision string."""
+    try:
+        return _PRECISION_BYTES[str(precision)]
+    except KeyError:
+        raise ValueError(f"Unknown precision {precision!r}; expected one of {sorted(_PRECISION_BYTES)}.") from None
+
+
+def _shard(numel: int, world_size: int) -> int:
+    return math.ceil(numel / world_size)
+
+
+def estimate_from_counts(
+    trainable_params: int,
+    frozen_params: int,
+    world_size: int = 1,
+    precision: str = "32-true",
+    offload_frozen: bool = True,
+    offload_optimizer: bool = False,
+    optimizer_state_bytes: int = 8,
+) -> MemoryEstimate:
+    """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3."""
+    weight_bytes = precision_bytes(precision)
+    trainable_shard = _shard(trainable_params, world_size)
+    frozen_shard = _shard(frozen_params, world_size)
+    optimizer_state = trainable_shard * (4 + optimizer_state_bytes)
+    # the lr=0 workaround puts every frozen element in the optimizer: fp32 master + state + an fp32 gradient
+    workaround = frozen_shard * (4 + optimizer_state_bytes + 4)
+    return MemoryEstimate(
+        trainable_params=trainable_params,
+        frozen_params=frozen_params,
+        world_size=world_size,
+        frozen_shards=frozen_shard * weight_bytes,
+        frozen_on="host" if offload_frozen else "device",
+        trainable_weights=trainable_shard * weight_bytes,
+        gradients=trainable_shard * 4,
+        optimizer_state=optimizer_state,
+        optimizer_on="host" if offload_optimizer else "device",
+        lr_zero_workaround_extra=workaround,
+    )
+
+
+def estimate_memory(
+    model: nn.Module,
+    num_devices: int = 1,
+    num_nodes: int = 1,
+    precision: str = "bf16-mixed",
+    offload_frozen: bool = True,
+    offload_optimizer: bool = False,
+    optimizer_state_bytes: int = 8,
+    print_table: bool = True,
+) -> MemoryEstimate:
+    """Estimate per-rank memory of training ``model`` under ``frozen_deepspeed``; frozen = ``requires_grad=False``.
+
+    Returns a :class:`MemoryEstimate` with device and host bytes for frozen shards, trainable weights,
+    gradients and optimizer state (Adam-type by default: ``optimizer_state_bytes=8``), and prints its table.
+    The model may live on the ``meta`` device, so a 13B model can be estimated without allocating it.
+    """
+    if num_devices < 1 or num_nodes < 1:
+        raise ValueError(f"num_devices and num_nodes must be >= 1, got {num_devices} and {num_nodes}.")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    estimate = estimate_from_counts(
+        trainable, frozen, num_devices * num_nodes, precision, offload_frozen, offload_optimizer, optimizer_state_bytes
+    )
+    if print_table:
+        print(estimate.table())
+    return estimate
+
+
+def measured_frozen_shard_bytes(frozen: list[nn.Parameter]) -> tuple[int, str]:
+    """Bytes this rank holds of the frozen params' ZeRO-3 shards, and the device type they live on."""
+    total, devices = 0, set()
+    for param in frozen:
+        shard: Optional[torch.Tensor] = getattr(param, "ds_tensor", None)
+        tensor = param.data if shard is None else shard
+        total += tensor.numel() * tensor.element_size()
+        devices.add(tensor.device.type)
+    return total, ",".join(sorted(devices)) or "-"

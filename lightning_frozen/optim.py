@@ -1,0 +1,232 @@
+"""Stripping frozen parameters out of whatever ``configure_optimizers`` returned.
+
+Everything here works on plain torch optimizers and LR schedulers, before DeepSpeed sees them, so
+nothing is allocated for a frozen parameter: no gradient, no fp32 master copy, no optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_frozen.errors import ForeignParametersError, UnsupportedOffloadOptimizerError
+
+# Keys under which torch and DeepSpeed schedulers keep a learning rate that a group can climb to.
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr")
+_SCHEDULER_PER_GROUP_LR_KEYS = ("base_lrs", "max_lrs", "min_lrs")
+_SCHEDULER_SCALAR_LR_KEYS = ("eta_min",)
+# Scheduler attributes that hold sub-schedulers (SequentialLR, ChainedScheduler) rather than per-group values.
+_SUB_SCHEDULER_KEYS = ("_schedulers",)
+
+
+@dataclass
+class StripReport:
+    """What :func:`prepare_optimizer` changed, for the notice and the summary."""
+
+    stripped_params: int = 0
+    stripped_numel: int = 0
+    lr_zero_params: int = 0
+    lr_zero_numel: int = 0
+    dropped_groups: list[int] = field(default_factory=list)
+
+
+def optimizer_params(optimizer: Optimizer) -> list[nn.Parameter]:
+    """Every parameter of every group, in order, each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def check_params_belong_to(module: nn.Module, optimizer: Optimizer) -> None:
+    """Raise :class:`ForeignParametersError` if the optimizer holds a tensor that is not one of ``module``'s."""
+    own = {id(p) for p in module.parameters()}
+    foreign = [p for p in optimizer_params(optimizer) if id(p) not in own]
+    if foreign:
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
+        raise ForeignParametersError(
+            f"{type(optimizer).__name__} returned by `configure_optimizers` holds {len(foreign)} tensor(s) that are"
+            f" not parameters of the LightningModule (shapes {shapes}{', ...' if len(foreign) > 5 else ''})."
+            " Build the optimizer from `self.parameters()` (or a subset of them) inside `configure_optimizers`."
+        )
+
+
+def _scheduler_chain(scheduler: Any) -> list[Any]:
+    """The scheduler and, for SequentialLR / ChainedScheduler, every scheduler inside it."""
+    if scheduler is None:
+        return []
+    chain = [scheduler]
+    for key in _SUB_SCHEDULER_KEYS:
+        for inner in getattr(scheduler, key, None) or []:
+            chain.extend(_scheduler_chain(inner))
+    return chain
+
+
+def _group_can_leave_zero(group: dict, index: int, schedulers: Sequence[Any]) -> bool:
+    """Whether any learning rate this group can reach during the run is non-zero."""
+    if any(float(group.get(key, 0.0) or 0.0) != 0.0 for key in _GROUP_LR_KEYS):
+        return True
+    for scheduler in schedulers:
+        for key in _SCHEDULER_PER_GROUP_LR_KEYS:
+            values = getattr(scheduler, key, None)
+            if isinstance(values, (list, tuple)) and index < len(values) and float(values[index]) != 0.0:
+                return True
+        for key in _SCHEDULER_SCALAR_LR_KEYS:
+            if float(getattr(scheduler, key, 0.0) or 0.0) != 0.0:
+                return True
+    return False
+
+
+def lr_zero_group_indices(optimizer: Optimizer, scheduler: Any = None) -> list[int]:
+    """Indices of the groups whose learning rate stays 0 for the whole run: the old ``lr=0`` freezing workaround.
+
+    A group counts only if its ``lr``, its scheduler base LR (``initial_lr``/``base_lrs``), any peak
+    (``max_lr``/``max_lrs``) and any floor (``eta_min``/``min_lrs``) are all 0, so warm-up from 0 never counts.
+    """
+    schedulers = _scheduler_chain(scheduler)
+    return [
+        index
+        for index, group in enumerate(optimizer.param_groups)
+        if not _group_can_leave_zero(group, index, schedulers)
+    ]
+
+
+def freeze_lr_zero_groups(optimizer: Optimizer, scheduler: Any = None) -> list[nn.Parameter]:
+    """Set ``requires_grad=False`` on trainable params that sit only in groups with a learning rate of 0 all run.
+
+    A param also listed in a group that does train is left alone. Returns the params it froze.
+    """
+    zero = set(lr_zero_group_indices(optimizer, scheduler))
+    training = {id(p) for i, g in enumerate(optimizer.param_groups) if i not in zero for p in g["params"]}
+    frozen: list[nn.Parameter] = []
+    for index in sorted(zero):
+        for param in optimizer.param_groups[index]["params"]:
+            if param.requires_grad and id(param) not in training:
+                param.requires_grad_(False)
+                frozen.append(param)
+    return frozen
+
+
+def _filter_scheduler_groups(scheduler: Any, keep: list[int], num_groups: int) -> None:
+    """Keep only the entries of ``keep`` in every per-group list of the scheduler (base LRs, lambdas, ...)."""
+    for inner in _scheduler_chain(scheduler):
+        for key, value in list(vars(inner).items()):
+            if key in _SUB_SCHEDULER_KEYS or key == "optimizer":
+                continue
+            if isinstance(value, (list, tuple)) and len(value) == num_groups:
+                setattr(inner, key, type(value)(value[i] for i in keep))
+
+
+def strip_frozen_params(optimizer: Optimizer, scheduler: Any = None) -> StripReport:
+    """Remove every ``requires_grad=False`` param from every group, in place; drop groups left empty.
+
+    Per-group hyper-parameters stay with their group. Per-group lists of the LR scheduler (``base_lrs``,
+    ``lr_lambdas``, ``_last_lr``, ...) are filtered the same way, so group ``i`` keeps its own schedule.
+    """
+    report = StripReport()
+    num_groups = len(optimizer.param_groups)
+    kept_groups: list[dict] = []
+    keep: list[int] = []
+    for index, group in enumerate(optimizer.param_groups):
+        trainable = [p for p in group["params"] if p.requires_grad]
+        for param in group["params"]:
+            if not param.requires_grad:
+                report.stripped_params += 1
+                report.stripped_numel += param.numel()
+                optimizer.state.pop(param, None)
+        if trainable:
+            group["params"] = trainable
+            kept_groups.append(group)
+            keep.append(index)
+        else:
+            report.dropped_groups.append(index)
+    optimizer.param_groups[:] = kept_groups
+    if report.dropped_groups:
+        _filter_scheduler_groups(scheduler, keep, num_groups)
+    return report
+
+
+def prepare_optimizer(
+    module: nn.Module, optimizer: Optimizer, scheduler: Any = None, convert_lr_zero: bool = True
+) -> StripReport:
+    """Validate the optimizer against ``module``, freeze ``lr=0`` groups if asked, and strip frozen params.
+
+    Raises:
+        ForeignParametersError: the optimizer holds tensors that are not parameters of ``module``.
+    """
+    check_params_belong_to(module, optimizer)
+    converted = freeze_lr_zero_groups(optimizer, scheduler) if convert_lr_zero else []
+    report = strip_frozen_params(optimizer, scheduler)
+    report.lr_zero_params = len(converted)
+    report.lr_zero_numel = sum(p.numel() for p in converted)
+    return report
+
+
+def trainable_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def frozen_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if not p.requires_grad]
+
+
+def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
+    """Swap a plain torch ``Adam``/``AdamW`` for DeepSpeed's CPU Adam with the same groups and hyper-parameters.
+
+    ZeRO-Offload steps the optimizer on the CPU, where DeepSpeed refuses torch's own Adam. The scheduler, if
+    given, is re-pointed at the new optimizer.
+
+    Raises:
+        UnsupportedOffloadOptimizerError: any other optimizer class, or ``amsgrad=True``.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        return optimizer
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+        g.get("amsgrad") for g in optimizer.param_groups
+    ):
+        raise UnsupportedOffloadOptimizerError(
+            f"Optimizer offload (`offload_optimizer=True`) steps on the CPU with DeepSpeed's CPU Adam, and"
+            f" `{type(optimizer).__name__}` cannot be converted to it. Return `torch.optim.Adam`/`AdamW`"
+            " (without amsgrad) or `deepspeed.ops.adam.DeepSpeedCPUAdam` from `configure_optimizers`, or set"
+            " `offload_optimizer=False`."
+        )
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    groups = [
+        {key: value for key, value in group.items() if key not in ("foreach", "fused", "capturable", "differentiable",
+                                                                      "maximize", "amsgrad", "decoupled_weight_decay")}
+        for group in optimizer.param_groups
+    ]
+    converted = DeepSpeedCPUAdam(groups, adamw_mode=adamw, **_cpu_adam_defaults(optimizer.defaults))
+    for scheduler_ in _scheduler_chain(scheduler):
+        scheduler_.optimizer = converted
+    return converted
+
+
+def _cpu_adam_defaults(defaults: dict) -> dict:
+    return {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay") if key in defaults}
+
+
+def unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def optimizer_state_bytes_per_param(optimizer: Optional[Optimizer]) -> int:
+    """Bytes of optimizer state each trainable element holds, besides its fp32 master copy."""
+    if optimizer is None:
+        return 8
+    name = type(optimizer).__name__.lower()
+    if "adam" in name or "lamb" in name:
+        return 8
+    if "sgd" in name:
+        return 4 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    if "adagrad" in name or "rmsprop" in name:
+        return 4
+    return 8

@@ -1,0 +1,279 @@
+"""``FrozenAwareDeepSpeedStrategy``: Lightning's DeepSpeed strategy, made to train a mostly frozen model well.
+
+The class only wires the pieces into Lightning's hooks: optimizer stripping lives in ``optim.py``, the ZeRO-3
+placement of frozen and trainable params in ``zero.py``, memory accounting in ``memory.py`` and the checkpoint
+file in ``checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.core.optimizer import LRSchedulerConfig
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_frozen import memory, optim, zero
+from lightning_frozen.errors import FrozenSetChangedError, NoTrainableParametersError
+
+if TYPE_CHECKING:
+    import deepspeed
+    from lightning.pytorch.strategies import StrategyRegistry
+
+_FINGERPRINT_MODES = ("checksum", "sha256", "none")
+
+
+class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO for models whose larger part is frozen.
+
+    Compared with :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (whose arguments all keep working):
+
+    - frozen params (``requires_grad=False``) are stripped from the optimizer ``configure_optimizers`` returns,
+      so they never get gradients, fp32 master copies or optimizer state; groups whose learning rate is 0 for
+      the whole run (the old ``lr=0`` freezing workaround) are frozen first;
+    - under ZeRO-3 (the default here) frozen params are 1/N shards in the compute dtype, kept in CPU memory
+      when ``offload_frozen=True``, while trainable params stay on the accelerator;
+    - it runs on CUDA and on the CPU (DeepSpeed's CPU accelerator with gloo).
+
+    Args:
+        stage: ZeRO stage; 3 shards frozen params across ranks.
+        offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
+            unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
+        offload_optimizer: step the optimizer on the CPU (ZeRO-Offload); a torch ``Adam``/``AdamW`` becomes
+            DeepSpeed's CPU Adam with the same hyper-parameters.
+        convert_lr_zero_groups: freeze params that sit only in groups whose learning rate is 0 for the whole run.
+        frozen_base: a reference (path or hub id) to the frozen base, stored in checkpoints; found from the
+            module when not given.
+        fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
+            no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
+        **kwargs: any other argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
+    """
+
+    strategy_name = "frozen_deepspeed"
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        zero_optimization: bool = True,
+        stage: int = 3,
+        offload_frozen: bool = True,
+        offload_optimizer: bool = False,
+        convert_lr_zero_groups: bool = True,
+        frozen_base: Optional[str] = None,
+        fingerprint: str = "checksum",
+        **kwargs: Any,
+    ) -> None:
+        if fingerprint not in _FINGERPRINT_MODES:
+            raise ValueError(f"`fingerprint={fingerprint!r}` is not one of {_FINGERPRINT_MODES}.")
+        super().__init__(
+            accelerator=accelerator,
+            zero_optimization=zero_optimization,
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            **kwargs,
+        )
+        self.offload_frozen = offload_frozen
+        self.offload_optimizer = offload_optimizer
+        self.convert_lr_zero_groups = convert_lr_zero_groups
+        self.frozen_base = frozen_base
+        self.fingerprint = fingerprint
+        self.pin_memory = bool(kwargs.get("pin_memory", False))
+        self._trainable_flags: dict[str, bool] = {}
+        self._strip_report = optim.StripReport()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: "StrategyRegistry") -> None:
+        strategy_registry.register(
+            "frozen_deepspeed", cls, description="ZeRO-3, frozen params sharded and offloaded to CPU memory"
+        )
+        strategy_registry.register(
+            "frozen_deepspeed_offload",
+            cls,
+            description="ZeRO-3, frozen shards in CPU memory, optimizer stepped on the CPU (ZeRO-Offload)",
+            offload_optimizer=True,
+        )
+        strategy_registry.register(
+            "frozen_deepspeed_no_offload",
+            cls,
+            description="ZeRO-3, frozen params sharded and kept on the accelerator",
+            offload_frozen=False,
+        )
+
+    # ------------------------------------------------------------------ environment
+
+    @override
+    def setup_environment(self) -> None:
+        zero.align_deepspeed_accelerator(self.accelerator)
+        zero_config = (self.config or {}).get("zero_optimization") or {}
+        if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(
+            self.accelerator, CUDAAccelerator
+        ):
+            raise RuntimeError(
+                "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
+                f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
+                " train with `accelerator='gpu'`."
+            )
+        # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # CPU devices have no index, so DeepSpeedStrategy's device-index check does not apply.
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+            return
+        super().setup_distributed()
+
+    @property
+    def _device_rank(self) -> int:
+        index = self.root_device.index
+        return index if index is not None else self.local_rank
+
+    # ------------------------------------------------------------------ optimizer and engine
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+        optimizer, scheduler_config = super()._init_optimizers()
+        scheduler = scheduler_config.scheduler if scheduler_config is not None else None
+        module = self.lightning_module
+        assert module is not None
+        self._strip_report = optim.prepare_optimizer(module, optimizer, scheduler, self.convert_lr_zero_groups)
+        report = self._strip_report
+        if report.lr_zero_params:
+            rank_zero_info(
+                f"lightning-frozen: froze {report.lr_zero_params} parameter tensors ({report.lr_zero_numel:,} elements)"
+                " whose learning rate is 0 for the whole run (the `lr=0` workaround); they get no gradient or"
+                " optimizer state. Pass `convert_lr_zero_groups=False` to keep them in the optimizer."
+            )
+        zero.check_has_trainable(module)
+        if not optimizer.param_groups:
+            raise NoTrainableParametersError(
+                f"The {type(optimizer).__name__} returned by `configure_optimizers` holds only frozen parameters"
+                " (`requires_grad=False`), so nothing would train. Pass the trainable parameters to it, e.g."
+                " `[p for p in self.parameters() if p.requires_grad]`."
+            )
+        if self.offload_optimizer:
+            optimizer = optim.to_cpu_adam(optimizer, scheduler)
+        return optimizer, scheduler_config
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optional[Optimizer], lr_scheduler: Optional[Any] = None
+    ) -> tuple["deepspeed.DeepSpeedEngine", Optimizer]:
+        import deepspeed
+
+        zero.check_has_trainable(model)
+        self._trainable_flags = zero.trainable_flags(model)
+        if self.zero_stage_3:
+            zero.partition_frozen_and_trainable(model, self.config, self.offload_frozen, self.pin_memory)
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank),
+            config=self.config,
+            model=model,
+            model_parameters=optim.trainable_params(model),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        if self.zero_stage_3:
+            zero.release_frozen_persistence(engine, model)
+        return engine, deepspeed_optimizer
+
+    @override
+    def _initialize_deepspeed_train(self, model: Module) -> None:
+        super()._initialize_deepspeed_train(model)
+        if self.is_global_zero:
+            rank_zero_info(self.memory_summary())
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        if self.zero_stage_3:
+            inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
+            inference_config["zero_optimization"] = self.config["zero_optimization"]
+            zero.partition_frozen_and_trainable(model, inference_config, self.offload_frozen, self.pin_memory)
+        remove_module_hooks(model)
+        engine, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+        if self.zero_stage_3:
+            zero.release_frozen_persistence(engine, model)
+        self.model = engine
+
+    # ------------------------------------------------------------------ training
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_trainable_set_unchanged()
+        return super().training_step(*args, **kwargs)
+
+    def _check_trainable_set_unchanged(self) -> None:
+        module = self.lightning_module
+        if module is None or not self._trainable_flags:
+            return
+        now = zero.trainable_flags(module)
+        if now == self._trainable_flags:
+            return
+        unfrozen = [name for name, flag in now.items() if flag and not self._trainable_flags.get(name, False)]
+        frozen = [name for name, flag in now.items() if not flag and self._trainable_flags.get(name, False)]
+        raise FrozenSetChangedError(
+            "The set of trainable parameters changed during training:"
+            + (f" unfrozen {_names(unfrozen)};" if unfrozen else "")
+            + (f" frozen {_names(frozen)};" if frozen else "")
+            + " the ZeRO optimizer was built for the set at the start of `fit`, so these would be silently"
+            " ignored or trained without state. Set `requires_grad` before `fit` (e.g. in `__init__` or"
+            " `configure_model`), and do not toggle it in training hooks."
+        )
+
+    def memory_summary(self) -> str:
+        """The per-rank memory summary logged on rank 0 at the start of ``fit``."""
+        module = self.lightning_module
+        assert module is not None
+        trainable = optim.trainable_params(module)
+        frozen = optim.frozen_params(module)
+        deepspeed_optimizer = self.optimizers[0] if self.optimizers else None
+        inner = getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
+        estimate = memory.estimate_from_counts(
+            trainable_params=sum(zero.full_numel(p) for p in trainable),
+            frozen_params=sum(zero.full_numel(p) for p in frozen),
+            world_size=self.world_size if self.zero_stage_3 else 1,
+            precision=str(self.precision_plugin.precision),
+            offload_frozen=self.offload_frozen,
+            offload_optimizer=self.offload_optimizer,
+            optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
+        )
+        shard_bytes, shard_device = memory.measured_frozen_shard_bytes(frozen)
+        return (
+            f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
+            f" on {self.world_size} rank(s). Per rank: frozen shards {memory.format_bytes(shard_bytes)} in"
+            f" {shard_device} memory, trainable weights {memory.format_bytes(estimate.trainable_weights)},"
+            f" optimizer state (fp32 master + moments) {memory.format_bytes(estimate.optimizer_state)} on"
+            f" {'host' if self.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
+            f" {memory.format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients."
+        )
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
