@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 _PRECISION_BYTES = {
-    "32": 4, "32-true": 4, "bf16": 2, "bf16-mixed": 2, "bf16-true": 2, "16": 2, "16-mixed": 2, "16-true": 2,
+    "32": 4,
+    "32-true": 4,
+    "bf16": 2,
+    "bf16-mixed": 2,
+    "bf16-true": 2,
+    "16": 2,
+    "16-mixed": 2,
+    "16-true": 2,
 }
 
 

@@ -200,8 +200,12 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
         )
     adamw = isinstance(optimizer, torch.optim.AdamW)
     groups = [
-        {key: value for key, value in group.items() if key not in ("foreach", "fused", "capturable", "differentiable",
-                                                                      "maximize", "amsgrad", "decoupled_weight_decay")}
+        {
+            key: value
+            for key, value in group.items()
+            if key
+            not in ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay")
+        }
         for group in optimizer.param_groups
     ]
     converted = DeepSpeedCPUAdam(groups, adamw_mode=adamw, **_cpu_adam_defaults(optimizer.defaults))

@@ -8,8 +8,10 @@ file in ``checkpoint.py``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -19,14 +21,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import memory, optim, zero
-from lightning_frozen.errors import FrozenSetChangedError, NoTrainableParametersError
+from lightning_frozen import base, checkpoint, memory, optim, zero
+from lightning_frozen.errors import CheckpointFormatError, FrozenSetChangedError, NoTrainableParametersError
 
 if TYPE_CHECKING:
     import deepspeed
     from lightning.pytorch.strategies import StrategyRegistry
-
-_FINGERPRINT_MODES = ("checksum", "sha256", "none")
 
 
 class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
@@ -69,8 +69,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         fingerprint: str = "checksum",
         **kwargs: Any,
     ) -> None:
-        if fingerprint not in _FINGERPRINT_MODES:
-            raise ValueError(f"`fingerprint={fingerprint!r}` is not one of {_FINGERPRINT_MODES}.")
+        if fingerprint not in base.FINGERPRINT_MODES:
+            raise ValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
+        if zero_optimization and stage != 3:
+            raise ValueError(
+                f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage}`. Use"
+                " Lightning's `DeepSpeedStrategy` for stages 1 and 2."
+            )
         super().__init__(
             accelerator=accelerator,
             zero_optimization=zero_optimization,
@@ -86,10 +91,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.pin_memory = bool(kwargs.get("pin_memory", False))
         self._trainable_flags: dict[str, bool] = {}
         self._strip_report = optim.StripReport()
+        self._group_param_names: list[list[str]] = []
+        self._fingerprint_cache: Optional[tuple[tuple[str, ...], dict[str, Any]]] = None
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: "StrategyRegistry") -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             "frozen_deepspeed", cls, description="ZeRO-3, frozen params sharded and offloaded to CPU memory"
         )
@@ -112,9 +119,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         zero.align_deepspeed_accelerator(self.accelerator)
         zero_config = (self.config or {}).get("zero_optimization") or {}
-        if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(
-            self.accelerator, CUDAAccelerator
-        ):
+        if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(self.accelerator, CUDAAccelerator):
             raise RuntimeError(
                 "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
                 f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
@@ -162,12 +167,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             )
         if self.offload_optimizer:
             optimizer = optim.to_cpu_adam(optimizer, scheduler)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._group_param_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         return optimizer, scheduler_config
 
     @override
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optional[Optimizer], lr_scheduler: Optional[Any] = None
-    ) -> tuple["deepspeed.DeepSpeedEngine", Optimizer]:
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
         import deepspeed
 
         zero.check_has_trainable(model)
@@ -245,6 +252,139 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             " ignored or trained without state. Set `requires_grad` before `fit` (e.g. in `__init__` or"
             " `configure_model`), and do not toggle it in training hooks."
         )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def _deepspeed_optimizer(self) -> Any:
+        return self.optimizers[0] if self.optimizers else None
+
+    def _named_frozen(self, recorded: Optional[Mapping[str, Any]] = None) -> list[tuple[str, Any]]:
+        module = self.lightning_module
+        assert module is not None
+        return checkpoint._named_frozen(module, recorded or {})
+
+    def frozen_base_fingerprint(self) -> dict[str, Any]:
+        """The fingerprint of the module's frozen params (collective; computed once, frozen params never change)."""
+        named = self._named_frozen()
+        key = tuple(name for name, _ in named)
+        if self._fingerprint_cache is None or self._fingerprint_cache[0] != key:
+            self._fingerprint_cache = (key, base.fingerprint_base(named, self.fingerprint))
+        return self._fingerprint_cache[1]
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The trainable params (whole fp32 values) and persistent buffers; never a frozen weight. Collective."""
+        module = self.lightning_module
+        assert module is not None
+        state = {
+            name: zero.full_param(param, self._deepspeed_optimizer)
+            for name, param in module.named_parameters()
+            if param.requires_grad
+        }
+        state.update(
+            {name: buffer.detach().cpu().clone() for name, buffer in checkpoint.persistent_buffers(module).items()}
+        )
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state keyed by param name, whole tensors: any world size can resume it. Collective."""
+        module = self.lightning_module
+        assert module is not None
+        params = dict(module.named_parameters())
+        groups = []
+        for group, names in zip(optimizer.param_groups, self._group_param_names):
+            hyper = {key: value for key, value in group.items() if key != "params"}
+            groups.append({**hyper, "params": list(names)})
+        state = {
+            name: zero.optimizer_state_of(optimizer, params[name])
+            for names in self._group_param_names
+            for name in names
+        }
+        return {"layout": checkpoint.OPTIMIZER_LAYOUT, "state": state, "param_groups": groups}
+
+    @override
+    def save_checkpoint(self, checkpoint_dict: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Write one file with the trainable state and the frozen base's reference and fingerprint, atomically,
+        from rank 0. Every rank must call it (the fingerprint is collective)."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}:"
+                " it writes the file itself."
+            )
+        filepath = self.broadcast(filepath)
+        module = self.lightning_module
+        assert module is not None
+        trainable_names = [name for name, param in module.named_parameters() if param.requires_grad]
+        checkpoint_dict = dict(checkpoint_dict)
+        checkpoint_dict["frozen_base"] = checkpoint.frozen_base_entry(
+            module, self.frozen_base_fingerprint(), self.frozen_base, trainable_names
+        )
+        checkpoint_dict[checkpoint.FORMAT_KEY] = {
+            "format_version": checkpoint.FORMAT_VERSION,
+            "world_size": self.world_size,
+            "precision": str(self.precision_plugin.precision),
+        }
+        if self.is_global_zero:
+            checkpoint.write_atomic(checkpoint.to_plain(checkpoint_dict), filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
+        checkpoint_path = self.broadcast(checkpoint_path)
+        loaded = checkpoint.read_checkpoint(checkpoint_path)
+        frozen_base = loaded["frozen_base"]
+        if self.fingerprint != "none":
+            recorded = frozen_base.get("fingerprint") or {}
+            base.verify_base(recorded, self._named_frozen(recorded), frozen_base.get("reference"), str(checkpoint_path))
+        return loaded
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    @override
+    def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        state_dict = checkpoint_dict["state_dict"]
+        params = dict(module.named_parameters())
+        buffers = checkpoint.persistent_buffers(module)
+        trainable = {name: param for name, param in params.items() if param.requires_grad}
+        if strict:
+            checkpoint.check_keys(state_dict, trainable, buffers, "the checkpoint")
+        for name, value in state_dict.items():
+            if name in trainable:
+                zero.set_full_param(trainable[name], value, self._deepspeed_optimizer)
+            elif name in buffers:
+                buffers[name].data.copy_(value.to(device=buffers[name].device, dtype=buffers[name].dtype))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint_dict: Mapping[str, Any]) -> None:
+        saved = checkpoint_dict["optimizer_states"][0]
+        optimizer = self._deepspeed_optimizer
+        if saved.get("layout") != checkpoint.OPTIMIZER_LAYOUT:
+            raise CheckpointFormatError(
+                "The checkpoint's optimizer state is not keyed by parameter name; it was not written by"
+                " lightning-frozen. Convert it with `lightning-frozen convert`."
+            )
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise CheckpointFormatError(
+                f"The checkpoint's optimizer has {len(saved['param_groups'])} param groups, the one"
+                f" `configure_optimizers` built now has {len(optimizer.param_groups)}. Resume with the same"
+                " optimizer configuration and the same frozen/trainable split."
+            )
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        module = self.lightning_module
+        assert module is not None
+        params = dict(module.named_parameters())
+        zero.ensure_optimizer_state(optimizer)
+        for name, state in saved["state"].items():
+            if name in params and params[name].requires_grad and state:
+                zero.set_optimizer_state(optimizer, params[name], state)
 
     def memory_summary(self) -> str:
         """The per-rank memory summary logged on rank 0 at the start of ``fit``."""

@@ -135,3 +135,111 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
         param.ds_persist = False
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             param.partition()
+
+
+# ---------------------------------------------------------------------------------------------- full tensors
+
+
+def full_param(param: nn.Parameter, deepspeed_optimizer: Any = None) -> torch.Tensor:
+    """The whole value of a param on the CPU; the fp32 master copy when the ZeRO optimizer holds one.
+
+    Collective under ZeRO-3: every rank must call it for the same params in the same order.
+    """
+    if deepspeed_optimizer is not None and param.requires_grad and is_partitioned(param):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(param).detach().reshape(param.ds_shape).cpu()
+    if is_partitioned(param):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().clone().cpu()
+    return param.detach().clone().cpu()
+
+
+def set_full_param(param: nn.Parameter, value: torch.Tensor, deepspeed_optimizer: Any = None) -> None:
+    """Write a whole value into a param: this rank's ZeRO-3 shard, and the fp32 master copy if there is one."""
+    if not is_partitioned(param):
+        with torch.no_grad():
+            param.copy_(value.to(device=param.device, dtype=param.dtype).reshape(param.shape))
+        return
+    import deepspeed.comm as dist
+
+    flat = value.detach().reshape(-1)
+    shard = param.ds_tensor
+    size = shard.numel()
+    start = size * dist.get_rank(group=param.ds_process_group)
+    valid = max(0, min(size, flat.numel() - start))
+    with torch.no_grad():
+        shard.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(device=shard.device, dtype=shard.dtype))
+    if deepspeed_optimizer is not None and param.requires_grad:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(param, flat.to(torch.float32))
+
+
+def _inner_state(deepspeed_optimizer: Any, param: nn.Parameter) -> dict:
+    """The inner torch optimizer's state of the fp32 flat partition that holds ``param``."""
+    group_index, _, _ = deepspeed_optimizer.grad_position[deepspeed_optimizer.get_param_id(param)]
+    flat = deepspeed_optimizer.fp32_partitioned_groups_flat[group_index]
+    return deepspeed_optimizer.optimizer.state.get(flat, {})
+
+
+def _is_per_element(value: Any) -> bool:
+    # per-element state (Adam's moments) is a flat 1-D partition; scalars such as `step` are 0-D or numbers
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def optimizer_state_of(deepspeed_optimizer: Any, param: nn.Parameter) -> dict[str, Any]:
+    """One trainable param's optimizer state, whole and world-size independent: per-element tensors are gathered,
+    scalars (``step``) copied. Empty before the first step. Collective under ZeRO-3."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    state: dict[str, Any] = {}
+    inner = _inner_state(deepspeed_optimizer, param)
+    for key in sorted(inner):
+        value = inner[key]
+        if _is_per_element(value):
+            state[key] = safe_get_full_optimizer_state(param, key).detach().reshape(param.ds_shape).cpu()
+        else:
+            state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+    return state
+
+
+def ensure_optimizer_state(deepspeed_optimizer: Any) -> None:
+    """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume.
+
+    ZeRO-3 creates it at the first step; until then ``safe_set_full_optimizer_state`` raises ``KeyError``. We run
+    one step per sub-group with zero gradients at learning rate 0, which leaves the weights unchanged; the state
+    it creates is overwritten by the checkpoint's right after.
+    """
+    inner = deepspeed_optimizer.optimizer
+    flats = deepspeed_optimizer.fp32_partitioned_groups_flat
+    missing = [i for i, flat in enumerate(flats) if not inner.state.get(flat)]
+    if not missing:
+        return
+    saved_lrs = [group["lr"] for group in inner.param_groups]
+    for group in inner.param_groups:
+        group["lr"] = 0.0
+    try:
+        for index in missing:
+            flats[index].grad = torch.zeros_like(flats[index])
+            deepspeed_optimizer._optimizer_step(index)
+            flats[index].grad = None
+    finally:
+        for group, lr in zip(inner.param_groups, saved_lrs):
+            group["lr"] = lr
+
+
+def set_optimizer_state(deepspeed_optimizer: Any, param: nn.Parameter, state: dict[str, Any]) -> None:
+    """Write one param's whole optimizer state (from :func:`optimizer_state_of`) into this rank's partition."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    inner = _inner_state(deepspeed_optimizer, param)
+    for key, value in state.items():
+        if _is_per_element(value):
+            safe_set_full_optimizer_state(param, value.reshape(-1).to(torch.float32), key)
+        elif torch.is_tensor(value) and torch.is_tensor(inner.get(key)):
+            inner[key] = value.to(device=inner[key].device, dtype=inner[key].dtype).clone()
+        else:
+            inner[key] = value

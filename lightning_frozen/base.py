@@ -1,0 +1,199 @@
+"""The frozen base: its reference (where it came from) and its fingerprint (what it holds).
+
+The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
+each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
+so the result is the same for any number of ranks. Values are compared after a cast to bfloat16, so a base
+trained in bf16 verifies against the same base loaded in fp32 for inference; the dtype is recorded and shown.
+It is a checksum, not a cryptographic hash: ``sha256`` hashes every frozen tensor's exact bytes (one gather per
+tensor) for when that matters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_frozen.errors import FrozenBaseMismatchError
+
+log = logging.getLogger(__name__)
+
+_MODULUS = (1 << 61) - 1  # a Mersenne prime: per-rank sums add up exactly in Python ints
+_WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
+_CHUNK = 1 << 22  # elements per step: bounds the int64 temporaries to 32 MiB
+_PROGRESS_SECONDS = 5.0
+FINGERPRINT_MODES = ("checksum", "sha256", "none")
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Optional[str]:
+    """Where the frozen base came from: ``explicit``, else PEFT's ``base_model_name_or_path``, else a Hugging Face
+    ``config._name_or_path``, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
+    if explicit:
+        return str(explicit)
+    peft = find_peft_model(module)
+    if peft is not None:
+        config = peft[1].peft_config.get(peft[1].active_adapter)
+        if config is not None and getattr(config, "base_model_name_or_path", None):
+            return str(config.base_model_name_or_path)
+    for submodule in module.modules():
+        name = getattr(getattr(submodule, "config", None), "_name_or_path", None)
+        if isinstance(name, str) and name:
+            return name
+    reference = getattr(module, "frozen_base_reference", None)
+    return str(reference) if reference else None
+
+
+def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
+    """The first ``peft.PeftModel`` inside ``module`` as ``(name, model)``; name is "" for the module itself."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, PeftModel):
+            return name, submodule
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- fingerprint
+
+
+def _local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements of ``param`` this rank holds, flattened, and the global index of the first one."""
+    shard = getattr(param, "ds_tensor", None)
+    if shard is None:
+        return param.detach().reshape(-1), 0
+    import deepspeed.comm as dist
+
+    numel = int(param.ds_numel)
+    size = int(shard.ds_numel) if hasattr(shard, "ds_numel") else shard.numel()
+    start = size * dist.get_rank(group=param.ds_process_group)
+    valid = max(0, min(size, numel - start))
+    return shard.detach().reshape(-1)[:valid], start
+
+
+def _as_int_bits(values: torch.Tensor) -> torch.Tensor:
+    if values.is_floating_point():
+        return values.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    if values.dtype == torch.bool:
+        return values.to(torch.int64)
+    return values.to(torch.int64) & 0xFFFFFFFF
+
+
+def _checksum(values: torch.Tensor, start: int) -> tuple[int, int]:
+    """Plain and position-weighted sums of the values' bf16 bit patterns, modulo a prime."""
+    plain, weighted = 0, 0
+    for offset in range(0, values.numel(), _CHUNK):
+        bits = _as_int_bits(values[offset : offset + _CHUNK].cpu())
+        first = start + offset
+        weights = torch.arange(first, first + bits.numel(), dtype=torch.int64) % _WEIGHT_PERIOD + 1
+        plain = (plain + int(bits.sum())) % _MODULUS
+        weighted = (weighted + int((bits * weights).sum())) % _MODULUS
+    return plain, weighted
+
+
+def _world_sum(pairs: list[tuple[int, int]], distributed: bool) -> list[tuple[int, int]]:
+    if not distributed:
+        return pairs
+    gathered: list[Optional[list[tuple[int, int]]]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, pairs)
+    return [
+        (sum(rank[i][0] for rank in gathered) % _MODULUS, sum(rank[i][1] for rank in gathered) % _MODULUS)  # type: ignore[index]
+        for i in range(len(pairs))
+    ]
+
+
+def _sha256(param: torch.Tensor) -> str:
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            data = param.detach().cpu().contiguous()
+    else:
+        data = param.detach().cpu().contiguous()
+    return hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _progress(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors, logging how far it got every few seconds when the base is large."""
+    total = sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named)
+    done, last = 0, time.monotonic()
+    for name, param in named:
+        yield name, param
+        done += int(getattr(param, "ds_numel", param.numel()))
+        if time.monotonic() - last > _PROGRESS_SECONDS:
+            log.warning(
+                "lightning-frozen: fingerprinting the frozen base: %.0f%% of %s elements",
+                100 * done / total,
+                f"{total:,}",
+            )
+            last = time.monotonic()
+
+
+def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum") -> dict[str, Any]:
+    """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
+
+    Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value"}}}``.
+    """
+    if mode not in FINGERPRINT_MODES:
+        raise ValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
+    named = sorted(named_frozen, key=lambda item: item[0])
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    distributed = distributed and any(hasattr(p, "ds_id") for _, p in named)
+    tensors: dict[str, dict[str, Any]] = {}
+    for name, param in named:
+        shape = list(getattr(param, "ds_shape", param.shape))
+        tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
+    if mode == "checksum":
+        sums = [_checksum(*_local_values(param)) for _, param in _progress(named)]
+        for (name, _), (plain, weighted) in zip(named, _world_sum(sums, distributed)):
+            tensors[name]["value"] = f"{plain:016x}{weighted:016x}"
+    elif mode == "sha256":
+        for name, param in _progress(named):
+            tensors[name]["value"] = _sha256(param)
+    digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
+    return {"mode": mode, "digest": digest, "tensors": tensors}
+
+
+def verify_base(
+    recorded: dict[str, Any], named_frozen: list[tuple[str, torch.Tensor]], reference: Optional[str], source: str
+) -> None:
+    """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
+
+    Raises:
+        FrozenBaseMismatchError: names, shapes or values differ; the message names the reference and the first
+            differing tensors.
+    """
+    mode = recorded.get("mode", "none")
+    if mode == "none":
+        return
+    current = fingerprint_base(named_frozen, mode)
+    if current["digest"] == recorded.get("digest"):
+        return
+    expected, found = recorded.get("tensors", {}), current["tensors"]
+    problems = [f"`{n}` missing from the module" for n in sorted(set(expected) - set(found))]
+    problems += [
+        f"`{n}` is frozen in the module but was not in the trained base" for n in sorted(set(found) - set(expected))
+    ]
+    for name in sorted(set(expected) & set(found)):
+        want, have = expected[name], found[name]
+        if want["shape"] != have["shape"]:
+            problems.append(f"`{name}` has shape {have['shape']}, the checkpoint's base had {want['shape']}")
+        elif want.get("value") != have.get("value"):
+            problems.append(f"`{name}` holds different values ({have['dtype']} here, {want['dtype']} when trained)")
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    raise FrozenBaseMismatchError(
+        f"{source} was trained on the frozen base {reference or '<no reference recorded>'!r}, but the module's frozen"
+        f" parameters differ from it ({mode} fingerprint): {shown or 'digest differs'}. Load the base the adapter was"
+        " trained on; if the difference is intended, pass `verify_base=False` to `load_adapter` or"
+        " `fingerprint='none'` to the strategy."
+    )

@@ -1,0 +1,102 @@
+"""The ``lightning-frozen`` command: Lightning's CLI with the frozen strategies registered, plus ``convert``.
+
+``lightning-frozen fit --config config.yaml`` is :class:`~lightning.pytorch.cli.LightningCLI` in subclass mode
+(any LightningModule and LightningDataModule named by ``class_path``), with ``frozen_deepspeed`` as the default
+strategy. ``lightning-frozen convert SRC_DIR DST_FILE`` turns a stock Lightning DeepSpeed checkpoint directory
+into a lightning-frozen checkpoint file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+import lightning_frozen
+from lightning_frozen.errors import FrozenTrainingError
+from lightning_frozen.memory import format_bytes
+
+PROG = "lightning-frozen"
+
+_DESCRIPTION = f"""\
+Lightning's CLI with the lightning-frozen strategies registered: trainer.strategy defaults to frozen_deepspeed
+and accepts frozen_deepspeed_offload, frozen_deepspeed_no_offload or
+`class_path: lightning_frozen.FrozenAwareDeepSpeedStrategy` with `init_args`. Strategy options are set on the
+command line once the strategy is a class, e.g. `--trainer.strategy=FrozenAwareDeepSpeedStrategy
+--trainer.strategy.offload_frozen=false`; `--trainer.strategy.help FrozenAwareDeepSpeedStrategy` lists them.
+Also: `{PROG} convert SRC_DIR DST_FILE` converts a stock Lightning DeepSpeed checkpoint directory
+(`{PROG} convert --help`)."""
+
+
+def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
+    """Build (and by default run) the ``lightning-frozen`` LightningCLI and return it.
+
+    ``args`` are parsed as LightningCLI parses them (``None`` reads ``sys.argv``). ``kwargs`` go to
+    :class:`~lightning.pytorch.cli.LightningCLI` and override this command's defaults: subclass mode for model
+    and data, ``trainer.strategy="frozen_deepspeed"``.
+    """
+    options: dict[str, Any] = {
+        "model_class": None,
+        "datamodule_class": None,
+        "subclass_mode_model": True,
+        "subclass_mode_data": True,
+        "trainer_defaults": {"strategy": "frozen_deepspeed"},
+        "parser_kwargs": {"prog": PROG, "description": _DESCRIPTION},
+        "args": args,
+    }
+    options.update(kwargs)
+    return LightningCLI(**options)
+
+
+def _existing_dir(value: str) -> Path:
+    path = Path(value)
+    if not path.is_dir():
+        reason = "is a file" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"{value} {reason}; give the checkpoint directory that Lightning's DeepSpeedStrategy wrote"
+            " (the folder holding `checkpoint/` and `latest`)."
+        )
+    return path
+
+
+def _convert_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} convert",
+        description=(
+            "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy into one lightning-frozen"
+            " checkpoint file (trainable state only, plus the frozen base's reference and fingerprint), which"
+            " `lightning_frozen.load_adapter`, `load_from_checkpoint`, `export_peft_adapter` and"
+            " `Trainer.fit(ckpt_path=...)` under frozen_deepspeed read."
+        ),
+    )
+    parser.add_argument("src_dir", type=_existing_dir, help="checkpoint directory written by DeepSpeedStrategy")
+    parser.add_argument("dst_file", type=Path, help="the lightning-frozen checkpoint file to write")
+    return parser
+
+
+def convert(argv: list[str]) -> None:
+    """Run ``lightning-frozen convert``: parse ``argv`` and call :func:`lightning_frozen.convert_deepspeed_checkpoint`.
+
+    Exits with status 2 on bad arguments and 1, printing the reason, when the conversion raises a
+    :class:`~lightning_frozen.FrozenTrainingError` or an ``OSError``.
+    """
+    parser = _convert_parser()
+    options = parser.parse_args(argv)
+    try:
+        lightning_frozen.convert_deepspeed_checkpoint(options.src_dir, options.dst_file)
+    except (FrozenTrainingError, OSError) as error:
+        parser.exit(1, f"{PROG} convert: error: {error}\n")
+    size = format_bytes(options.dst_file.stat().st_size)
+    print(f"{PROG} convert: wrote {options.dst_file} ({size}) from {options.src_dir}")
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["convert"]:
+        convert(argv[1:])
+    else:
+        lightning_cli(args)
