@@ -6,7 +6,7 @@ nothing is allocated for a frozen parameter: no gradient, no fp32 master copy, n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -98,16 +98,14 @@ def lr_zero_group_indices(optimizer: Optimizer, scheduler: Any = None) -> list[i
 
 
 def freeze_lr_zero_groups(optimizer: Optimizer, scheduler: Any = None) -> list[nn.Parameter]:
-    """Set ``requires_grad=False`` on trainable params that sit only in groups with a learning rate of 0 all run.
+    """Set ``requires_grad=False`` on the trainable params of groups whose learning rate is 0 all run.
 
-    A param also listed in a group that does train is left alone. Returns the params it froze.
+    Returns the params it froze.
     """
-    zero = set(lr_zero_group_indices(optimizer, scheduler))
-    training = {id(p) for i, g in enumerate(optimizer.param_groups) if i not in zero for p in g["params"]}
     frozen: list[nn.Parameter] = []
-    for index in sorted(zero):
+    for index in lr_zero_group_indices(optimizer, scheduler):
         for param in optimizer.param_groups[index]["params"]:
-            if param.requires_grad and id(param) not in training:
+            if param.requires_grad:
                 param.requires_grad_(False)
                 frozen.append(param)
     return frozen
@@ -216,10 +214,6 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
 
 def _cpu_adam_defaults(defaults: dict) -> dict:
     return {key: defaults[key] for key in ("lr", "betas", "eps", "weight_decay") if key in defaults}
-
-
-def unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    return list({id(p): p for p in params}.values())
 
 
 def optimizer_state_bytes_per_param(optimizer: Optional[Optimizer]) -> int:
