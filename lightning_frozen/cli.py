@@ -9,6 +9,7 @@ into a lightning-frozen checkpoint file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -94,7 +95,13 @@ def convert(argv: list[str]) -> None:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``."""
+    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``.
+
+    The current directory goes first on ``sys.path``, as with ``python -m``, so that a ``class_path`` naming a
+    module of the project one runs from (``examples.minilm_lora.task.LoRAClassifier``) imports.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["convert"]:
         convert(argv[1:])
