@@ -5,6 +5,7 @@ Importing the package registers the strategy names (``frozen_deepspeed`` and fri
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_frozen.checkpoint import load_adapter, load_from_checkpoint, read_checkpoint
 from lightning_frozen.errors import (
     CheckpointFormatError,
     CheckpointKeysError,
@@ -16,6 +17,7 @@ from lightning_frozen.errors import (
     UnsupportedOffloadOptimizerError,
 )
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
+from lightning_frozen.peft_export import export_peft_adapter
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
 
 __version__ = "0.1.0"
@@ -32,6 +34,10 @@ __all__ = [
     "NoTrainableParametersError",
     "UnsupportedOffloadOptimizerError",
     "estimate_memory",
+    "export_peft_adapter",
+    "load_adapter",
+    "load_from_checkpoint",
+    "read_checkpoint",
 ]
 
 if "frozen_deepspeed" not in StrategyRegistry:

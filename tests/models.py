@@ -43,6 +43,7 @@ class AdapterModel(L.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        self.save_hyperparameters(ignore=["optimizer_fn"])
         torch.manual_seed(seed)
         self.layers = nn.ModuleList(LoRALinear(width, rank) for _ in range(depth))
         self.head = nn.Linear(width, 1)

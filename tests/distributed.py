@@ -1,0 +1,41 @@
+"""Run a test script under Lightning's own multi-process launcher, in a subprocess, with a time limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_script(name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/scripts/<name>`` with ``args``; fail with its output if it fails or exceeds ``timeout`` seconds."""
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
+        if env is None or key not in env:
+            environment.pop(key, None)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def read_reports(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
