@@ -173,9 +173,30 @@ def set_full_param(param: nn.Parameter, value: torch.Tensor, deepspeed_optimizer
     with torch.no_grad():
         shard.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(device=shard.device, dtype=shard.dtype))
     if deepspeed_optimizer is not None and param.requires_grad:
-        from deepspeed.utils import safe_set_full_fp32_param
+        _set_fp32_partition(deepspeed_optimizer, param, flat)
 
-        safe_set_full_fp32_param(param, flat.to(torch.float32))
+
+def _set_fp32_partition(
+    deepspeed_optimizer: Any, param: nn.Parameter, value: torch.Tensor, key: Optional[str] = None
+) -> None:
+    """Write this rank's part of a whole fp32 value (the master weight, or optimizer state ``key``).
+
+    DeepSpeed 0.19's ``safe_set_full_fp32_param``/``safe_set_full_optimizer_state`` narrow past the end of the value
+    on the last rank when a param's size is not a multiple of the world size; this writes only the valid part.
+    """
+    import deepspeed.comm as dist
+
+    partition, group_index = deepspeed_optimizer._get_fp32_opt_state_partition(
+        param, release_swap_buffers=False, optim_state_key=key
+    )
+    flat = value.detach().reshape(-1)
+    size = partition.numel()
+    start = size * dist.get_rank(group=param.ds_process_group)
+    valid = max(0, min(size, flat.numel() - start))
+    with torch.no_grad():
+        partition.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(partition.dtype))
+    if deepspeed_optimizer._swappable_optimizer_subgroup(group_index):
+        deepspeed_optimizer._optimizer_states_and_gradient_swap_out(group_index)
 
 
 def _inner_state(deepspeed_optimizer: Any, param: nn.Parameter) -> dict:
@@ -233,12 +254,10 @@ def ensure_optimizer_state(deepspeed_optimizer: Any) -> None:
 
 def set_optimizer_state(deepspeed_optimizer: Any, param: nn.Parameter, state: dict[str, Any]) -> None:
     """Write one param's whole optimizer state (from :func:`optimizer_state_of`) into this rank's partition."""
-    from deepspeed.utils import safe_set_full_optimizer_state
-
     inner = _inner_state(deepspeed_optimizer, param)
     for key, value in state.items():
         if _is_per_element(value):
-            safe_set_full_optimizer_state(param, value.reshape(-1).to(torch.float32), key)
+            _set_fp32_partition(deepspeed_optimizer, param, value, key)
         elif torch.is_tensor(value) and torch.is_tensor(inner.get(key)):
             inner[key] = value.to(device=inner[key].device, dtype=inner[key].dtype).clone()
         else:

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_frozen  # noqa: F401  (registers the "frozen_deepspeed" strategy names)
+
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank update, the shape of a LoRA adapter."""

@@ -1,0 +1,125 @@
+"""Two CPU processes under Lightning's own launcher: shard sizes, training, and checkpoints moved between world sizes.
+
+Each multi-process run is a script in a subprocess (``tests/scripts/train_adapter.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import read_reports, run_script
+from tests.models import AdapterModel, cpu_trainer, regression_data
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One epoch on 2 ranks (checkpoint saved), and a second epoch resumed on 2 ranks from it."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    run_script(
+        "train_adapter.py", "--devices=2", "--max-epochs=1", f"--save={tmp / 'one.ckpt'}", f"--report={tmp / 'one'}"
+    )
+    run_script(
+        "train_adapter.py",
+        "--devices=2",
+        "--max-epochs=2",
+        f"--resume={tmp / 'one.ckpt'}",
+        f"--save={tmp / 'resumed.ckpt'}",
+        f"--report={tmp / 'resumed'}",
+    )
+    run_script(
+        "train_adapter.py", "--devices=2", "--max-epochs=2", f"--save={tmp / 'two.ckpt'}", f"--report={tmp / 'two'}"
+    )
+    return {"dir": tmp, "one": tmp / "one.ckpt", "resumed": tmp / "resumed.ckpt", "two": tmp / "two.ckpt"}
+
+
+def test_each_rank_holds_a_half_shard_of_every_frozen_param(two_ranks: dict[str, Path]) -> None:
+    reports = read_reports(two_ranks["dir"] / "one")
+    assert [r["rank"] for r in reports] == [0, 1] and all(r["world_size"] == 2 for r in reports)
+    for report in reports:
+        for name, param in report["params"].items():
+            assert param["grad_is_none"], name
+            assert param["shard_numel"] == math.ceil(param["numel"] / 2), name
+            if not param["trainable"]:
+                assert param["shard_device"] == "cpu", name
+    # the fp32 master partitions of the two ranks cover the 545 trainable elements (ZeRO pads each to an even count)
+    trainable = [p["numel"] for p in reports[0]["params"].values() if p["trainable"]]
+    assert sum(r["fp32_partition_numel"] for r in reports) == sum(2 * math.ceil(n / 2) for n in trainable)
+    assert sum(trainable) == 545
+
+
+def test_resume_on_two_ranks_is_exact(two_ranks: dict[str, Path]) -> None:
+    straight = torch.load(two_ranks["two"], weights_only=True)
+    resumed = torch.load(two_ranks["resumed"], weights_only=True)
+    assert straight["global_step"] == resumed["global_step"] == 8
+    for name, value in straight["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value)
+        torch.testing.assert_close(
+            resumed["optimizer_states"][0]["state"][name]["exp_avg_sq"],
+            straight["optimizer_states"][0]["state"][name]["exp_avg_sq"],
+        )
+
+
+def test_the_fingerprint_does_not_depend_on_the_world_size(two_ranks: dict[str, Path], tmp_path: Path) -> None:
+    trainer = cpu_trainer(max_steps=1)
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(tmp_path / "single.ckpt")
+    single = torch.load(tmp_path / "single.ckpt", weights_only=True)["frozen_base"]["fingerprint"]
+    double = torch.load(two_ranks["one"], weights_only=True)["frozen_base"]["fingerprint"]
+    assert single["digest"] == double["digest"]
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"]
+    assert sorted(a["state_dict"]) == sorted(b["state_dict"])
+    for name, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], value)
+        for key, state in a["optimizer_states"][0]["state"][name].items():
+            torch.testing.assert_close(b["optimizer_states"][0]["state"][name][key], state)
+
+
+def test_saved_on_two_ranks_resumes_on_one(two_ranks: dict[str, Path], tmp_path: Path) -> None:
+    # resuming at the end of the saved epoch trains no further: what is saved again must be what was loaded
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(AdapterModel(), regression_data(), ckpt_path=two_ranks["one"])
+    trainer.save_checkpoint(tmp_path / "again.ckpt")
+    _assert_same_state(
+        torch.load(two_ranks["one"], weights_only=True), torch.load(tmp_path / "again.ckpt", weights_only=True)
+    )
+    # and it trains on from there on one rank
+    trainer = cpu_trainer(max_epochs=2)
+    trainer.fit(AdapterModel(), regression_data(), ckpt_path=two_ranks["one"])
+    assert trainer.global_step == 4 + 8
+
+
+def test_saved_on_one_rank_resumes_on_two(tmp_path: Path) -> None:
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(tmp_path / "one_rank.ckpt")
+    run_script(
+        "train_adapter.py",
+        "--devices=2",
+        "--max-epochs=1",
+        f"--resume={tmp_path / 'one_rank.ckpt'}",
+        f"--save={tmp_path / 'two_ranks.ckpt'}",
+        f"--report={tmp_path / 'report'}",
+    )
+    _assert_same_state(
+        torch.load(tmp_path / "one_rank.ckpt", weights_only=True),
+        torch.load(tmp_path / "two_ranks.ckpt", weights_only=True),
+    )
+
+
+def test_validate_on_two_ranks_from_a_checkpoint(two_ranks: dict[str, Path], tmp_path: Path) -> None:
+    run_script("train_adapter.py", "--devices=2", f"--validate={two_ranks['two']}", f"--report={tmp_path}")
+    reports = read_reports(tmp_path)
+    loaded = __import__("lightning_frozen").load_adapter(AdapterModel(), two_ranks["two"]).eval()
+    x, y = next(iter(regression_data(batch_size=64)))
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(loaded(x), y).item()
+    # each rank validates half of the data: the mean of the two halves' losses is the loss of the whole
+    halves = [r["metrics"][0]["val_loss"] for r in reports]
+    assert len(halves) == 2 and sum(halves) / 2 == pytest.approx(expected, rel=1e-4)
