@@ -19,7 +19,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_script(name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<name>`` with ``args``; fail with its output if it fails or exceeds ``timeout`` seconds."""
     environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
@@ -33,7 +35,9 @@ def run_script(name: str, *args: str, timeout: float = 240, env: dict[str, str] 
         timeout=timeout,
     )
     if result.returncode != 0:
-        raise AssertionError(f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 

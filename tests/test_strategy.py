@@ -223,4 +223,6 @@ def test_bf16_frozen_shards_are_stored_in_the_compute_dtype() -> None:
     trainer.fit(model, regression_data())
     for name, param in model.named_parameters():
         assert param.ds_tensor.dtype == torch.bfloat16, name
-    assert all(flat.dtype == torch.float32 for flat in trainer.strategy.deepspeed_engine.optimizer.fp32_partitioned_groups_flat)
+    assert all(
+        flat.dtype == torch.float32 for flat in trainer.strategy.deepspeed_engine.optimizer.fp32_partitioned_groups_flat
+    )
