@@ -6,6 +6,7 @@ Importing the package registers the strategy names (``frozen_deepspeed`` and fri
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_frozen.checkpoint import load_adapter, load_from_checkpoint, read_checkpoint
+from lightning_frozen.convert import convert_deepspeed_checkpoint
 from lightning_frozen.errors import (
     CheckpointFormatError,
     CheckpointKeysError,
@@ -33,6 +34,7 @@ __all__ = [
     "MemoryEstimate",
     "NoTrainableParametersError",
     "UnsupportedOffloadOptimizerError",
+    "convert_deepspeed_checkpoint",
     "estimate_memory",
     "export_peft_adapter",
     "load_adapter",

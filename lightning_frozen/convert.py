@@ -1,0 +1,163 @@
+"""Migration: a checkpoint directory written by Lightning's stock ``DeepSpeedStrategy`` (ZeRO-3) to one adapter file.
+
+DeepSpeed's own ``zero_to_fp32`` helpers reassemble the per-rank shards; we feed them the fp32 master weights and,
+the same way, each optimizer state (Adam's moments), so the converted file resumes training like one of ours.
+DeepSpeed's files are pickles: before any is unpickled, its globals are checked against the few DeepSpeed classes
+such a file holds, and a file naming anything else is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_frozen import base, checkpoint
+from lightning_frozen.checkpoint import PathLike
+from lightning_frozen.errors import CheckpointFormatError
+
+log = logging.getLogger(__name__)
+
+_DEEPSPEED_GLOBALS = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+}
+_LIGHTNING_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "loops",
+    "callbacks",
+    "lr_schedulers",
+    "hparams_name",
+    "hyper_parameters",
+    "datamodule_hparams_name",
+    "datamodule_hyper_parameters",
+)
+
+
+def _check_globals(path: Path) -> None:
+    unexpected = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _DEEPSPEED_GLOBALS)
+    if unexpected:
+        raise CheckpointFormatError(
+            f"{path} references Python objects a DeepSpeed checkpoint does not hold ({', '.join(unexpected[:5])});"
+            " it is not unpickled. Convert only checkpoints you wrote yourself."
+        )
+
+
+def _checkpoint_folder(source: Path) -> Path:
+    if not source.exists():
+        raise FileNotFoundError(f"No DeepSpeed checkpoint at {source}.")
+    if not source.is_dir():
+        raise CheckpointFormatError(
+            f"{source} is a file; a stock DeepSpeed checkpoint is a directory (with `latest` and a `checkpoint/`"
+            " folder). A lightning-frozen file needs no conversion."
+        )
+    latest = source / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    folder = source / tag
+    if not folder.is_dir() or not list(folder.glob("*_model_states.pt")):
+        raise CheckpointFormatError(
+            f"{source} does not look like a DeepSpeed checkpoint: no `{tag}/*_model_states.pt` files."
+        )
+    return folder
+
+
+def _merge(world_size: int, flat_groups: list[list[torch.Tensor]], model_states: list[Any]) -> dict[str, torch.Tensor]:
+    """Whole per-param tensors from per-rank flat partitions, with DeepSpeed's ZeRO-3 reassembly."""
+    from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params
+
+    merged: dict[str, Any] = {}
+    _zero3_merge_trainable_params(merged, world_size, flat_groups, model_states)
+    return {name: tensor.contiguous().clone() for name, tensor in merged.items()}
+
+
+def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, reference: Optional[str] = None) -> Path:
+    """Convert a stock Lightning DeepSpeed ZeRO-3 checkpoint directory to a lightning-frozen file.
+
+    The file holds the trainable params (fp32 masters) and buffers, Adam-type optimizer state by name, Lightning's
+    loop/callback/scheduler state, and the frozen base's fingerprint when the directory holds the frozen weights
+    (DeepSpeed's default); with ``exclude_frozen_parameters=True`` it could not, and the base goes unverified.
+    ``reference`` names the frozen base. Returns ``destination``.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+        CheckpointFormatError: ``source`` is not a ZeRO-3 DeepSpeed checkpoint, or names unexpected Python objects.
+    """
+    from deepspeed.utils import zero_to_fp32
+
+    source, destination = Path(source), Path(destination)
+    folder = _checkpoint_folder(source)
+    model_files = zero_to_fp32.get_model_state_files(str(folder))
+    optim_files = zero_to_fp32.get_optim_files(str(folder))
+    for path in [*model_files, *optim_files]:
+        _check_globals(Path(path))
+    log.warning(
+        "lightning-frozen: reading %d model and %d optimizer shard files from %s",
+        len(model_files),
+        len(optim_files),
+        folder,
+    )
+    model_states = zero_to_fp32.parse_model_states(model_files)
+    optim_states = [
+        torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"] for path in optim_files
+    ]
+    if optim_states[0].get("zero_stage") != 3:
+        raise CheckpointFormatError(
+            f"{source} was written with ZeRO stage {int(optim_states[0].get('zero_stage'))}; only stage 3 converts."
+        )
+    world_size = len(optim_states)
+
+    log.warning("lightning-frozen: reassembling %d ranks' trainable shards", world_size)
+    state_dict: dict[str, torch.Tensor] = _merge(
+        world_size, [o["fp32_flat_groups"] for o in optim_states], model_states
+    )
+    group_names = [list(shapes) for shapes in model_states[0].param_shapes]
+    inner = [o["optimizer_state_dict"] for o in optim_states]
+    per_element = [
+        key for key, value in inner[0]["state"].get(0, {}).items() if torch.is_tensor(value) and value.dim() > 0
+    ]
+    per_name: dict[str, dict[str, Any]] = {name: {} for name in state_dict}
+    for key in per_element:
+        flats = [[rank["state"][group][key] for group in sorted(rank["state"])] for rank in inner]
+        for name, tensor in _merge(world_size, flats, model_states).items():
+            per_name[name][key] = tensor
+    for group_index, names in enumerate(group_names):
+        scalars = {k: v for k, v in inner[0]["state"].get(group_index, {}).items() if k not in per_element}
+        for name in names:
+            per_name[name].update(scalars)
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        for group, names in zip(inner[0]["param_groups"], group_names)
+    ]
+
+    client = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    state_dict.update({name: value for name, value in model_states[0].buffers.items()})
+    frozen: dict[str, torch.Tensor] = {}
+    zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)
+    if frozen:
+        fingerprint = base.fingerprint_base(sorted(frozen.items()))
+    else:
+        log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
+        fingerprint = {"mode": "none", "digest": None, "tensors": {}}
+    converted = {key: client[key] for key in _LIGHTNING_KEYS if key in client}
+    converted.update(
+        {
+            "state_dict": state_dict,
+            "optimizer_states": [
+                {"layout": checkpoint.OPTIMIZER_LAYOUT, "state": per_name, "param_groups": param_groups}
+            ],
+            "frozen_base": {"reference": reference, "fingerprint": fingerprint},
+            checkpoint.FORMAT_KEY: {
+                "format_version": checkpoint.FORMAT_VERSION,
+                "world_size": world_size,
+                "converted_from": str(source),
+            },
+        }
+    )
+    checkpoint.write_atomic(checkpoint.to_plain(converted), destination)
+    log.warning("lightning-frozen: wrote %s (%d trainable tensors)", destination, len(per_name))
+    return destination
