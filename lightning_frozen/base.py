@@ -190,10 +190,12 @@ def verify_base(
             problems.append(f"`{name}` has shape {have['shape']}, the checkpoint's base had {want['shape']}")
         elif want.get("value") != have.get("value"):
             problems.append(f"`{name}` holds different values ({have['dtype']} here, {want['dtype']} when trained)")
+    if not problems:
+        return  # same names, shapes and values; only the dtype the base is held in differs
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
     raise FrozenBaseMismatchError(
         f"{source} was trained on the frozen base {reference or '<no reference recorded>'!r}, but the module's frozen"
-        f" parameters differ from it ({mode} fingerprint): {shown or 'digest differs'}. Load the base the adapter was"
+        f" parameters differ from it ({mode} fingerprint): {shown}. Load the base the adapter was"
         " trained on; if the difference is intended, pass `verify_base=False` to `load_adapter` or"
         " `fingerprint='none'` to the strategy."
     )

@@ -207,3 +207,26 @@ def test_bad_files_are_named_with_what_is_wrong(trained: dict[str, Path], tmp_pa
         lightning_frozen.load_adapter(AdapterModel(), folder)
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         lightning_frozen.load_adapter(AdapterModel(), tmp_path / "missing.ckpt")
+
+
+def test_fingerprint_option_full_hash_or_none(tmp_path: Path) -> None:
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(fingerprint="sha256"), max_steps=1)
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(tmp_path / "sha.ckpt")
+    assert torch.load(tmp_path / "sha.ckpt", weights_only=True)["frozen_base"]["fingerprint"]["mode"] == "sha256"
+    other = AdapterModel()
+    with torch.no_grad():
+        other.layers[0].base.bias[0] += 1e-6  # below bf16 resolution: only the full hash sees it
+    with pytest.raises(FrozenBaseMismatchError, match="sha256"):
+        cpu_trainer(FrozenAwareDeepSpeedStrategy(fingerprint="sha256"), max_steps=2).fit(
+            other, regression_data(), ckpt_path=tmp_path / "sha.ckpt"
+        )
+    unchecked = cpu_trainer(FrozenAwareDeepSpeedStrategy(fingerprint="none"), max_steps=1)
+    unchecked.fit(AdapterModel(seed=5), regression_data(), ckpt_path=tmp_path / "sha.ckpt")
+    unchecked.save_checkpoint(tmp_path / "unchecked.ckpt")
+    saved = torch.load(tmp_path / "sha.ckpt", weights_only=True)["state_dict"]["head.weight"]
+    torch.testing.assert_close(
+        torch.load(tmp_path / "unchecked.ckpt", weights_only=True)["state_dict"]["head.weight"], saved
+    )

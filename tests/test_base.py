@@ -1,0 +1,71 @@
+"""The frozen-base reference and fingerprint, without a Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_frozen.base import find_base_reference, fingerprint_base, verify_base
+from lightning_frozen.errors import FrozenBaseMismatchError
+from tests.models import AdapterModel
+
+
+def _frozen(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+
+
+def test_reference_from_argument_then_hugging_face_config_then_attribute() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = AdapterModel()
+    assert find_base_reference(model) == "tests/adapter-model"
+    assert find_base_reference(model, explicit="s3://bucket/base") == "s3://bucket/base"
+    config = transformers.BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    config._name_or_path = "org/bert-tiny"
+    model.encoder = transformers.BertModel(config)
+    assert find_base_reference(model) == "org/bert-tiny"
+    assert find_base_reference(nn.Linear(2, 2)) is None
+
+
+def test_checksum_sees_one_changed_value_and_a_swap() -> None:
+    model = AdapterModel()
+    recorded = fingerprint_base(_frozen(model))
+    assert fingerprint_base(_frozen(AdapterModel()))["digest"] == recorded["digest"]
+    with torch.no_grad():
+        model.layers[0].base.weight[5, 9] *= 1.5
+    assert fingerprint_base(_frozen(model))["digest"] != recorded["digest"]
+
+    swapped = AdapterModel()
+    with torch.no_grad():
+        weight = swapped.layers[1].base.weight
+        weight[0, 0], weight[0, 1] = weight[0, 1].clone(), weight[0, 0].clone()
+    with pytest.raises(
+        FrozenBaseMismatchError, match=r"tests/adapter-model.*`layers\.1\.base\.weight` holds different"
+    ):
+        verify_base(recorded, _frozen(swapped), "tests/adapter-model", "run.ckpt")
+
+
+def test_a_bf16_base_verifies_against_the_same_base_in_fp32() -> None:
+    model = AdapterModel()
+    recorded = fingerprint_base(_frozen(model.to(torch.bfloat16)))
+    verify_base(recorded, _frozen(AdapterModel()), "ref", "run.ckpt")
+
+
+def test_shape_and_name_differences_are_named() -> None:
+    recorded = fingerprint_base(_frozen(AdapterModel()))
+    wider = AdapterModel(width=16)
+    with pytest.raises(FrozenBaseMismatchError, match=r"`layers\.0\.base\.weight` has shape \[16, 16\]"):
+        verify_base(recorded, _frozen(wider), None, "run.ckpt")
+    deeper = AdapterModel(depth=3)
+    with pytest.raises(FrozenBaseMismatchError, match=r"`layers\.2\.base\.bias` is frozen in the module but was not"):
+        verify_base(recorded, _frozen(deeper), None, "run.ckpt")
+
+
+def test_sha256_mode_hashes_exact_bytes_and_none_checks_nothing() -> None:
+    fp32 = fingerprint_base(_frozen(AdapterModel()), mode="sha256")
+    assert all(len(t["value"]) == 64 for t in fp32["tensors"].values())
+    bf16 = fingerprint_base(_frozen(AdapterModel().to(torch.bfloat16)), mode="sha256")
+    assert bf16["digest"] != fp32["digest"]
+    verify_base(fingerprint_base(_frozen(AdapterModel()), mode="none"), _frozen(AdapterModel(seed=4)), None, "x")
+    with pytest.raises(ValueError, match="md5"):
+        fingerprint_base(_frozen(AdapterModel()), mode="md5")
