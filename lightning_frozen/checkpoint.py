@@ -287,8 +287,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     strict = bool(kwargs.pop("strict", True))
     verify = bool(kwargs.pop("verify_base", True))
     checkpoint = read_checkpoint(checkpoint_path)
-    hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})
-    hyper_parameters.pop("_instantiator", None)
+    # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
+    hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
     module = cls(**{**hyper_parameters, **kwargs})
     load_into(module, checkpoint, str(checkpoint_path), strict, verify)
     if hasattr(module, "on_load_checkpoint"):

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -42,6 +47,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     - it runs on CUDA and on the CPU (DeepSpeed's CPU accelerator with gloo).
 
     Args:
+        accelerator: the Lightning accelerator; normally chosen by the Trainer's ``accelerator=`` (``"gpu"`` or
+            ``"cpu"``), and DeepSpeed's accelerator is set to match it.
+        zero_optimization: use ZeRO; it must stay on, frozen params are sharded by ZeRO stage 3.
         stage: ZeRO stage; 3 shards frozen params across ranks.
         offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
             unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
@@ -52,7 +60,15 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             module when not given.
         fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
+        parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
+        cluster_environment: where ranks, addresses and ports come from (torchrun, SLURM, ...); normally detected
+            by the Trainer.
+        precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
+        process_group_backend: the torch.distributed backend; ``nccl`` on CUDA and ``gloo`` on the CPU by default.
+        timeout: how long collectives wait for the other ranks before failing.
         **kwargs: any other argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
+            ``exclude_frozen_parameters`` and ``load_full_weights`` have no effect here: checkpoints are always one
+            adapter file without frozen weights.
     """
 
     strategy_name = "frozen_deepspeed"
@@ -67,6 +83,11 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
         fingerprint: str = "checksum",
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         if fingerprint not in base.FINGERPRINT_MODES:
@@ -81,6 +102,11 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             zero_optimization=zero_optimization,
             stage=stage,
             offload_optimizer=offload_optimizer,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
             **kwargs,
         )
         self.offload_frozen = offload_frozen
