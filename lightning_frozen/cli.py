@@ -9,6 +9,7 @@ into a lightning-frozen checkpoint file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -24,12 +25,12 @@ PROG = "lightning-frozen"
 
 _DESCRIPTION = f"""\
 Lightning's CLI with the lightning-frozen strategies registered: trainer.strategy defaults to frozen_deepspeed
-and accepts frozen_deepspeed_offload, frozen_deepspeed_no_offload or
-`class_path: lightning_frozen.FrozenAwareDeepSpeedStrategy` with `init_args`. Strategy options are set on the
-command line once the strategy is a class, e.g. `--trainer.strategy=FrozenAwareDeepSpeedStrategy
---trainer.strategy.offload_frozen=false`; `--trainer.strategy.help FrozenAwareDeepSpeedStrategy` lists them.
-Also: `{PROG} convert SRC_DIR DST_FILE` converts a stock Lightning DeepSpeed checkpoint directory
-(`{PROG} convert --help`)."""
+and accepts frozen_deepspeed_offload, frozen_deepspeed_no_offload or `class_path:
+lightning_frozen.FrozenAwareDeepSpeedStrategy` with `init_args`. On the command line, strategy options need the
+class form: `--trainer.strategy=FrozenAwareDeepSpeedStrategy --trainer.strategy.offload_frozen=false` (a class
+name with no option after it is read as a registered name, and fails); `--trainer.strategy.help
+FrozenAwareDeepSpeedStrategy` lists the options. Also: `{PROG} convert SRC_DIR DST_FILE` converts a stock
+Lightning DeepSpeed checkpoint directory (`{PROG} convert --help`)."""
 
 
 def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
@@ -52,29 +53,19 @@ def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
     return LightningCLI(**options)
 
 
-def _existing_dir(value: str) -> Path:
-    path = Path(value)
-    if not path.is_dir():
-        reason = "is a file" if path.exists() else "does not exist"
-        raise argparse.ArgumentTypeError(
-            f"{value} {reason}; give the checkpoint directory that Lightning's DeepSpeedStrategy wrote"
-            " (the folder holding `checkpoint/` and `latest`)."
-        )
-    return path
-
-
 def _convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG} convert",
         description=(
-            "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy into one lightning-frozen"
-            " checkpoint file (trainable state only, plus the frozen base's reference and fingerprint), which"
-            " `lightning_frozen.load_adapter`, `load_from_checkpoint`, `export_peft_adapter` and"
-            " `Trainer.fit(ckpt_path=...)` under frozen_deepspeed read."
+            "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy (ZeRO-3) into one"
+            " lightning-frozen checkpoint file: trainable state and optimizer state by name, plus the frozen base's"
+            " fingerprint when the directory holds the frozen weights. `lightning_frozen.load_adapter`,"
+            " `load_from_checkpoint`, `export_peft_adapter` and `fit(ckpt_path=...)` under frozen_deepspeed read it."
         ),
     )
-    parser.add_argument("src_dir", type=_existing_dir, help="checkpoint directory written by DeepSpeedStrategy")
+    parser.add_argument("src_dir", type=Path, help="checkpoint directory written by DeepSpeedStrategy")
     parser.add_argument("dst_file", type=Path, help="the lightning-frozen checkpoint file to write")
+    parser.add_argument("--reference", help="where the frozen base comes from (a path or hub id), stored in the file")
     return parser
 
 
@@ -82,26 +73,33 @@ def convert(argv: list[str]) -> None:
     """Run ``lightning-frozen convert``: parse ``argv`` and call :func:`lightning_frozen.convert_deepspeed_checkpoint`.
 
     Exits with status 2 on bad arguments and 1, printing the reason, when the conversion raises a
-    :class:`~lightning_frozen.FrozenTrainingError` or an ``OSError``.
+    :class:`~lightning_frozen.FrozenTrainingError` or an ``OSError`` (a missing or unreadable source).
     """
     parser = _convert_parser()
     options = parser.parse_args(argv)
     try:
-        lightning_frozen.convert_deepspeed_checkpoint(options.src_dir, options.dst_file)
+        written = lightning_frozen.convert_deepspeed_checkpoint(options.src_dir, options.dst_file, options.reference)
     except (FrozenTrainingError, OSError) as error:
         parser.exit(1, f"{PROG} convert: error: {error}\n")
-    size = format_bytes(options.dst_file.stat().st_size)
-    print(f"{PROG} convert: wrote {options.dst_file} ({size}) from {options.src_dir}")
+    print(f"{PROG} convert: wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}")
+
+
+def _deepspeed_logs_to_stderr() -> None:
+    """Import DeepSpeed with stdout pointing at stderr: its logger keeps the stream it finds at import, and its
+    lines (such as the accelerator it detected) must stay out of ``--print_config > config.yaml``."""
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401
 
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``.
 
     The current directory goes first on ``sys.path``, as with ``python -m``, so that a ``class_path`` naming a
-    module of the project one runs from (``examples.minilm_lora.task.LoRAClassifier``) imports.
+    module of the project one runs from (``examples.minilm_lora.task.LoRASentimentClassifier``) imports.
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    _deepspeed_logs_to_stderr()
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["convert"]:
         convert(argv[1:])
