@@ -1,0 +1,285 @@
+"""The ``lightning-frozen`` command: fit from YAML with the strategy by name and by class_path, command-line
+overrides, ``--print_config`` and help for the strategy's options, resume, the console script, and ``convert``."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
+import lightning_frozen
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.cli import lightning_cli, main
+from tests.cli_support import SavedHparamsAdapterModel, command_env
+from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
+
+REPO = Path(__file__).resolve().parents[1]
+CLASS_PATH = "lightning_frozen.FrozenAwareDeepSpeedStrategy"
+TRAINABLE = ["head.bias", "head.weight", "layers.0.lora_a", "layers.0.lora_b", "layers.1.lora_a", "layers.1.lora_b"]
+
+
+def _config(folder: Path, strategy: Any, model: str = "tests.cli_support.SavedHparamsAdapterModel") -> Path:
+    """A fit config on the CPU whose ModelCheckpoint writes ``<default_root_dir>/checkpoints/adapter.ckpt``."""
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "strategy": strategy,
+            "max_epochs": 1,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "default_root_dir": str(folder / "run"),
+            "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"filename": "adapter"}}
+            ],
+        },
+        "model": {"class_path": model},
+        "data": {"class_path": "tests.cli_support.RegressionData"},
+    }
+    path = folder / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _cli(*args: str) -> LightningCLI:
+    with warnings.catch_warnings():
+        # LightningCLI warns when given args while pytest's own sys.argv is set.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return lightning_cli(list(args))
+
+
+def _exit_output(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run the command for an action that prints and exits (help, print_config); return what it printed."""
+    with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        main(list(args))
+    assert exited.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def _console(*args: str) -> subprocess.CompletedProcess:
+    """Run the ``lightning-frozen`` console script from the repository root; fail with its output if it fails."""
+    script = Path(sys.executable).with_name("lightning-frozen")
+    result = subprocess.run(
+        [str(script), *args], cwd=REPO, env=command_env(), capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def _strategy_options() -> set[str]:
+    """Every argument of the strategy: its own and those of DeepSpeedStrategy it passes on through ``**kwargs``."""
+    names: set[str] = set()
+    for cls in (FrozenAwareDeepSpeedStrategy, DeepSpeedStrategy):
+        for parameter in inspect.signature(cls.__init__).parameters.values():
+            if parameter.name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD:
+                names.add(parameter.name)
+    return names
+
+
+def _help_by_option(capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """``--trainer.strategy.help``'s text for each strategy option, without its ``(type: ..., default: ...)``."""
+    text = _exit_output(capsys, "fit", "--trainer.strategy.help", "FrozenAwareDeepSpeedStrategy")
+    sections = re.split(r"\n  --trainer\.strategy\.([\w.]+)\b[^\n]*", text.split("\n\n", 2)[-1])
+    return {
+        name: " ".join(body.split("(type:")[0].split())
+        for name, body in zip(sections[1::2], sections[2::2])
+        if not name.endswith(".help")  # "--x.help CLASS": jsonargparse's own text, not the option's
+    }
+
+
+def test_fit_by_strategy_name_trains_and_writes_one_adapter_file(tmp_path: Path) -> None:
+    cli = _cli("fit", "--config", str(_config(tmp_path, "frozen_deepspeed")))
+
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, FrozenAwareDeepSpeedStrategy)
+    assert strategy.offload_frozen and strategy.zero_stage_3 and not strategy.offload_optimizer
+    path = tmp_path / "run" / "checkpoints" / "adapter.ckpt"
+    assert path.is_file()
+    saved = torch.load(path, weights_only=True)
+    assert sorted(saved["state_dict"]) == TRAINABLE
+    initial = dict(SavedHparamsAdapterModel().named_parameters())
+    for name in TRAINABLE:
+        assert not torch.equal(saved["state_dict"][name], initial[name].detach()), f"{name} did not train"
+    assert saved["hyper_parameters"]["_class_path"] == "tests.cli_support.SavedHparamsAdapterModel"
+
+
+def test_class_path_init_args_and_command_line_overrides_reach_the_strategy_and_the_checkpoint(tmp_path: Path) -> None:
+    strategy = {
+        "class_path": CLASS_PATH,
+        "init_args": {
+            "offload_frozen": False,
+            "fingerprint": "sha256",
+            "frozen_base": "tests/base-from-yaml",
+            "allgather_bucket_size": 12345,
+        },
+    }
+    config = _config(tmp_path, strategy)
+
+    cli = _cli("fit", "--config", str(config), "--trainer.strategy.init_args.frozen_base=tests/base-from-cli")
+
+    strategy_object = cli.trainer.strategy
+    assert type(strategy_object) is FrozenAwareDeepSpeedStrategy
+    assert strategy_object.offload_frozen is False
+    assert strategy_object.fingerprint == "sha256"
+    assert strategy_object.config["zero_optimization"]["allgather_bucket_size"] == 12345
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "adapter.ckpt", weights_only=True)
+    assert saved["frozen_base"]["reference"] == "tests/base-from-cli"
+    assert saved["frozen_base"]["fingerprint"]["mode"] == "sha256"
+
+
+def test_resume_through_the_cli_continues_from_the_adapter_file(tmp_path: Path) -> None:
+    config = str(_config(tmp_path, "frozen_deepspeed"))
+    _cli("fit", "--config", config)
+    first = tmp_path / "run" / "checkpoints" / "adapter.ckpt"
+
+    _cli(
+        "fit",
+        "--config",
+        config,
+        f"--trainer.default_root_dir={tmp_path / 'resumed'}",
+        "--trainer.max_epochs=2",
+        f"--ckpt_path={first}",
+    )
+
+    before = torch.load(first, weights_only=True)
+    after = torch.load(tmp_path / "resumed" / "checkpoints" / "adapter.ckpt", weights_only=True)
+    assert (before["epoch"], before["global_step"]) == (0, 8)
+    assert (after["epoch"], after["global_step"]) == (1, 16)
+    assert not torch.equal(after["state_dict"]["layers.0.lora_b"], before["state_dict"]["layers.0.lora_b"])
+
+
+def test_a_checkpoint_written_by_the_cli_loads_with_load_from_checkpoint(tmp_path: Path) -> None:
+    _cli("fit", "--config", str(_config(tmp_path, "frozen_deepspeed")))
+    path = tmp_path / "run" / "checkpoints" / "adapter.ckpt"
+
+    module = lightning_frozen.load_from_checkpoint(SavedHparamsAdapterModel, path)
+
+    saved = torch.load(path, weights_only=True)
+    for name, param in module.named_parameters():
+        if name in saved["state_dict"]:
+            assert torch.equal(param.detach(), saved["state_dict"][name].to(param.dtype))
+
+
+def test_print_config_lists_every_strategy_option_and_a_name_can_become_a_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(_config(tmp_path, "frozen_deepspeed"))
+
+    by_name = yaml.safe_load(_exit_output(capsys, "fit", "--config", config, "--print_config"))
+    as_class = yaml.safe_load(
+        _exit_output(
+            capsys,
+            "fit",
+            "--config",
+            config,
+            "--trainer.strategy=FrozenAwareDeepSpeedStrategy",
+            "--trainer.strategy.convert_lr_zero_groups=false",
+            "--print_config",
+        )
+    )
+
+    assert by_name["trainer"]["strategy"] == "frozen_deepspeed"
+    strategy = as_class["trainer"]["strategy"]
+    assert strategy["class_path"] == CLASS_PATH
+    assert set(strategy["init_args"]) == _strategy_options()
+    assert strategy["init_args"]["convert_lr_zero_groups"] is False
+    assert strategy["init_args"]["offload_frozen"] is True
+
+
+def test_the_strategy_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    helps = _help_by_option(capsys)
+
+    assert set(helps) == _strategy_options()
+    assert {option for option, text in helps.items() if not text} == set()
+    for option in ("stage", "offload_frozen", "offload_optimizer", "convert_lr_zero_groups", "frozen_base"):
+        assert len(helps[option]) > 20, (option, helps[option])
+    assert "sha256" in helps["fingerprint"]
+
+
+def test_the_default_strategy_is_frozen_deepspeed(capsys: pytest.CaptureFixture[str]) -> None:
+    printed = yaml.safe_load(_exit_output(capsys, "fit", "--print_config"))
+
+    assert printed["trainer"]["strategy"] == "frozen_deepspeed"
+
+
+def test_the_console_script_fits_a_yaml_config_from_the_project_directory(tmp_path: Path) -> None:
+    config = _config(tmp_path, "frozen_deepspeed_no_offload", model="tests.models.AdapterModel")
+
+    printed = _console(
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.strategy=FrozenAwareDeepSpeedStrategy",
+        "--trainer.strategy.fingerprint=none",
+        "--print_config",
+    )
+    result = _console("fit", "--config", str(config))
+
+    init_args = yaml.safe_load(printed.stdout)["trainer"]["strategy"]["init_args"]
+    assert set(init_args) == _strategy_options() and init_args["fingerprint"] == "none"
+    output = result.stdout + result.stderr
+    assert "lightning-frozen: 545 trainable / 2,112 frozen params on 1 rank(s)" in output
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "adapter.ckpt", weights_only=True)
+    assert sorted(saved["state_dict"]) == TRAINABLE
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert written["trainer"]["strategy"] == "frozen_deepspeed_no_offload"
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint directory written by Lightning's own DeepSpeedStrategy (ZeRO-3, on the CPU)."""
+    folder = tmp_path_factory.mktemp("stock") / "stock.ckpt"
+    trainer = cpu_trainer(StockDeepSpeedOnCPU(stage=3), max_epochs=1)
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(folder)
+    return folder
+
+
+def test_convert_writes_an_adapter_file_from_a_stock_deepspeed_directory(
+    stock_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "converted.ckpt"
+
+    main(["convert", str(stock_checkpoint), str(out), "--reference", "tests/stock-base"])
+
+    assert f"wrote {out}" in capsys.readouterr().out
+    saved = torch.load(out, weights_only=True)
+    assert sorted(saved["state_dict"]) == TRAINABLE
+    assert saved["frozen_base"]["reference"] == "tests/stock-base"
+    lightning_frozen.load_adapter(AdapterModel(), out)
+
+
+def test_convert_explains_its_arguments_and_failures(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["convert", "--help"])
+    assert exited.value.code == 0
+    usage = capsys.readouterr().out
+    assert "lightning-frozen convert" in usage and "src_dir" in usage and "--reference" in usage
+
+    with pytest.raises(SystemExit) as exited:
+        main(["convert", str(tmp_path / "src")])
+    assert exited.value.code == 2
+    assert "dst_file" in capsys.readouterr().err
+
+    (tmp_path / "empty").mkdir()
+    for source, reason in ((tmp_path / "missing", "No DeepSpeed checkpoint"), (tmp_path / "empty", "does not look")):
+        with pytest.raises(SystemExit) as exited:
+            main(["convert", str(source), str(tmp_path / "out.ckpt")])
+        assert exited.value.code == 1
+        error = capsys.readouterr().err
+        assert error.startswith("lightning-frozen convert: error:") and reason in error and str(source) in error
+    assert not (tmp_path / "out.ckpt").exists()
