@@ -17,6 +17,7 @@ from lightning_frozen.errors import (
     NoTrainableParametersError,
     UnsupportedOffloadOptimizerError,
 )
+from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
 from lightning_frozen.peft_export import export_peft_adapter
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
@@ -24,6 +25,8 @@ from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "CheckpointFormatError",
     "CheckpointKeysError",
     "ForeignParametersError",

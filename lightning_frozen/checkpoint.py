@@ -226,11 +226,14 @@ def _shorten(names: list[str], limit: int = 5) -> str:
 # ---------------------------------------------------------------------------------------------- loading for use
 
 
-def _named_frozen(module: nn.Module, recorded: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """The module's tensors that the recorded fingerprint covers (by name), plus any other frozen ones."""
+def _named_frozen(
+    module: nn.Module, recorded: Mapping[str, Any], trained: Mapping[str, Any] = {}
+) -> list[tuple[str, torch.Tensor]]:
+    """The module's tensors that the recorded fingerprint covers (by name), plus any other frozen ones, less those
+    the checkpoint holds trained values for (a finetuning callback unfroze them; they are loaded, not verified)."""
     params = dict(module.named_parameters())
     names = set(recorded.get("tensors", {})) | {n for n, p in params.items() if not p.requires_grad}
-    return [(n, params[n]) for n in sorted(names) if n in params]
+    return [(n, params[n]) for n in sorted(names - set(trained)) if n in params]
 
 
 def load_into(module: nn.Module, checkpoint: Mapping[str, Any], source: str, strict: bool, verify: bool) -> None:
@@ -239,7 +242,7 @@ def load_into(module: nn.Module, checkpoint: Mapping[str, Any], source: str, str
     state_dict = checkpoint["state_dict"]
     if verify:
         recorded = frozen_base.get("fingerprint") or {}
-        base.verify_base(recorded, _named_frozen(module, recorded), frozen_base.get("reference"), source)
+        base.verify_base(recorded, _named_frozen(module, recorded, state_dict), frozen_base.get("reference"), source)
     params = dict(module.named_parameters())
     buffers = persistent_buffers(module)
     frozen_names = set((frozen_base.get("fingerprint") or {}).get("tensors", {}))

@@ -228,3 +228,47 @@ def optimizer_state_bytes_per_param(optimizer: Optional[Optimizer]) -> int:
     if "adagrad" in name or "rmsprop" in name:
         return 4
     return 8
+
+
+def same_kind_of_optimizer(optimizer: Optimizer, param_groups: list[dict]) -> Optimizer:
+    """A new optimizer of ``optimizer``'s class and defaults over ``param_groups`` (each with its own values)."""
+    import inspect
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        return DeepSpeedCPUAdam(
+            param_groups, adamw_mode=optimizer.adam_w_mode, **_cpu_adam_defaults(optimizer.defaults)
+        )
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return type(optimizer)(param_groups, **defaults)
+
+
+def regroup_scheduler(scheduler: Any, optimizer: Optimizer, kept: list[int], num_groups: int) -> None:
+    """Point the scheduler at a rebuilt optimizer whose groups are old groups ``kept`` followed by new ones.
+
+    Per-group lists keep the entries of the kept groups; a new group gets its own ``initial_lr`` as base LR and,
+    for ``LambdaLR``/``MultiplicativeLR``, the lambda all existing groups share.
+
+    Raises:
+        ValueError: a new group would need a per-group value the scheduler cannot provide (distinct lambdas).
+    """
+    added = optimizer.param_groups[len(kept) :]
+    for group in added:
+        group.setdefault("initial_lr", group["lr"])
+    _filter_scheduler_groups(scheduler, kept, num_groups)
+    for inner in _scheduler_chain(scheduler):
+        inner.optimizer = optimizer
+        for key in ("base_lrs", "_last_lr"):
+            values = getattr(inner, key, None)
+            if isinstance(values, list):
+                values.extend(group["initial_lr"] if key == "base_lrs" else group["lr"] for group in added)
+        lambdas = getattr(inner, "lr_lambdas", None)
+        if isinstance(lambdas, list) and added:
+            if len({id(f) for f in lambdas}) != 1:
+                raise ValueError(
+                    f"{type(inner).__name__} has one lambda per param group, so a group added mid-run has none."
+                    " Use one lambda for all groups, or a scheduler without per-group lambdas."
+                )
+            lambdas.extend(lambdas[0] for _ in added)

@@ -151,8 +151,24 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
                 f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
                 " train with `accelerator='gpu'`."
             )
+        self._check_finetuning_callbacks()
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
         DDPStrategy.setup_environment(self)
+
+    def _check_finetuning_callbacks(self) -> None:
+        from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetuning
+
+        from lightning_frozen.finetuning import BaseFinetuning
+
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        for callback in trainer.callbacks if trainer is not None else []:
+            if isinstance(callback, LightningBaseFinetuning) and not isinstance(callback, BaseFinetuning):
+                raise NotImplementedError(
+                    f"Lightning's `{type(callback).__name__}` refuses every DeepSpeed strategy. Import"
+                    " `BaseFinetuning`/`BackboneFinetuning` from `lightning_frozen` instead (same names and"
+                    " arguments): they unfreeze and freeze params under ZeRO-3 by rebuilding the optimizer."
+                )
 
     @override
     def setup_distributed(self) -> None:
@@ -279,16 +295,107 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             " `configure_model`), and do not toggle it in training hooks."
         )
 
+    # ------------------------------------------------------------------ changing what trains
+
+    def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
+        """Rebuild the ZeRO optimizer for new param groups after params were unfrozen or frozen mid-run.
+
+        ``param_groups`` is the whole new structure (params and hyper-parameters per group); ``origins[i]`` is the
+        index of the current group that group ``i`` continues, or None for a new group (new groups come last).
+        Params that stay trainable keep their fp32 master weight and optimizer state; params that are frozen leave
+        the optimizer and release their state; newly trainable params start with fresh state. DeepSpeed cannot add
+        or remove params of an initialised ZeRO-3 optimizer, so the engine is destroyed and initialised again over
+        the same (already partitioned) module. Collective: every rank must call it with the same groups.
+
+        Raises:
+            FrozenSetChangedError: a param was made trainable but put in no group.
+        """
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        module = self.lightning_module
+        assert module is not None
+        params = dict(module.named_parameters())
+        names = {id(p): n for n, p in params.items()}
+        kept_groups = [(g, o) for g, o in zip(param_groups, origins) if any(p.requires_grad for p in g["params"])]
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g, _ in kept_groups]
+        group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+        new_set = {n for group in group_names for n in group}
+        stray = sorted(n for n, p in params.items() if p.requires_grad and n not in new_set)
+        if stray:
+            raise FrozenSetChangedError(
+                f"{_names(stray)} were made trainable but are in no optimizer param group, so they would get"
+                " gradients and never change. Add them with `unfreeze_and_add_param_group`."
+            )
+        old_optimizer = self._deepspeed_optimizer
+        old_names = [n for group in self._group_param_names for n in group]
+        keep = [n for n in old_names if n in new_set]
+        weights = {n: zero.full_param(params[n], old_optimizer) for n in keep}
+        states = {n: zero.optimizer_state_of(old_optimizer, params[n]) for n in keep}
+        refrozen = [params[n] for n in old_names if n not in new_set]
+        added = sorted(new_set - set(old_names))
+        optimizer = optim.same_kind_of_optimizer(old_optimizer.optimizer, groups)
+
+        old_engine = self.deepspeed_engine
+        counters = {
+            k: getattr(old_engine, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+        }
+        num_old_groups = len(self._group_param_names)
+        old_engine.destroy()
+        remove_module_hooks(module)
+        zero.detach_frozen_shards(refrozen, self.offload_frozen)
+        self._group_param_names = group_names
+        engine, deepspeed_optimizer = self._setup_model_and_optimizer(module, optimizer)
+        for key, value in counters.items():
+            setattr(engine, key, value)
+        self.model = engine
+        self.optimizers = [deepspeed_optimizer]
+        if self.lr_scheduler_configs:
+            kept = [o for _, o in kept_groups if o is not None]
+            optim.regroup_scheduler(self.lr_scheduler_configs[0].scheduler, optimizer, kept, num_old_groups)
+        for name in keep:
+            zero.set_full_param(params[name], weights[name], deepspeed_optimizer)
+        with_state = [n for n in keep if states[n]]
+        zero.ensure_optimizer_state(deepspeed_optimizer, [params[n] for n in with_state])
+        for name in with_state:
+            zero.set_optimizer_state(deepspeed_optimizer, params[name], states[name])
+        rank_zero_info(
+            f"lightning-frozen: trainable set changed: {len(added)} tensors unfrozen, {len(refrozen)} frozen;"
+            f" optimizer rebuilt with {len(groups)} param groups, state of {len(with_state)} tensors carried over."
+        )
+
+    def _adopt_trainable_set_of(self, checkpoint_dict: Mapping[str, Any]) -> None:
+        """On resume, make trainable what was trainable when the checkpoint was saved (a finetuning callback may
+        have unfrozen or frozen params since ``configure_optimizers``); the groups come from the checkpoint."""
+        module = self.lightning_module
+        assert module is not None
+        params = dict(module.named_parameters())
+        saved_groups = (checkpoint_dict.get("optimizer_states") or [{}])[0].get("param_groups")
+        saved = {n for n in checkpoint_dict["state_dict"] if n in params}
+        current = {n for group in self._group_param_names for n in group}
+        if not saved_groups or saved == current or not self._deepspeed_optimizer:
+            return
+        for name, param in params.items():
+            param.requires_grad_(name in saved)
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in group["params"]]}
+            for group in saved_groups
+        ]
+        num_current = len(self._group_param_names)
+        origins = [i if i < num_current else None for i in range(len(groups))]
+        self.reconfigure_trainable(groups, origins)
+
     # ------------------------------------------------------------------ checkpoints
 
     @property
     def _deepspeed_optimizer(self) -> Any:
         return self.optimizers[0] if self.optimizers else None
 
-    def _named_frozen(self, recorded: Optional[Mapping[str, Any]] = None) -> list[tuple[str, Any]]:
+    def _named_frozen(
+        self, recorded: Optional[Mapping[str, Any]] = None, trained: Optional[Mapping[str, Any]] = None
+    ) -> list[tuple[str, Any]]:
         module = self.lightning_module
         assert module is not None
-        return checkpoint._named_frozen(module, recorded or {})
+        return checkpoint._named_frozen(module, recorded or {}, trained or {})
 
     def frozen_base_fingerprint(self) -> dict[str, Any]:
         """The fingerprint of the module's frozen params (collective; computed once, frozen params never change)."""
@@ -363,7 +470,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         frozen_base = loaded["frozen_base"]
         if self.fingerprint != "none":
             recorded = frozen_base.get("fingerprint") or {}
-            base.verify_base(recorded, self._named_frozen(recorded), frozen_base.get("reference"), str(checkpoint_path))
+            base.verify_base(
+                recorded,
+                self._named_frozen(recorded, loaded["state_dict"]),
+                frozen_base.get("reference"),
+                str(checkpoint_path),
+            )
         return loaded
 
     @property
@@ -375,6 +487,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
+        if module.trainer.training:
+            self._adopt_trainable_set_of(checkpoint_dict)
         state_dict = checkpoint_dict["state_dict"]
         params = dict(module.named_parameters())
         buffers = checkpoint.persistent_buffers(module)

@@ -227,16 +227,22 @@ def optimizer_state_of(deepspeed_optimizer: Any, param: nn.Parameter) -> dict[st
     return state
 
 
-def ensure_optimizer_state(deepspeed_optimizer: Any) -> None:
+def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Parameter]] = None) -> None:
     """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume.
 
     ZeRO-3 creates it at the first step; until then ``safe_set_full_optimizer_state`` raises ``KeyError``. We run
     one step per sub-group with zero gradients at learning rate 0, which leaves the weights unchanged; the state
-    it creates is overwritten by the checkpoint's right after.
+    it creates is overwritten by the checkpoint's right after. With ``params``, only their sub-groups are touched, so
+    a group of newly trainable params starts its state (and step count) fresh at its first real step.
     """
     inner = deepspeed_optimizer.optimizer
     flats = deepspeed_optimizer.fp32_partitioned_groups_flat
-    missing = [i for i, flat in enumerate(flats) if not inner.state.get(flat)]
+    wanted = (
+        range(len(flats))
+        if params is None
+        else {deepspeed_optimizer.grad_position[deepspeed_optimizer.get_param_id(p)][0] for p in params}
+    )
+    missing = [i for i in sorted(wanted) if not inner.state.get(flats[i])]
     if not missing:
         return
     saved_lrs = [group["lr"] for group in inner.param_groups]
@@ -262,3 +268,15 @@ def set_optimizer_state(deepspeed_optimizer: Any, param: nn.Parameter, state: di
             inner[key] = value.to(device=inner[key].device, dtype=inner[key].dtype).clone()
         else:
             inner[key] = value
+
+
+def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
+    """Give params that just stopped training shards of their own (in CPU memory if ``offload``).
+
+    A trainable param's shard is a view into its ZeRO optimizer's flat buffer; once frozen it must not keep that
+    buffer alive, nor stay on the accelerator when frozen shards are offloaded.
+    """
+    for param in params:
+        if is_partitioned(param):
+            device = torch.device("cpu") if offload else param.ds_tensor.device
+            param.ds_tensor.data = param.ds_tensor.data.to(device, copy=True)

@@ -123,3 +123,26 @@ class StockDeepSpeedOnCPU(__import__("lightning").pytorch.strategies.DeepSpeedSt
             dist_init_required=False,
         )
         return engine, deepspeed_optimizer
+
+
+class BackboneModel(L.LightningModule):
+    """A ``backbone`` (two linear layers) and a trainable head, the layout ``BackboneFinetuning`` expects."""
+
+    frozen_base_reference = "tests/backbone-model"
+
+    def __init__(self, width: int = 16, lr: float = 0.01, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.backbone = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

@@ -1,0 +1,117 @@
+"""Progressive unfreezing under ZeRO-3: ``BaseFinetuning`` and ``BackboneFinetuning`` that work with
+``frozen_deepspeed``.
+
+They are Lightning's classes with the same names and API; import them from ``lightning_frozen`` instead of
+``lightning.pytorch.callbacks``. Lightning's own refuse every DeepSpeed strategy in ``setup``, and their
+``unfreeze_and_add_param_group`` calls ``optimizer.add_param_group``, which a ZeRO-3 optimizer cannot honour:
+its fp32 partitions are fixed when DeepSpeed initialises. Here ``finetune_function`` receives a stand-in
+optimizer with the same ``param_groups`` and ``add_param_group``; when it returns, changed hyper-parameters go to
+the real optimizer, and a changed trainable set makes the strategy rebuild the ZeRO optimizer, carrying over the
+state of every param that keeps training (:meth:`FrozenAwareDeepSpeedStrategy.reconfigure_trainable`).
+
+A resumed run learns what was unfrozen from the checkpoint itself: its ``state_dict`` holds every param that was
+trainable when it was saved, and ``optimizer_states[0]["param_groups"]`` their groups by name; the strategy makes
+exactly those trainable again before loading the optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import finetuning as lightning_finetuning
+from torch.nn import Module, Parameter
+from typing_extensions import override
+
+from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
+
+
+class StagedOptimizer:
+    """What ``finetune_function`` sees instead of the ZeRO optimizer: its groups with their real params.
+
+    Group dicts are copies; changes to their hyper-parameters and groups added with ``add_param_group`` are
+    applied to the real optimizer afterwards by :meth:`BaseFinetuning.on_train_epoch_start`.
+    """
+
+    def __init__(self, strategy: FrozenAwareDeepSpeedStrategy) -> None:
+        module = strategy.lightning_module
+        assert module is not None
+        params = dict(module.named_parameters())
+        real = strategy.optimizers[0]
+        self.defaults = dict(getattr(real, "defaults", None) or real.optimizer.defaults)
+        self.param_groups: list[dict[str, Any]] = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in names]}
+            for group, names in zip(real.param_groups, strategy._group_param_names)
+        ]
+        self.origins: list[Optional[int]] = list(range(len(self.param_groups)))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Parameter) else list(params)
+        present = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) in present for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append({**self.defaults, **param_group, "params": params})
+        self.origins.append(None)
+
+
+class BaseFinetuning(lightning_finetuning.BaseFinetuning):
+    """Lightning's ``BaseFinetuning``, working under ``frozen_deepspeed`` (and unchanged under other strategies)."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, FrozenAwareDeepSpeedStrategy):
+            self.freeze_before_training(pl_module)
+            return
+        super().setup(trainer, pl_module, stage)
+
+    @staticmethod
+    def filter_on_optimizer(optimizer: Any, params: Iterable) -> list:
+        """The params not already in one of the optimizer's groups, by identity.
+
+        Lightning compares values with ``torch.equal``, which under ZeRO-3 compares empty placeholders.
+        """
+        present = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [p for p in params if id(p) not in present]
+
+    @staticmethod
+    def unfreeze_and_add_param_group(
+        modules: Union[Module, Iterable[Union[Module, Iterable]]],
+        optimizer: Any,
+        lr: Optional[float] = None,
+        initial_denom_lr: float = 10.0,
+        train_bn: bool = True,
+    ) -> None:
+        """Unfreeze ``modules`` and add their params to ``optimizer`` as a new group, as Lightning's does."""
+        BaseFinetuning.make_trainable(modules)
+        params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
+        denom_lr = initial_denom_lr if lr is None else 1.0
+        params = BaseFinetuning.filter_params(modules, train_bn=train_bn, requires_grad=True)
+        params = BaseFinetuning.filter_on_optimizer(optimizer, params)
+        if params:
+            optimizer.add_param_group({"params": params, "lr": params_lr / denom_lr})
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, FrozenAwareDeepSpeedStrategy):
+            super().on_train_epoch_start(trainer, pl_module)
+            return
+        flags = {id(p): p.requires_grad for p in pl_module.parameters()}
+        staged = StagedOptimizer(strategy)
+        num_groups = len(staged.param_groups)
+        self.finetune_function(pl_module, trainer.current_epoch, staged)
+        self._store(pl_module, 0, num_groups, staged.param_groups)
+        changed = len(staged.param_groups) != num_groups or any(
+            p.requires_grad != flags[id(p)] for p in pl_module.parameters()
+        )
+        if changed:
+            strategy.reconfigure_trainable(staged.param_groups, staged.origins)
+            return
+        for real, group in zip(strategy.optimizers[0].param_groups, staged.param_groups):
+            real.update({k: v for k, v in group.items() if k != "params"})
+
+
+class BackboneFinetuning(BaseFinetuning, lightning_finetuning.BackboneFinetuning):
+    """Lightning's ``BackboneFinetuning`` (same arguments), working under ``frozen_deepspeed``."""

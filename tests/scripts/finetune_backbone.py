@@ -1,0 +1,41 @@
+"""BackboneFinetuning under ``frozen_deepspeed`` on 2 CPU processes: unfreeze the backbone at epoch 1 of 3."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+import lightning_frozen  # noqa: E402
+from tests.models import BackboneModel, cpu_trainer, regression_data  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args()
+    module = BackboneModel()
+    initial = module.backbone[0].weight.detach().clone()
+    finetuning = lightning_frozen.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.005)
+    trainer = cpu_trainer(devices=2, max_epochs=3, callbacks=[finetuning])
+    trainer.fit(module, regression_data(width=16))
+    with deepspeed.zero.GatheredParameters([module.backbone[0].weight]):
+        changed = not torch.equal(module.backbone[0].weight.detach(), initial)
+    report = {
+        "groups": trainer.strategy._group_param_names,
+        "backbone_changed": changed,
+        "global_step": trainer.global_step,
+    }
+    out = Path(args.report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
