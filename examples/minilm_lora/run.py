@@ -2,7 +2,7 @@
 
 1. fit a LoRA adapter on all-MiniLM-L6-v2 through the lightning-frozen CLI
    (`lightning-frozen fit --config examples/minilm_lora/config.yaml`), ModelCheckpoint keeping the best epoch;
-2. compare the adapter checkpoint's size with the frozen base's, and print the per-rank memory estimate;
+2. compare the adapter checkpoint's size with the frozen base's, and print the strategy's memory summary;
 3. export the checkpoint to PEFT's adapter format;
 4. reload it twice, with `lightning_frozen.load_from_checkpoint` and with `peft.PeftModel.from_pretrained`,
    check that both give the same logits and the trained validation accuracy, and classify new sentences.
@@ -59,7 +59,7 @@ def main() -> None:
     callback = cli.trainer.checkpoint_callback
     print(f"best {callback.monitor} {float(callback.best_model_score):.3f}: {checkpoint}")
 
-    say(EXAMPLE, "2/4 sizes: the adapter checkpoint beside the frozen base")
+    say(EXAMPLE, "2/4 sizes: the adapter checkpoint beside the frozen base, and memory per rank during fit")
     module = lightning_frozen.load_from_checkpoint(LoRASentimentClassifier, checkpoint)
     frozen = [p for p in module.parameters() if not p.requires_grad]
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -70,8 +70,7 @@ def main() -> None:
         f"adapter checkpoint: {sum(p.numel() for p in trainable):>12,} params  {format_bytes(checkpoint_bytes):>12}"
         f"  ({checkpoint_bytes / base_bytes:.2%} of the base: weights, AdamW state, loops)"
     )
-    print("per-rank memory estimate under frozen_deepspeed:")
-    lightning_frozen.estimate_memory(module, precision="32-true")
+    print(cli.trainer.strategy.memory_summary())
 
     say(EXAMPLE, "3/4 export to PEFT")
     peft_dir = lightning_frozen.export_peft_adapter(checkpoint, options.out / "peft_adapter")
