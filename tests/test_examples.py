@@ -1,0 +1,76 @@
+"""Each example's ``run.py``, run as a user runs it (a subprocess from the repository root), cut short."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.cli_support import command_env
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.enable_progress_bar=false"]
+
+
+def _run_example(name: str, out: Path, *overrides: str) -> str:
+    """Run ``examples/<name>/run.py --out <out> <overrides>``; return its output, failing with it if it fails."""
+    result = subprocess.run(
+        [sys.executable, f"examples/{name}/run.py", "--out", str(out), *overrides],
+        cwd=REPO,
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def _checkpoint(out: Path) -> Path:
+    (path,) = out.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    return path
+
+
+def test_minilm_lora_trains_exports_to_peft_and_reloads_to_the_same_logits(tmp_path: Path) -> None:
+    output = _run_example("minilm_lora", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
+
+    assert "lightning-frozen: 37,634 trainable / 22,713,986 frozen params on 1 rank(s)" in output
+    assert re.search(r"frozen base: +22,713,986 params +86\.65 MiB", output)
+    assert re.search(r"adapter checkpoint: +37,634 params", output)
+    difference = float(re.search(r"max \|logit difference\| between the two reloads: (\S+)", output).group(1))
+    assert difference <= 1e-4
+    saved = torch.load(_checkpoint(tmp_path), weights_only=True)
+    assert len(saved["state_dict"]) == 26  # 6 layers x (query, value) x (A, B) + the head's weight and bias
+    assert sum(t.numel() for t in saved["state_dict"].values()) == 37_634
+    config = json.loads((tmp_path / "peft_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], sorted(config["target_modules"])) == (4, ["query", "value"])
+    assert (tmp_path / "peft_adapter" / "adapter_model.safetensors").stat().st_size > 36_864 * 4
+
+
+def test_lr_zero_workaround_is_converted_and_the_backbone_left_out(tmp_path: Path) -> None:
+    output = _run_example("lr_zero_workaround", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
+
+    assert "backbone: 103 of 103 tensors require grad" in output
+    assert "froze 103 parameter tensors (22,713,216 elements) whose learning rate is 0" in output
+    assert "backbone after fit: 0 of 103 tensors require grad" in output
+    saved = torch.load(_checkpoint(tmp_path), weights_only=True)
+    assert sorted(saved["state_dict"]) == ["head.bias", "head.weight"]
+    assert sorted(saved["optimizer_states"][0]["state"]) == ["head.bias", "head.weight"]
+    assert "verified the frozen base: the backbone is unchanged" in output
+
+
+def test_two_process_run_shards_the_base_and_reloads_in_one_process(tmp_path: Path) -> None:
+    output = _run_example("two_process", tmp_path, *SHORT)
+
+    assert "lightning-frozen: 37,634 trainable / 22,713,986 frozen params on 2 rank(s)" in output
+    assert "frozen shards 43.32 MiB in cpu memory" in output
+    assert "written by 2 ranks" in output
+    one_process, two_ranks = map(
+        float, re.search(r"accuracy: (\S+) in one process, (\S+) on two ranks", output).groups()
+    )
+    assert abs(one_process - two_ranks) <= 2 / 80  # same 80 sentences; a borderline logit may round either way
