@@ -1,9 +1,11 @@
 """Memory accounting for frozen training: the per-rank estimate and the summary logged at the start of ``fit``.
 
-The arithmetic is the physical limit of ``shared/DESIGN.md``: frozen weights cost their storage dtype / N per
-rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a gradient.
-DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``) count every parameter as
-trainable, which is exactly the cost frozen training avoids.
+The model states follow the physical limit of ``shared/DESIGN.md``: frozen weights cost their storage dtype / N
+per rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a gradient.
+On top of them ZeRO-3 needs two working buffers on the accelerator: the params of the running module, gathered
+whole, and a gradient bucket of ``reduce_bucket_size`` elements that it allocates up front. Activations depend
+on the batch and are not counted. DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``)
+count every parameter as trainable, which is exactly the cost frozen training avoids.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from lightning_frozen.zero import full_numel
+
+# DeepSpeedStrategy's default `reduce_bucket_size`: ZeRO-3 allocates a gradient buffer of that many elements.
+LIGHTNING_REDUCE_BUCKET_SIZE = 200_000_000
 
 _PRECISION_BYTES = {
     "32": 4,
@@ -41,10 +48,17 @@ class MemoryEstimate:
     optimizer_state: int
     optimizer_on: str
     lr_zero_workaround_extra: int
+    gathered_params: int = 0
+    gradient_bucket: int = 0
+
+    @property
+    def limit_bytes(self) -> int:
+        """The model states alone, wherever they live: the physical limit per rank of DESIGN.md."""
+        return self.frozen_shards + self.trainable_weights + self.gradients + self.optimizer_state
 
     @property
     def device_bytes(self) -> int:
-        total = self.trainable_weights + self.gradients
+        total = self.trainable_weights + self.gradients + self.gathered_params + self.gradient_bucket
         total += self.frozen_shards if self.frozen_on == "device" else 0
         total += self.optimizer_state if self.optimizer_on == "device" else 0
         return total
@@ -56,7 +70,12 @@ class MemoryEstimate:
         return total
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "device_bytes": self.device_bytes, "host_bytes": self.host_bytes}
+        return {
+            **asdict(self),
+            "limit_bytes": self.limit_bytes,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+        }
 
     def table(self) -> str:
         rows = [
@@ -67,6 +86,8 @@ class MemoryEstimate:
             ("trainable weights / rank", format_bytes(self.trainable_weights), "device"),
             ("gradients / rank", format_bytes(self.gradients), "device"),
             ("optimizer state / rank", format_bytes(self.optimizer_state), self.optimizer_on),
+            ("gathered module params", format_bytes(self.gathered_params), "device"),
+            ("gradient bucket", format_bytes(self.gradient_bucket), "device"),
             ("device total / rank", format_bytes(self.device_bytes), ""),
             ("host total / rank", format_bytes(self.host_bytes), ""),
             ("lr=0 workaround would add", format_bytes(self.lr_zero_workaround_extra), self.optimizer_on),
@@ -103,8 +124,13 @@ def estimate_from_counts(
     offload_frozen: bool = True,
     offload_optimizer: bool = False,
     optimizer_state_bytes: int = 8,
+    largest_module_params: int = 0,
+    reduce_bucket_size: int = 0,
 ) -> MemoryEstimate:
-    """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3."""
+    """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3.
+
+    ``largest_module_params`` (elements) and ``reduce_bucket_size`` size the two working buffers; 0 leaves them out.
+    """
     weight_bytes = precision_bytes(precision)
     trainable_shard = _shard(trainable_params, world_size)
     frozen_shard = _shard(frozen_params, world_size)
@@ -122,7 +148,14 @@ def estimate_from_counts(
         optimizer_state=optimizer_state,
         optimizer_on="host" if offload_optimizer else "device",
         lr_zero_workaround_extra=workaround,
+        gathered_params=largest_module_params * weight_bytes,
+        gradient_bucket=reduce_bucket_size * weight_bytes if trainable_params else 0,
     )
+
+
+def largest_module_params(model: nn.Module) -> int:
+    """Elements of the module with the most params of its own: ZeRO-3 gathers them whole while it runs."""
+    return max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
 
 
 def estimate_memory(
@@ -133,20 +166,35 @@ def estimate_memory(
     offload_frozen: bool = True,
     offload_optimizer: bool = False,
     optimizer_state_bytes: int = 8,
+    reduce_bucket_size: int = LIGHTNING_REDUCE_BUCKET_SIZE,
     print_table: bool = True,
 ) -> MemoryEstimate:
     """Estimate per-rank memory of training ``model`` under ``frozen_deepspeed``; frozen = ``requires_grad=False``.
 
     Returns a :class:`MemoryEstimate` with device and host bytes for frozen shards, trainable weights,
-    gradients and optimizer state (Adam-type by default: ``optimizer_state_bytes=8``), and prints its table.
-    The model may live on the ``meta`` device, so a 13B model can be estimated without allocating it.
+    gradients, optimizer state (Adam-type by default: ``optimizer_state_bytes=8``) and ZeRO-3's two working
+    buffers (the largest module's params gathered whole, and the gradient bucket of ``reduce_bucket_size``
+    elements, the strategy's argument; on a CPU its untouched pages are never resident, so pass 0 there), and
+    prints its table. Activations are not included. The model may live on the ``meta`` device, so a 13B model
+    can be estimated without allocating it, or be partitioned by ZeRO-3 already.
+
+    Raises:
+        ValueError: ``num_devices`` or ``num_nodes`` below 1, or an unknown ``precision``.
     """
     if num_devices < 1 or num_nodes < 1:
         raise ValueError(f"num_devices and num_nodes must be >= 1, got {num_devices} and {num_nodes}.")
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    frozen = sum(full_numel(p) for p in model.parameters() if not p.requires_grad)
     estimate = estimate_from_counts(
-        trainable, frozen, num_devices * num_nodes, precision, offload_frozen, offload_optimizer, optimizer_state_bytes
+        trainable,
+        frozen,
+        world_size=num_devices * num_nodes,
+        precision=precision,
+        offload_frozen=offload_frozen,
+        offload_optimizer=offload_optimizer,
+        optimizer_state_bytes=optimizer_state_bytes,
+        largest_module_params=largest_module_params(model),
+        reduce_bucket_size=reduce_bucket_size,
     )
     if print_table:
         print(estimate.table())

@@ -1,0 +1,84 @@
+"""The memory estimate: hand-computed bytes, placement, a real 1-process ZeRO-3 run, and a 13B model on ``meta``."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import lightning_frozen
+from lightning_frozen import memory
+from tests.models import AdapterModel, cpu_trainer, regression_data
+
+
+def _frozen_body_trainable_head() -> nn.Module:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 2))  # 110 frozen, 22 trainable elements
+    model[0].requires_grad_(False)
+    return model
+
+
+def test_estimate_matches_hand_computed_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    estimate = lightning_frozen.estimate_memory(
+        _frozen_body_trainable_head(), num_devices=2, precision="bf16-mixed", reduce_bucket_size=1000
+    )
+    assert (estimate.trainable_params, estimate.frozen_params, estimate.world_size) == (22, 110, 2)
+    assert estimate.frozen_shards == 55 * 2  # half of the frozen elements in bf16, in CPU memory
+    assert estimate.trainable_weights == 11 * 2
+    assert estimate.gradients == 11 * 4
+    assert estimate.optimizer_state == 11 * (4 + 8)  # fp32 master + two Adam moments
+    assert estimate.gathered_params == 110 * 2  # the frozen Linear(10, 10), gathered whole in bf16
+    assert estimate.gradient_bucket == 1000 * 2
+    assert estimate.limit_bytes == 110 + 22 + 44 + 132
+    assert estimate.device_bytes == 22 + 44 + 132 + 220 + 2000
+    assert estimate.host_bytes == 110
+    assert estimate.lr_zero_workaround_extra == 55 * (4 + 8 + 4)
+    printed = capsys.readouterr().out
+    assert "frozen shards / rank" in printed and "110 B  host" in printed
+
+
+def test_offload_flags_move_bytes_between_device_and_host() -> None:
+    model = _frozen_body_trainable_head()
+    on_device = lightning_frozen.estimate_memory(model, offload_frozen=False, reduce_bucket_size=0, print_table=False)
+    offloaded = lightning_frozen.estimate_memory(model, offload_optimizer=True, reduce_bucket_size=0, print_table=False)
+    assert on_device.host_bytes == 0
+    assert on_device.device_bytes == offloaded.device_bytes + on_device.frozen_shards + on_device.optimizer_state
+    assert offloaded.host_bytes == offloaded.frozen_shards + offloaded.optimizer_state
+    assert on_device.limit_bytes == offloaded.limit_bytes
+
+
+def test_nodes_multiply_devices_and_bad_arguments_raise() -> None:
+    model = _frozen_body_trainable_head()
+    assert lightning_frozen.estimate_memory(model, num_devices=2, num_nodes=3, print_table=False).world_size == 6
+    with pytest.raises(ValueError, match="num_devices and num_nodes"):
+        lightning_frozen.estimate_memory(model, num_devices=0)
+    with pytest.raises(ValueError, match="Unknown precision 'fp8'"):
+        lightning_frozen.estimate_memory(model, precision="fp8")
+
+
+def test_estimate_matches_the_shards_of_a_real_zero3_run() -> None:
+    model = AdapterModel(width=64, depth=3, rank=4)
+    before = lightning_frozen.estimate_memory(model, precision="32-true", reduce_bucket_size=0, print_table=False)
+    cpu_trainer(max_steps=2).fit(model, regression_data(width=64))
+
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert all(p.numel() == 0 for p in frozen), "ZeRO-3 should have partitioned the frozen params away"
+    shard_bytes, shard_device = memory.measured_frozen_shard_bytes(frozen)
+    assert (shard_bytes, shard_device) == (before.frozen_shards, "cpu")
+    after = lightning_frozen.estimate_memory(model, precision="32-true", reduce_bucket_size=0, print_table=False)
+    assert after == before  # counts the full size of partitioned params
+
+
+def test_13b_lora_on_meta_fits_one_24gb_gpu_only_with_the_base_offloaded() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks.estimate_13b import fits, llama_13b_lora
+
+    model = llama_13b_lora()
+    assert all(p.is_meta for p in model.parameters())
+    offloaded = lightning_frozen.estimate_memory(model, precision="bf16-mixed", print_table=False)
+    on_gpu = lightning_frozen.estimate_memory(model, precision="bf16-mixed", offload_frozen=False, print_table=False)
+
+    assert 12.9e9 < offloaded.frozen_params < 13.1e9
+    assert offloaded.trainable_params == 40 * 2 * 16 * (5120 + 5120)  # r=16 A and B on q_proj and v_proj
+    assert offloaded.trainable_params / offloaded.frozen_params == pytest.approx(0.001, rel=0.02)
+    assert offloaded.host_bytes == offloaded.frozen_shards == 2 * offloaded.frozen_params
+    assert fits(offloaded) and offloaded.device_bytes < 2 * 10**9
+    assert not fits(on_gpu)
