@@ -15,16 +15,18 @@ def say(example: str, message: str) -> None:
     print(f"\n[{example}] {message}", flush=True)
 
 
-def fit_with_cli(example: str, config: Path, out: Path, overrides: list[str]) -> LightningCLI:
+def fit_with_cli(example: str, config: Path, out: Path, overrides: list[str], step: str = "fit") -> LightningCLI:
     """Run ``lightning-frozen fit --config config --trainer.default_root_dir=out *overrides`` in this process.
 
     Returns the CLI, whose ``trainer`` and ``model`` hold the fitted state. With ``trainer.devices > 1`` on the
     CPU, Lightning starts the other ranks by re-running the calling script with the same command line.
     """
     args = ["fit", "--config", str(config), f"--trainer.default_root_dir={out}", *overrides]
-    say(example, "fit: lightning-frozen " + " ".join(args))
+    say(example, f"{step}: lightning-frozen " + " ".join(args))
     # The driver forwards its own command line to the CLI on purpose.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning would repeat at every step.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     return lightning_cli(args)
 
 

@@ -46,8 +46,7 @@ def main() -> None:
     print(f"backbone: {_requiring_grad(module.backbone)}")
     del module
 
-    say(EXAMPLE, "2/3 fit")
-    cli = fit_with_cli(EXAMPLE, CONFIG, options.out, overrides)
+    cli = fit_with_cli(EXAMPLE, CONFIG, options.out, overrides, step="2/3 fit")
     checkpoint = best_checkpoint(cli)
 
     say(EXAMPLE, "3/3 what the strategy did with the lr=0 group")

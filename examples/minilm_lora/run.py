@@ -53,8 +53,7 @@ def main() -> None:
     options, overrides = parser.parse_known_args()
     started = time.monotonic()
 
-    say(EXAMPLE, "1/4 fit")
-    cli = fit_with_cli(EXAMPLE, CONFIG, options.out, overrides)
+    cli = fit_with_cli(EXAMPLE, CONFIG, options.out, overrides, step="1/4 fit")
     checkpoint = best_checkpoint(cli)
     callback = cli.trainer.checkpoint_callback
     print(f"best {callback.monitor} {float(callback.best_model_score):.3f}: {checkpoint}")

@@ -101,6 +101,7 @@ class LoRASentimentClassifier(L.LightningModule):
             task_type="SEQ_CLS", r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=["query", "value"]
         )
         self.model = get_peft_model(load_base_classifier(model_dir), lora)
+        self.model.train()  # from_pretrained returns eval mode; fine-tune with the base's dropout, as usual
         self.train_acc = MulticlassAccuracy(num_classes=len(LABELS))
         self.val_acc = MulticlassAccuracy(num_classes=len(LABELS))
 
