@@ -32,6 +32,7 @@ class LinearProbe(L.LightningModule):
         from transformers import AutoModel
 
         self.save_hyperparameters()
+        # from_pretrained returns eval mode, kept: no dropout in the features (Lightning notes it at fit start).
         self.backbone = AutoModel.from_pretrained(model_dir or str(minilm_folder()))
         self.head = nn.Linear(self.backbone.config.hidden_size, len(LABELS))
         self.val_acc = MulticlassAccuracy(num_classes=len(LABELS))

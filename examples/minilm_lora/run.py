@@ -1,11 +1,12 @@
-"""The main example, end to end, on the CPU in about a minute:
+"""The main example, end to end, on two CPU cores in a minute or two:
 
 1. fit a LoRA adapter on all-MiniLM-L6-v2 through the lightning-frozen CLI
    (`lightning-frozen fit --config examples/minilm_lora/config.yaml`), ModelCheckpoint keeping the best epoch;
 2. compare the adapter checkpoint's size with the frozen base's, and print the strategy's memory summary;
 3. export the checkpoint to PEFT's adapter format;
 4. reload it twice, with `lightning_frozen.load_from_checkpoint` and with `peft.PeftModel.from_pretrained`,
-   check that both give the same logits and the trained validation accuracy, and classify new sentences.
+   check that both give the same logits, print the reloaded adapter's validation accuracy and classify new
+   sentences.
 
     python examples/minilm_lora/run.py [--out DIR] [CLI overrides such as --trainer.max_epochs=1]
 """
