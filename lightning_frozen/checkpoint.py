@@ -9,19 +9,27 @@ One file, whatever the number of ranks that wrote it, that ``torch.load(path, we
   keyed by parameter name so that any world size can resume; the fp32 weights are not stored twice;
 - ``frozen_base``: ``reference``, ``fingerprint`` and, for PEFT models, the adapter config and key mapping;
 - ``lightning_frozen``: the format version.
+
+Writes go to a temporary file renamed over the checkpoint, so a process killed at any moment leaves whole files
+under checkpoint names; the temporary file it may leave is removed by a later write into the same folder.
+Reads never unpickle anything but tensors and containers (``weights_only=True``).
 """
 
 from __future__ import annotations
 
 import enum
-import io
+import hashlib
+import logging
 import os
 import pickle
-import tempfile
+import re
+import secrets
+import socket
+import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Optional, TypeVar, Union
+from typing import IO, Any, Optional, TypeVar, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -36,6 +44,13 @@ OPTIMIZER_LAYOUT = "by_name"
 
 PathLike = Union[str, os.PathLike]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+log = logging.getLogger(__name__)
+
+# `.<name>.lf-<host hash>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
+_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
+# A temp file nobody has written to for this long is stale whoever wrote it (another host, or a reused pid).
+STALE_TEMP_SECONDS = 3600.0
 
 _SAFE_SCALARS = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -75,29 +90,99 @@ def to_plain(obj: Any, where: str = "checkpoint") -> Any:
 # ---------------------------------------------------------------------------------------------- file
 
 
+def checked_path(value: Any, parameter: str, function: str) -> Path:
+    """``value`` as a ``Path``; a ``TypeError`` naming ``function``'s ``parameter`` when it is no path at all."""
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return Path(value)
+    raise TypeError(f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}.")
+
+
 def write_atomic(checkpoint: dict, path: PathLike) -> None:
     """Write ``checkpoint`` to ``path`` so a crash at any moment leaves either the old file or the new one.
 
-    The bytes go to a temporary file in the same folder, are flushed and fsynced, then renamed over ``path``.
+    See :func:`write_file_atomic`; a directory at ``path`` (a stock DeepSpeed checkpoint) is refused, not replaced.
     """
-    path = Path(path)
+    path = checked_path(path, "path", "write_atomic")
     if path.is_dir():
         raise CheckpointFormatError(
             f"{path} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
             " path such as `last.ckpt`, or remove the directory."
         )
+    write_file_atomic(path, lambda handle: torch.save(checkpoint, handle))
+
+
+def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
+
+    The temporary file is ``.<name>.lf-<host>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
+    through an existing file or link). A process killed mid-write (SIGKILL, out of memory, power loss) leaves it
+    behind: every write first removes such files in its folder when they are stale (see
+    :func:`remove_stale_temp_files`), so they do not pile up across restarts.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temp_files(path.parent)
+    tmp = path.parent / f".{path.name}.lf-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(checkpoint, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def remove_stale_temp_files(folder: Path) -> list[Path]:
+    """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them.
+
+    A temp file is stale when it was written on this host by a process that no longer runs, or when nothing has
+    written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another host sharing the folder, or its pid was
+    reused). A live writer's file, here or on another host, is left alone, as is every file not named like ours.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    host, now = _host_tag(), time.time()
+    for entry in entries:
+        match = _TEMP_FILE.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+            dead = match["host"] == host and not _process_runs(int(match["pid"]))
+            if dead or idle > STALE_TEMP_SECONDS:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except FileNotFoundError:
+            continue  # another process removed or renamed it meanwhile
+    if removed:
+        log.warning(
+            "lightning-frozen: removed %d temp file(s) left in %s by an interrupted checkpoint write: %s",
+            len(removed),
+            folder,
+            ", ".join(path.name for path in removed),
+        )
+    return removed
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it runs, under another user
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -114,14 +199,15 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
-    """Open a lightning-frozen checkpoint with ``weights_only=True`` and check its layout.
+    """Open a lightning-frozen checkpoint with ``weights_only=True`` and check its layout; nothing in it is executed.
 
     Raises:
+        TypeError: ``path`` is not a path.
         FileNotFoundError: nothing at ``path``.
-        CheckpointFormatError: a directory (stock DeepSpeed), a truncated or corrupt file, a file with pickled
-            objects, or a checkpoint of another layout; the message names the file and the fix.
+        CheckpointFormatError: a directory (stock DeepSpeed), an unreadable, truncated or corrupt file, a file with
+            pickled objects, or a checkpoint of another layout; the message names the file and the fix.
     """
-    path = Path(path)
+    path = checked_path(path, "path", "read_checkpoint")
     if not path.exists():
         raise FileNotFoundError(f"No checkpoint at {path}.")
     if path.is_dir():
@@ -131,17 +217,37 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
         )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
+    except OSError as error:
+        raise CheckpointFormatError(f"{path} cannot be read ({type(error).__name__}: {error}).") from None
+    except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
+        if isinstance(error, pickle.UnpicklingError) and zipfile.is_zipfile(path):
+            found = unsafe_globals(path)
+            named = f" ({', '.join(found[:5])})" if found else ""
+            raise CheckpointFormatError(
+                f"{path} holds pickled Python objects{named} that are not loaded for safety (`weights_only=True`);"
+                " nothing in the file was executed. A lightning-frozen checkpoint never holds them: the file was"
+                " written by something else or tampered with."
+            ) from None
         raise CheckpointFormatError(
-            f"{path} holds pickled Python objects that are not loaded for safety (`weights_only=True`): {error}."
-            " Only load checkpoints you trust; a lightning-frozen checkpoint never needs this."
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
-        raise CheckpointFormatError(
-            f"{path} is not a readable checkpoint (truncated or corrupt? {type(error).__name__}: {error})."
+            f"{path} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
         ) from None
     validate_checkpoint(checkpoint, path)
     return checkpoint
+
+
+def load_error(error: Exception) -> str:
+    """``torch.load``'s error in one line: its weights-only refusal runs to many lines of advice, named by type only."""
+    if isinstance(error, pickle.UnpicklingError):
+        return type(error).__name__
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """The Python objects a ``torch.save`` file would unpickle beyond tensors and containers (statically read)."""
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # not a readable torch.save archive at all
+        return []
 
 
 def validate_checkpoint(checkpoint: Any, path: PathLike) -> None:
@@ -152,7 +258,8 @@ def validate_checkpoint(checkpoint: Any, path: PathLike) -> None:
     if not isinstance(marker, dict):
         hint = (
             " It looks like a plain Lightning checkpoint (full weights): load it with"
-            " `LightningModule.load_from_checkpoint`."
+            " `YourModule.load_from_checkpoint`, and to train on from those weights, fit that module without"
+            " `ckpt_path`."
             if "state_dict" in checkpoint
             else ""
         )
@@ -249,16 +356,18 @@ def load_into(module: nn.Module, checkpoint: Mapping[str, Any], source: str, str
     trainable = {n: p for n, p in params.items() if n not in frozen_names and (p.requires_grad or n in state_dict)}
     if strict:
         check_keys(state_dict, trainable, buffers, source)
+    targets = {name: params.get(name, buffers.get(name)) for name in state_dict}
+    pairs = [(target, state_dict[name]) for name, target in targets.items() if target is not None]
+    for name, target in targets.items():
+        # every shape is checked before the first copy, so a refused checkpoint leaves the module as it was
+        if target is not None and tuple(target.shape) != tuple(state_dict[name].shape):
+            raise CheckpointKeysError(
+                f"{source}: `{name}` has shape {tuple(state_dict[name].shape)} in the checkpoint but"
+                f" {tuple(target.shape)} in the module. Build the module with the same configuration as when it"
+                " was trained."
+            )
     with torch.no_grad():
-        for name, value in state_dict.items():
-            target = params.get(name, buffers.get(name))
-            if target is None:
-                continue
-            if tuple(target.shape) != tuple(value.shape):
-                raise CheckpointKeysError(
-                    f"{source}: `{name}` has shape {tuple(value.shape)} in the checkpoint but {tuple(target.shape)}"
-                    " in the module. Build the module with the same configuration as when it was trained."
-                )
+        for target, value in pairs:
             target.copy_(value.to(device=target.device, dtype=target.dtype))
 
 
@@ -269,13 +378,15 @@ def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True
     first. Returns ``module``.
 
     Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module`` or ``checkpoint_path`` is not a path.
         FileNotFoundError, CheckpointFormatError: the file is missing or not a lightning-frozen checkpoint.
         FrozenBaseMismatchError: ``module``'s frozen parameters are not the base the checkpoint was trained on.
-        CheckpointKeysError: trainable parameters missing from the checkpoint, or keys the module lacks.
+        CheckpointKeysError: trainable parameters missing from the checkpoint, or keys the module lacks; the module
+            is left unchanged.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"load_adapter expects a torch.nn.Module, got {type(module).__name__}.")
-    checkpoint = read_checkpoint(checkpoint_path)
+        raise TypeError(f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}.")
+    checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_adapter"))
     load_into(module, checkpoint, str(checkpoint_path), strict, verify_base)
     return module
 
@@ -286,10 +397,20 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     Builds ``cls(**hyper_parameters, **kwargs)`` (the module builds its own frozen base in ``__init__``), verifies
     the base, loads the trainable state, calls ``on_load_checkpoint`` and returns the module in eval mode.
     Keyword arguments ``strict`` and ``verify_base`` are taken by this function, the rest go to ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a ``torch.nn.Module`` class (an instance, say) or ``checkpoint_path`` is not a path.
+        FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError: as
+            :func:`load_adapter`.
     """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(
+            f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got {cls!r}. To load into a"
+            " module you already built, use `lightning_frozen.load_adapter(module, checkpoint_path)`."
+        )
     strict = bool(kwargs.pop("strict", True))
     verify = bool(kwargs.pop("verify_base", True))
-    checkpoint = read_checkpoint(checkpoint_path)
+    checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
     module = cls(**{**hyper_parameters, **kwargs})
@@ -298,9 +419,3 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
         module.on_load_checkpoint(checkpoint)
     return module.eval()
 
-
-def checkpoint_bytes(checkpoint: dict) -> int:
-    """Size the checkpoint would have on disk, without writing it."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    return buffer.tell()
