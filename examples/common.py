@@ -25,8 +25,6 @@ def fit_with_cli(example: str, config: Path, out: Path, overrides: list[str], st
     say(example, f"{step}: lightning-frozen " + " ".join(args))
     # The driver forwards its own command line to the CLI on purpose.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    # DeepSpeed 0.19 calls collectives torch 2.13 deprecates; the warning would repeat at every step.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     return lightning_cli(args)
 
 
