@@ -6,10 +6,14 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
 import torch
+import yaml
 
+from lightning_frozen.cli import main
 from tests.cli_support import command_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,3 +78,15 @@ def test_two_process_run_shards_the_base_and_reloads_in_one_process(tmp_path: Pa
         float, re.search(r"accuracy: (\S+) in one process, (\S+) on two ranks", output).groups()
     )
     assert abs(one_process - two_ranks) <= 2 / 80  # same 80 sentences; a borderline logit may round either way
+
+
+def test_the_main_config_takes_strategy_options_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    config = REPO / "examples" / "minilm_lora" / "config.yaml"
+
+    with pytest.raises(SystemExit), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        main(["fit", "--config", str(config), "--trainer.strategy.init_args.offload_frozen=false", "--print_config"])
+
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"]["init_args"]["offload_frozen"] is False
+    assert printed["model"]["class_path"] == "examples.minilm_lora.task.LoRASentimentClassifier"
