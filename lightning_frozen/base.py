@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -165,9 +165,15 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
 
 
 def verify_base(
-    recorded: dict[str, Any], named_frozen: list[tuple[str, torch.Tensor]], reference: Optional[str], source: str
+    recorded: dict[str, Any],
+    named_frozen: list[tuple[str, torch.Tensor]],
+    reference: Optional[str],
+    source: str,
+    fingerprint: Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]] = fingerprint_base,
 ) -> None:
     """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
+
+    ``fingerprint`` computes the current one (the strategy passes a cached :func:`fingerprint_base`).
 
     Raises:
         FrozenBaseMismatchError: names, shapes or values differ; the message names the reference and the first
@@ -176,7 +182,7 @@ def verify_base(
     mode = recorded.get("mode", "none")
     if mode == "none":
         return
-    current = fingerprint_base(named_frozen, mode)
+    current = fingerprint(named_frozen, mode)
     if current["digest"] == recorded.get("digest"):
         return
     expected, found = recorded.get("tensors", {}), current["tensors"]

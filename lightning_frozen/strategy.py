@@ -401,12 +401,19 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         assert module is not None
         return checkpoint._named_frozen(module, recorded or {}, trained or {})
 
-    def frozen_base_fingerprint(self) -> dict[str, Any]:
-        """The fingerprint of the module's frozen params (collective; computed once, frozen params never change)."""
-        named = self._named_frozen()
-        key = tuple(name for name, _ in named)
+    def frozen_base_fingerprint(
+        self, named: Optional[list[tuple[str, Any]]] = None, mode: Optional[str] = None
+    ) -> dict[str, Any]:
+        """The fingerprint of the module's frozen params (default: all of them, in this strategy's mode).
+
+        Collective. Computed once per set of names and mode: frozen params never change, so a resumed run verifies
+        the base and writes its later checkpoints with one pass over the frozen shards.
+        """
+        named = self._named_frozen() if named is None else named
+        mode = mode or self.fingerprint
+        key = (mode, *(name for name, _ in named))
         if self._fingerprint_cache is None or self._fingerprint_cache[0] != key:
-            self._fingerprint_cache = (key, base.fingerprint_base(named, self.fingerprint))
+            self._fingerprint_cache = (key, base.fingerprint_base(named, mode))
         return self._fingerprint_cache[1]
 
     @override
@@ -479,6 +486,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
                 self._named_frozen(recorded, loaded["state_dict"]),
                 frozen_base.get("reference"),
                 str(checkpoint_path),
+                fingerprint=self.frozen_base_fingerprint,
             )
         return loaded
 
