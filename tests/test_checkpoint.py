@@ -230,3 +230,21 @@ def test_fingerprint_option_full_hash_or_none(tmp_path: Path) -> None:
     torch.testing.assert_close(
         torch.load(tmp_path / "unchecked.ckpt", weights_only=True)["state_dict"]["head.weight"], saved
     )
+
+
+def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    from lightning_frozen import base
+
+    calls: list[int] = []
+    real = base.fingerprint_base
+
+    def counting(named: Any, mode: str = "checksum") -> dict:
+        calls.append(len(named))
+        return real(named, mode)
+
+    monkeypatch.setattr(base, "fingerprint_base", counting)
+    trainer = cpu_trainer(max_epochs=2)
+    trainer.fit(AdapterModel(optimizer_fn=_scheduled), regression_data(), ckpt_path=trained["one"])
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    trainer.save_checkpoint(tmp_path / "b.ckpt")
+    assert calls == [4]  # the resume check; both saves reuse it
