@@ -11,7 +11,7 @@ import argparse
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -83,7 +83,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         offload_optimizer: bool = False,
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
-        fingerprint: str = "checksum",
+        fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision_plugin: Optional[Precision] = None,
