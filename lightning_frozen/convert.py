@@ -2,29 +2,29 @@
 
 DeepSpeed's own ``zero_to_fp32`` helpers reassemble the per-rank shards; we feed them the fp32 master weights and,
 the same way, each optimizer state (Adam's moments), so the converted file resumes training like one of ours.
-DeepSpeed's files are pickles: before any is unpickled, its globals are checked against the few DeepSpeed classes
-such a file holds, and a file naming anything else is refused.
+DeepSpeed's files are pickles and its helpers load them with ``weights_only=False``: every load here, theirs
+included, runs with ``weights_only=True`` allowing only the few DeepSpeed classes such a file holds, so a file
+carrying anything else is refused before any of it runs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
+from unittest import mock
 
 import torch
 
 from lightning_frozen import base, checkpoint
-from lightning_frozen.checkpoint import PathLike
+from lightning_frozen.checkpoint import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError
 
 log = logging.getLogger(__name__)
-
-_DEEPSPEED_GLOBALS = {
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-}
 _LIGHTNING_KEYS = (
     "epoch",
     "global_step",
@@ -39,13 +39,33 @@ _LIGHTNING_KEYS = (
 )
 
 
-def _check_globals(path: Path) -> None:
-    unexpected = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _DEEPSPEED_GLOBALS)
-    if unexpected:
-        raise CheckpointFormatError(
-            f"{path} references Python objects a DeepSpeed checkpoint does not hold ({', '.join(unexpected[:5])});"
-            " it is not unpickled. Convert only checkpoints you wrote yourself."
-        )
+@contextmanager
+def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
+    """Make every ``torch.load`` inside load ``weights_only``, DeepSpeed's own included, allowing the DeepSpeed
+    classes its checkpoint files hold; a file with anything else raises :class:`CheckpointFormatError`."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    environment = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    environment["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # read by torch.load at every call
+    with (
+        torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]),
+        mock.patch.dict(os.environ, environment, clear=True),
+    ):
+        try:
+            yield
+        except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, OSError) as error:
+            for path in files:
+                unexpected = checkpoint.unsafe_globals(Path(path))
+                if unexpected:
+                    raise CheckpointFormatError(
+                        f"{path} holds Python objects a DeepSpeed checkpoint does not ({', '.join(unexpected[:5])});"
+                        " nothing in it was executed. Convert only checkpoints you trust; if you do trust it, allow"
+                        " those classes with `torch.serialization.add_safe_globals([...])` first."
+                    ) from None
+            raise CheckpointFormatError(
+                f"{source} has a shard file that cannot be read (truncated or corrupt? {checkpoint.load_error(error)})."
+            ) from None
 
 
 def _checkpoint_folder(source: Path) -> Path:
@@ -84,27 +104,31 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
     ``reference`` names the frozen base. Returns ``destination``.
 
     Raises:
+        TypeError: ``source`` or ``destination`` is not a path.
         FileNotFoundError: ``source`` does not exist.
-        CheckpointFormatError: ``source`` is not a ZeRO-3 DeepSpeed checkpoint, or names unexpected Python objects.
+        CheckpointFormatError: ``source`` is not a ZeRO-3 DeepSpeed checkpoint, has a damaged shard file or holds
+            unexpected Python objects (refused unexecuted), or ``destination`` is a directory. Nothing is written
+            then, and an existing file at ``destination`` stays as it was.
     """
     from deepspeed.utils import zero_to_fp32
 
-    source, destination = Path(source), Path(destination)
+    source = checked_path(source, "source", "convert_deepspeed_checkpoint")
+    destination = checked_path(destination, "destination", "convert_deepspeed_checkpoint")
     folder = _checkpoint_folder(source)
     model_files = zero_to_fp32.get_model_state_files(str(folder))
     optim_files = zero_to_fp32.get_optim_files(str(folder))
-    for path in [*model_files, *optim_files]:
-        _check_globals(Path(path))
     log.warning(
         "lightning-frozen: reading %d model and %d optimizer shard files from %s",
         len(model_files),
         len(optim_files),
         folder,
     )
-    model_states = zero_to_fp32.parse_model_states(model_files)
-    optim_states = [
-        torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"] for path in optim_files
-    ]
+    with _weights_only_loads(source, [*model_files, *optim_files]):
+        model_states = zero_to_fp32.parse_model_states(model_files)
+        optim_states = [
+            torch.load(path, map_location="cpu", weights_only=True)["optimizer_state_dict"] for path in optim_files
+        ]
+        client = torch.load(model_files[0], map_location="cpu", weights_only=True)
     if optim_states[0].get("zero_stage") != 3:
         raise CheckpointFormatError(
             f"{source} was written with ZeRO stage {int(optim_states[0].get('zero_stage'))}; only stage 3 converts."
@@ -134,7 +158,6 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
         for group, names in zip(inner[0]["param_groups"], group_names)
     ]
 
-    client = torch.load(model_files[0], map_location="cpu", weights_only=False)
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
     frozen: dict[str, torch.Tensor] = {}
     zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen.checkpoint import PathLike, read_checkpoint
+from lightning_frozen.checkpoint import PathLike, checked_path, read_checkpoint, write_file_atomic
 from lightning_frozen.errors import CheckpointFormatError
 
 CONFIG_NAME = "adapter_config.json"
@@ -57,24 +56,30 @@ def peft_entry(prefix: str, peft_model: Any, trainable_names: list[str]) -> dict
 def _inside(folder: Path, name: str) -> Path:
     target = (folder / name).resolve()
     if target.parent != folder.resolve():
-        raise ValueError(f"Refusing to write {name!r} outside {folder}.")
+        raise ValueError(
+            f"{folder / name} links to {target}, outside {folder}; the export writes only inside its folder. Remove"
+            " the link or choose another `output_dir`."
+        )
     return target
 
 
 def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained``.
 
-    Only the two files are written, inside ``output_dir`` (created if needed). Trainable parameters that are not
-    part of the PEFT adapter (a head outside the ``PeftModel``) cannot go into it and are named in a warning.
-    Returns ``output_dir``.
+    Only the two files are written, inside ``output_dir`` (created if needed), each atomically through a new
+    temporary file: never through a link planted there. Trainable parameters that are not part of the PEFT adapter
+    (a head outside the ``PeftModel``) cannot go into it and are named in a warning. Returns ``output_dir``.
 
     Raises:
+        TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.
         CheckpointFormatError: the checkpoint was not trained on a PEFT model, or is not a lightning-frozen file.
         NotADirectoryError: ``output_dir`` exists and is a file.
+        ValueError: one of the two files in ``output_dir`` is a link to somewhere else.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    folder = Path(output_dir)
+    checkpoint_path = checked_path(checkpoint_path, "checkpoint_path", "export_peft_adapter")
+    folder = checked_path(output_dir, "output_dir", "export_peft_adapter")
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
     checkpoint = read_checkpoint(checkpoint_path)
@@ -101,10 +106,7 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
         config["base_model_name_or_path"] = checkpoint["frozen_base"]["reference"]
     weights_path = _inside(folder, WEIGHTS_NAME)
     config_path = _inside(folder, CONFIG_NAME)
-    tmp_weights = weights_path.with_name(f".{WEIGHTS_NAME}.tmp")
-    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
-    os.replace(tmp_weights, weights_path)
-    tmp_config = config_path.with_name(f".{CONFIG_NAME}.tmp")
-    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
-    os.replace(tmp_config, config_path)
+    weights = save(tensors, metadata={"format": "pt"})
+    write_file_atomic(weights_path, lambda handle: handle.write(weights))
+    write_file_atomic(config_path, lambda handle: handle.write(json.dumps(config, indent=2, sort_keys=True).encode()))
     return folder
