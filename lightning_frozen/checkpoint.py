@@ -405,7 +405,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(
-            f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got {cls!r}. To load into a"
+            f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"
+            f" {f'an instance of `{type(cls).__name__}`' if not isinstance(cls, type) else repr(cls)}. To load into a"
             " module you already built, use `lightning_frozen.load_adapter(module, checkpoint_path)`."
         )
     strict = bool(kwargs.pop("strict", True))
@@ -413,9 +414,15 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
-    module = cls(**{**hyper_parameters, **kwargs})
+    try:
+        module = cls(**{**hyper_parameters, **kwargs})
+    except TypeError as error:
+        raise TypeError(
+            f"`load_from_checkpoint`: `{cls.__name__}` cannot be built from the hyper-parameters saved in"
+            f" {checkpoint_path} ({error}). Was it saved from another class? Pass the class it was trained with, or"
+            " override the offending arguments as keyword arguments."
+        ) from error
     load_into(module, checkpoint, str(checkpoint_path), strict, verify)
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)
     return module.eval()
-

@@ -8,6 +8,7 @@ file in ``checkpoint.py``.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
@@ -22,7 +23,7 @@ from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -91,11 +92,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
+        flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
+        flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
+        _check_argument_types(flags, frozen_base, timeout, kwargs.get("config"))
         if fingerprint not in base.FINGERPRINT_MODES:
             raise ValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
         if zero_optimization and stage != 3:
             raise ValueError(
-                f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage}`. Use"
+                f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage!r}`. Use"
                 " Lightning's `DeepSpeedStrategy` for stages 1 and 2."
             )
         super().__init__(
@@ -205,6 +209,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
                 " optimizer state. Pass `convert_lr_zero_groups=False` to keep them in the optimizer."
             )
         zero.check_has_trainable(module)
+        if not optim.frozen_params(module):
+            rank_zero_warn(
+                f"lightning-frozen: every parameter of `{type(module).__name__}` is trainable, so"
+                f" {type(self).__name__} brings nothing over plain ZeRO-3 (it saves optimizer state, gradients and"
+                " checkpoint size of frozen parameters only). Freeze the base before `fit` (`requires_grad_(False)`,"
+                " or wrap the model with PEFT), or train with `strategy='deepspeed_stage_3'`."
+            )
         if not optimizer.param_groups:
             raise NoTrainableParametersError(
                 f"The {type(optimizer).__name__} returned by `configure_optimizers` holds only frozen parameters"
@@ -569,3 +580,24 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 def _names(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_argument_types(flags: dict[str, Any], frozen_base: Any, timeout: Any, config: Any) -> None:
+    """A ``TypeError`` naming the strategy argument of the wrong type (the CLI checks types; Python callers not)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"FrozenAwareDeepSpeedStrategy: `{name}` must be True or False, got {value!r}.")
+    if frozen_base is not None and not isinstance(frozen_base, (str, os.PathLike)):
+        raise TypeError(
+            f"FrozenAwareDeepSpeedStrategy: `frozen_base` must be the base's path or hub id, got {frozen_base!r}."
+        )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"FrozenAwareDeepSpeedStrategy: `timeout` must be a `datetime.timedelta`, e.g. `timedelta(minutes=10)`,"
+            f" got {timeout!r}."
+        )
+    if config is not None and not isinstance(config, (str, os.PathLike, dict)):
+        raise TypeError(
+            f"FrozenAwareDeepSpeedStrategy: `config` must be a DeepSpeed config dict or the path of its JSON file,"
+            f" got {config!r}."
+        )

@@ -1,4 +1,5 @@
-"""Faults: a training process SIGKILLed while it writes checkpoints, and temp files that a killed writer leaves."""
+"""Faults and untrusted files: a training process SIGKILLed while it writes checkpoints, the temp files a killed
+writer leaves, and checkpoints that carry pickled objects or plant links for the writer to follow."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_frozen
+from lightning_frozen import CheckpointFormatError, read_checkpoint
 from lightning_frozen import checkpoint as ckpt_module
-from lightning_frozen import read_checkpoint
 from tests.distributed import SCRIPTS
-from tests.models import AdapterModel, cpu_trainer, regression_data
+from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 MAX_STEPS = 40
 
@@ -175,4 +177,114 @@ def test_a_write_never_goes_through_a_planted_temp_name(tmp_path: Path, planted:
         else:
             target.write_text("keep me")
     ckpt_module.write_atomic({"value": torch.arange(3)}, folder / "last.ckpt")
+    assert outside.read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------------------------- untrusted files
+
+
+class _Payload:
+    """Unpickling it runs a shell command that leaves a marker file: the test fails if it ever runs."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real checkpoints, ours and a stock DeepSpeed directory, each with a pickled object slipped in."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    marker = tmp / "executed"
+    trainer = cpu_trainer(max_steps=1)
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(tmp / "adapter.ckpt")
+    checkpoint = torch.load(tmp / "adapter.ckpt", weights_only=True)
+    checkpoint["hyper_parameters"]["width"] = _Payload(marker)
+    torch.save(checkpoint, tmp / "hostile.ckpt")
+    torch.save(checkpoint, tmp / "hostile5.ckpt", pickle_protocol=5)
+
+    stock = cpu_trainer(StockDeepSpeedOnCPU(stage=3), max_steps=1)
+    stock.fit(AdapterModel(), regression_data())
+    stock.save_checkpoint(tmp / "stock.ckpt")
+    shard = next((tmp / "stock.ckpt").glob("checkpoint/*model_states.pt"))
+    state = torch.load(shard, weights_only=False)
+    state["hyper_parameters"] = {"width": _Payload(marker)}
+    torch.save(state, shard)
+    return {"dir": tmp, "marker": marker, "stock": tmp / "stock.ckpt"}
+
+
+@pytest.mark.parametrize("name", ["hostile", "hostile5"])
+def test_every_load_path_refuses_pickled_objects_unexecuted(hostile: dict[str, Path], name: str) -> None:
+    path = hostile["dir"] / f"{name}.ckpt"
+    refused = pytest.raises(CheckpointFormatError, match=rf"{name}.ckpt holds pickled Python objects.*never holds")
+    with refused:
+        read_checkpoint(path)
+    with refused:
+        lightning_frozen.load_adapter(AdapterModel(), path)
+    with refused:
+        lightning_frozen.load_from_checkpoint(AdapterModel, path)
+    with refused:
+        lightning_frozen.export_peft_adapter(path, hostile["dir"] / "peft")
+    with refused:
+        cpu_trainer(max_steps=2).fit(AdapterModel(), regression_data(), ckpt_path=path)
+    with refused:
+        cpu_trainer().validate(AdapterModel(), regression_data(), ckpt_path=path)
+    assert not hostile["marker"].exists()
+    assert not (hostile["dir"] / "peft").exists()
+
+
+def test_the_pickled_object_is_named_when_it_can_be_read_statically(hostile: dict[str, Path]) -> None:
+    with pytest.raises(CheckpointFormatError, match=r"hostile.ckpt holds pickled Python objects \(posix.system\)"):
+        read_checkpoint(hostile["dir"] / "hostile.ckpt")
+
+
+def test_convert_refuses_a_deepspeed_shard_with_other_objects(hostile: dict[str, Path]) -> None:
+    out = hostile["dir"] / "converted.ckpt"
+    with pytest.raises(CheckpointFormatError, match=r"model_states.pt holds Python objects .*\(posix.system\)"):
+        lightning_frozen.convert_deepspeed_checkpoint(hostile["stock"], out)
+    assert not hostile["marker"].exists() and not out.exists()
+
+
+def _peft_checkpoint(path: Path) -> Path:
+    """A minimal file export accepts: one LoRA weight and the mapping to its PEFT key (no model needed)."""
+    peft = {"keys": {"lora_a": "base_model.model.layer.lora_A.weight"}, "config": {"peft_type": "LORA", "r": 4}}
+    ckpt_module.write_atomic(
+        {
+            ckpt_module.FORMAT_KEY: {"format_version": ckpt_module.FORMAT_VERSION},
+            "state_dict": {"lora_a": torch.ones(4, 8)},
+            "frozen_base": {"reference": "my-base", "fingerprint": {}, "peft": peft},
+        },
+        path,
+    )
+    return path
+
+
+def test_export_writes_only_inside_its_folder(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    source = _peft_checkpoint(tmp_path / "peft.ckpt")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    # a fixed temp name was a way to write through a planted link
+    (folder / ".adapter_model.safetensors.tmp").symlink_to(outside)
+    (folder / ".adapter_config.json.tmp").symlink_to(outside)
+    (folder / "README.md").write_text("mine")
+    lightning_frozen.export_peft_adapter(source, folder)
+    assert outside.read_text() == "keep me" and (folder / "README.md").read_text() == "mine"
+    assert torch.equal(
+        load_file(folder / "adapter_model.safetensors")["base_model.model.layer.lora_A.weight"], torch.ones(4, 8)
+    )
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "my-base"
+
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_model.safetensors").symlink_to(outside)
+    with pytest.raises(
+        ValueError, match=r"adapter_model.safetensors links to .*outside.txt, outside .*Remove the link"
+    ):
+        lightning_frozen.export_peft_adapter(source, folder)
     assert outside.read_text() == "keep me"
