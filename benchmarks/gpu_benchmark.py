@@ -48,11 +48,10 @@ def main() -> None:
         "setting": "1 CUDA GPU, bf16-mixed",
         "load_before": load_average(),
         "threads_per_process": "default",
-        "malloc": "MALLOC_MMAP_THRESHOLD_=1MiB",
     }
     started = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="lightning-frozen-gpu-bench-"))
-    env = worker_env(threads=None, default_malloc=False)
+    env = worker_env(threads=None)
     try:
         runs = [run_one(MODEL, config, 1, scratch, logs, TIMEOUT_S, env, WORKER_ARGS) for config in GPU_CONFIGS]
     finally:

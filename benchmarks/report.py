@@ -46,11 +46,12 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     if all("train_peak_rss" in rank for rank in ranks) and len(ranks) == run["devices"]:
         row["memory_bytes"] = max(rank["train_peak_rss"] - rank["floor_rss"] for rank in ranks)
         row["setup_memory_bytes"] = max(rank["setup_peak_rss"] - rank["floor_rss"] for rank in ranks)
+        row["default_malloc_memory_bytes"] = max(rank["default_malloc_peak_rss"] - rank["floor_rss"] for rank in ranks)
         row["step_s"] = first["step_median_s"]
     if all(rank.get("device_memory") for rank in ranks) and len(ranks) == run["devices"]:
         row["device_memory_bytes"] = max(rank["device_memory"]["train_peak"] for rank in ranks)
         row["device_estimate_bytes"] = estimate["device_bytes"]
-    for key in ("checkpoint_bytes", "save_s", "resume_s"):
+    for key in ("checkpoint_bytes", "save_s", "next_save_s", "resume_s"):
         if key in first:
             row[key] = first[key]
     if all("resumed_exactly" in rank for rank in ranks) and ranks:
@@ -81,10 +82,15 @@ def _num(value: Optional[float], digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _cell(value: Optional[float], *ratios: Optional[float], digits: int = 1) -> str:
+def _mib(value: Optional[int]) -> str:
+    return "failed" if value is None else f"{value / MiB:.1f}"
+
+
+def _cell(value: Optional[float], *ratios: Optional[float], digits: int = 1, unit: float = 1) -> str:
+    """``value / unit`` and its ratios in brackets, or "failed" when it was not measured."""
     if value is None:
         return "failed"
-    return f"{value:.{digits}f} ({', '.join(_num(r) for r in ratios)})"
+    return f"{value / unit:.{digits}f} ({', '.join(_num(r) for r in ratios)})"
 
 
 def goal_rows(grouped: dict[tuple[str, int], dict[str, dict[str, Any]]]) -> list[tuple[str, str, str, Optional[bool]]]:
@@ -132,13 +138,15 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"`{meta['command']}` — started {meta['started']}, {meta['wall_s']} s in all; {meta['host']};"
         f" load average (1, 5, 15 min) {meta['load_before']} before, {meta['load_after']} after;"
         f" {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}. {meta['setting']};"
-        f" {meta['threads_per_process']} torch thread(s)"
-        f" per process; malloc: {meta['malloc']}.",
+        f" {meta['threads_per_process']} torch thread(s) per process.",
         "",
-        "Memory: peak RSS per rank during training (`on_train_start` → `on_train_end`) above the floor (the RSS"
-        " after all imports, just before the model is built), worst rank. Setup: the same peak up to"
-        " `on_train_start` (model build + engine setup). Limit: the physical limit of DESIGN.md per rank."
+        "Memory: peak RSS per rank during training steps above the floor (the RSS after all imports, just before"
+        " the model is built), worst rank, measured with glibc's malloc mapping every allocation above 1 MiB so"
+        " that RSS follows live memory; glibc default: the same over the timed steps with glibc's default"
+        " malloc, which keeps freed buffers. Setup: the peak up to `on_train_start` (model build + engine setup)."
+        " Limit: the physical limit of DESIGN.md per rank."
         " Checkpoint floor: 12 B per trainable param. Step: median over the steps after warm-up."
+        " First save: the first `trainer.save_checkpoint` of the run; next save: the one right after it."
         " Resume: `fit(ckpt_path=...)` call → first batch. Ratios in brackets: × (a), then × limit/floor/(d).",
         "",
         "## Goals",
@@ -161,32 +169,30 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             lines.append("")
         device = any("device_memory_bytes" in row for row in by_config.values())
         lines += [
-            "| configuration | memory MiB (×a, ×limit) | setup MiB | checkpoint MiB (×a, ×floor) | save s (×a)"
-            " | resume s (×a) | resumed exactly | step s (×a, ×d) | estimate error |"
-            + (" device MiB (×a, ×estimate) |" if device else ""),
-            "|---|---|---|---|---|---|---|---|---|" + ("---|" if device else ""),
+            "| configuration | memory MiB (×a, ×limit) | glibc default MiB | setup MiB | checkpoint MiB (×a, ×floor)"
+            " | first save s (×a) | next save s (×a) | resume s (×a) | resumed exactly | step s (×a, ×d)"
+            " | estimate error |" + (" device MiB (×a, ×estimate) |" if device else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if device else ""),
         ]
         for key, row in by_config.items():
-            memory = row.get("memory_bytes")
-            ckpt = row.get("checkpoint_bytes")
             lines.append(
                 "| " + " | ".join([
                     CONFIGS[key].label + (" (DDP)" if key == PLAIN and devices > 1 else ""),
-                    _cell(memory and memory / MiB, ratio(row, a, "memory_bytes"),
-                          ratio(row, row, "memory_bytes", "limit_bytes")),
-                    _num(row.get("setup_memory_bytes") and row["setup_memory_bytes"] / MiB, 1)
-                    if "setup_memory_bytes" in row else "failed",
-                    _cell(ckpt and ckpt / MiB, ratio(row, a, "checkpoint_bytes"),
-                          ratio(row, row, "checkpoint_bytes", "checkpoint_floor_bytes"), digits=2),
+                    _cell(row.get("memory_bytes"), ratio(row, a, "memory_bytes"),
+                          ratio(row, row, "memory_bytes", "limit_bytes"), unit=MiB),
+                    _mib(row.get("default_malloc_memory_bytes")),
+                    _mib(row.get("setup_memory_bytes")),
+                    _cell(row.get("checkpoint_bytes"), ratio(row, a, "checkpoint_bytes"),
+                          ratio(row, row, "checkpoint_bytes", "checkpoint_floor_bytes"), digits=2, unit=MiB),
                     _cell(row.get("save_s"), ratio(row, a, "save_s"), digits=2),
+                    _cell(row.get("next_save_s"), ratio(row, a, "next_save_s"), digits=2),
                     _cell(row.get("resume_s"), ratio(row, a, "resume_s"), digits=2),
                     {True: "yes", False: "**no**", None: "—"}[row.get("resumed_exactly")],
                     _cell(row.get("step_s"), ratio(row, a, "step_s"), ratio(row, d, "step_s"), digits=3),
                     f"{row['estimate_error']:+.0%}" if "estimate_error" in row else "—",
                     *(
-                        [_cell(row.get("device_memory_bytes") and row["device_memory_bytes"] / MiB,
-                               ratio(row, a, "device_memory_bytes"),
-                               ratio(row, row, "device_memory_bytes", "device_estimate_bytes"))]
+                        [_cell(row.get("device_memory_bytes"), ratio(row, a, "device_memory_bytes"),
+                               ratio(row, row, "device_memory_bytes", "device_estimate_bytes"), unit=MiB)]
                         if device else []
                     ),
                 ]) + " |"

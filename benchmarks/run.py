@@ -34,17 +34,11 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def worker_env(threads: Optional[int], default_malloc: bool) -> dict[str, str]:
-    """The environment of every worker: torch threads (None: torch's default), and glibc's malloc set to measure
-    live memory."""
+def worker_env(threads: Optional[int]) -> dict[str, str]:
+    """The environment of every worker: torch threads per process (None: torch's default)."""
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    if not default_malloc:
-        # glibc raises its mmap threshold after each large free, so ZeRO-3's per-step gather buffers end up
-        # in a heap it never returns: RSS then grows every step (1.5 GB above the floor after 10 steps on 2
-        # ranks, for 200 MB of live state). A fixed threshold maps and unmaps them: RSS follows live memory.
-        env["MALLOC_MMAP_THRESHOLD_"] = str(1024 * 1024)
     return env
 
 
@@ -99,7 +93,6 @@ def main() -> None:
     # one thread per process by default: on a shared 2-core machine, OpenMP threads that wait on each other make
     # step times swing by 10x whenever another process takes a core
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS)")
-    parser.add_argument("--default-malloc", action="store_true", help="keep glibc's dynamic mmap threshold")
     args = parser.parse_args()
 
     devices = (1,) if args.quick else CPU_DEVICES
@@ -112,9 +105,8 @@ def main() -> None:
         "setting": "CPU (DeepSpeed's CPU accelerator, gloo), fp32",
         "load_before": load_average(),
         "threads_per_process": args.threads,
-        "malloc": "glibc default" if args.default_malloc else "MALLOC_MMAP_THRESHOLD_=1MiB",
     }
-    env = worker_env(args.threads, args.default_malloc)
+    env = worker_env(args.threads)
     started = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="lightning-frozen-bench-"))
     try:
