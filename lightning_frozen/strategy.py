@@ -23,6 +23,8 @@ from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -291,6 +293,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_trainable_set_unchanged()
         return super().training_step(*args, **kwargs)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # Lightning kills the ranks its launcher started only on Ctrl+C: after any other failure here, a rank stuck
+        # in a hang of its own would outlive the run (one waiting in a collective fails when this process exits)
+        if isinstance(self.launcher, _SubprocessScriptLauncher):
+            self.launcher.kill(_get_sigkill_signal())
 
     def _check_trainable_set_unchanged(self) -> None:
         module = self.lightning_module

@@ -1,5 +1,6 @@
-"""Faults and untrusted files: a training process SIGKILLed while it writes checkpoints, the temp files a killed
-writer leaves, and checkpoints that carry pickled objects or plant links for the writer to follow."""
+"""Faults, untrusted files and many ranks: a training process SIGKILLed while it writes checkpoints, the temp files a
+killed writer leaves, checkpoints that carry pickled objects or plant links, two simulated nodes on loopback, and
+ranks that raise, fail to write or hang."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
 from lightning_frozen import checkpoint as ckpt_module
-from tests.distributed import SCRIPTS
+from tests.distributed import SCRIPTS, free_port
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 MAX_STEPS = 40
@@ -288,3 +289,89 @@ def test_export_writes_only_inside_its_folder(tmp_path: Path) -> None:
     ):
         lightning_frozen.export_peft_adapter(source, folder)
     assert outside.read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------------------------- many ranks
+
+
+def _launch(folder: Path, *args: str, nodes: int = 1, timeout: float = 120) -> tuple[list[int], str, float]:
+    """Run ``many_ranks.py`` under Lightning's launcher (1 node, 2 processes), or as ``nodes`` simulated nodes of one
+    process each, which find each other through Lightning's environment variables on loopback. Returns the exit
+    codes, the output of all and the seconds until the last one ended; whatever runs past ``timeout`` is killed."""
+    devices = ["--devices=1", f"--num-nodes={nodes}"] if nodes > 1 else ["--devices=2"]
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
+        environment.pop(key, None)
+    if nodes > 1:
+        environment["WORLD_SIZE"] = str(nodes)
+    command = [sys.executable, str(SCRIPTS / "many_ranks.py"), f"--dir={folder}", *devices, *args]
+    begun = time.monotonic()
+    processes = [
+        subprocess.Popen(
+            command,
+            env={**environment, **({"NODE_RANK": str(node)} if nodes > 1 else {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(nodes)
+    ]
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=max(1.0, timeout - (time.monotonic() - begun)))[0])
+        except subprocess.TimeoutExpired:
+            process.kill()
+            outputs.append(process.communicate()[0] + f"\n<killed after {timeout:.0f} s>")
+    return [p.returncode for p in processes], "\n".join(outputs), time.monotonic() - begun
+
+
+def _processes_running(argument: str) -> list[int]:
+    """Pids of processes whose command line holds ``argument``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and argument.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_two_simulated_nodes_fit_checkpoint_resume_and_validate(tmp_path: Path) -> None:
+    codes, output, _ = _launch(tmp_path, nodes=2)
+    assert codes == [0, 0], output[-6000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["world_size"] == 2 and r["steps"] == [4, 8] for r in reports), reports
+    resumed = read_checkpoint(tmp_path / "resumed.ckpt")
+    assert resumed["lightning_frozen"]["world_size"] == 2 and resumed["global_step"] == 8
+    # each rank validated half of the data from the resumed file: together, the loss of the whole under load_adapter
+    loaded = lightning_frozen.load_adapter(AdapterModel(), tmp_path / "resumed.ckpt").eval()
+    x, y = next(iter(regression_data(batch_size=64)))
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(loaded(x), y).item()
+    assert sum(r["val_loss"] for r in reports) / 2 == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_error(tmp_path: Path) -> None:
+    codes, output, seconds = _launch(tmp_path, "--fail=step", "--fail-rank=1")
+    assert codes[0] != 0 and "<killed" not in output
+    assert "ValueError: training_step failed on rank 1 on purpose" in output
+    assert seconds < 90 and not _processes_running(str(tmp_path))
+
+
+def test_a_failed_checkpoint_write_on_node_zero_ends_both_nodes(tmp_path: Path) -> None:
+    (tmp_path / "last.ckpt").mkdir()  # a stock DeepSpeed checkpoint in the way: rank 0, the writer, refuses it
+    (tmp_path / "last.ckpt" / "latest").write_text("checkpoint")
+    codes, output, seconds = _launch(tmp_path, nodes=2)
+    assert 0 not in codes and "<killed" not in output, output[-6000:]
+    assert "CheckpointFormatError" in output and "last.ckpt is a directory" in output
+    assert seconds < 90 and (tmp_path / "last.ckpt" / "latest").read_text() == "checkpoint"
+
+
+def test_a_hung_rank_is_ended_by_the_collective_timeout_and_not_left_behind(tmp_path: Path) -> None:
+    codes, output, seconds = _launch(tmp_path, "--fail=hang", "--fail-rank=1", "--timeout=10")
+    assert codes[0] != 0 and "<killed" not in output
+    assert "Timed out waiting 10000ms" in output
+    time.sleep(0.5)  # the SIGKILLed rank is reaped by init, not by us
+    assert seconds < 90 and not _processes_running(str(tmp_path))
