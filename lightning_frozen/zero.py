@@ -250,9 +250,14 @@ def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Pa
         group["lr"] = 0.0
     try:
         for index in missing:
-            flats[index].grad = torch.zeros_like(flats[index])
+            # with optimizer offload the flat partition's .grad is DeepSpeed's own persistent buffer: reuse it
+            persistent = flats[index].grad
+            if persistent is None:
+                flats[index].grad = torch.zeros_like(flats[index])
+            else:
+                persistent.zero_()
             deepspeed_optimizer._optimizer_step(index)
-            flats[index].grad = None
+            flats[index].grad = persistent
     finally:
         for group, lr in zip(inner.param_groups, saved_lrs):
             group["lr"] = lr

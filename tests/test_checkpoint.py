@@ -248,3 +248,22 @@ def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_pa
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     trainer.save_checkpoint(tmp_path / "b.ckpt")
     assert calls == [4]  # the resume check; both saves reuse it
+
+
+def test_resume_with_optimizer_offload_is_exact(tmp_path: Path) -> None:
+    def fit(max_epochs: int, resume: Path | None = None) -> dict:
+        trainer = cpu_trainer("frozen_deepspeed_offload", max_epochs=max_epochs)
+        trainer.fit(AdapterModel(optimizer_fn=_scheduled), regression_data(), ckpt_path=resume)
+        path = tmp_path / f"offload-{max_epochs}-{resume is not None}.ckpt"
+        trainer.save_checkpoint(path)
+        return {"path": path, "ckpt": torch.load(path, weights_only=True)}
+
+    one = fit(1)
+    straight, resumed = fit(2)["ckpt"], fit(2, resume=one["path"])["ckpt"]
+    assert resumed["global_step"] == straight["global_step"] == 16
+    for name in TRAINABLE:
+        torch.testing.assert_close(resumed["state_dict"][name], straight["state_dict"][name])
+        torch.testing.assert_close(
+            resumed["optimizer_states"][0]["state"][name]["exp_avg"],
+            straight["optimizer_states"][0]["state"][name]["exp_avg"],
+        )
