@@ -10,6 +10,7 @@ tensor) for when that matters.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: per-rank sums add up exactly in Python ints
 _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
-_CHUNK = 1 << 22  # elements per step: bounds the int64 temporaries to 32 MiB
+# elements per step: float64 sums of 2**20 products of a signed 16-bit pattern and a weight stay below 2**53, exact
+_CHUNK = 1 << 20
 _PROGRESS_SECONDS = 5.0
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
 
@@ -81,24 +83,36 @@ def _local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return shard.detach().reshape(-1)[:valid], start
 
 
-def _as_int_bits(values: torch.Tensor) -> torch.Tensor:
-    if values.is_floating_point():
-        return values.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    if values.dtype == torch.bool:
-        return values.to(torch.int64)
-    return values.to(torch.int64) & 0xFFFFFFFF
+@functools.lru_cache(maxsize=1)
+def _position_weights() -> torch.Tensor:
+    """Weights 1..PERIOD repeated, long enough for any chunk starting at any phase."""
+    return (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).to(torch.float64)
 
 
-def _checksum(values: torch.Tensor, start: int) -> tuple[int, int]:
-    """Plain and position-weighted sums of the values' bf16 bit patterns, modulo a prime."""
-    plain, weighted = 0, 0
-    for offset in range(0, values.numel(), _CHUNK):
-        bits = _as_int_bits(values[offset : offset + _CHUNK].cpu())
-        first = start + offset
-        weights = torch.arange(first, first + bits.numel(), dtype=torch.int64) % _WEIGHT_PERIOD + 1
-        plain = (plain + int(bits.sum())) % _MODULUS
-        weighted = (weighted + int((bits * weights).sum())) % _MODULUS
-    return plain, weighted
+class _Checksummer:
+    """Plain and position-weighted sums of bf16 bit patterns, modulo a prime, with buffers reused across chunks."""
+
+    def __init__(self) -> None:
+        self._bf16 = torch.empty(_CHUNK, dtype=torch.bfloat16)
+        self._wide = torch.empty(_CHUNK, dtype=torch.float64)
+
+    def __call__(self, values: torch.Tensor, start: int) -> tuple[int, int]:
+        weights = _position_weights()
+        plain, weighted = 0, 0
+        for offset in range(0, values.numel(), _CHUNK):
+            chunk = values[offset : offset + _CHUNK]
+            count = chunk.numel()
+            wide = self._wide[:count]
+            if chunk.is_floating_point():
+                bits = self._bf16[:count]
+                bits.copy_(chunk)
+                wide.copy_(bits.view(torch.int16))
+            else:  # integer and bool params are rare: their low 16 bits stand for them
+                wide.copy_(chunk.to(torch.int64).bitwise_and(0xFFFF) - (1 << 15))
+            phase = (start + offset) % _WEIGHT_PERIOD
+            plain = (plain + int(wide.sum())) % _MODULUS
+            weighted = (weighted + int(torch.dot(wide, weights[phase : phase + count]))) % _MODULUS
+        return plain, weighted
 
 
 def _world_sum(pairs: list[tuple[int, int]], distributed: bool) -> list[tuple[int, int]]:
@@ -154,7 +168,8 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
         shape = list(getattr(param, "ds_shape", param.shape))
         tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
     if mode == "checksum":
-        sums = [_checksum(*_local_values(param)) for _, param in _progress(named)]
+        checksum = _Checksummer()
+        sums = [checksum(*_local_values(param)) for _, param in _progress(named)]
         for (name, _), (plain, weighted) in zip(named, _world_sum(sums, distributed)):
             tensors[name]["value"] = f"{plain:016x}{weighted:016x}"
     elif mode == "sha256":

@@ -258,6 +258,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         super()._initialize_deepspeed_train(model)
         if self.is_global_zero:
             rank_zero_info(self.memory_summary())
+        # one pass over the frozen shards now, so that saving costs only the trainable state
+        self.frozen_base_fingerprint()
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
