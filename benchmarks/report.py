@@ -46,7 +46,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     if all("train_peak_rss" in rank for rank in ranks) and len(ranks) == run["devices"]:
         row["memory_bytes"] = max(rank["train_peak_rss"] - rank["floor_rss"] for rank in ranks)
         row["setup_memory_bytes"] = max(rank["setup_peak_rss"] - rank["floor_rss"] for rank in ranks)
-        row["default_malloc_memory_bytes"] = max(rank["default_malloc_peak_rss"] - rank["floor_rss"] for rank in ranks)
+        row["heap_malloc_memory_bytes"] = max(rank["heap_malloc_peak_rss"] - rank["floor_rss"] for rank in ranks)
         row["step_s"] = first["step_median_s"]
     if all(rank.get("device_memory") for rank in ranks) and len(ranks) == run["devices"]:
         row["device_memory_bytes"] = max(rank["device_memory"]["train_peak"] for rank in ranks)
@@ -140,12 +140,13 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f" {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}. {meta['setting']};"
         f" {meta['threads_per_process']} torch thread(s) per process.",
         "",
-        "Memory: peak RSS per rank during training steps above the floor (the RSS after all imports, just before"
-        " the model is built), worst rank, measured with glibc's malloc mapping every allocation above 1 MiB so"
-        " that RSS follows live memory; glibc default: the same over the timed steps with glibc's default"
-        " malloc, which keeps freed buffers. Setup: the peak up to `on_train_start` (model build + engine setup)."
+        "Memory: peak RSS per rank during the first 4 training steps above the floor (the RSS after all imports,"
+        " just before the model is built), worst rank, with glibc's malloc mapping every allocation above 1 MiB so"
+        " that RSS follows live memory. Heap malloc: the same over the timed steps, where glibc keeps buffers up"
+        " to 32 MiB in its heap, as its default does once warm. Setup: the peak up to `on_train_start` (model"
+        " build + engine setup)."
         " Limit: the physical limit of DESIGN.md per rank."
-        " Checkpoint floor: 12 B per trainable param. Step: median over the steps after warm-up."
+        " Checkpoint floor: 12 B per trainable param. Step: median of the 6 timed steps."
         " First save: the first `trainer.save_checkpoint` of the run; next save: the one right after it."
         " Resume: `fit(ckpt_path=...)` call → first batch. Ratios in brackets: × (a), then × limit/floor/(d).",
         "",
@@ -169,7 +170,7 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             lines.append("")
         device = any("device_memory_bytes" in row for row in by_config.values())
         lines += [
-            "| configuration | memory MiB (×a, ×limit) | glibc default MiB | setup MiB | checkpoint MiB (×a, ×floor)"
+            "| configuration | memory MiB (×a, ×limit) | heap malloc MiB | setup MiB | checkpoint MiB (×a, ×floor)"
             " | first save s (×a) | next save s (×a) | resume s (×a) | resumed exactly | step s (×a, ×d)"
             " | estimate error |" + (" device MiB (×a, ×estimate) |" if device else ""),
             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if device else ""),
@@ -180,7 +181,7 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                     CONFIGS[key].label + (" (DDP)" if key == PLAIN and devices > 1 else ""),
                     _cell(row.get("memory_bytes"), ratio(row, a, "memory_bytes"),
                           ratio(row, row, "memory_bytes", "limit_bytes"), unit=MiB),
-                    _mib(row.get("default_malloc_memory_bytes")),
+                    _mib(row.get("heap_malloc_memory_bytes")),
                     _mib(row.get("setup_memory_bytes")),
                     _cell(row.get("checkpoint_bytes"), ratio(row, a, "checkpoint_bytes"),
                           ratio(row, row, "checkpoint_bytes", "checkpoint_floor_bytes"), digits=2, unit=MiB),

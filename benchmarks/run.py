@@ -35,8 +35,9 @@ def load_average() -> list[float]:
 
 
 def worker_env(threads: Optional[int]) -> dict[str, str]:
-    """The environment of every worker: torch threads per process (None: torch's default)."""
-    env = dict(os.environ)
+    """The environment of every worker: torch threads per process (None: torch's default), and glibc's malloc
+    mapping every buffer above 1 MiB, so that RSS follows live memory (``worker.keep_buffers_in_heap``)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024)}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env

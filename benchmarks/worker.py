@@ -8,9 +8,9 @@ phase that fails or hangs still leaves the figures of the phases before it.
 Memory is read from ``/proc/self/status`` (Linux). The floor is ``VmRSS`` after every import (including what
 DeepSpeed would import lazily during ``deepspeed.initialize``) and before the model is built. Peaks are
 ``VmHWM`` over a phase, after resetting the high-water mark through ``/proc/self/clear_refs``: the setup peak up
-to ``on_train_start`` (model build and engine setup), then the peak of the timed steps under glibc's default
-malloc, then the training peak over a few steps that run with RSS following live memory (see
-:func:`make_rss_follow_live_memory`). On CUDA, ``torch.cuda.max_memory_allocated`` over setup and training too.
+to ``on_train_start`` (model build and engine setup); the training peak over the first steps, where RSS follows
+live memory; the heap-malloc peak over the timed steps (see :func:`keep_buffers_in_heap`). On CUDA,
+``torch.cuda.max_memory_allocated`` over setup and over training too.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from benchmarks.configs import CONFIGS, Config  # noqa: E402
 from benchmarks.stock_cpu import stage_3_offload  # noqa: E402
 from lightning_frozen.memory import LIGHTNING_REDUCE_BUCKET_SIZE  # noqa: E402
 
-WARMUP_STEPS = 4
+MEMORY_STEPS = 4  # first, with RSS following live memory
+WARMUP_STEPS = 2  # then glibc keeps buffers in its heap again; these let it grow
 TIMED_STEPS = 6
-MEMORY_STEPS = 3
-TOTAL_STEPS = WARMUP_STEPS + TIMED_STEPS + MEMORY_STEPS
+TOTAL_STEPS = MEMORY_STEPS + WARMUP_STEPS + TIMED_STEPS
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+HEAP_MMAP_THRESHOLD = 32 * 1024 * 1024  # the ceiling glibc's dynamic threshold climbs to
 LEARNING_RATE = 1e-3
 
 
@@ -64,16 +65,15 @@ def reset_peak_rss() -> None:
         clear_refs.write("5")
 
 
-def make_rss_follow_live_memory() -> None:
-    """Make glibc map and unmap every allocation above 1 MiB, and return the free heap pages it holds now.
+def keep_buffers_in_heap() -> None:
+    """Let glibc serve allocations up to 32 MiB from its heap, as its default dynamic threshold does once warm.
 
-    By default glibc raises its mmap threshold after each large free, so the buffers ZeRO-3 allocates and frees
-    within every step end up in heap space it keeps: on 2 ranks the RSS of a step then peaks at 3-4x the live
-    bytes. With a fixed threshold RSS follows live memory, at the price of page faults that slow steps down.
+    ``run.py`` starts workers with ``MALLOC_MMAP_THRESHOLD_=1MiB``, so that at first every larger buffer is
+    mapped and unmapped and RSS follows live memory. That costs a page fault per page of every buffer ZeRO-3
+    gathers, doubling 2-rank step times; timed steps run after this call instead. The threshold cannot be made
+    dynamic again, so it is set to the ceiling the dynamic one reaches.
     """
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, 1024 * 1024)
-    libc.malloc_trim(0)
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
 
 
 def make_optimizer_fn(config: Config, lr_zero_params: list[torch.nn.Parameter]) -> Callable[[L.LightningModule], Any]:
@@ -127,9 +127,9 @@ def snapshot(module: torch.nn.Module, names: list[str]) -> dict[str, torch.Tenso
 class Probe(Callback):
     """Step times, peak memory, when the first batch starts, and optionally the params at train start.
 
-    Steps run in three phases: warm-up, timed steps (glibc's default malloc; their RSS peak is kept as
-    ``default_malloc_peak_rss``), then memory steps with :func:`make_rss_follow_live_memory`, whose RSS peak is
-    ``train_peak_rss``. The CUDA peak covers every step.
+    Steps run in three phases: memory steps, whose RSS peak (``train_peak_rss``) follows live memory; then,
+    after :func:`keep_buffers_in_heap`, warm-up and timed steps, whose RSS peak is ``heap_malloc_peak_rss``.
+    The CUDA peak covers every step.
     """
 
     def __init__(self, started_at: float, snapshot_names: Optional[list[str]] = None) -> None:
@@ -142,8 +142,8 @@ class Probe(Callback):
         self.step_s: list[float] = []
         self.setup_peak_rss = 0
         self.train_start_rss = 0
-        self.default_malloc_peak_rss = 0
         self.train_peak_rss = 0
+        self.heap_malloc_peak_rss = 0
         self.device: dict[str, int] = {}
         self._batch_started_at = 0.0
 
@@ -166,13 +166,13 @@ class Probe(Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.step_s.append(time.perf_counter() - self._batch_started_at)
-        if len(self.step_s) == WARMUP_STEPS + TIMED_STEPS:
-            self.default_malloc_peak_rss = proc_status_bytes("VmHWM")
-            make_rss_follow_live_memory()
+        if len(self.step_s) == MEMORY_STEPS:
+            self.train_peak_rss = proc_status_bytes("VmHWM")
+            keep_buffers_in_heap()
             reset_peak_rss()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.train_peak_rss = proc_status_bytes("VmHWM")
+        self.heap_malloc_peak_rss = proc_status_bytes("VmHWM")
         if self.cuda:
             self.device["train_peak"] = torch.cuda.max_memory_allocated()
 
@@ -246,11 +246,11 @@ def run(args: argparse.Namespace) -> None:
     report.update(
         setup_peak_rss=probe.setup_peak_rss,
         train_start_rss=probe.train_start_rss,
-        default_malloc_peak_rss=probe.default_malloc_peak_rss,
         train_peak_rss=probe.train_peak_rss,
+        heap_malloc_peak_rss=probe.heap_malloc_peak_rss,
         device_memory=probe.device,
         step_s=probe.step_s,
-        step_median_s=statistics.median(probe.step_s[WARMUP_STEPS : WARMUP_STEPS + TIMED_STEPS]),
+        step_median_s=statistics.median(probe.step_s[MEMORY_STEPS + WARMUP_STEPS :]),
         start_s=probe.first_batch_after_s,
     )
 
