@@ -396,6 +396,6 @@ def test_resident_memory_stays_flat_with_a_save_every_step(tmp_path: Path) -> No
     summary = json.loads(out.read_text())["summary"]
     assert sorted(summary) == ["0", "1"]
     for rank, figures in summary.items():
-        assert figures["saves_measured"] == 90, figures
+        assert figures["saves_measured"] == 89, figures  # the changes between the 90 samples after warm-up
         assert figures["step_with_save_kib"] < 128, (rank, figures)
         assert figures["rss_end_mib"] - figures["rss_warm_mib"] < 16, (rank, figures)
