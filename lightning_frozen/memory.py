@@ -179,8 +179,15 @@ def estimate_memory(
     can be estimated without allocating it, or be partitioned by ZeRO-3 already.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, or ``num_devices`` / ``num_nodes`` not integers.
         ValueError: ``num_devices`` or ``num_nodes`` below 1, or an unknown ``precision``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`estimate_memory`: `model` must be a torch.nn.Module (on `meta` is fine), got {model!r}.")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (num_devices, num_nodes)):
+        raise TypeError(
+            f"`estimate_memory`: `num_devices` and `num_nodes` must be integers, got {num_devices!r} and {num_nodes!r}."
+        )
     if num_devices < 1 or num_nodes < 1:
         raise ValueError(f"num_devices and num_nodes must be >= 1, got {num_devices} and {num_nodes}.")
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)

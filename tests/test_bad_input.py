@@ -247,7 +247,11 @@ def test_export_names_bad_arguments(tmp_path: Path, files: dict[str, Path]) -> N
         lightning_frozen.export_peft_adapter(files["adapter"], tmp_path / "out")
 
 
-def test_estimate_memory_names_bad_numbers() -> None:
+def test_estimate_memory_names_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="`estimate_memory`: `model` must be a torch.nn.Module.*got 'bert'"):
+        lightning_frozen.estimate_memory("bert")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`num_devices` and `num_nodes` must be integers, got '2' and 1"):
+        lightning_frozen.estimate_memory(AdapterModel(), num_devices="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_devices and num_nodes must be >= 1, got 0"):
         lightning_frozen.estimate_memory(AdapterModel(), num_devices=0)
     with pytest.raises(ValueError, match="Unknown precision 'fp8'"):
