@@ -46,8 +46,14 @@ def _start(folder: Path, resume: Path | None) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=_fresh_process_env(),
     )
+
+
+def _fresh_process_env() -> dict[str, str]:
+    """This environment less the rank variables an in-process Trainer left behind, on a port of its own."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    return {**environment, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
 
 
 def _wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 90) -> None:
