@@ -122,6 +122,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.frozen_base = frozen_base
         self.fingerprint = fingerprint
         self.pin_memory = bool(kwargs.get("pin_memory", False))
+        # ZeRO-3 allocates its gradient reduce bucket whole up front; only trainable grads ever go in it
+        self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and kwargs.get("config") is None
         self._trainable_flags: dict[str, bool] = {}
         self._strip_report = optim.StripReport()
         self._group_param_names: list[list[str]] = []
@@ -238,6 +240,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
         zero.check_has_trainable(model)
         self._trainable_flags = zero.trainable_flags(model)
+        if self._fit_reduce_bucket and self.zero_stage_3:
+            zero.fit_reduce_bucket(self.config, sum(zero.full_numel(p) for p in optim.trainable_params(model)))
         if self.zero_stage_3:
             zero.partition_frozen_and_trainable(model, self.config, self.offload_frozen, self.pin_memory)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(

@@ -226,3 +226,14 @@ def test_bf16_frozen_shards_are_stored_in_the_compute_dtype() -> None:
     assert all(
         flat.dtype == torch.float32 for flat in trainer.strategy.deepspeed_engine.optimizer.fp32_partitioned_groups_flat
     )
+
+
+def test_the_gradient_reduce_bucket_is_sized_to_the_trainable_params() -> None:
+    # ZeRO-3 allocates the bucket whole: Lightning's default of 2e8 elements would be 763 MiB of fp32 here
+    trainer = cpu_trainer(max_steps=1)
+    trainer.fit(AdapterModel(), regression_data())
+    buckets = trainer.strategy.deepspeed_engine.optimizer.ipg_buckets.values()
+    assert [bucket.buffer.numel() for bucket in buckets] == [545]
+    chosen = cpu_trainer(FrozenAwareDeepSpeedStrategy(reduce_bucket_size=1000), max_steps=1)
+    chosen.fit(AdapterModel(), regression_data())
+    assert chosen.strategy.deepspeed_engine.optimizer.reduce_bucket_size == 1000
