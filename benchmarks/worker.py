@@ -41,7 +41,6 @@ import lightning_frozen  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.configs import CONFIGS, Config  # noqa: E402
 from benchmarks.stock_cpu import stage_3_offload  # noqa: E402
-from lightning_frozen.memory import LIGHTNING_REDUCE_BUCKET_SIZE  # noqa: E402
 
 MEMORY_STEPS = 4  # first, with RSS following live memory
 WARMUP_STEPS = 2  # then glibc keeps buffers in its heap again; these let it grow
@@ -232,8 +231,6 @@ def run(args: argparse.Namespace) -> None:
         num_devices=args.devices,
         precision=args.precision,
         offload_optimizer=config.key == "frozen_offload",
-        # on the CPU the gradient bucket's untouched pages are never resident
-        reduce_bucket_size=0 if args.accelerator == "cpu" else LIGHTNING_REDUCE_BUCKET_SIZE,
         print_table=False,
     )
     report.update(floor_rss=floor, estimate=estimate.as_dict())

@@ -17,10 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_frozen.zero import full_numel
-
-# DeepSpeedStrategy's default `reduce_bucket_size`: ZeRO-3 allocates a gradient buffer of that many elements.
-LIGHTNING_REDUCE_BUCKET_SIZE = 200_000_000
+from lightning_frozen.zero import fitted_reduce_bucket, full_numel
 
 _PRECISION_BYTES = {
     "32": 4,
@@ -166,7 +163,7 @@ def estimate_memory(
     offload_frozen: bool = True,
     offload_optimizer: bool = False,
     optimizer_state_bytes: int = 8,
-    reduce_bucket_size: int = LIGHTNING_REDUCE_BUCKET_SIZE,
+    reduce_bucket_size: Optional[int] = None,
     print_table: bool = True,
 ) -> MemoryEstimate:
     """Estimate per-rank memory of training ``model`` under ``frozen_deepspeed``; frozen = ``requires_grad=False``.
@@ -174,7 +171,7 @@ def estimate_memory(
     Returns a :class:`MemoryEstimate` with device and host bytes for frozen shards, trainable weights,
     gradients, optimizer state (Adam-type by default: ``optimizer_state_bytes=8``) and ZeRO-3's two working
     buffers (the largest module's params gathered whole, and the gradient bucket of ``reduce_bucket_size``
-    elements, the strategy's argument; on a CPU its untouched pages are never resident, so pass 0 there), and
+    elements: by default what the strategy picks, the trainable elements up to Lightning's 2e8), and
     prints its table. Activations are not included. The model may live on the ``meta`` device, so a 13B model
     can be estimated without allocating it, or be partitioned by ZeRO-3 already.
 
@@ -201,7 +198,7 @@ def estimate_memory(
         offload_optimizer=offload_optimizer,
         optimizer_state_bytes=optimizer_state_bytes,
         largest_module_params=largest_module_params(model),
-        reduce_bucket_size=reduce_bucket_size,
+        reduce_bucket_size=fitted_reduce_bucket(trainable) if reduce_bucket_size is None else reduce_bucket_size,
     )
     if print_table:
         print(estimate.table())

@@ -84,7 +84,8 @@ def compute_dtype(config: dict) -> Optional[torch.dtype]:
     return None
 
 
-_DEFAULT_REDUCE_BUCKET = 200_000_000  # Lightning's DeepSpeedStrategy default, in elements
+# Lightning's DeepSpeedStrategy default `reduce_bucket_size`, in elements
+LIGHTNING_REDUCE_BUCKET_SIZE = 200_000_000
 
 
 def fit_reduce_bucket(config: dict, trainable_numel: int) -> None:
@@ -94,7 +95,12 @@ def fit_reduce_bucket(config: dict, trainable_numel: int) -> None:
     through it: with Lightning's default of 2e8 that is 763 MiB in fp32 (381 MiB in bf16) for any adapter.
     """
     zero_config = config.setdefault("zero_optimization", {})
-    zero_config["reduce_bucket_size"] = int(min(_DEFAULT_REDUCE_BUCKET, max(trainable_numel, 1)))
+    zero_config["reduce_bucket_size"] = fitted_reduce_bucket(trainable_numel)
+
+
+def fitted_reduce_bucket(trainable_numel: int) -> int:
+    """The reduce bucket ``frozen_deepspeed`` uses: Lightning's default, or the trainable elements if fewer."""
+    return int(min(LIGHTNING_REDUCE_BUCKET_SIZE, max(trainable_numel, 1)))
 
 
 def partition_frozen_and_trainable(model: nn.Module, config: dict, offload_frozen: bool, pin_memory: bool) -> None:
