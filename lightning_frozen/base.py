@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -56,10 +57,10 @@ def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Op
 
 def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
     """The first ``peft.PeftModel`` inside ``module`` as ``(name, model)``; name is "" for the module itself."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return None
+    if "peft" not in sys.modules:
+        return None  # a module cannot hold a PeftModel unless peft was imported; importing it costs ~20 MiB
+    from peft import PeftModel
+
     for name, submodule in module.named_modules():
         if isinstance(submodule, PeftModel):
             return name, submodule

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
-from unittest import mock
 
 import torch
 
@@ -40,17 +39,34 @@ _LIGHTNING_KEYS = (
 
 
 @contextmanager
+def _environment(**changes: Optional[str]) -> Iterator[None]:
+    """Set (or, for None, remove) environment variables for the duration of the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
 def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
     """Make every ``torch.load`` inside load ``weights_only``, DeepSpeed's own included, allowing the DeepSpeed
     classes its checkpoint files hold; a file with anything else raises :class:`CheckpointFormatError`."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    environment = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
-    environment["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # read by torch.load at every call
     with (
         torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]),
-        mock.patch.dict(os.environ, environment, clear=True),
+        _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None),  # read by torch.load
     ):
         try:
             yield

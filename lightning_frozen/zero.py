@@ -54,6 +54,11 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
 def check_has_trainable(module: nn.Module) -> None:
     """Raise :class:`NoTrainableParametersError` when every parameter of ``module`` is frozen."""
     params = list(module.parameters())
+    if not params:
+        raise NoTrainableParametersError(
+            f"`{type(module).__name__}` has no parameters at all, so there is nothing to train or shard. Build the"
+            " model in `__init__` or `configure_model` before `trainer.fit`."
+        )
     if not any(p.requires_grad for p in params):
         raise NoTrainableParametersError(
             f"`{type(module).__name__}` has {len(params)} parameters and none requires grad, so there is nothing"

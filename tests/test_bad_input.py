@@ -100,7 +100,7 @@ class NothingFrozen(AdapterModel):
 
 
 def test_an_empty_model_is_refused_before_deepspeed_starts() -> None:
-    with pytest.raises(NoTrainableParametersError, match="`NoParameters` has 0 parameters"):
+    with pytest.raises(NoTrainableParametersError, match="`NoParameters` has no parameters at all"):
         cpu_trainer(max_steps=1).fit(NoParameters(), regression_data())
 
 
