@@ -69,3 +69,13 @@ def test_sha256_mode_hashes_exact_bytes_and_none_checks_nothing() -> None:
     verify_base(fingerprint_base(_frozen(AdapterModel()), mode="none"), _frozen(AdapterModel(seed=4)), None, "x")
     with pytest.raises(ValueError, match="md5"):
         fingerprint_base(_frozen(AdapterModel()), mode="md5")
+
+
+def test_fingerprinting_a_large_base_reports_progress(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    from lightning_frozen import base
+
+    monkeypatch.setattr(base, "_PROGRESS_SECONDS", 0.0)  # a large base would take seconds per tensor
+    with caplog.at_level("WARNING", logger="lightning_frozen.base"):
+        fingerprint_base(_frozen(AdapterModel()))
+    lines = [r.getMessage() for r in caplog.records if "fingerprinting the frozen base" in r.getMessage()]
+    assert lines and lines[-1].endswith("100% of 2,112 elements")
