@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_frozen  # noqa: F401  (registers the "frozen_deepspeed" strategy names)
+from benchmarks.stock_cpu import CPUDeepSpeedStrategy as StockDeepSpeedOnCPU  # noqa: F401  (stock, CUDA checks lifted)
 
 
 class LoRALinear(nn.Module):
@@ -94,35 +95,6 @@ def cpu_trainer(strategy: Any = "frozen_deepspeed", devices: int = 1, **kwargs: 
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
-
-
-class StockDeepSpeedOnCPU(__import__("lightning").pytorch.strategies.DeepSpeedStrategy):
-    """Lightning's own DeepSpeedStrategy with only its CUDA checks lifted, to write stock checkpoints on the CPU."""
-
-    def setup_environment(self) -> None:
-        from lightning.pytorch.strategies.ddp import DDPStrategy
-
-        DDPStrategy.setup_environment(self)
-
-    def setup_distributed(self) -> None:
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-
-    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
-        import argparse
-
-        import deepspeed
-
-        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        return engine, deepspeed_optimizer
 
 
 class BackboneModel(L.LightningModule):
