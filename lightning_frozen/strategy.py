@@ -322,8 +322,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             + (f" unfrozen {_names(unfrozen)};" if unfrozen else "")
             + (f" frozen {_names(frozen)};" if frozen else "")
             + " the ZeRO optimizer was built for the set at the start of `fit`, so these would be silently"
-            " ignored or trained without state. Set `requires_grad` before `fit` (e.g. in `__init__` or"
-            " `configure_model`), and do not toggle it in training hooks."
+            " ignored or trained without state. Set `requires_grad` before `fit`, or change it mid-run through"
+            " `lightning_frozen.BaseFinetuning` / `BackboneFinetuning`, which rebuild the optimizer."
         )
 
     # ------------------------------------------------------------------ changing what trains
