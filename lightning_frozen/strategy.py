@@ -124,8 +124,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.pin_memory = bool(kwargs.get("pin_memory", False))
         # ZeRO-3 allocates its gradient reduce bucket whole up front; only trainable grads ever go in it
         self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and kwargs.get("config") is None
-        self._trainable_flags: dict[str, bool] = {}
-        self._strip_report = optim.StripReport()
+        # the params and their requires_grad when the optimizer was built: checked every training step
+        self._watched_params: list[tuple[str, Any]] = []
+        self._trainable_flags: tuple[bool, ...] = ()
         self._group_param_names: list[list[str]] = []
         self._fingerprint_cache: Optional[tuple[tuple[str, ...], dict[str, Any]]] = None
 
@@ -204,8 +205,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
         module = self.lightning_module
         assert module is not None
-        self._strip_report = optim.prepare_optimizer(module, optimizer, scheduler, self.convert_lr_zero_groups)
-        report = self._strip_report
+        report = optim.prepare_optimizer(module, optimizer, scheduler, self.convert_lr_zero_groups)
         if report.lr_zero_params:
             rank_zero_info(
                 f"lightning-frozen: froze {report.lr_zero_params} parameter tensors ({report.lr_zero_numel:,} elements)"
@@ -239,7 +239,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed
 
         zero.check_has_trainable(model)
-        self._trainable_flags = zero.trainable_flags(model)
+        self._watched_params = list(model.named_parameters())
+        self._trainable_flags = tuple(p.requires_grad for _, p in self._watched_params)
         if self._fit_reduce_bucket and self.zero_stage_3:
             zero.fit_reduce_bucket(self.config, sum(zero.full_numel(p) for p in optim.trainable_params(model)))
         if self.zero_stage_3:
@@ -309,14 +310,15 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             self.launcher.kill(_get_sigkill_signal())
 
     def _check_trainable_set_unchanged(self) -> None:
-        module = self.lightning_module
-        if module is None or not self._trainable_flags:
+        if tuple(p.requires_grad for _, p in self._watched_params) == self._trainable_flags:
             return
-        now = zero.trainable_flags(module)
-        if now == self._trainable_flags:
-            return
-        unfrozen = [name for name, flag in now.items() if flag and not self._trainable_flags.get(name, False)]
-        frozen = [name for name, flag in now.items() if not flag and self._trainable_flags.get(name, False)]
+        changed = [
+            (name, param.requires_grad)
+            for (name, param), was in zip(self._watched_params, self._trainable_flags)
+            if param.requires_grad != was
+        ]
+        unfrozen = [name for name, now in changed if now]
+        frozen = [name for name, now in changed if not now]
         raise FrozenSetChangedError(
             "The set of trainable parameters changed during training:"
             + (f" unfrozen {_names(unfrozen)};" if unfrozen else "")

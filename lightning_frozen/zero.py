@@ -67,10 +67,6 @@ def check_has_trainable(module: nn.Module) -> None:
         )
 
 
-def trainable_flags(module: nn.Module) -> dict[str, bool]:
-    return {name: param.requires_grad for name, param in module.named_parameters()}
-
-
 def full_numel(param: nn.Parameter) -> int:
     """Number of elements of the whole param, also when ZeRO-3 has partitioned it away."""
     return int(getattr(param, "ds_numel", param.numel()))
