@@ -394,8 +394,9 @@ def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True
 def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs: Any) -> ModuleT:
     """Like ``LightningModule.load_from_checkpoint`` for adapter checkpoints.
 
-    Builds ``cls(**hyper_parameters, **kwargs)`` (the module builds its own frozen base in ``__init__``), verifies
-    the base, loads the trainable state, calls ``on_load_checkpoint`` and returns the module in eval mode.
+    Builds ``cls(**hyper_parameters, **kwargs)`` and calls its ``configure_model`` as Lightning does (the module may
+    build its frozen base in either), verifies the base, loads the trainable state, calls ``on_load_checkpoint`` and
+    returns the module in eval mode.
     Keyword arguments ``strict`` and ``verify_base`` are taken by this function, the rest go to ``cls``.
 
     Raises:
@@ -422,6 +423,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
             f" {checkpoint_path} ({error}). Was it saved from another class? Pass the class it was trained with, or"
             " override the offending arguments as keyword arguments."
         ) from error
+    if callable(getattr(module, "configure_model", None)):
+        module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
     load_into(module, checkpoint, str(checkpoint_path), strict, verify)
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -30,7 +31,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import base, checkpoint, memory, optim, zero
+from lightning_frozen import base, checkpoint, memory, optim, pretrained, zero
 from lightning_frozen.errors import CheckpointFormatError, FrozenSetChangedError, NoTrainableParametersError
 
 if TYPE_CHECKING:
@@ -245,6 +246,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             zero.fit_reduce_bucket(self.config, sum(zero.full_numel(p) for p in optim.trainable_params(model)))
         if self.zero_stage_3:
             zero.partition_frozen_and_trainable(model, self.config, self.offload_frozen, self.pin_memory)
+        self._place(model)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank),
             config=self.config,
@@ -257,6 +259,33 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         if self.zero_stage_3:
             zero.release_frozen_persistence(engine, model)
         return engine, deepspeed_optimizer
+
+    def _place(self, model: Module) -> None:
+        """Shards and buffers where they belong, also for a model built under ``zero.Init`` in ``configure_model``."""
+        offload_param = ((self.config or {}).get("zero_optimization") or {}).get("offload_param")
+        if self.zero_stage_3 and not offload_param:
+            dtype = zero.compute_dtype(self.config) or torch.float32
+            zero.place_shards(model, self.root_device, self.offload_frozen, dtype)
+        zero.place_buffers(model, self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` runs here: params are ZeRO-3 shards as they are created (in CPU memory when frozen
+        shards are offloaded; trainable ones move to the accelerator at setup), and ``from_pretrained`` loads each
+        rank's slice of every tensor straight into its shard."""
+        import deepspeed
+
+        self._init_config_if_needed()
+        remote_device = self.remote_device or ("cpu" if self.offload_frozen and self.zero_stage_3 else None)
+        with (
+            deepspeed.zero.Init(
+                enabled=self.zero_stage_3, remote_device=remote_device, config_dict_or_path=self.config
+            ),
+            pretrained.zero3_pretrained_loading(self.config) if self.zero_stage_3 else nullcontext(),
+            pretrained.peft_adapters_outside_zero_init() if self.zero_stage_3 else nullcontext(),
+        ):
+            yield
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
@@ -280,6 +309,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
             inference_config["zero_optimization"] = self.config["zero_optimization"]
             zero.partition_frozen_and_trainable(model, inference_config, self.offload_frozen, self.pin_memory)
+        self._place(model)
         remove_module_hooks(model)
         engine, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank),

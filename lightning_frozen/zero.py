@@ -10,6 +10,7 @@ later all-gather copies a shard to the accelerator from wherever it lives.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -104,6 +105,60 @@ def fitted_reduce_bucket(trainable_numel: int) -> int:
     return int(min(LIGHTNING_REDUCE_BUCKET_SIZE, max(trainable_numel, 1)))
 
 
+def shard_range(param: nn.Parameter) -> tuple[int, int]:
+    """``(start, count)``: the flat elements of a ZeRO-3 param this rank's shard holds.
+
+    A shard is a contiguous range of the flattened tensor, padded at the end: ``count`` is less than the shard's
+    size on the last ranks when the size is not a multiple of the world size (0 when only padding is left).
+    """
+    import deepspeed.comm as dist
+
+    size = int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
+    start = size * dist.get_rank(group=param.ds_process_group)
+    return start, max(0, min(size, int(param.ds_numel) - start))
+
+
+def place_shards(model: nn.Module, device: torch.device, offload_frozen: bool, dtype: torch.dtype) -> None:
+    """Put each ZeRO-3 shard where it belongs, in the compute ``dtype``: frozen ones in CPU memory if
+    ``offload_frozen``, else on ``device``; trainable ones on ``device``.
+
+    Params built under ``deepspeed.zero.Init`` (``configure_model``) keep the placement and dtype they were built
+    with (a bf16 checkpoint stays bf16 under fp32 training), and DeepSpeed moves neither them nor the module later
+    ("zero.Init handles device placement"); its ZeRO-3 optimizer needs every trainable shard in one dtype.
+    """
+    cpu = torch.device("cpu")
+    for param in model.parameters():
+        if not is_partitioned(param):
+            continue
+        target = cpu if offload_frozen and not param.requires_grad else device
+        cast = param.ds_tensor.is_floating_point() and param.ds_tensor.dtype != dtype
+        if param.ds_tensor.device != target or cast:
+            param.ds_tensor.data = param.ds_tensor.data.to(target, dtype=dtype if cast else None)
+        if cast:
+            param.data = torch.empty(0, dtype=dtype, device=param.data.device)
+
+
+def place_buffers(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer (and torchmetrics state) of ``model`` to ``device``, leaving params alone.
+
+    DeepSpeed skips ``module.to(device)`` for a model whose params are already ZeRO-3 params, and Lightning does
+    not move it either, so without this BERT's ``position_ids``, BatchNorm statistics or rotary ``inv_freq`` would
+    stay where the model was built.
+    """
+    for module in model.modules():
+        if _is_metric(module):
+            module.to(device)  # torchmetrics keeps its states outside `_buffers` and moves them in `_apply`
+            continue
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
+def _is_metric(module: nn.Module) -> bool:
+    metrics = sys.modules.get("torchmetrics")  # no torchmetrics imported, no metric in the model
+    return metrics is not None and isinstance(module, metrics.Metric)
+
+
 def partition_frozen_and_trainable(model: nn.Module, config: dict, offload_frozen: bool, pin_memory: bool) -> None:
     """Turn the model's params into ZeRO-3 shards: frozen ones in CPU memory if ``offload_frozen``.
 
@@ -183,13 +238,9 @@ def set_full_param(param: nn.Parameter, value: torch.Tensor, deepspeed_optimizer
         with torch.no_grad():
             param.copy_(value.to(device=param.device, dtype=param.dtype).reshape(param.shape))
         return
-    import deepspeed.comm as dist
-
     flat = value.detach().reshape(-1)
     shard = param.ds_tensor
-    size = shard.numel()
-    start = size * dist.get_rank(group=param.ds_process_group)
-    valid = max(0, min(size, flat.numel() - start))
+    start, valid = shard_range(param)
     with torch.no_grad():
         shard.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(device=shard.device, dtype=shard.dtype))
     if deepspeed_optimizer is not None and param.requires_grad:

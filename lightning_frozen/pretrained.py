@@ -1,0 +1,297 @@
+"""``from_pretrained`` inside ``configure_model``: Hugging Face weights straight into ZeRO-3 shards, 1/N per rank.
+
+Lightning calls ``configure_model`` under ``deepspeed.zero.Init``, so params are partitioned as they are created.
+transformers loads into such placeholders only while it believes ZeRO-3 is on (an ``HfDeepSpeedConfig`` is alive);
+otherwise it sees 0-sized params and reports a size mismatch for every tensor. Its ZeRO-3 path then reads every
+tensor on rank 0 and broadcasts it, gathering each layer whole. :func:`zero3_pretrained_loading` switches that path
+on for the duration of ``configure_model`` and replaces its two loading steps where the installed transformers has
+them (5.x): every rank takes only the shapes from the checkpoint (``load_state_dict``), then copies its own flat
+range of each tensor out of the memory-mapped safetensors file into its shard (``_load_state_dict_into_zero3_model``).
+No gather, no broadcast; the node holds the base once, as the sum of its ranks' shards, plus one tensor's slice in
+flight per rank. Checkpoints this cannot slice (``.bin`` files, key conversions) go through transformers' own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_frozen.zero import is_partitioned, shard_range
+
+# the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
+_SOURCE = "_lightning_frozen_source"
+_PROGRESS_SECONDS = 5.0
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+# the signatures this module's replacements stand in for (transformers 5.x); other versions keep their own path
+_LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
+_LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
+
+
+@contextmanager
+def peft_adapters_outside_zero_init() -> Iterator[None]:
+    """While active, PEFT creates its adapters as ordinary tensors even inside ``deepspeed.zero.Init``.
+
+    Under ``zero.Init`` a layer's params are 0-element placeholders as soon as its ``__init__`` returns, so PEFT's
+    initialisation (``kaiming_uniform_`` of LoRA A, ``zeros_`` of LoRA B, ...) would be a no-op: LoRA B would keep
+    ``nn.Linear``'s random values and the adapted model would not start as the base. The adapters are small; the
+    strategy partitions them at setup like any param built outside ``zero.Init``.
+    """
+    if importlib.util.find_spec("peft") is None:
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    def outside_zero_init(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            shutdown_init_context()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                restore_init_context()
+
+        return wrapper
+
+    originals = {(PeftModel, "__init__"): PeftModel.__init__, (BaseTuner, "inject_adapter"): BaseTuner.inject_adapter}
+    for (owner, name), method in originals.items():
+        setattr(owner, name, outside_zero_init(method))
+    try:
+        yield
+    finally:
+        for (owner, name), method in originals.items():
+            setattr(owner, name, method)
+
+
+@contextmanager
+def zero3_pretrained_loading(config: dict) -> Iterator[None]:
+    """While active, ``PreTrainedModel.from_pretrained`` builds ZeRO-3 params and each rank loads its own slices.
+
+    ``config`` is the DeepSpeed config the strategy trains with. Without transformers installed this does nothing.
+    A ``HfDeepSpeedConfig`` the caller made before is restored on exit.
+    """
+    if importlib.util.find_spec("transformers") is None:
+        yield
+        return
+    from transformers import modeling_utils
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
+    patched = _patchable(modeling_utils)
+    if patched:
+        originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
+        modeling_utils.load_state_dict = functools.partial(_shapes_only, originals[0])
+        modeling_utils._load_state_dict_into_zero3_model = functools.partial(_load_own_slices, originals[1])
+    try:
+        yield
+    finally:
+        if patched:
+            modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
+        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        del hf_config
+
+
+def _patchable(modeling_utils: Any) -> bool:
+    """Whether this transformers has the two loading steps, with the signatures the replacements expect."""
+    try:
+        load = inspect.signature(modeling_utils.load_state_dict).parameters
+        into = inspect.signature(modeling_utils._load_state_dict_into_zero3_model).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return tuple(load) == _LOAD_STATE_DICT_PARAMS and tuple(into) == _LOAD_INTO_ZERO3_PARAMS
+
+
+def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any, **kwargs: Any) -> dict:
+    """A safetensors file's tensors as meta tensors that remember the file; other formats load as transformers does."""
+    path = os.fspath(checkpoint_file)
+    if not path.endswith(".safetensors"):
+        return original(checkpoint_file, *args, **kwargs)
+    from safetensors import safe_open
+
+    shapes: dict[str, torch.Tensor] = {}
+    with safe_open(path, framework="pt") as handle:
+        names = handle.keys()  # a safetensors handle is not iterable itself
+        for key in names:
+            piece = handle.get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+            if dtype is None:
+                return original(checkpoint_file, *args, **kwargs)
+            tensor = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+            setattr(tensor, _SOURCE, path)
+            shapes[key] = tensor
+    return shapes
+
+
+def _load_own_slices(
+    original: Callable[..., tuple[list[str], set[str]]],
+    model_to_load: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    load_config: Any = None,
+) -> tuple[list[str], set[str]]:
+    """Copy each tensor's slice that this rank holds from its file; transformers' own path where that cannot work."""
+    targets = model_to_load.state_dict(keep_vars=True)
+    keyed = _model_keys(model_to_load, list(state_dict), getattr(load_config, "weight_mapping", None) or [])
+    if keyed is None or not all(hasattr(t, _SOURCE) for t in state_dict.values()):
+        rank_zero_info(
+            "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions or a"
+            " non-safetensors file): rank 0 reads each tensor and broadcasts it."
+        )
+        return original(model_to_load, _materialize_on_rank_zero(state_dict), load_config)
+    missing = set(targets) - set(keyed)
+    errors: list[str] = []
+    progress = LoadProgress(sum(math.prod(t.shape) * t.element_size() for t in state_dict.values()))
+    from safetensors import safe_open
+
+    for path in sorted({getattr(t, _SOURCE) for t in state_dict.values()}):
+        with safe_open(path, framework="pt") as handle:
+            for name, key in keyed.items():
+                tensor = state_dict[key]
+                if getattr(tensor, _SOURCE) != path:
+                    continue
+                target = targets.get(name)
+                if target is not None:
+                    error = load_tensor(handle, key, target)
+                    if error:
+                        errors.append(f"size mismatch for {name}: {error}")
+                    else:
+                        target._is_hf_initialized = True  # transformers initialises only what stays unmarked
+                        missing.discard(name)
+                progress.advance(math.prod(tensor.shape) * tensor.element_size())
+    progress.done(_folder(state_dict))
+    return errors, missing
+
+
+def _model_keys(model: nn.Module, keys: list[str], weight_mapping: list[Any]) -> Optional[dict[str, str]]:
+    """``{model key: checkpoint key}`` after transformers' renamings (legacy names, base-model prefix), or None when
+    a tensor needs one of its conversions (merging or splitting tensors), which only its own loader applies."""
+    try:
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return None
+    renamings = [entry for entry in weight_mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in weight_mapping if isinstance(entry, WeightConverter)]
+    if len(renamings) + len(converters) != len(weight_mapping):
+        return None
+    meta = {key: torch.empty(0, device="meta") for key in model.state_dict()}
+    prefix = getattr(model, "base_model_prefix", None)
+    keyed: dict[str, str] = {}
+    for key in keys:
+        renamed, converter = rename_source_key(
+            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta
+        )
+        if converter is not None:
+            return None
+        if renamed in meta:
+            keyed[renamed] = key
+    return keyed
+
+
+def load_tensor(handle: Any, key: str, target: torch.Tensor) -> Optional[str]:
+    """Copy tensor ``key`` of an open safetensors file into ``target``: only this rank's shard of a ZeRO-3 param.
+
+    Returns an error text on a shape mismatch (nothing copied), else None.
+    """
+    piece = handle.get_slice(key)
+    shape = tuple(piece.get_shape())
+    wanted = tuple(target.ds_shape) if is_partitioned(target) else tuple(target.shape)
+    if shape != wanted:
+        return f"copying a param with shape {shape} from checkpoint, the shape in current model is {wanted}."
+    with torch.no_grad():
+        if is_partitioned(target):
+            start, count = shard_range(target)
+            if count > 0:
+                shard = target.ds_tensor.narrow(0, 0, count)
+                shard.copy_(read_flat_range(piece, shape, start, count))
+        else:
+            target.copy_(handle.get_tensor(key).reshape(target.shape))
+    return None
+
+
+def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start + count)`` of the flattened tensor behind a safetensors slice, reading whole rows
+    of its first dimension (at most two rows more than asked for)."""
+    if len(shape) == 0:
+        return piece[:].reshape(-1)[start : start + count]
+    row = math.prod(shape[1:])
+    first, last = start // row, (start + count - 1) // row + 1
+    rows = piece[first:last].reshape(-1)
+    offset = start - first * row
+    return rows[offset : offset + count]
+
+
+def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What transformers' own ZeRO-3 loader expects: values on rank 0, shapes elsewhere."""
+    if _rank() != 0 or not any(hasattr(t, _SOURCE) for t in state_dict.values()):
+        return state_dict
+    from safetensors import safe_open
+
+    values = dict(state_dict)
+    for path in sorted({getattr(t, _SOURCE) for t in state_dict.values() if hasattr(t, _SOURCE)}):
+        with safe_open(path, framework="pt") as handle:
+            for key, tensor in state_dict.items():
+                if getattr(tensor, _SOURCE, None) == path:
+                    values[key] = handle.get_tensor(key)
+    return values
+
+
+def _folder(state_dict: dict[str, torch.Tensor]) -> str:
+    paths = {getattr(t, _SOURCE) for t in state_dict.values()}
+    return os.path.dirname(next(iter(paths))) if paths else ""
+
+
+def _rank() -> int:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_rank() if distributed else 0
+
+
+class LoadProgress:
+    """Logs on rank 0, every few seconds, how much of a checkpoint has been loaded and how fast; and a last line."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self.done_bytes = 0
+        self.tensors = 0
+        self.started = self.last = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        self.tensors += 1
+        now = time.monotonic()
+        if now - self.last > _PROGRESS_SECONDS:
+            self.last = now
+            rank_zero_info(f"lightning-frozen: loading the frozen base: {self._status(now)}")
+
+    def done(self, source: str) -> None:
+        rank_zero_info(f"lightning-frozen: loaded {source} into ZeRO-3 shards: {self._status(time.monotonic())}")
+
+    def _status(self, now: float) -> str:
+        seconds = max(now - self.started, 1e-9)
+        return (
+            f"{self.tensors} tensors, {self.done_bytes / 2**20:,.1f} of {self.total_bytes / 2**20:,.1f} MiB"
+            f" ({100 * self.done_bytes / max(self.total_bytes, 1):.0f}%) in {seconds:.1f} s,"
+            f" {self.done_bytes / 2**20 / seconds:,.1f} MiB/s"
+        )
