@@ -65,14 +65,21 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
 
+    depth = 0  # PeftModel.__init__ calls inject_adapter: only the outermost call may restore zero.Init
+
     def outside_zero_init(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            shutdown_init_context()
+            nonlocal depth
+            if depth == 0:
+                shutdown_init_context()
+            depth += 1
             try:
                 return method(*args, **kwargs)
             finally:
-                restore_init_context()
+                depth -= 1
+                if depth == 0:
+                    restore_init_context()
 
         return wrapper
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -71,3 +72,63 @@ def test_checkpoint_round_trip_on_the_gpu(tmp_path: Path) -> None:
     module = lightning_frozen.load_adapter(_big_model(), tmp_path / "gpu.ckpt")
     saved = torch.load(tmp_path / "gpu.ckpt", weights_only=True)["state_dict"]["head.weight"]
     torch.testing.assert_close(module.head.weight, saved)
+
+
+class _BuffersEverywhere(L.LightningModule):
+    """MiniLM (``position_ids``/``token_type_ids`` buffers) built in ``configure_model``, a frozen BatchNorm tower
+    (running statistics) and a torchmetrics metric (states outside ``_buffers``): the buffers a GPU run meets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = torch.nn.Sequential(torch.nn.Linear(384, 384), torch.nn.BatchNorm1d(384)).requires_grad_(False)
+        self.head = torch.nn.Linear(384, 2)
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.accuracy = MulticlassAccuracy(num_classes=2)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "encoder"):
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModel
+
+        from benchmarks.models import minilm_path
+
+        base = AutoModel.from_pretrained(minilm_path())
+        self.encoder = get_peft_model(base, LoraConfig(r=4, target_modules=["query", "value"]))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        pooled = self.encoder(input_ids=ids).last_hidden_state.mean(1)
+        logits = self.head(self.tower(pooled))
+        self.accuracy(logits, labels)
+        return torch.nn.functional.cross_entropy(logits.float(), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_every_buffer_and_trainable_shard_is_on_the_gpu_frozen_shards_in_cpu_memory() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = _BuffersEverywhere()
+    data = DataLoader(TensorDataset(torch.randint(0, 1000, (16, 12)), torch.randint(0, 2, (16,))), batch_size=8)
+    _gpu_trainer().fit(model, data)
+    for name, buffer in model.named_buffers():
+        assert buffer.device.type == "cuda", name
+    assert model.accuracy.tp.device.type == "cuda"
+    for name, param in model.named_parameters():
+        assert param.ds_tensor.device.type == ("cuda" if param.requires_grad else "cpu"), name
+
+
+def test_from_pretrained_in_configure_model_on_the_gpu(tmp_path: Path) -> None:
+    from tests.pretrained_support import PretrainedLoRA, token_data, write_llama
+
+    model = PretrainedLoRA(str(write_llama(tmp_path / "llama")))
+    _gpu_trainer().fit(model, token_data())
+    seen = model.seen_at_start
+    assert all(seen["frozen_equal"].values()) and all(seen["lora_b_zero"].values())
+    for name, shard in seen["shards"].items():
+        assert shard["device"] == ("cuda" if shard["trainable"] else "cpu"), name
+        assert shard["dtype"] == "bfloat16", name
+    assert set(seen["buffers"].values()) == {"cuda"}

@@ -1,0 +1,138 @@
+"""``from_pretrained`` + PEFT inside ``configure_model``, as users of large models write it: the weights land in
+ZeRO-3 shards bit for bit, each rank reading only its slice, and everything after (train, save, resume on another
+world size, validate, load without DeepSpeed) works on that path."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_frozen
+from lightning_frozen import pretrained, zero
+from tests.distributed import read_reports, run_script
+from tests.models import cpu_trainer
+from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data, write_llama
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama(tmp_path_factory.mktemp("llama") / "base")
+
+
+@pytest.mark.parametrize(("precision", "shard_dtype"), [("bf16-mixed", "bfloat16"), ("32-true", "float32")])
+def test_configure_model_loads_the_folder_bit_for_bit_into_shards(
+    llama_folder: Path, precision: str, shard_dtype: str, lightning_log: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pretrained, "_PROGRESS_SECONDS", 0.0)
+    model = PretrainedLoRA(str(llama_folder))
+    trainer = cpu_trainer(max_steps=2, precision=precision)
+    trainer.fit(model, token_data())
+
+    seen = model.seen_at_start
+    assert len(seen["frozen_equal"]) == len(folder_tensors(llama_folder)) == 21
+    assert all(seen["frozen_equal"].values()), [k for k, same in seen["frozen_equal"].items() if not same]
+    assert len(seen["lora_b_zero"]) == 4 and all(seen["lora_b_zero"].values())  # PEFT's init was not a no-op
+    assert {s["dtype"] for s in seen["shards"].values()} == {shard_dtype}  # the compute dtype, whatever was saved
+    assert trainer.global_step == 2
+    assert "loaded " + str(llama_folder) + " into ZeRO-3 shards: 21 tensors" in lightning_log.text
+    assert "lightning-frozen: loading the frozen base: 1 tensors" in lightning_log.text  # progress on long loads
+    assert "rank 0 reads each tensor" not in lightning_log.text
+
+
+def test_adapter_from_a_configure_model_base_loads_without_deepspeed(llama_folder: Path, tmp_path: Path) -> None:
+    model = PretrainedLoRA(str(llama_folder), lr=0.05)
+    trainer = cpu_trainer(max_steps=3)
+    trainer.fit(model, token_data())
+    trainer.save_checkpoint(tmp_path / "adapter.ckpt")
+    saved = torch.load(tmp_path / "adapter.ckpt", weights_only=True)
+    assert sorted(saved["state_dict"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+    loaded = lightning_frozen.load_from_checkpoint(PretrainedLoRA, tmp_path / "adapter.ckpt")  # calls configure_model
+    assert not any(hasattr(p, "ds_id") for p in loaded.parameters())
+    for name, param in loaded.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param.detach(), saved["state_dict"][name], rtol=0, atol=0)
+    assert any(float(saved["state_dict"][n].abs().sum()) > 0 for n in saved["state_dict"] if "lora_B" in n)
+    reference = folder_tensors(llama_folder)
+    embed = loaded.model.base_model.model.model.embed_tokens.weight
+    assert torch.equal(embed.detach().to(torch.bfloat16), reference["model.embed_tokens.weight"])
+
+    tampered = dict(reference)
+    tampered["model.norm.weight"] = tampered["model.norm.weight"] + 1
+    other = tmp_path / "other"
+    write_llama(other)
+    from safetensors.torch import save_file
+
+    save_file(tampered, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(lightning_frozen.FrozenBaseMismatchError, match="model.norm.weight"):
+        lightning_frozen.load_from_checkpoint(PretrainedLoRA, tmp_path / "adapter.ckpt", folder=str(other))
+
+
+def test_two_ranks_load_their_own_halves_then_resume_on_one(llama_folder: Path, tmp_path: Path) -> None:
+    two, one = tmp_path / "two", tmp_path / "one"
+    checkpoint = tmp_path / "two.ckpt"
+    run_script("pretrained_lora.py", "--folder", str(llama_folder), "--save", str(checkpoint), "--report", str(two))
+    reports = read_reports(two)
+    assert [r["rank"] for r in reports] == [0, 1]
+    for report in reports:
+        assert all(report["frozen_equal"].values())
+        assert all(report["lora_b_zero"].values())
+        for name, shard in report["shards"].items():
+            assert shard["shard_numel"] == math.ceil(shard["numel"] / 2), name
+            assert shard["device"] == "cpu"
+    assert [r["global_step"] for r in reports] == [2, 2]
+    assert reports[0]["val_loss"] == pytest.approx(reports[1]["val_loss"])  # one base, one adapter on both ranks
+
+    run_script(
+        "pretrained_lora.py",
+        *("--folder", str(llama_folder), "--devices", "1", "--max-steps", "4"),
+        *("--resume", str(checkpoint), "--report", str(one)),
+    )
+    (resumed,) = read_reports(one)
+    assert resumed["global_step"] == 4
+    assert all(resumed["frozen_equal"].values())
+
+
+def test_a_bin_checkpoint_goes_through_transformers_own_loader(tmp_path: Path, lightning_log: object) -> None:
+    folder = write_llama(tmp_path / "bin", safe_serialization=False)
+    assert (folder / "pytorch_model.bin").exists() and not (folder / "model.safetensors").exists()
+    reference = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    model = PretrainedLoRA(str(folder))
+    trainer = cpu_trainer(max_steps=1, precision="bf16-mixed")
+    trainer.fit(model, token_data())
+    assert "rank 0 reads each tensor and broadcasts it" in lightning_log.text
+    import deepspeed
+
+    embed = model.model.base_model.model.model.embed_tokens.weight
+    with deepspeed.zero.GatheredParameters([embed]):
+        assert torch.equal(embed.detach().cpu(), reference["model.embed_tokens.weight"])
+
+
+def test_read_flat_range_reads_exactly_the_asked_elements(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {"matrix": torch.arange(7 * 5 * 3).reshape(7, 5, 3).float(), "vector": torch.arange(11.0)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as handle:
+        for key, tensor in tensors.items():
+            flat = tensor.reshape(-1)
+            for start, count in [(0, 1), (0, flat.numel()), (14, 17), (flat.numel() - 1, 1), (16, 30)]:
+                count = min(count, flat.numel() - start)
+                got = pretrained.read_flat_range(handle.get_slice(key), tuple(tensor.shape), start, count)
+                assert torch.equal(got, flat[start : start + count]), (key, start, count)
+
+
+def test_place_buffers_moves_buffers_and_metric_states_but_no_param() -> None:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.metric = MulticlassAccuracy(num_classes=3)
+    zero.place_buffers(model, torch.device("meta"))  # the CPU cannot show a GPU; the meta device shows the move
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+    assert model.metric.tp.device.type == "meta"
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
