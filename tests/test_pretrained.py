@@ -48,6 +48,11 @@ def test_adapter_from_a_configure_model_base_loads_without_deepspeed(llama_folde
     trainer = cpu_trainer(max_steps=3)
     trainer.fit(model, token_data())
     trainer.save_checkpoint(tmp_path / "adapter.ckpt")
+    (trained,) = trainer.validate(model, token_data())
+    (fresh,) = cpu_trainer().validate(
+        PretrainedLoRA(str(llama_folder)), token_data(), ckpt_path=tmp_path / "adapter.ckpt"
+    )
+    assert fresh["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6)  # a new Trainer, base built anew
     saved = torch.load(tmp_path / "adapter.ckpt", weights_only=True)
     assert sorted(saved["state_dict"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
 
