@@ -30,14 +30,20 @@ def write_llama(folder: Path, dtype: torch.dtype = torch.bfloat16, safe_serializ
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(dtype)
-    model.save_pretrained(folder, safe_serialization=safe_serialization)
+    model.save_pretrained(folder)
+    if not safe_serialization:  # transformers 5 writes safetensors only; older hub checkpoints are torch.save files
+        torch.save(folder_tensors(folder), folder / "pytorch_model.bin")
+        (folder / "model.safetensors").unlink()
     return folder
 
 
 def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, from ``model.safetensors`` or ``pytorch_model.bin``."""
     from safetensors.torch import load_file
 
-    return load_file(str(folder / "model.safetensors"))
+    if (folder / "model.safetensors").exists():
+        return load_file(str(folder / "model.safetensors"))
+    return torch.load(folder / "pytorch_model.bin", weights_only=True)
 
 
 class PretrainedLoRA(L.LightningModule):

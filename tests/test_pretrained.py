@@ -105,16 +105,11 @@ def test_two_ranks_load_their_own_halves_then_resume_on_one(llama_folder: Path, 
 def test_a_bin_checkpoint_goes_through_transformers_own_loader(tmp_path: Path, lightning_log: object) -> None:
     folder = write_llama(tmp_path / "bin", safe_serialization=False)
     assert (folder / "pytorch_model.bin").exists() and not (folder / "model.safetensors").exists()
-    reference = torch.load(folder / "pytorch_model.bin", weights_only=True)
     model = PretrainedLoRA(str(folder))
     trainer = cpu_trainer(max_steps=1, precision="bf16-mixed")
     trainer.fit(model, token_data())
     assert "rank 0 reads each tensor and broadcasts it" in lightning_log.text
-    import deepspeed
-
-    embed = model.model.base_model.model.model.embed_tokens.weight
-    with deepspeed.zero.GatheredParameters([embed]):
-        assert torch.equal(embed.detach().cpu(), reference["model.embed_tokens.weight"])
+    assert len(model.seen_at_start["frozen_equal"]) == 21 and all(model.seen_at_start["frozen_equal"].values())
 
 
 def test_read_flat_range_reads_exactly_the_asked_elements(tmp_path: Path) -> None:
