@@ -31,7 +31,8 @@ SENTENCES = [
     ("boring from start to end", 0),
 ]
 
-# the tuner's PEFT config, and whether it runs on the causal Llama (else on MiniLM as a 2-class classifier)
+# the tuner's PEFT config, and whether it runs on the causal Llama (else on MiniLM as a 2-class classifier); the
+# projection's hidden size 33 gives tensors whose sizes are not a multiple of 2 ranks
 TUNERS: dict[str, tuple[Callable[[], Any], bool]] = {
     "prompt_tuning": (lambda: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4), False),
     "p_tuning": (
@@ -41,7 +42,7 @@ TUNERS: dict[str, tuple[Callable[[], Any], bool]] = {
     "prefix_tuning": (lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), True),
     "prefix_tuning_projection": (
         lambda: peft.PrefixTuningConfig(
-            task_type="CAUSAL_LM", num_virtual_tokens=4, prefix_projection=True, encoder_hidden_size=32
+            task_type="CAUSAL_LM", num_virtual_tokens=4, prefix_projection=True, encoder_hidden_size=33
         ),
         True,
     ),

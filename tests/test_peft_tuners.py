@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import lightning_frozen
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.peft_export import peft_entry
+from tests.distributed import run_script
 from tests.models import cpu_trainer
 
 peft = pytest.importorskip("peft")
@@ -145,3 +146,27 @@ def test_export_refuses_a_prompt_method_it_cannot_compute(tmp_path: Path) -> Non
     with pytest.raises(CheckpointFormatError, match=r"multitask\.ckpt cannot be exported.*MULTITASK_PROMPT_TUNING"):
         lightning_frozen.export_peft_adapter(tmp_path / "multitask.ckpt", tmp_path / "out")
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+def test_two_ranks_save_a_prefix_encoder_that_exports_and_resumes_on_one(llama_folder: str, tmp_path: Path) -> None:
+    """On 2 ranks each holds half of every prompt encoder tensor (some of odd size): the checkpoint gathers them whole,
+    export computes the prefix from them, and one rank resumes from the file."""
+    tuner = "prefix_tuning_projection"
+    run_script("train_peft.py", f"--tuner={tuner}", f"--llama={llama_folder}", f"--save={tmp_path / 'two.ckpt'}")
+    checkpoint = torch.load(tmp_path / "two.ckpt", weights_only=True)
+    assert checkpoint["lightning_frozen"]["world_size"] == 2 and checkpoint["global_step"] == 2
+    initial = PeftModule(tuner, llama_folder)
+    for name, param in initial.named_parameters():
+        if param.requires_grad:
+            assert checkpoint["state_dict"][name].shape == param.shape, name
+    assert checkpoint["state_dict"]["model.prompt_encoder.default.transform.0.bias"].numel() == 33
+
+    ours = lightning_frozen.load_adapter(PeftModule(tuner, llama_folder), tmp_path / "two.ckpt")
+    out = lightning_frozen.export_peft_adapter(tmp_path / "two.ckpt", tmp_path / "export")
+    theirs = peft.PeftModel.from_pretrained(base_model(tuner, llama_folder), str(out))
+    torch.testing.assert_close(_logits(theirs, tuner), _logits(ours.model, tuner), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_logits(initial.model, tuner), _logits(ours.model, tuner), atol=1e-4)
+
+    resumed = cpu_trainer(max_epochs=3)
+    resumed.fit(PeftModule(tuner, llama_folder), batches(tuner), ckpt_path=tmp_path / "two.ckpt")
+    assert resumed.global_step == 4
