@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import lightning_frozen
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.peft_export import peft_entry
+from lightning_frozen.peft_export import peft_entry, prompt_embeddings
 from tests.distributed import run_script
 from tests.models import cpu_trainer
 
@@ -170,3 +170,28 @@ def test_two_ranks_save_a_prefix_encoder_that_exports_and_resumes_on_one(llama_f
     resumed = cpu_trainer(max_epochs=3)
     resumed.fit(PeftModule(tuner, llama_folder), batches(tuner), ckpt_path=tmp_path / "two.ckpt")
     assert resumed.global_step == 4
+
+
+@pytest.mark.parametrize("encoder", ["MLP", "LSTM"])
+def test_prompt_embeddings_are_what_peft_saves_for_a_p_tuning_encoder(encoder: str, llama_folder: str) -> None:
+    """Export computes PEFT's saved tensor from the plain config and the encoder's weights, for both encoder types."""
+    config = peft.PromptEncoderConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=9, encoder_reparameterization_type=encoder
+    )
+    model = peft.get_peft_model(base_model("prefix_tuning", llama_folder), config)
+    entry = peft_entry("", model, [name for name, param in model.named_parameters() if param.requires_grad])
+    params = dict(model.named_parameters())
+    weights = {own: params[name].detach() for own, name in entry["prompt_encoder"].items()}
+    assert any(own.startswith("lstm_head.") for own in weights) == (encoder == "LSTM")
+    expected = model.get_prompt_embedding_to_save("default")
+    torch.testing.assert_close(prompt_embeddings(entry["config"], weights), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_peft_loads_prompt_learning_adapters_for_inference_only(tmp_path: Path, llama_folder: str) -> None:
+    """PEFT's own limit, without the strategy: to train a prompt on, resume from the lightning-frozen checkpoint."""
+    config = peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=9)
+    peft.get_peft_model(base_model("prefix_tuning", llama_folder), config).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="Cannot set a prompt learning adapter to trainable"):
+        peft.PeftModel.from_pretrained(
+            base_model("prefix_tuning", llama_folder), tmp_path / "adapter", is_trainable=True
+        )
