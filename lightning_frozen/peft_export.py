@@ -10,7 +10,7 @@ Prompt learning (prompt tuning, p-tuning, prefix tuning) is the exception: PEFT 
 loads as the embedding of an encoder without its MLP (inference mode). Under ZeRO-3 the encoder's weights are
 partitioned at save time, so nothing runs it then: the checkpoint records which trainable tensors make up the
 encoder, and export computes ``prompt_embeddings`` on the CPU from their saved fp32 values with PEFT's own encoder
-class (for prompt tuning it is the embedding weight itself).
+class (for prompt tuning and prefix tuning without projection that is the embedding weight itself).
 """
 
 from __future__ import annotations
@@ -66,17 +66,18 @@ def peft_entry(
     lead = f"{prefix}." if prefix else ""
     ours = [name for name in trainable_names if name.startswith(lead)]
     probe = {name[len(lead) :]: torch.empty(0) for name in [*ours, *(b for b in buffer_names if b.startswith(lead))]}
-    names = {id(tensor): f"{lead}{name}" for name, tensor in probe.items()}
+    ours_by_id = {id(tensor): f"{lead}{name}" for name, tensor in probe.items()}
     encoder: dict[str, str] = {}
     not_exportable = None
     if peft_config.is_prompt_learning:
         encoder_lead = f"prompt_encoder.{adapter_name}."
         encoder = {name[len(encoder_lead) :]: f"{lead}{name}" for name in probe if name.startswith(encoder_lead)}
         mapped = _auxiliary_state_dict(peft_model, adapter_name, probe)
-        if _json_plain(peft_config.peft_type) not in EXPORTABLE_PROMPT_LEARNING:
+        peft_type = _json_plain(peft_config.peft_type)
+        if peft_type not in EXPORTABLE_PROMPT_LEARNING:
             not_exportable = (
-                f"PEFT saves {_json_plain(peft_config.peft_type)} prompts in a form lightning-frozen does not compute;"
-                f" export supports {', '.join(EXPORTABLE_PROMPT_LEARNING)}"
+                f"PEFT saves {peft_type} prompts in a form lightning-frozen does not compute; export supports"
+                f" {', '.join(EXPORTABLE_PROMPT_LEARNING)}"
             )
     else:
         from peft import get_peft_model_state_dict
@@ -84,8 +85,8 @@ def peft_entry(
         mapped = get_peft_model_state_dict(
             peft_model, state_dict=probe, adapter_name=adapter_name, save_embedding_layers=False
         )
-    keys = {names[id(value)]: key for key, value in mapped.items() if id(value) in names}
-    computed = sorted(key for key, value in mapped.items() if id(value) not in names)
+    keys = {ours_by_id[id(value)]: key for key, value in mapped.items() if id(value) in ours_by_id}
+    computed = sorted(key for key, value in mapped.items() if id(value) not in ours_by_id)
     if computed and not_exportable is None:
         not_exportable = f"PEFT computes the adapter tensors {computed[:5]} at save time instead of copying them"
     in_adapter = set(keys) | set(encoder.values())
@@ -128,25 +129,28 @@ def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, t
     Raises:
         CheckpointFormatError: the weights do not fit the encoder the config describes.
     """
-    embedding = encoder_weights.get("embedding.weight")
-    if config["peft_type"] == "PROMPT_TUNING" and embedding is not None:
-        return embedding.float()  # the prompt encoder is a lookup of its rows, in order: the weight is its output
     from peft import PeftConfig
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 
-    # a trainable config builds the encoder with its MLP/LSTM; the one PEFT loads for inference has none
-    peft_config = PeftConfig.from_peft_type(**{**config, "inference_mode": False})
-    encoder = PEFT_TYPE_TO_TUNER_MAPPING[config["peft_type"]](peft_config)
+    peft_type = config["peft_type"]
+    encoder_class = PEFT_TYPE_TO_TUNER_MAPPING[peft_type]
+    if peft_type == "PROMPT_TUNING":
+        # an inference config skips the init from the base's vocabulary (the loaded weights replace it anyway)
+        encoder = encoder_class(PeftConfig.from_peft_type(**{**config, "inference_mode": True}), None)
+    else:
+        # a trainable config builds p-tuning's MLP/LSTM and prefix tuning's projection, which PEFT's own saving runs
+        encoder = encoder_class(PeftConfig.from_peft_type(**{**config, "inference_mode": False}))
+    encoder = encoder.float()
     try:
         encoder.load_state_dict({name: value.float() for name, value in encoder_weights.items()}, strict=True)
     except RuntimeError as error:
         raise CheckpointFormatError(
-            f"The checkpoint's prompt encoder tensors {sorted(encoder_weights)} do not fit the"
-            f" {config['peft_type']} encoder its adapter config describes ({str(error).splitlines()[0]})."
+            f"The checkpoint's prompt encoder tensors {sorted(encoder_weights)} do not fit the {peft_type} encoder its"
+            f" adapter config describes ({str(error).splitlines()[0]})."
         ) from None
-    tokens = torch.arange(encoder.embedding.num_embeddings).unsqueeze(0)
+    tokens = torch.arange(encoder.embedding.num_embeddings).unsqueeze(0)  # every virtual token, in order
     with torch.no_grad():
-        return encoder.float()(tokens)[0]
+        return encoder(tokens)[0]
 
 
 def _inside(folder: Path, name: str) -> Path:

@@ -185,6 +185,8 @@ def test_prompt_embeddings_are_what_peft_saves_for_a_p_tuning_encoder(encoder: s
     assert any(own.startswith("lstm_head.") for own in weights) == (encoder == "LSTM")
     expected = model.get_prompt_embedding_to_save("default")
     torch.testing.assert_close(prompt_embeddings(entry["config"], weights), expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(CheckpointFormatError, match=r"\['embedding.weight'.*do not fit the P_TUNING encoder"):
+        prompt_embeddings(entry["config"], {**weights, "embedding.weight": torch.zeros(2, 64)})
 
 
 def test_peft_loads_prompt_learning_adapters_for_inference_only(tmp_path: Path, llama_folder: str) -> None:
