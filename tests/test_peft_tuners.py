@@ -79,6 +79,9 @@ def test_checkpoint_holds_the_trainable_tensors_and_opens_weights_only(trained: 
         assert encoder  # the prompt encoder's tensors are the adapter
     else:
         assert entry["prompt_encoder"] == {}
+    if trained["tuner"] == "lora_modules_to_save":  # the classifier (SEQ_CLS) and the pooler (named) go in whole
+        wrapped = {"base_model.model.classifier.weight", "base_model.model.bert.pooler.dense.weight"}
+        assert wrapped <= set(entry["keys"].values())
 
 
 def test_resume_continues_exactly(trained: dict) -> None:
