@@ -100,15 +100,25 @@ def base_model(tuner: str, llama_folder: str | None) -> torch.nn.Module:
 
 class PeftModule(L.LightningModule):
     """``peft.get_peft_model(base, config)`` for one of ``TUNERS``; the loss is cross-entropy on the labels
-    (classifier) or on the next token (causal LM)."""
+    (classifier) or on the next token (causal LM). With ``in_configure_model`` the model is built in
+    ``configure_model`` (under ``zero.Init`` when Lightning calls it), as users build bases too large for one rank."""
 
-    def __init__(self, tuner: str, llama_folder: str | None = None, lr: float = 2e-2) -> None:
+    def __init__(
+        self, tuner: str, llama_folder: str | None = None, lr: float = 2e-2, in_configure_model: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        base = base_model(tuner, llama_folder)
-        torch.manual_seed(1)  # the adapter's random init
-        self.model = peft.get_peft_model(base, TUNERS[tuner][0]())
         self.causal = TUNERS[tuner][1]
+        self.model: Any = None if in_configure_model else self._build()
+
+    def _build(self) -> Any:
+        base = base_model(self.hparams.tuner, self.hparams.llama_folder)
+        torch.manual_seed(1)  # the adapter's random init
+        return peft.get_peft_model(base, TUNERS[self.hparams.tuner][0]())
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self._build()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -200,3 +200,25 @@ def test_peft_loads_prompt_learning_adapters_for_inference_only(tmp_path: Path, 
         peft.PeftModel.from_pretrained(
             base_model("prefix_tuning", llama_folder), tmp_path / "adapter", is_trainable=True
         )
+
+
+def test_a_prefix_encoder_built_in_configure_model_saves_and_exports(llama_folder: str, tmp_path: Path) -> None:
+    """A base too large for one rank is built in ``configure_model`` (``from_pretrained`` into ZeRO-3 shards); the
+    prompt encoder PEFT adds there is saved, loaded and exported like one built in ``__init__``."""
+    tuner = "prefix_tuning_projection"
+    module = PeftModule(tuner, llama_folder, in_configure_model=True)
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(module, batches(tuner))
+    trainer.save_checkpoint(tmp_path / "adapter.ckpt")
+    straight = PeftModule(tuner, llama_folder)  # built in `__init__`: the same base and adapter init
+    cpu_trainer(max_epochs=1).fit(straight, batches(tuner))
+    built_there = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["state_dict"]
+    for name, value in straight.trainer.strategy.lightning_module_state_dict().items():
+        torch.testing.assert_close(built_there[name], value)
+
+    ours = PeftModule(tuner, llama_folder, in_configure_model=True)
+    ours.configure_model()
+    lightning_frozen.load_adapter(ours, tmp_path / "adapter.ckpt")
+    out = lightning_frozen.export_peft_adapter(tmp_path / "adapter.ckpt", tmp_path / "export")
+    theirs = peft.PeftModel.from_pretrained(base_model(tuner, llama_folder), str(out))
+    torch.testing.assert_close(_logits(theirs, tuner), _logits(ours.model, tuner), rtol=1e-5, atol=1e-5)
