@@ -67,13 +67,13 @@ def peft_entry(
     ours = [name for name in trainable_names if name.startswith(lead)]
     probe = {name[len(lead) :]: torch.empty(0) for name in [*ours, *(b for b in buffer_names if b.startswith(lead))]}
     ours_by_id = {id(tensor): f"{lead}{name}" for name, tensor in probe.items()}
+    peft_type = _json_plain(peft_config.peft_type)
     encoder: dict[str, str] = {}
     not_exportable = None
     if peft_config.is_prompt_learning:
         encoder_lead = f"prompt_encoder.{adapter_name}."
         encoder = {name[len(encoder_lead) :]: f"{lead}{name}" for name in probe if name.startswith(encoder_lead)}
         mapped = _auxiliary_state_dict(peft_model, adapter_name, probe)
-        peft_type = _json_plain(peft_config.peft_type)
         if peft_type not in EXPORTABLE_PROMPT_LEARNING:
             not_exportable = (
                 f"PEFT saves {peft_type} prompts in a form lightning-frozen does not compute; export supports"
@@ -82,13 +82,24 @@ def peft_entry(
     else:
         from peft import get_peft_model_state_dict
 
-        mapped = get_peft_model_state_dict(
-            peft_model, state_dict=probe, adapter_name=adapter_name, save_embedding_layers=False
-        )
+        try:
+            mapped = get_peft_model_state_dict(
+                peft_model, state_dict=probe, adapter_name=adapter_name, save_embedding_layers=False
+            )
+        except Exception as error:  # a tuner whose saving reads values or shared aliases (VB-LoRA): the save goes on
+            mapped = {}
+            not_exportable = (
+                f"PEFT cannot map {peft_type} tensors without their values ({type(error).__name__}: {error})"
+            )
     keys = {ours_by_id[id(value)]: key for key, value in mapped.items() if id(value) in ours_by_id}
     computed = sorted(key for key, value in mapped.items() if id(value) not in ours_by_id)
     if computed and not_exportable is None:
         not_exportable = f"PEFT computes the adapter tensors {computed[:5]} at save time instead of copying them"
+    if not_exportable:
+        rank_zero_warn(
+            f"lightning-frozen: this {peft_type} adapter cannot be exported to PEFT's format: {not_exportable}. Its"
+            " checkpoints resume and load with `lightning_frozen.load_adapter` as usual."
+        )
     in_adapter = set(keys) | set(encoder.values())
     return {
         "prefix": prefix,

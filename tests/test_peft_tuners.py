@@ -222,3 +222,22 @@ def test_a_prefix_encoder_built_in_configure_model_saves_and_exports(llama_folde
     out = lightning_frozen.export_peft_adapter(tmp_path / "adapter.ckpt", tmp_path / "export")
     theirs = peft.PeftModel.from_pretrained(base_model(tuner, llama_folder), str(out))
     torch.testing.assert_close(_logits(theirs, tuner), _logits(ours.model, tuner), rtol=1e-5, atol=1e-5)
+
+
+class VBLoRAModule(PeftModule):
+    """VB-LoRA: PEFT's saving reads a vector bank shared by every layer under one alias the mapping cannot probe."""
+
+    def _build(self) -> Any:
+        config = peft.VBLoRAConfig(task_type="SEQ_CLS", target_modules=["query"], num_vectors=16, vector_length=128)
+        return peft.get_peft_model(minilm_classifier(), config)
+
+
+def test_a_tuner_export_cannot_map_still_saves_resumes_and_loads(tmp_path: Path) -> None:
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(VBLoRAModule("ia3"), batches("ia3"))
+    with pytest.warns(UserWarning, match="this VBLORA adapter cannot be exported to PEFT's format"):
+        trainer.save_checkpoint(tmp_path / "vblora.ckpt")
+    cpu_trainer(max_epochs=2).fit(VBLoRAModule("ia3"), batches("ia3"), ckpt_path=tmp_path / "vblora.ckpt")
+    lightning_frozen.load_adapter(VBLoRAModule("ia3"), tmp_path / "vblora.ckpt")
+    with pytest.raises(CheckpointFormatError, match=r"vblora\.ckpt cannot be exported.*VBLORA.*load_adapter"):
+        lightning_frozen.export_peft_adapter(tmp_path / "vblora.ckpt", tmp_path / "out")
