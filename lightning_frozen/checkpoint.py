@@ -300,7 +300,7 @@ def frozen_base_entry(
     if peft is not None:
         from lightning_frozen.peft_export import peft_entry
 
-        entry["peft"] = peft_entry(peft[0], peft[1], trainable_names)
+        entry["peft"] = peft_entry(peft[0], peft[1], trainable_names, list(persistent_buffers(module)))
     return entry
 
 

