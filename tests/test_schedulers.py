@@ -6,15 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.optim import lr_scheduler
 
 from lightning_frozen import optim
 from lightning_frozen.errors import SchedulerGroupsError
 from lightning_frozen.optim import register_per_group_attributes, regroup_scheduler, strip_frozen_params
+from tests.models import AdapterModel, cpu_trainer, regression_data
 
 STEPS = 15
 # ReduceLROnPlateau's metric: improves, stalls (lr drops after patience), improves once, stalls again
@@ -261,3 +264,40 @@ def test_a_group_added_where_each_group_has_its_own_value_is_refused_naming_it()
     rebuilt.add_param_group({"params": [nn.Parameter(torch.ones(1))], "lr": 0.05})
     with pytest.raises(SchedulerGroupsError, match="`CyclicLR` has a different `max_lrs` for each param group"):
         regroup_scheduler(scheduler, rebuilt, kept=[0, 1], num_groups=2)
+
+
+def _decay_groups_with_one_cycle(module: nn.Module) -> dict[str, Any]:
+    """Decay / no-decay groups as transformers' recipes build them; the no-decay group (the frozen base's biases) is
+    wholly frozen, and OneCycleLR gives each group its own peak."""
+    no_decay = [p for n, p in module.named_parameters() if n.endswith("base.bias")]
+    decay = [p for n, p in module.named_parameters() if not n.endswith("base.bias")]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=0.01
+    )
+    scheduler = lr_scheduler.OneCycleLR(optimizer, max_lr=[0.05, 0.02], total_steps=16)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LearningRates(Callback):
+    def __init__(self) -> None:
+        self.lrs: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.lrs.append([group["lr"] for group in trainer.optimizers[0].param_groups])
+
+
+def test_one_cycle_over_a_dropped_no_decay_group_in_a_trainer_follows_torch() -> None:
+    reference = _decay_groups_with_one_cycle(AdapterModel())
+    expected = []
+    for _ in range(16):
+        expected.append([reference["optimizer"].param_groups[0]["lr"]])
+        reference["optimizer"].step()
+        reference["lr_scheduler"]["scheduler"].step()
+
+    recorder = LearningRates()
+    trainer = cpu_trainer(max_epochs=2, callbacks=[recorder])
+    trainer.fit(AdapterModel(optimizer_fn=_decay_groups_with_one_cycle), regression_data())
+    assert trainer.global_step == 16 and len(trainer.optimizers[0].param_groups) == 1
+    assert recorder.lrs == expected
+    # it climbed to near its peak and came down again: the phases the old length rule cut were both run
+    assert max(lr for (lr,) in expected) > 0.049 and expected[-1][0] < 0.01
