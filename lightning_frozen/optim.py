@@ -257,6 +257,29 @@ def prepare_optimizer(
     return report
 
 
+def ungrouped_trainable_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
+    """Names of ``module``'s trainable params that no group of ``optimizer`` holds.
+
+    Plain torch computes their gradients and never steps them, e.g. the BatchNorm params of a frozen backbone that
+    ``BackboneFinetuning(train_bn=True)`` keeps trainable while ``configure_optimizers`` names only the head.
+    """
+    grouped = {id(p) for p in optimizer_params(optimizer)}
+    return [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in grouped]
+
+
+def discard_gradients(params: Sequence[nn.Parameter]) -> list[Any]:
+    """Drop each param's gradient as soon as autograd has accumulated it; returns the hook handles.
+
+    A ZeRO-3 optimizer reduces and partitions the gradients of its own params only: one of another param would stay
+    whole, stale, on every rank (and break the optimizer's ``zero_grad`` once a finetuning callback adds the param).
+    """
+    return [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
