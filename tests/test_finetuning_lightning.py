@@ -32,7 +32,13 @@ def _data(samples: int = 16) -> DataLoader:
 def _trainer(frozen: bool, **kwargs: Any) -> L.Trainer:
     """``frozen_deepspeed`` (ours), or Lightning's default strategy on the CPU (the reference); both read the
     batches in order (DeepSpeed's distributed sampler would shuffle them)."""
-    return cpu_trainer(strategy="frozen_deepspeed" if frozen else "auto", use_distributed_sampler=False, **kwargs)
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks", []))
+    return cpu_trainer(
+        strategy="frozen_deepspeed" if frozen else "auto",
+        use_distributed_sampler=False,
+        enable_checkpointing=checkpointing,
+        **kwargs,
+    )
 
 
 def _full(param: nn.Parameter) -> torch.Tensor:
