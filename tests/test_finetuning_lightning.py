@@ -141,6 +141,25 @@ def test_backbone_with_batchnorm_and_train_bn_trains_as_under_lightning(lightnin
     assert not torch.equal(module.backbone[1].running_mean, initial.backbone[1].running_mean)
 
 
+def test_a_checkpoint_taken_while_batchnorm_params_are_in_no_group_saves_and_resumes_exactly(tmp_path: Path) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
+    straight = Epochs()
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), straight, checkpoint]
+    _trainer(True, max_epochs=3, callbacks=callbacks).fit(BatchNormBackbone(), _data())
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
+    # the never-stepped BatchNorm params are saved as they are (trainable), outside the optimizer's groups
+    initial = BatchNormBackbone()
+    assert torch.equal(saved["state_dict"]["backbone.1.weight"], initial.backbone[1].weight.detach())
+    assert [g["params"] for g in saved["optimizer_states"][0]["param_groups"]] == [["layer.weight", "layer.bias"]]
+
+    resumed = Epochs()
+    trainer = _trainer(True, max_epochs=3, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), resumed])
+    trainer.fit(BatchNormBackbone(), _data(), ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert resumed.groups == straight.groups[1:] and resumed.lrs == straight.lrs[1:]
+    for name, value in straight.weights[-1].items():
+        torch.testing.assert_close(resumed.weights[-1][name], value, msg=name)
+
+
 # ------------------------------------------------------ test_freeze_unfreeze_function, test_complex_nested_model
 
 
