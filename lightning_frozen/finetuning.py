@@ -65,7 +65,7 @@ class BaseFinetuning(lightning_finetuning.BaseFinetuning):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, FrozenAwareDeepSpeedStrategy):
-            self.freeze_before_training(pl_module)
+            # the strategy calls `freeze_before_training` once `configure_model` has built the model
             return
         super().setup(trainer, pl_module, stage)
 

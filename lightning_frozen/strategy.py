@@ -186,6 +186,17 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
                     " arguments): they unfreeze and freeze params under ZeRO-3 by rebuilding the optimizer."
                 )
 
+    def _freeze_for_finetuning_callbacks(self) -> None:
+        """lightning_frozen's finetuning callbacks freeze here, after ``configure_model`` built the model (sharded),
+        where Lightning's freeze in their ``setup``, before it."""
+        from lightning_frozen.finetuning import BaseFinetuning
+
+        module = self.lightning_module
+        assert module is not None
+        for callback in module.trainer.callbacks:
+            if isinstance(callback, BaseFinetuning):
+                callback.freeze_before_training(module)
+
     @override
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CPUAccelerator):
@@ -204,6 +215,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+        self._freeze_for_finetuning_callbacks()
         optimizer, scheduler_config = super()._init_optimizers()
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
         module = self.lightning_module
@@ -291,6 +303,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
+        self._freeze_for_finetuning_callbacks()
         assert isinstance(self.config, dict)
         inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
         for key in ("fp16", "bf16"):

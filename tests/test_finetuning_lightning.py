@@ -366,3 +366,45 @@ def test_callback_state_is_restored_before_the_optimizer_state_and_training_cont
         ["layer.1.weight", "layer.1.bias"],
     ]
     assert not module.layer[2].weight.requires_grad and trainer.global_step == 3
+
+
+# ------------------------------------------------------------ test_finetuning_with_configure_model (Lightning > 2.6)
+
+
+class BuiltInConfigureModel(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.configure_model_calls = 0
+
+    def configure_model(self) -> None:
+        self.configure_model_calls += 1
+        torch.manual_seed(42)
+        self.backbone = nn.Linear(32, 32)
+        self.classifier = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.backbone(x))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+
+class FreezeBackbone(BaseFinetuning):
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        assert hasattr(pl_module, "backbone"), "backbone should be configured before freezing"
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        pass
+
+
+def test_the_callback_freezes_a_model_built_in_configure_model_once_it_is_built() -> None:
+    module = BuiltInConfigureModel()
+    epochs = Epochs()
+    trainer = _trainer(True, max_epochs=1, limit_train_batches=2, callbacks=[FreezeBackbone(), epochs])
+    trainer.fit(module, _data())
+    assert module.configure_model_calls == 1
+    assert epochs.trainable == [["classifier.weight", "classifier.bias"]]
+    assert epochs.groups == [[["classifier.weight", "classifier.bias"]]]
+    torch.manual_seed(42)
+    assert torch.equal(epochs.weights[0]["backbone.weight"], nn.Linear(32, 32).weight.detach())
