@@ -9,6 +9,11 @@ optimizer with the same ``param_groups`` and ``add_param_group``; when it return
 the real optimizer, and a changed trainable set makes the strategy rebuild the ZeRO optimizer, carrying over the
 state of every param that keeps training (:meth:`FrozenAwareDeepSpeedStrategy.reconfigure_trainable`).
 
+Two differences from Lightning's, both for ZeRO-3: ``freeze_before_training`` runs once ``configure_model`` has built
+the (sharded) model, where Lightning's runs in ``setup``, before it; and a param left trainable in no group (the
+BatchNorm params ``train_bn=True`` keeps trainable in a frozen backbone) is never stepped, as in plain PyTorch, with a
+notice that names it, until ``unfreeze_and_add_param_group`` adds it.
+
 A resumed run learns what was unfrozen from the checkpoint itself: its ``state_dict`` holds every param that was
 trainable when it was saved, and ``optimizer_states[0]["param_groups"]`` their groups by name; the strategy makes
 exactly those trainable again before loading the optimizer state.
