@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_frozen import BackboneFinetuning, BaseFinetuning
+from tests.distributed import read_reports, run_script
 from tests.models import cpu_trainer
 
 
@@ -408,3 +409,20 @@ def test_the_callback_freezes_a_model_built_in_configure_model_once_it_is_built(
     assert epochs.groups == [[["classifier.weight", "classifier.bias"]]]
     torch.manual_seed(42)
     assert torch.equal(epochs.weights[0]["backbone.weight"], nn.Linear(32, 32).weight.detach())
+
+
+def test_batchnorm_params_in_no_group_on_two_ranks(tmp_path: Path) -> None:
+    run_script("finetune_batchnorm.py", f"--report={tmp_path}")
+    reports = read_reports(tmp_path)
+    assert len(reports) == 2 and reports[0] == reports[1]
+    report = reports[0]
+    assert report["groups"] == [
+        [["head.weight", "head.bias"]],
+        [["head.weight", "head.bias"], ["backbone.0.weight", "backbone.1.weight", "backbone.1.bias"]],
+    ]
+    # never stepped during epoch 0 (BatchNorm's weight starts at ones), stepped once in the backbone's group
+    assert report["bn_weight"][0] == [1.0] * 16 and report["bn_weight"][1] != [1.0] * 16
+    assert report["global_step"] == 8
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
+    assert torch.equal(saved["state_dict"]["backbone.1.weight"], torch.ones(16))
+    assert [g["params"] for g in saved["optimizer_states"][0]["param_groups"]] == [["head.weight", "head.bias"]]
