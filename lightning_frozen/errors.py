@@ -33,3 +33,7 @@ class CheckpointFormatError(FrozenTrainingError):
 
 class CheckpointKeysError(FrozenTrainingError):
     """A checkpoint's trainable state does not match the module's trainable parameters."""
+
+
+class SchedulerGroupsError(FrozenTrainingError):
+    """An LR scheduler's per-group values cannot follow param groups that were dropped or added."""

@@ -9,6 +9,11 @@ optimizer with the same ``param_groups`` and ``add_param_group``; when it return
 the real optimizer, and a changed trainable set makes the strategy rebuild the ZeRO optimizer, carrying over the
 state of every param that keeps training (:meth:`FrozenAwareDeepSpeedStrategy.reconfigure_trainable`).
 
+Two differences from Lightning's, both for ZeRO-3: ``freeze_before_training`` runs once ``configure_model`` has built
+the (sharded) model, where Lightning's runs in ``setup``, before it; and a param left trainable in no group (the
+BatchNorm params ``train_bn=True`` keeps trainable in a frozen backbone) is never stepped, as in plain PyTorch, with a
+notice that names it, until ``unfreeze_and_add_param_group`` adds it.
+
 A resumed run learns what was unfrozen from the checkpoint itself: its ``state_dict`` holds every param that was
 trainable when it was saved, and ``optimizer_states[0]["param_groups"]`` their groups by name; the strategy makes
 exactly those trainable again before loading the optimizer state.
@@ -21,6 +26,7 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import finetuning as lightning_finetuning
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module, Parameter
 from typing_extensions import override
 
@@ -39,7 +45,9 @@ class StagedOptimizer:
         assert module is not None
         params = dict(module.named_parameters())
         real = strategy.optimizers[0]
-        self.defaults = dict(getattr(real, "defaults", None) or real.optimizer.defaults)
+        inner = getattr(real, "optimizer", real)
+        self.optimizer_class = type(inner)
+        self.defaults = dict(getattr(real, "defaults", None) or inner.defaults)
         self.param_groups: list[dict[str, Any]] = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in names]}
             for group, names in zip(real.param_groups, strategy._group_param_names)
@@ -62,18 +70,29 @@ class BaseFinetuning(lightning_finetuning.BaseFinetuning):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, FrozenAwareDeepSpeedStrategy):
-            self.freeze_before_training(pl_module)
+            # the strategy calls `freeze_before_training` once `configure_model` has built the model
             return
         super().setup(trainer, pl_module, stage)
 
     @staticmethod
     def filter_on_optimizer(optimizer: Any, params: Iterable) -> list:
-        """The params not already in one of the optimizer's groups, by identity.
+        """The params not already in one of the optimizer's groups, by identity; warns as Lightning's does when some
+        are skipped.
 
         Lightning compares values with ``torch.equal``, which under ZeRO-3 compares empty placeholders.
         """
         present = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [p for p in params if id(p) not in present]
+        params = list(params)
+        kept = [p for p in params if id(p) not in present]
+        if len(kept) < len(params):
+            optimizer_class = getattr(optimizer, "optimizer_class", type(optimizer))
+            rank_zero_warn(
+                "The provided params to be frozen already exist within another group of this optimizer."
+                " Those parameters will be skipped.\n"
+                "HINT: Did you init your optimizer in `configure_optimizer` as such:\n"
+                f" {optimizer_class}(filter(lambda p: p.requires_grad, self.parameters()), ...) ",
+            )
+        return kept
 
     @staticmethod
     def unfreeze_and_add_param_group(

@@ -130,6 +130,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._trainable_flags: tuple[bool, ...] = ()
         self._group_param_names: list[list[str]] = []
         self._fingerprint_cache: Optional[tuple[tuple[str, ...], dict[str, Any]]] = None
+        # trainable params in no optimizer group (plain torch never steps them) and the hooks that drop their grads
+        self._ungrouped_names: list[str] = []
+        self._ungrouped_hooks: list[Any] = []
 
     @classmethod
     @override
@@ -184,6 +187,17 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
                     " arguments): they unfreeze and freeze params under ZeRO-3 by rebuilding the optimizer."
                 )
 
+    def _freeze_for_finetuning_callbacks(self) -> None:
+        """lightning_frozen's finetuning callbacks freeze here, after ``configure_model`` built the model (sharded),
+        where Lightning's freeze in their ``setup``, before it."""
+        from lightning_frozen.finetuning import BaseFinetuning
+
+        module = self.lightning_module
+        assert module is not None
+        for callback in module.trainer.callbacks:
+            if isinstance(callback, BaseFinetuning):
+                callback.freeze_before_training(module)
+
     @override
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CPUAccelerator):
@@ -202,6 +216,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+        self._freeze_for_finetuning_callbacks()
         optimizer, scheduler_config = super()._init_optimizers()
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
         module = self.lightning_module
@@ -240,6 +255,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed
 
         zero.check_has_trainable(model)
+        if optimizer is not None:
+            self._leave_ungrouped_unstepped(model, optimizer)
         self._watched_params = list(model.named_parameters())
         self._trainable_flags = tuple(p.requires_grad for _, p in self._watched_params)
         if self._fit_reduce_bucket and self.zero_stage_3:
@@ -287,6 +304,21 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         ):
             yield
 
+    def _leave_ungrouped_unstepped(self, model: Module, optimizer: Optimizer) -> None:
+        """Trainable params outside every group train as in plain torch: never stepped. ZeRO-3 would keep their whole
+        gradients forever, so they are dropped as they come."""
+        for handle in self._ungrouped_hooks:
+            handle.remove()
+        names = optim.ungrouped_trainable_names(model, optimizer)
+        params = dict(model.named_parameters())
+        self._ungrouped_hooks = optim.discard_gradients([params[n] for n in names])
+        if names and names != self._ungrouped_names:
+            rank_zero_info(
+                f"lightning-frozen: {_names(names)} require grad but are in no optimizer param group, so they are"
+                " never stepped (as in plain PyTorch); a finetuning callback may add them to a group later."
+            )
+        self._ungrouped_names = names
+
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
@@ -300,6 +332,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
+        self._freeze_for_finetuning_callbacks()
         assert isinstance(self.config, dict)
         inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
         for key in ("fp16", "bf16"):
@@ -370,8 +403,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         or remove params of an initialised ZeRO-3 optimizer, so the engine is destroyed and initialised again over
         the same (already partitioned) module. Collective: every rank must call it with the same groups.
 
-        Raises:
-            FrozenSetChangedError: a param was made trainable but put in no group.
+        Params made trainable but put in no group are never stepped, as in plain torch.
         """
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
@@ -383,12 +415,6 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g, _ in kept_groups]
         group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         new_set = {n for group in group_names for n in group}
-        stray = sorted(n for n, p in params.items() if p.requires_grad and n not in new_set)
-        if stray:
-            raise FrozenSetChangedError(
-                f"{_names(stray)} were made trainable but are in no optimizer param group, so they would get"
-                " gradients and never change. Add them with `unfreeze_and_add_param_group`."
-            )
         old_optimizer = self._deepspeed_optimizer
         old_names = [n for group in self._group_param_names for n in group]
         keep = [n for n in old_names if n in new_set]
@@ -434,7 +460,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         params = dict(module.named_parameters())
         saved_groups = (checkpoint_dict.get("optimizer_states") or [{}])[0].get("param_groups")
         saved = {n for n in checkpoint_dict["state_dict"] if n in params}
-        current = {n for group in self._group_param_names for n in group}
+        current = {n for n, p in params.items() if p.requires_grad}
         if not saved_groups or saved == current or not self._deepspeed_optimizer:
             return
         for name, param in params.items():
@@ -452,6 +478,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @property
     def _deepspeed_optimizer(self) -> Any:
         return self.optimizers[0] if self.optimizers else None
+
+    def _optimizer_holding(self, name: str) -> Any:
+        """The ZeRO optimizer if it holds the param (and its fp32 master copy), else None."""
+        return None if name in self._ungrouped_names else self._deepspeed_optimizer
 
     def _named_frozen(
         self, recorded: Optional[Mapping[str, Any]] = None, trained: Optional[Mapping[str, Any]] = None
@@ -481,7 +511,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None
         state = {
-            name: zero.full_param(param, self._deepspeed_optimizer)
+            name: zero.full_param(param, self._optimizer_holding(name))
             for name, param in module.named_parameters()
             if param.requires_grad
         }
@@ -568,7 +598,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             checkpoint.check_keys(state_dict, trainable, buffers, "the checkpoint")
         for name, value in state_dict.items():
             if name in trainable:
-                zero.set_full_param(trainable[name], value, self._deepspeed_optimizer)
+                zero.set_full_param(trainable[name], value, self._optimizer_holding(name))
             elif name in buffers:
                 buffers[name].data.copy_(value.to(device=buffers[name].device, dtype=buffers[name].dtype))
 

@@ -9,10 +9,12 @@ from torch import nn
 from lightning_frozen.errors import ForeignParametersError, UnsupportedOffloadOptimizerError
 from lightning_frozen.optim import (
     check_params_belong_to,
+    discard_gradients,
     lr_zero_group_indices,
     prepare_optimizer,
     strip_frozen_params,
     to_cpu_adam,
+    ungrouped_trainable_names,
 )
 
 
@@ -162,3 +164,20 @@ def test_other_optimizers_are_refused_for_offload_with_the_fix() -> None:
     model = _model()
     with pytest.raises(UnsupportedOffloadOptimizerError, match="SGD.*offload_optimizer=False"):
         to_cpu_adam(torch.optim.SGD(model[1].parameters(), lr=0.1))
+
+
+def test_trainable_params_in_no_group_are_named_and_their_gradients_dropped() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    assert ungrouped_trainable_names(model, optimizer) == ["1.weight", "1.bias"]
+    handles = discard_gradients([model[1].weight, model[1].bias])
+    before = model[1].weight.detach().clone()
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    assert model[1].weight.grad is None and model[1].bias.grad is None
+    assert model[2].weight.grad is not None and torch.equal(model[1].weight, before)
+    for handle in handles:
+        handle.remove()
+    model(torch.randn(8, 4)).sum().backward()
+    assert model[1].weight.grad is not None
