@@ -232,8 +232,11 @@ def summarize(runs: list[dict], params: dict[str, int]) -> list[dict]:
         )
         row: dict[str, Any] = dict(strategy=strategy, where=where)
         errors = {r["error"] for r in (large or {}).get("ranks", []) if r["error"]}
-        if large is None or errors or len(large["ranks"]) != 2:
-            row["error"] = "; ".join(sorted(errors)) or f"exit {large and large['returncode']}, no rank reports"
+        if large is None:
+            row["error"] = "not run"
+        elif errors or len(large["ranks"]) != 2:
+            row["error"] = "; ".join(sorted(errors)) or f"exit {large['returncode']}, no rank reports"
+        if "error" in row:
             rows.append(row)
             continue
         for key in ("load_peak_uss", "load_peak_anon", "peak_uss", "peak_anon"):
@@ -261,13 +264,18 @@ def write_results(results: dict, out: Path) -> None:
         f" 2 CPU ranks (gloo), LoRA r=8 on `q_proj`/`v_proj`, {meta['steps']} training steps, `bf16-mixed`.",
         f" Load average (1, 5, 15 min) before the runs: {meta['load_before']}, after: {meta['load_after']}"
         " (2 cores shared with other work).",
+        *(
+            f" Rerun on {rerun['date']} (load average {rerun['load_before']}): {', '.join(rerun['configs'])}."
+            for rerun in meta.get("reruns", [])
+        ),
         "",
         "Figure: (node peak − floor) / frozen bytes; node peak = sum over ranks of each rank's peak USS, sampled every"
         " 50 ms from process start; floor = the same run on the floor model. 1.0 = the base held once per node."
         " **Load**: peaks up to the first training step (model built and loaded, engine set up, base fingerprinted)."
         " **+ steps**: peaks to the end of training; on the CPU the accelerator's memory is host memory too, so"
-        " this adds what a GPU run holds on the GPU (ZeRO-3 gathers the params of the running modules, and with"
-        " Lightning's `max_reuse_distance=1e9` keeps them until the backward pass). `anon`: the same with anonymous"
+        " this adds what a GPU run holds on the GPU (ZeRO-3 gathers the running modules' params whole; DeepSpeed's"
+        " default `stage3_max_live_parameters` and `stage3_max_reuse_distance` of 1e9 let it keep up to 1e9 of them"
+        " gathered between uses). `anon`: the same with anonymous"
         " memory only (USS also counts the pages of the safetensors file that a rank alone has mapped).",
         "",
         "| strategy | model built in | load: node peak USS | floor | **load: (peak − floor) / frozen** | anon"
@@ -322,6 +330,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--report", action="store_true", help="only rewrite load_memory.md from load_memory.json")
+    parser.add_argument(
+        "--only", nargs="+", metavar="STRATEGY:WHERE", help="rerun these configurations into load_memory.json"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent))
     if args.worker:
@@ -337,13 +348,14 @@ def main() -> None:
         print((args.out / "load_memory.md").read_text())
         return
 
+    configs = [tuple(config.split(":")) for config in args.only] if args.only else list(CONFIGS)
     started, load_before = time.perf_counter(), _load_average()
     with tempfile.TemporaryDirectory(prefix="load_memory_") as scratch:
         scratch_path = Path(scratch)
         params = {name: write_base(scratch_path / name, sizes) for name, sizes in MODELS.items()}
         runs = [
             run_one(model, strategy, where, scratch_path / model, scratch_path / "runs", args.steps, args.timeout)
-            for strategy, where in CONFIGS
+            for strategy, where in configs
             for model in ("large", "floor")
             if not (strategy == "stock" and where == "configure_model" and model == "floor")
         ]
@@ -358,6 +370,11 @@ def main() -> None:
         wall_s=round(time.perf_counter() - started, 1),
         estimate=estimate_load(MODELS["large"], devices=2),
     )
+    if args.only:
+        previous = json.loads((args.out / "load_memory.json").read_text())
+        runs = [r for r in previous["runs"] if (r["strategy"], r["where"]) not in configs] + runs
+        rerun = dict(configs=[":".join(c) for c in configs], date=meta["date"], load_before=load_before)
+        meta = {**previous["meta"], "reruns": [*previous["meta"].get("reruns", []), rerun]}
     results = {"meta": meta, "rows": summarize(runs, params), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     write_results(results, args.out)
