@@ -305,7 +305,40 @@ def write_results(results: dict, out: Path) -> None:
             f" {estimate['host_load_bytes'] / meta['frozen_bytes']:.2f}x the frozen bytes.",
             "",
         ]
+    lines += scaling_notes(results)
     (out / "load_memory.md").write_text("\n".join(lines) + "\n")
+
+
+def scaling_notes(results: dict) -> list[str]:
+    """How the measured figures carry over to more ranks, larger models, and 13B on one 8-GPU node."""
+    rows = {(r["strategy"], r["where"]): r for r in results["rows"]}
+    sharded, whole = rows.get(("frozen", "configure_model"), {}), rows.get(("frozen", "init"), {})
+    ratio, init_ratio = sharded.get("ratio_load_peak_uss"), whole.get("ratio_load_peak_uss")
+    if ratio is None or init_ratio is None:
+        return []
+    gib = 2**30
+    base_13b = 13_015_864_320 * 2  # benchmarks/estimate_13b.py's Llama-2-13B shape, bf16
+    in_flight_13b = (5120 * 32000 * 9 // 8) * 2 + 13_107_200 * 4  # embedding whole + its 1/8 slice + fp32 LoRA
+    return [
+        "## How it scales",
+        "",
+        "- `configure_model`: the ranks' shards add up to the base once, whatever the number of ranks N; on top,"
+        " each rank holds what is in flight (`zero.Init` creates each module's own params whole before"
+        " partitioning them, so the largest one, here the embedding; one tensor's slice read from the file;"
+        " the adapters, whole). So the figure is about 1 + N x in-flight / frozen bytes: it grows with N by one"
+        " embedding matrix per rank, and falls toward 1.0 as models grow (the embedding is a smaller share of a"
+        f" larger model). Measured here: {ratio} at N=2.",
+        "- `__init__`: every rank builds the whole model before ZeRO-3 partitions it, so the figure grows about"
+        f" linearly with N: {init_ratio} at N=2, about {init_ratio / 2:.1f} per rank, so about"
+        f" {init_ratio * 4:.0f} at N=8; the model size does not change the multiple.",
+        f"- 13B (Llama-2-13B shape, LoRA r=16 on q/v) on one node with 8 GPUs: the base is {base_13b / gib:.1f} GiB"
+        f" in bf16. `configure_model`: {base_13b / gib:.1f} GiB + 8 x {in_flight_13b / 2**20:,.0f} MiB in flight"
+        f" = {(base_13b + 8 * in_flight_13b) / gib:.1f} GiB of host memory"
+        " (`estimate_memory(..., num_devices=8).host_load_bytes`), plus each rank's runtime floor (CUDA context and"
+        f" libraries); at the ratio measured here it would be {ratio * base_13b / gib:.0f} GiB. `__init__`: about"
+        f" {init_ratio * 4 * base_13b / gib:.0f} GiB, beyond most nodes' memory.",
+        "",
+    ]
 
 
 def estimate_load(sizes: dict[str, int], devices: int) -> dict:
