@@ -61,23 +61,25 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
     if importlib.util.find_spec("peft") is None:
         yield
         return
-    from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
+
+    depth = 0  # PeftModel.__init__ calls inject_adapter: only the outermost call may restore zero.Init
 
     def outside_zero_init(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            context = partition_parameters.top_level_context
-            # PeftModel.__init__ calls inject_adapter: patching twice would wrap every Module.__init__ twice, and
-            # zero.Init's exit would undo only one layer, partitioning every module built later in the process
-            if context is None or not context.patched:
-                return method(*args, **kwargs)
-            context.unpatch_init_and_builtins()
+            nonlocal depth
+            if depth == 0:
+                shutdown_init_context()
+            depth += 1
             try:
                 return method(*args, **kwargs)
             finally:
-                context.patch_init_and_builtins()
+                depth -= 1
+                if depth == 0:
+                    restore_init_context()
 
         return wrapper
 
