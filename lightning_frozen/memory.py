@@ -4,7 +4,13 @@ The model states follow the physical limit of ``shared/DESIGN.md``: frozen weigh
 per rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a gradient.
 On top of them ZeRO-3 needs two working buffers on the accelerator: the params of the running module, gathered
 whole, and a gradient bucket of ``reduce_bucket_size`` elements that it allocates up front. Activations depend
-on the batch and are not counted. DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``)
+on the batch and are not counted.
+
+Loading a base with ``from_pretrained`` in ``configure_model`` costs host memory per node rather than per rank: the
+frozen base once (the sum of the ranks' shards) plus, on every rank, what is in flight: ``zero.Init`` creates each
+module's own params whole before it partitions them (so the largest module, whole, in the compute dtype), the slice
+of one tensor read from the checkpoint, and the adapters, which PEFT builds whole, in fp32, outside ``zero.Init``.
+DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``)
 count every parameter as trainable, which is exactly the cost frozen training avoids.
 """
 
@@ -47,6 +53,8 @@ class MemoryEstimate:
     lr_zero_workaround_extra: int
     gathered_params: int = 0
     gradient_bucket: int = 0
+    ranks_per_node: int = 1
+    load_in_flight: int = 0
 
     @property
     def limit_bytes(self) -> int:
@@ -66,12 +74,20 @@ class MemoryEstimate:
         total += self.optimizer_state if self.optimizer_on == "host" else 0
         return total
 
+    @property
+    def host_load_bytes(self) -> int:
+        """Host memory per node while ``configure_model`` loads the base: the frozen base once (when its shards are
+        offloaded) plus each rank's bytes in flight (``load_in_flight``)."""
+        base = self.frozen_shards * self.world_size if self.frozen_on == "host" else 0
+        return base + self.ranks_per_node * self.load_in_flight
+
     def as_dict(self) -> dict:
         return {
             **asdict(self),
             "limit_bytes": self.limit_bytes,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
+            "host_load_bytes": self.host_load_bytes,
         }
 
     def table(self) -> str:
@@ -87,6 +103,8 @@ class MemoryEstimate:
             ("gradient bucket", format_bytes(self.gradient_bucket), "device"),
             ("device total / rank", format_bytes(self.device_bytes), ""),
             ("host total / rank", format_bytes(self.host_bytes), ""),
+            ("load in flight / rank", format_bytes(self.load_in_flight), "host"),
+            ("host at load / node", format_bytes(self.host_load_bytes), f"{self.ranks_per_node} rank(s)"),
             ("lr=0 workaround would add", format_bytes(self.lr_zero_workaround_extra), self.optimizer_on),
         ]
         width = max(len(r[0]) for r in rows)
@@ -123,10 +141,13 @@ def estimate_from_counts(
     optimizer_state_bytes: int = 8,
     largest_module_params: int = 0,
     reduce_bucket_size: int = 0,
+    ranks_per_node: Optional[int] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3.
 
     ``largest_module_params`` (elements) and ``reduce_bucket_size`` size the two working buffers; 0 leaves them out.
+    ``largest_module_params`` also sizes what a rank holds in flight while loading (see ``host_load_bytes``);
+    ``ranks_per_node`` defaults to ``world_size`` (one node).
     """
     weight_bytes = precision_bytes(precision)
     trainable_shard = _shard(trainable_params, world_size)
@@ -134,6 +155,9 @@ def estimate_from_counts(
     optimizer_state = trainable_shard * (4 + optimizer_state_bytes)
     # the lr=0 workaround puts every frozen element in the optimizer: fp32 master + state + an fp32 gradient
     workaround = frozen_shard * (4 + optimizer_state_bytes + 4)
+    # zero.Init's creation buffer (one module whole) + one tensor's slice read from the file + PEFT's fp32 adapters
+    load_in_flight = (largest_module_params + _shard(largest_module_params, world_size)) * weight_bytes
+    load_in_flight += trainable_params * 4
     return MemoryEstimate(
         trainable_params=trainable_params,
         frozen_params=frozen_params,
@@ -147,6 +171,8 @@ def estimate_from_counts(
         lr_zero_workaround_extra=workaround,
         gathered_params=largest_module_params * weight_bytes,
         gradient_bucket=reduce_bucket_size * weight_bytes if trainable_params else 0,
+        ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
+        load_in_flight=load_in_flight,
     )
 
 
@@ -171,9 +197,10 @@ def estimate_memory(
     Returns a :class:`MemoryEstimate` with device and host bytes for frozen shards, trainable weights,
     gradients, optimizer state (Adam-type by default: ``optimizer_state_bytes=8``) and ZeRO-3's two working
     buffers (the largest module's params gathered whole, and the gradient bucket of ``reduce_bucket_size``
-    elements: by default what the strategy picks, the trainable elements up to Lightning's 2e8), and
-    prints its table. Activations are not included. The model may live on the ``meta`` device, so a 13B model
-    can be estimated without allocating it, or be partitioned by ZeRO-3 already.
+    elements: by default what the strategy picks, the trainable elements up to Lightning's 2e8), the host memory
+    per node that loading the base in ``configure_model`` needs (``host_load_bytes``), and prints its table.
+    Activations are not included. The model may live on the ``meta`` device, so a 13B model can be estimated
+    without allocating it, or be partitioned by ZeRO-3 already.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or ``num_devices`` / ``num_nodes`` not integers.
@@ -199,6 +226,7 @@ def estimate_memory(
         optimizer_state_bytes=optimizer_state_bytes,
         largest_module_params=largest_module_params(model),
         reduce_bucket_size=fitted_reduce_bucket(trainable) if reduce_bucket_size is None else reduce_bucket_size,
+        ranks_per_node=num_devices,
     )
     if print_table:
         print(estimate.table())

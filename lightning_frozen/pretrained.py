@@ -173,21 +173,19 @@ def _load_own_slices(
     progress = LoadProgress(sum(math.prod(t.shape) * t.element_size() for t in state_dict.values()))
     from safetensors import safe_open
 
-    for path in sorted({getattr(t, _SOURCE) for t in state_dict.values()}):
-        with safe_open(path, framework="pt") as handle:
-            for name, key in keyed.items():
-                tensor = state_dict[key]
-                if getattr(tensor, _SOURCE) != path:
-                    continue
-                target = targets.get(name)
-                if target is not None:
-                    error = load_tensor(handle, key, target)
-                    if error:
-                        errors.append(f"size mismatch for {name}: {error}")
-                    else:
-                        target._is_hf_initialized = True  # transformers initialises only what stays unmarked
-                        missing.discard(name)
-                progress.advance(math.prod(tensor.shape) * tensor.element_size())
+    for name, key in keyed.items():
+        tensor = state_dict[key]
+        target = targets.get(name)
+        if target is not None:
+            # a handle per tensor: the file's pages a rank reads stay mapped, and counted as its own, until it closes
+            with safe_open(getattr(tensor, _SOURCE), framework="pt") as handle:
+                error = load_tensor(handle, key, target)
+            if error:
+                errors.append(f"size mismatch for {name}: {error}")
+            else:
+                target._is_hf_initialized = True  # transformers initialises only what stays unmarked
+                missing.discard(name)
+        progress.advance(math.prod(tensor.shape) * tensor.element_size())
     progress.done(_folder(state_dict))
     return errors, missing
 

@@ -643,6 +643,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             offload_frozen=self.offload_frozen,
             offload_optimizer=self.offload_optimizer,
             optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
+            largest_module_params=memory.largest_module_params(module),
+            ranks_per_node=self.num_processes if self.zero_stage_3 else 1,
         )
         shard_bytes, shard_device = memory.measured_frozen_shard_bytes(frozen)
         return (
@@ -651,7 +653,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             f" {shard_device} memory, trainable weights {memory.format_bytes(estimate.trainable_weights)},"
             f" optimizer state (fp32 master + moments) {memory.format_bytes(estimate.optimizer_state)} on"
             f" {'host' if self.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
-            f" {memory.format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients."
+            f" {memory.format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"
+            f" base in `configure_model` needs about {memory.format_bytes(estimate.host_load_bytes)} of host memory"
+            f" per node ({estimate.ranks_per_node} rank(s), each with"
+            f" {memory.format_bytes(estimate.load_in_flight)} in flight)."
         )
 
 

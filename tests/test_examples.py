@@ -80,6 +80,26 @@ def test_two_process_run_shards_the_base_and_reloads_in_one_process(tmp_path: Pa
     assert abs(one_process - two_ranks) <= 2 / 80  # same 80 sentences; a borderline logit may round either way
 
 
+def test_causal_lm_lora_loads_in_configure_model_on_two_ranks_and_both_reloads_generate_alike(tmp_path: Path) -> None:
+    output = _run_example("causal_lm_lora", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
+
+    assert (tmp_path / "base" / "model.safetensors").is_file()
+    assert "loaded " + str(tmp_path / "base") + " into ZeRO-3 shards: 39 tensors, 6.3 of 6.3 MiB (100%)" in output
+    assert "lightning-frozen: 156,160 trainable / 3,295,488 frozen params on 2 rank(s)" in output
+    assert "frozen shards 3.14 MiB in cpu memory" in output
+    assert "max |logit difference| between the two reloads: 0.00e+00" in output
+    base_loss, adapter_loss = map(float, re.search(r"validation loss: base (\S+), adapter (\S+)", output).groups())
+    assert adapter_loss < base_loss
+    generated = re.search(r"adapter generates: +(\[[\d, ]+\]) \(both reloads\)", output).group(1)
+    assert len(json.loads(generated)) == 8
+    saved = torch.load(_checkpoint(tmp_path), weights_only=True)
+    assert len(saved["state_dict"]) == 4 * 7 * 2  # 4 layers x 7 projections x (A, B)
+    assert sum(t.numel() for t in saved["state_dict"].values()) == 156_160
+    assert saved["frozen_base"]["reference"] == str(tmp_path / "base")
+    config = json.loads((tmp_path / "peft_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["task_type"], len(config["target_modules"])) == (8, "CAUSAL_LM", 7)
+
+
 def test_the_main_config_takes_strategy_options_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     config = REPO / "examples" / "minilm_lora" / "config.yaml"
 

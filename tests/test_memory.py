@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from torch import nn
 
@@ -82,3 +84,51 @@ def test_13b_lora_on_meta_fits_one_24gb_gpu_only_with_the_base_offloaded() -> No
     assert offloaded.host_bytes == offloaded.frozen_shards == 2 * offloaded.frozen_params
     assert fits(offloaded) and offloaded.device_bytes < 2 * 10**9
     assert not fits(on_gpu)
+
+
+def test_load_estimate_counts_the_base_once_per_node_and_each_ranks_bytes_in_flight(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = _frozen_body_trainable_head()  # 110 frozen (largest module: the frozen Linear(10, 10)), 22 trainable
+    estimate = lightning_frozen.estimate_memory(model, num_devices=2, precision="bf16-mixed")
+
+    # zero.Init creates the Linear(10, 10) whole (110 x 2 B), one tensor's slice is read (55 x 2 B), fp32 adapters
+    assert estimate.load_in_flight == 110 * 2 + 55 * 2 + 22 * 4
+    assert estimate.host_load_bytes == 110 * 2 + 2 * estimate.load_in_flight  # the base once, two ranks in flight
+    assert "host at load / node" in capsys.readouterr().out
+    two_nodes = lightning_frozen.estimate_memory(model, num_devices=2, num_nodes=2, print_table=False)
+    assert (two_nodes.ranks_per_node, two_nodes.load_in_flight) == (2, 110 * 2 + 28 * 2 + 22 * 4)
+    assert two_nodes.host_load_bytes == 4 * 28 * 2 + 2 * two_nodes.load_in_flight  # a quarter of the base per rank
+    on_device = lightning_frozen.estimate_memory(model, num_devices=2, offload_frozen=False, print_table=False)
+    assert on_device.host_load_bytes == 2 * on_device.load_in_flight  # the shards go to the accelerator
+
+
+def test_load_estimate_of_a_llama_on_meta_is_bounded_by_its_embedding_created_whole_per_rank() -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    with torch.device("meta"):
+        model = get_peft_model(transformers.LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj"]))
+    estimate = lightning_frozen.estimate_memory(model, num_devices=8, print_table=False)
+
+    base_bytes = 2 * sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainable = 2 * 4 * (64 + 64)  # r=4 A and B of q_proj, two layers
+    assert estimate.trainable_params == trainable
+    assert estimate.load_in_flight == (64_000 + 8_000) * 2 + trainable * 4  # embed_tokens whole + its 1/8 slice
+    assert estimate.host_load_bytes == base_bytes + 8 * estimate.load_in_flight
+
+
+def test_fit_summary_tells_the_host_memory_the_load_needs_per_node(lightning_log: Any) -> None:
+    model = AdapterModel(width=64, depth=3, rank=4)
+    expected = lightning_frozen.estimate_memory(model, precision="32-true", print_table=False)
+    cpu_trainer(max_steps=1).fit(model, regression_data(width=64))
+
+    assert expected.host_load_bytes == expected.frozen_params * 4 + expected.load_in_flight
+    assert (
+        f"Loading the base in `configure_model` needs about {memory.format_bytes(expected.host_load_bytes)} of host"
+        f" memory per node (1 rank(s), each with {memory.format_bytes(expected.load_in_flight)} in flight)."
+    ) in lightning_log.text
