@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.errors import FrozenBaseMismatchError
+from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
     Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value"}}}``.
     """
     if mode not in FINGERPRINT_MODES:
-        raise ValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
+        raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
     named = sorted(named_frozen, key=lambda item: item[0])
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     distributed = distributed and any(hasattr(p, "ds_id") for _, p in named)

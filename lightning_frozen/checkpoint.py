@@ -36,7 +36,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_frozen import base
-from lightning_frozen.errors import CheckpointFormatError, CheckpointKeysError
+from lightning_frozen.errors import (
+    CheckpointFormatError,
+    CheckpointKeysError,
+    CheckpointNotFoundError,
+    InvalidArgumentTypeError,
+)
 
 FORMAT_KEY = "lightning_frozen"
 FORMAT_VERSION = 1
@@ -94,7 +99,9 @@ def checked_path(value: Any, parameter: str, function: str) -> Path:
     """``value`` as a ``Path``; a ``TypeError`` naming ``function``'s ``parameter`` when it is no path at all."""
     if isinstance(value, (str, os.PathLike)) and str(value):
         return Path(value)
-    raise TypeError(f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}.")
+    raise InvalidArgumentTypeError(
+        f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}."
+    )
 
 
 def write_atomic(checkpoint: dict, path: PathLike) -> None:
@@ -209,7 +216,7 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     """
     path = checked_path(path, "path", "read_checkpoint")
     if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}.")
+        raise CheckpointNotFoundError(f"No checkpoint at {path}.")
     if path.is_dir():
         raise CheckpointFormatError(
             f"{path} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
@@ -385,7 +392,9 @@ def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True
             is left unchanged.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}.")
+        raise InvalidArgumentTypeError(
+            f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
+        )
     checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_adapter"))
     load_into(module, checkpoint, str(checkpoint_path), strict, verify_base)
     return module
@@ -404,7 +413,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
             :func:`load_adapter`.
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"
             f" {f'an instance of `{type(cls).__name__}`' if not isinstance(cls, type) else repr(cls)}. To load into a"
             " module you already built, use `lightning_frozen.load_adapter(module, checkpoint_path)`."
@@ -417,7 +426,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     try:
         module = cls(**{**hyper_parameters, **kwargs})
     except TypeError as error:
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `{cls.__name__}` cannot be built from the hyper-parameters saved in"
             f" {checkpoint_path} ({error}). Was it saved from another class? Pass the class it was trained with, or"
             " override the offending arguments as keyword arguments."

@@ -31,7 +31,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_frozen import base, checkpoint, memory, optim, zero
-from lightning_frozen.errors import CheckpointFormatError, FrozenSetChangedError, NoTrainableParametersError
+from lightning_frozen.errors import (
+    CheckpointFormatError,
+    FrozenSetChangedError,
+    InvalidArgumentTypeError,
+    InvalidArgumentValueError,
+    NoTrainableParametersError,
+    UnsupportedConfigurationError,
+)
 
 if TYPE_CHECKING:
     import deepspeed
@@ -98,9 +105,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         _check_argument_types(flags, frozen_base, timeout, kwargs.get("config"))
         if fingerprint not in base.FINGERPRINT_MODES:
-            raise ValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
+            raise InvalidArgumentValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
         if zero_optimization and stage != 3:
-            raise ValueError(
+            raise InvalidArgumentValueError(
                 f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage!r}`. Use"
                 " Lightning's `DeepSpeedStrategy` for stages 1 and 2."
             )
@@ -159,7 +166,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         zero.align_deepspeed_accelerator(self.accelerator)
         zero_config = (self.config or {}).get("zero_optimization") or {}
         if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(self.accelerator, CUDAAccelerator):
-            raise RuntimeError(
+            raise UnsupportedConfigurationError(
                 "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
                 f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
                 " train with `accelerator='gpu'`."
@@ -177,7 +184,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         for callback in trainer.callbacks if trainer is not None else []:
             if isinstance(callback, LightningBaseFinetuning) and not isinstance(callback, BaseFinetuning):
-                raise NotImplementedError(
+                raise UnsupportedConfigurationError(
                     f"Lightning's `{type(callback).__name__}` refuses every DeepSpeed strategy. Import"
                     " `BaseFinetuning`/`BackboneFinetuning` from `lightning_frozen` instead (same names and"
                     " arguments): they unfreeze and freeze params under ZeRO-3 by rebuilding the optimizer."
@@ -482,7 +489,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         """Write one file with the trainable state and the frozen base's reference and fingerprint, atomically,
         from rank 0. Every rank must call it (the fingerprint is collective)."""
         if storage_options is not None:
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}:"
                 " it writes the file itself."
             )
@@ -604,18 +611,20 @@ def _check_argument_types(flags: dict[str, Any], frozen_base: Any, timeout: Any,
     """A ``TypeError`` naming the strategy argument of the wrong type (the CLI checks types; Python callers not)."""
     for name, value in flags.items():
         if not isinstance(value, bool):
-            raise TypeError(f"FrozenAwareDeepSpeedStrategy: `{name}` must be True or False, got {value!r}.")
+            raise InvalidArgumentTypeError(
+                f"FrozenAwareDeepSpeedStrategy: `{name}` must be True or False, got {value!r}."
+            )
     if frozen_base is not None and not isinstance(frozen_base, (str, os.PathLike)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"FrozenAwareDeepSpeedStrategy: `frozen_base` must be the base's path or hub id, got {frozen_base!r}."
         )
     if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"FrozenAwareDeepSpeedStrategy: `timeout` must be a `datetime.timedelta`, e.g. `timedelta(minutes=10)`,"
             f" got {timeout!r}."
         )
     if config is not None and not isinstance(config, (str, os.PathLike, dict)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"FrozenAwareDeepSpeedStrategy: `config` must be a DeepSpeed config dict or the path of its JSON file,"
             f" got {config!r}."
         )

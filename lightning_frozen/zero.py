@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
-from lightning_frozen.errors import NoTrainableParametersError
+from lightning_frozen.errors import NoTrainableParametersError, UnsupportedConfigurationError
 
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
 
@@ -27,7 +27,7 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
 
     wanted = next((name for cls, name in _DEEPSPEED_ACCELERATOR_OF.items() if isinstance(accelerator, cls)), None)
     if wanted is None:
-        raise RuntimeError(
+        raise UnsupportedConfigurationError(
             f"lightning-frozen runs DeepSpeed on `CUDAAccelerator` or `CPUAccelerator`, not"
             f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
         )
@@ -36,7 +36,7 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
         return
     pinned = os.environ.get("DS_ACCELERATOR")
     if pinned:
-        raise RuntimeError(
+        raise UnsupportedConfigurationError(
             f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
             f" its `{current}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
             " `accelerator`."
