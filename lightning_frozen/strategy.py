@@ -42,6 +42,7 @@ from lightning_frozen.errors import (
 
 if TYPE_CHECKING:
     import deepspeed
+    import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
 
 
@@ -155,6 +156,19 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             description="ZeRO-3, frozen params sharded and kept on the accelerator",
             offload_frozen=False,
         )
+
+    # ------------------------------------------------------------------ one run's state
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        # Lightning connects the strategy at the start of every fit/validate/test/predict: a Trainer reused with
+        # another model, or this strategy given to another Trainer, must not answer from the previous run's
+        # optimizer, param names or fingerprint (kept after teardown so that a save after `fit` has them)
+        self.optimizers = []
+        self.lr_scheduler_configs = []
+        self._watched_params, self._trainable_flags, self._group_param_names = [], (), []
+        self._fingerprint_cache = None
+        super().connect(model)
 
     # ------------------------------------------------------------------ environment
 
