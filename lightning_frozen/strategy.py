@@ -496,7 +496,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             for names in self._group_param_names
             for name in names
         }
-        return {"layout": checkpoint.OPTIMIZER_LAYOUT, "state": state, "param_groups": groups}
+        return {
+            "layout": checkpoint.OPTIMIZER_LAYOUT,
+            "state": state,
+            "param_groups": groups,
+            "loss_scaler": zero.loss_scaler_state(optimizer),
+        }
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -587,6 +592,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         for name, state in saved["state"].items():
             if name in params and params[name].requires_grad and state:
                 zero.set_optimizer_state(optimizer, params[name], state)
+        zero.restore_loss_scaler(optimizer, saved.get("loss_scaler") or {})
 
     def memory_summary(self) -> str:
         """The per-rank memory summary logged on rank 0 at the start of ``fit``."""

@@ -295,6 +295,33 @@ def set_optimizer_state(deepspeed_optimizer: Any, param: nn.Parameter, state: di
             inner[key] = value
 
 
+# what DeepSpeed's loss scaler changes as training goes (the dynamic fp16 scale); its settings come from the config
+_LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(deepspeed_optimizer: Any) -> dict[str, Any]:
+    """The ZeRO optimizer's loss-scaler state as plain numbers (scale, iteration, last overflow, hysteresis left).
+
+    Under ``16-mixed`` it is DeepSpeed's dynamic loss scale, which a resume must continue; otherwise a constant 1.
+    """
+    scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
+    state: dict[str, Any] = {}
+    for key in _LOSS_SCALER_STATE:
+        value = getattr(scaler, key, None)
+        value = value.item() if torch.is_tensor(value) else value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            state[key] = value
+    return state
+
+
+def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None:
+    """Set the loss-scaler state :func:`loss_scaler_state` returned; keys the scaler does not have are skipped."""
+    scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
+    for key, value in state.items():
+        if key in _LOSS_SCALER_STATE and hasattr(scaler, key):
+            setattr(scaler, key, value)
+
+
 def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
     """Give params that just stopped training shards of their own (in CPU memory if ``offload``).
 
