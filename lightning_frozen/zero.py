@@ -251,9 +251,11 @@ def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Pa
     """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume.
 
     ZeRO-3 creates it at the first step; until then ``safe_set_full_optimizer_state`` raises ``KeyError``. We run
-    one step per sub-group with zero gradients at learning rate 0, which leaves the weights unchanged; the state
-    it creates is overwritten by the checkpoint's right after. With ``params``, only their sub-groups are touched, so
-    a group of newly trainable params starts its state (and step count) fresh at its first real step.
+    one step per sub-group with zero gradients at learning rate 0 and put the fp32 partitions back as they were
+    afterwards: an optimizer that ignores the group's ``lr`` (Adafactor's ``relative_step``) or decays weights
+    would otherwise move them. The state it creates is overwritten by the checkpoint's right after. With ``params``,
+    only their sub-groups are touched, so a group of newly trainable params starts its state (and step count) fresh
+    at its first real step.
     """
     inner = deepspeed_optimizer.optimizer
     flats = deepspeed_optimizer.fp32_partitioned_groups_flat
@@ -276,7 +278,10 @@ def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Pa
                 flats[index].grad = torch.zeros_like(flats[index])
             else:
                 persistent.zero_()
+            weights = flats[index].detach().clone()
             deepspeed_optimizer._optimizer_step(index)
+            with torch.no_grad():
+                flats[index].copy_(weights)
             flats[index].grad = persistent
     finally:
         for group, lr in zip(inner.param_groups, saved_lrs):

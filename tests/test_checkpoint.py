@@ -267,3 +267,26 @@ def test_resume_with_optimizer_offload_is_exact(tmp_path: Path) -> None:
             resumed["optimizer_states"][0]["state"][name]["exp_avg"],
             straight["optimizer_states"][0]["state"][name]["exp_avg"],
         )
+
+
+def test_creating_lazy_state_on_resume_leaves_weights_of_an_lr_ignoring_optimizer_as_saved(tmp_path: Path) -> None:
+    from transformers.optimization import Adafactor
+
+    def adafactor(module: AdapterModel) -> Any:
+        # relative_step: Adafactor sets its own step size and ignores the group's `lr`; weight decay then moves weights
+        # even with zero gradients
+        return Adafactor(module.parameters(), lr=None, relative_step=True, warmup_init=False, weight_decay=0.1)
+
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(AdapterModel(optimizer_fn=adafactor), regression_data())
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    # resuming at the end of the saved epoch trains no further: what is saved again must be what was loaded
+    again = cpu_trainer(max_epochs=1)
+    again.fit(AdapterModel(optimizer_fn=adafactor), regression_data(), ckpt_path=tmp_path / "one.ckpt")
+    again.save_checkpoint(tmp_path / "again.ckpt")
+    saved, reloaded = (torch.load(tmp_path / n, weights_only=True) for n in ("one.ckpt", "again.ckpt"))
+    assert sorted(saved["optimizer_states"][0]["state"]["head.weight"]) == ["RMS", "exp_avg_sq", "step"]
+    for name in TRAINABLE:
+        torch.testing.assert_close(reloaded["state_dict"][name], saved["state_dict"][name], rtol=0, atol=0)
+        for key, value in saved["optimizer_states"][0]["state"][name].items():
+            torch.testing.assert_close(reloaded["optimizer_states"][0]["state"][name][key], value, rtol=0, atol=0)
