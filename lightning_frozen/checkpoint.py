@@ -52,9 +52,11 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 log = logging.getLogger(__name__)
 
-# `.<name>.lf-<host hash>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
-_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
-# A temp file nobody has written to for this long is stale whoever wrote it (another host, or a reused pid).
+# `.<name>.lf-<pid space>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
+# (8 hex digits: a host-name tag of lightning-frozen 0.1, removed by age only)
+_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
+# A temp file nobody has written to for this long is stale whoever wrote it (another machine or container, or a
+# reused pid).
 STALE_TEMP_SECONDS = 3600.0
 
 _SAFE_SCALARS = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
@@ -121,14 +123,14 @@ def write_atomic(checkpoint: dict, path: PathLike) -> None:
 def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
 
-    The temporary file is ``.<name>.lf-<host>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
+    The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
     through an existing file or link). A process killed mid-write (SIGKILL, out of memory, power loss) leaves it
     behind: every write first removes such files in its folder when they are stale (see
     :func:`remove_stale_temp_files`), so they do not pile up across restarts.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
-    tmp = path.parent / f".{path.name}.lf-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -146,23 +148,24 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
 def remove_stale_temp_files(folder: Path) -> list[Path]:
     """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them.
 
-    A temp file is stale when it was written on this host by a process that no longer runs, or when nothing has
-    written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another host sharing the folder, or its pid was
-    reused). A live writer's file, here or on another host, is left alone, as is every file not named like ours.
+    A temp file is stale when it was written in this pid space (see :func:`pid_space_tag`) by a process that no
+    longer runs, or when nothing has written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another machine or
+    in another container sharing the folder, or its pid was reused). A live writer's file, here or elsewhere, is left
+    alone, as is every file not named like ours.
     """
     removed: list[Path] = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
-    host, now = _host_tag(), time.time()
+    space, now = pid_space_tag(), time.time()
     for entry in entries:
         match = _TEMP_FILE.match(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
             continue
         try:
             idle = now - entry.stat(follow_symlinks=False).st_mtime
-            dead = match["host"] == host and not _process_runs(int(match["pid"]))
+            dead = match["space"] == space and not _process_runs(int(match["pid"]))
             if dead or idle > STALE_TEMP_SECONDS:
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
@@ -178,8 +181,18 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
     return removed
 
 
-def _host_tag() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+def pid_space_tag() -> str:
+    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace.
+
+    A host name is not enough: containers on one machine (or on several) often share one, while each has its own pid
+    namespace, where another container's live writer looks dead. Without ``/proc`` (not Linux) the host name is used.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        space = socket.gethostname()
+    return hashlib.sha256(space.encode()).hexdigest()[:16]
 
 
 def _process_runs(pid: int) -> bool:
