@@ -11,7 +11,8 @@ One file, whatever the number of ranks that wrote it, that ``torch.load(path, we
 - ``lightning_frozen``: the format version.
 
 Writes go to a temporary file renamed over the checkpoint, so a process killed at any moment leaves whole files
-under checkpoint names; the temporary file it may leave is removed by a later write into the same folder.
+under checkpoint names; the temporary file it may leave is removed by a later write into the same folder. Paths may
+also be fsspec URLs (``s3://``, ``gs://``, ``memory://``), written and read through fsspec.
 Reads never unpickle anything but tensors and containers (``weights_only=True``).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -41,6 +43,7 @@ from lightning_frozen.errors import (
     CheckpointKeysError,
     CheckpointNotFoundError,
     InvalidArgumentTypeError,
+    UnsupportedConfigurationError,
 )
 
 FORMAT_KEY = "lightning_frozen"
@@ -49,6 +52,7 @@ OPTIMIZER_LAYOUT = "by_name"
 
 PathLike = Union[str, os.PathLike]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -97,27 +101,76 @@ def to_plain(obj: Any, where: str = "checkpoint") -> Any:
 # ---------------------------------------------------------------------------------------------- file
 
 
-def checked_path(value: Any, parameter: str, function: str) -> Path:
-    """``value`` as a ``Path``; a ``TypeError`` naming ``function``'s ``parameter`` when it is no path at all."""
+def is_url(value: Any) -> bool:
+    """Whether ``value`` names a file through an fsspec protocol (``s3://``, ``gs://``, ``memory://``...)."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    return isinstance(text, str) and "://" in text
+
+
+def checked_location(value: Any, parameter: str, function: str) -> Union[Path, str]:
+    """``value`` as a local ``Path``, or as the URL string it is; a ``TypeError`` naming ``function``'s ``parameter``
+    when it is neither."""
     if isinstance(value, (str, os.PathLike)) and str(value):
-        return Path(value)
+        return os.fspath(value) if is_url(value) else Path(value)
     raise InvalidArgumentTypeError(
-        f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}."
+        f"`{function}`: `{parameter}` must be a file system path or URL (str or os.PathLike), got {value!r}."
     )
+
+
+def checked_path(value: Any, parameter: str, function: str) -> Path:
+    """``value`` as a local ``Path``; a ``TypeError`` when it is no path at all, and a clear refusal for a URL."""
+    location = checked_location(value, parameter, function)
+    if isinstance(location, str):
+        raise UnsupportedConfigurationError(
+            f"`{function}`: `{parameter}` must be a local path; {location} is a URL. Copy it to a local folder first"
+            " (e.g. with `fsspec.get_filesystem_class(protocol)().get(url, local_path)`)."
+        )
+    return location
 
 
 def write_atomic(checkpoint: dict, path: PathLike) -> None:
     """Write ``checkpoint`` to ``path`` so a crash at any moment leaves either the old file or the new one.
 
     See :func:`write_file_atomic`; a directory at ``path`` (a stock DeepSpeed checkpoint) is refused, not replaced.
+    A URL (``s3://...``) is written through fsspec, see :func:`write_url`.
     """
-    path = checked_path(path, "path", "write_atomic")
-    if path.is_dir():
+    location = checked_location(path, "path", "write_atomic")
+    if isinstance(location, str):
+        write_url(location, lambda handle: torch.save(checkpoint, handle))
+        return
+    if location.is_dir():
         raise CheckpointFormatError(
-            f"{path} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
-            " path such as `last.ckpt`, or remove the directory."
+            f"{location} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a"
+            " file path such as `last.ckpt`, or remove the directory."
         )
-    write_file_atomic(path, lambda handle: torch.save(checkpoint, handle))
+    write_file_atomic(location, lambda handle: torch.save(checkpoint, handle))
+
+
+def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(handle)`` on a temporary object next to ``url`` through fsspec, then move it to ``url``.
+
+    An object store publishes an object only once its upload is complete, so readers never see half a checkpoint; a
+    writer killed mid-upload may leave its ``.<name>.lf-<random>.tmp`` object behind (remote folders are not swept).
+    """
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    fs = get_filesystem(url)
+    if fs.isdir(url):
+        raise CheckpointFormatError(
+            f"{url} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
+            " URL such as `.../last.ckpt`, or remove the directory."
+        )
+    parent, _, name = url.rstrip("/").rpartition("/")
+    fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.{name}.lf-{secrets.token_hex(8)}.tmp"
+    try:
+        with fs.open(tmp, "wb") as handle:
+            write(handle)
+        fs.mv(tmp, url)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
 
 
 def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
@@ -221,38 +274,59 @@ def _fsync_dir(folder: Path) -> None:
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
     """Open a lightning-frozen checkpoint with ``weights_only=True`` and check its layout; nothing in it is executed.
 
+    ``path`` is a local path or an fsspec URL (``s3://...``, ``memory://...``).
+
     Raises:
         TypeError: ``path`` is not a path.
         FileNotFoundError: nothing at ``path``.
         CheckpointFormatError: a directory (stock DeepSpeed), an unreadable, truncated or corrupt file, a file with
             pickled objects, or a checkpoint of another layout; the message names the file and the fix.
     """
-    path = checked_path(path, "path", "read_checkpoint")
-    if not path.exists():
-        raise CheckpointNotFoundError(f"No checkpoint at {path}.")
-    if path.is_dir():
-        raise CheckpointFormatError(
-            f"{path} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
-            f" `lightning-frozen convert {path} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
-        )
+    location = checked_location(path, "path", "read_checkpoint")
+    source = _open_for_reading(location)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
     except OSError as error:
-        raise CheckpointFormatError(f"{path} cannot be read ({type(error).__name__}: {error}).") from None
+        raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
     except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
-        if isinstance(error, pickle.UnpicklingError) and zipfile.is_zipfile(path):
-            found = unsafe_globals(path)
+        if isinstance(error, pickle.UnpicklingError) and _rewound(source, zipfile.is_zipfile):
+            found = _rewound(source, unsafe_globals)
             named = f" ({', '.join(found[:5])})" if found else ""
             raise CheckpointFormatError(
-                f"{path} holds pickled Python objects{named} that are not loaded for safety (`weights_only=True`);"
-                " nothing in the file was executed. A lightning-frozen checkpoint never holds them: the file was"
-                " written by something else or tampered with."
+                f"{location} holds pickled Python objects{named} that are not loaded for safety"
+                " (`weights_only=True`); nothing in the file was executed. A lightning-frozen checkpoint never holds"
+                " them: the file was written by something else or tampered with."
             ) from None
         raise CheckpointFormatError(
-            f"{path} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
+            f"{location} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
         ) from None
-    validate_checkpoint(checkpoint, path)
+    validate_checkpoint(checkpoint, location)
     return checkpoint
+
+
+def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:
+    """The local file, or a URL's bytes; refuses what is missing and directories (stock DeepSpeed checkpoints)."""
+    if isinstance(location, str):
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        fs = get_filesystem(location)
+        exists, is_dir = fs.exists(location), fs.isdir(location)
+    else:
+        exists, is_dir = location.exists(), location.is_dir()
+    if not exists:
+        raise CheckpointNotFoundError(f"No checkpoint at {location}.")
+    if is_dir:
+        raise CheckpointFormatError(
+            f"{location} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
+            f" `lightning-frozen convert {location} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
+        )
+    return io.BytesIO(fs.cat_file(location)) if isinstance(location, str) else location
+
+
+def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
+    return read(source)
 
 
 def load_error(error: Exception) -> str:
@@ -262,7 +336,7 @@ def load_error(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
-def unsafe_globals(path: Path) -> list[str]:
+def unsafe_globals(path: Union[Path, IO[bytes]]) -> list[str]:
     """The Python objects a ``torch.save`` file would unpickle beyond tensors and containers (statically read)."""
     try:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
@@ -408,7 +482,7 @@ def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True
         raise InvalidArgumentTypeError(
             f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
         )
-    checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_adapter"))
+    checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_adapter"))
     load_into(module, checkpoint, str(checkpoint_path), strict, verify_base)
     return module
 
@@ -433,7 +507,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
         )
     strict = bool(kwargs.pop("strict", True))
     verify = bool(kwargs.pop("verify_base", True))
-    checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
+    checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
     try:

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
@@ -505,12 +506,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write one file with the trainable state and the frozen base's reference and fingerprint, atomically,
-        from rank 0. Every rank must call it (the fingerprint is collective)."""
-        if storage_options is not None:
+        """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0:
+        atomically to a local path or an fsspec URL, or through the Trainer's ``CheckpointIO`` plugin when one was
+        given. Every rank must call it (the fingerprint is collective)."""
+        if storage_options is not None and not self._custom_checkpoint_io:
             raise InvalidArgumentTypeError(
-                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}:"
-                " it writes the file itself."
+                f"`Trainer.save_checkpoint(..., storage_options=...)` needs a `CheckpointIO` plugin that takes them"
+                f" (`Trainer(plugins=[...])`); {type(self).__name__} writes the file itself otherwise."
             )
         filepath = self.broadcast(filepath)
         module = self.lightning_module
@@ -525,14 +527,28 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             "world_size": self.world_size,
             "precision": str(self.precision_plugin.precision),
         }
-        if self.is_global_zero:
-            checkpoint.write_atomic(checkpoint.to_plain(checkpoint_dict), filepath)
+        if not self.is_global_zero:
+            return
+        plain = checkpoint.to_plain(checkpoint_dict)
+        if self._custom_checkpoint_io:
+            self.checkpoint_io.save_checkpoint(plain, filepath, storage_options=storage_options)
+        else:
+            checkpoint.write_atomic(plain, filepath)
+
+    @property
+    def _custom_checkpoint_io(self) -> bool:
+        # a plugin the user chose (cloud storage, async saves) writes and reads; Lightning's default is replaced
+        return type(self.checkpoint_io) is not TorchCheckpointIO
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
         checkpoint_path = self.broadcast(checkpoint_path)
-        loaded = checkpoint.read_checkpoint(checkpoint_path)
+        if self._custom_checkpoint_io:
+            loaded = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+            checkpoint.validate_checkpoint(loaded, checkpoint_path)
+        else:
+            loaded = checkpoint.read_checkpoint(checkpoint_path)
         frozen_base = loaded["frozen_base"]
         if self.fingerprint != "none":
             recorded = frozen_base.get("fingerprint") or {}
