@@ -119,6 +119,10 @@ def checked_location(value: Any, parameter: str, function: str) -> Union[Path, s
 
 def checked_path(value: Any, parameter: str, function: str) -> Path:
     """``value`` as a local ``Path``; a ``TypeError`` when it is no path at all, and a clear refusal for a URL."""
+    if not (isinstance(value, (str, os.PathLike)) and str(value)):
+        raise InvalidArgumentTypeError(
+            f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}."
+        )
     location = checked_location(value, parameter, function)
     if isinstance(location, str):
         raise UnsupportedConfigurationError(
@@ -310,9 +314,13 @@ def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:
         from lightning.fabric.utilities.cloud_io import get_filesystem
 
         fs = get_filesystem(location)
-        exists, is_dir = fs.exists(location), fs.isdir(location)
-    else:
-        exists, is_dir = location.exists(), location.is_dir()
+        _refuse_missing_or_directory(location, fs.exists(location), fs.isdir(location))
+        return io.BytesIO(fs.cat_file(location))
+    _refuse_missing_or_directory(location, location.exists(), location.is_dir())
+    return location
+
+
+def _refuse_missing_or_directory(location: Union[Path, str], exists: bool, is_dir: bool) -> None:
     if not exists:
         raise CheckpointNotFoundError(f"No checkpoint at {location}.")
     if is_dir:
@@ -320,7 +328,6 @@ def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:
             f"{location} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
             f" `lightning-frozen convert {location} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
         )
-    return io.BytesIO(fs.cat_file(location)) if isinstance(location, str) else location
 
 
 def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+import weakref
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -138,6 +139,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._trainable_flags: tuple[bool, ...] = ()
         self._group_param_names: list[list[str]] = []
         self._fingerprint_cache: Optional[tuple[tuple[str, ...], dict[str, Any]]] = None
+        self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
 
     @classmethod
     @override
@@ -162,13 +164,15 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        # Lightning connects the strategy at the start of every fit/validate/test/predict: a Trainer reused with
-        # another model, or this strategy given to another Trainer, must not answer from the previous run's
-        # optimizer, param names or fingerprint (kept after teardown so that a save after `fit` has them)
-        self.optimizers = []
-        self.lr_scheduler_configs = []
-        self._watched_params, self._trainable_flags, self._group_param_names = [], (), []
+        # Lightning connects the strategy at the start of every fit/validate/test/predict. The frozen base may have
+        # changed since the last run, so its fingerprint is taken again; another module must not meet the previous
+        # one's optimizer and param names (a save after `fit`, or after a `validate` of the same module, keeps them)
         self._fingerprint_cache = None
+        if self._connected is None or self._connected() is not model:
+            self.optimizers = []
+            self.lr_scheduler_configs = []
+            self._watched_params, self._trainable_flags, self._group_param_names = [], (), []
+        self._connected = weakref.ref(model)
         super().connect(model)
 
     # ------------------------------------------------------------------ environment

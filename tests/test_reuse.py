@@ -43,9 +43,17 @@ def _val_loss_without_deepspeed(checkpoint: Path) -> float:
 
 def test_one_trainer_fit_then_validate_test_predict_fit_with_other_models(tmp_path: Path) -> None:
     trainer = cpu_trainer(max_steps=3)
-    trainer.fit(AdapterModel(), regression_data())
+    trained = AdapterModel()
+    trainer.fit(trained, regression_data())
+    # validating the module just trained keeps its optimizer: a save afterwards still holds the optimizer state
+    trainer.validate(trained, regression_data(), verbose=False)
     path = tmp_path / "a.ckpt"
     trainer.save_checkpoint(path)
+    assert sorted(torch.load(path, weights_only=True)["optimizer_states"][0]["state"]["head.weight"]) == [
+        "exp_avg",
+        "exp_avg_sq",
+        "step",
+    ]
 
     # another module on the same base loads the adapter (the fit's optimizer is not used for it)
     metrics = trainer.validate(AdapterModel(), regression_data(), ckpt_path=path, verbose=False)
