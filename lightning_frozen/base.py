@@ -2,10 +2,18 @@
 
 The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
 each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
-so the result is the same for any number of ranks. Values are compared after a cast to bfloat16, so a base
-trained in bf16 verifies against the same base loaded in fp32 for inference; the dtype is recorded and shown.
-It is a checksum, not a cryptographic hash: ``sha256`` hashes every frozen tensor's exact bytes (one gather per
-tensor) for when that matters.
+so the result is the same for any number of ranks. It is a checksum, not a cryptographic hash: ``sha256`` hashes
+every frozen tensor's exact bytes (one gather per tensor) for when that matters.
+
+A base is trained in one dtype and often loaded in another, so the dtype is recorded and like is compared with like:
+an fp32 tensor is checksummed on its values cast to bfloat16 (``value``) and cast to float16 (``value_fp16``), a bf16
+or fp16 one in its own cast only. A base held in bf16 or fp16 is a rounding of its fp32 original, and rounding a
+rounding gives the same result (``bf16(bf16(x)) == bf16(x)``), so each narrow dtype verifies exactly against fp32
+(or itself) in its own cast. No single canonical form can serve
+all three: fp16 keeps 3 more mantissa bits than bf16, and a value just below a bf16 rounding midpoint rounds down in
+bf16 but onto the midpoint in fp16, and one just above it rounds up in bf16 and onto the same midpoint in fp16, so any
+function equal on both roundings of every value equates neighbouring bf16 values, hence all values. A base held in
+fp16 therefore cannot be verified against the same base held in bf16: that pair is named as such, with the fix.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.errors import FrozenBaseMismatchError
+from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 
 log = logging.getLogger(__name__)
 
@@ -90,40 +98,60 @@ def _position_weights() -> torch.Tensor:
     return (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).to(torch.float64)
 
 
+# the casts a tensor is checksummed in, by the fingerprint key each one is stored under
+_CASTS = {"value": torch.bfloat16, "value_fp16": torch.float16}
+# a narrow tensor is checksummed in its own cast only: its other one would match no other dtype
+_OWN_CAST = {torch.bfloat16: ["value"], torch.float16: ["value_fp16"]}
+
+
+def checksum_keys(dtype: torch.dtype) -> list[str]:
+    """The checksums a tensor of ``dtype`` gets: both casts for fp32 (and wider), its own for bf16 or fp16."""
+    if not dtype.is_floating_point:
+        return ["value"]  # integer and bool params are rare: their low 16 bits stand for them
+    return _OWN_CAST.get(dtype, list(_CASTS))
+
+
 class _Checksummer:
-    """Plain and position-weighted sums of bf16 bit patterns, modulo a prime, with buffers reused across chunks."""
+    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime,
+    with buffers reused across chunks."""
 
     def __init__(self) -> None:
-        self._bf16 = torch.empty(_CHUNK, dtype=torch.bfloat16)
-        self._wide = torch.empty(_CHUNK, dtype=torch.float64)
+        self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
+        self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
 
-    def __call__(self, values: torch.Tensor, start: int) -> tuple[int, int]:
+    def __call__(self, values: torch.Tensor, start: int) -> list[int]:
+        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order."""
+        keys = checksum_keys(values.dtype)
         weights = _position_weights()
-        plain, weighted = 0, 0
+        sums = [0] * (2 * len(keys))
         for offset in range(0, values.numel(), _CHUNK):
             chunk = values[offset : offset + _CHUNK]
             count = chunk.numel()
-            wide = self._wide[:count]
-            if chunk.is_floating_point():
-                bits = self._bf16[:count]
-                bits.copy_(chunk)
-                wide.copy_(bits.view(torch.int16))
-            else:  # integer and bool params are rare: their low 16 bits stand for them
-                wide.copy_(chunk.to(torch.int64).bitwise_and(0xFFFF) - (1 << 15))
+            wide = self._wide[: len(keys), :count]
+            for row, key in zip(wide, keys):
+                if chunk.is_floating_point():
+                    bits = self._narrow[key][:count]
+                    bits.copy_(chunk)
+                    row.copy_(bits.view(torch.int16))
+                else:
+                    row.copy_(chunk.to(torch.int64).bitwise_and(0xFFFF) - (1 << 15))
             phase = (start + offset) % _WEIGHT_PERIOD
-            plain = (plain + int(wide.sum())) % _MODULUS
-            weighted = (weighted + int(torch.dot(wide, weights[phase : phase + count]))) % _MODULUS
-        return plain, weighted
+            # integer-valued float64 sums below 2**53: exact in any summation order
+            plain, weighted = wide.sum(dim=1).tolist(), torch.mv(wide, weights[phase : phase + count]).tolist()
+            for index in range(len(keys)):
+                sums[2 * index] = (sums[2 * index] + int(plain[index])) % _MODULUS
+                sums[2 * index + 1] = (sums[2 * index + 1] + int(weighted[index])) % _MODULUS
+        return sums
 
 
-def _world_sum(pairs: list[tuple[int, int]], distributed: bool) -> list[tuple[int, int]]:
+def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
-        return pairs
-    gathered: list[Optional[list[tuple[int, int]]]] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, pairs)
+        return sums
+    gathered: list[Optional[list[list[int]]]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, sums)
     return [
-        (sum(rank[i][0] for rank in gathered) % _MODULUS, sum(rank[i][1] for rank in gathered) % _MODULUS)  # type: ignore[index]
-        for i in range(len(pairs))
+        [sum(rank[i][j] for rank in gathered) % _MODULUS for j in range(len(sums[i]))]  # type: ignore[index]
+        for i in range(len(sums))
     ]
 
 
@@ -157,10 +185,12 @@ def _progress(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torc
 def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum") -> dict[str, Any]:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
 
-    Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value"}}}``.
+    Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}``; in
+    ``checksum`` mode ``value`` is the checksum of the values cast to bf16 and ``value_fp16`` cast to fp16 (an fp32
+    tensor gets both, a bf16 or fp16 one its own).
     """
     if mode not in FINGERPRINT_MODES:
-        raise ValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
+        raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
     named = sorted(named_frozen, key=lambda item: item[0])
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     distributed = distributed and any(hasattr(p, "ds_id") for _, p in named)
@@ -171,13 +201,24 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
     if mode == "checksum":
         checksum = _Checksummer()
         sums = [checksum(*_local_values(param)) for _, param in _progress(named)]
-        for (name, _), (plain, weighted) in zip(named, _world_sum(sums, distributed)):
-            tensors[name]["value"] = f"{plain:016x}{weighted:016x}"
+        for (name, param), world in zip(named, _world_sum(sums, distributed)):
+            for index, key in enumerate(checksum_keys(param.dtype)):
+                tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
     elif mode == "sha256":
         for name, param in _progress(named):
             tensors[name]["value"] = _sha256(param)
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return {"mode": mode, "digest": digest, "tensors": tensors}
+
+
+def comparable_value(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+    """The checksum under which a tensor recorded in one dtype and held in another compare exactly: the cast to fp16
+    when either side is fp16, else the cast to bf16; None when the two have no such checksum (fp16 against bf16)."""
+    dtypes = {recorded.get("dtype"), current.get("dtype")}
+    if {"float16", "bfloat16"} <= dtypes:
+        return None
+    key = "value_fp16" if "float16" in dtypes else "value"
+    return key if key in recorded and key in current else None
 
 
 def verify_base(
@@ -210,7 +251,13 @@ def verify_base(
         want, have = expected[name], found[name]
         if want["shape"] != have["shape"]:
             problems.append(f"`{name}` has shape {have['shape']}, the checkpoint's base had {want['shape']}")
-        elif want.get("value") != have.get("value"):
+        elif (key := comparable_value(want, have)) is None:
+            problems.append(
+                f"`{name}` is held in {have['dtype']} here and was in {want['dtype']} when trained, two roundings of"
+                " the base that no checksum compares exactly: load the base in float32 or in the dtype it was trained"
+                " in to verify it"
+            )
+        elif want.get(key) != have.get(key):
             problems.append(f"`{name}` holds different values ({have['dtype']} here, {want['dtype']} when trained)")
     if not problems:
         return  # same names, shapes and values; only the dtype the base is held in differs

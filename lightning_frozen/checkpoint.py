@@ -11,7 +11,8 @@ One file, whatever the number of ranks that wrote it, that ``torch.load(path, we
 - ``lightning_frozen``: the format version.
 
 Writes go to a temporary file renamed over the checkpoint, so a process killed at any moment leaves whole files
-under checkpoint names; the temporary file it may leave is removed by a later write into the same folder.
+under checkpoint names; the temporary file it may leave is removed by a later write into the same folder. Paths may
+also be fsspec URLs (``s3://``, ``gs://``, ``memory://``), written and read through fsspec.
 Reads never unpickle anything but tensors and containers (``weights_only=True``).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -36,7 +38,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_frozen import base
-from lightning_frozen.errors import CheckpointFormatError, CheckpointKeysError
+from lightning_frozen.errors import (
+    CheckpointFormatError,
+    CheckpointKeysError,
+    CheckpointNotFoundError,
+    InvalidArgumentTypeError,
+    UnsupportedConfigurationError,
+)
 
 FORMAT_KEY = "lightning_frozen"
 FORMAT_VERSION = 1
@@ -44,12 +52,15 @@ OPTIMIZER_LAYOUT = "by_name"
 
 PathLike = Union[str, os.PathLike]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-# `.<name>.lf-<host hash>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
-_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
-# A temp file nobody has written to for this long is stale whoever wrote it (another host, or a reused pid).
+# `.<name>.lf-<pid space>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
+# (8 hex digits: a host-name tag of lightning-frozen 0.1, removed by age only)
+_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
+# A temp file nobody has written to for this long is stale whoever wrote it (another machine or container, or a
+# reused pid).
 STALE_TEMP_SECONDS = 3600.0
 
 _SAFE_SCALARS = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
@@ -90,38 +101,93 @@ def to_plain(obj: Any, where: str = "checkpoint") -> Any:
 # ---------------------------------------------------------------------------------------------- file
 
 
-def checked_path(value: Any, parameter: str, function: str) -> Path:
-    """``value`` as a ``Path``; a ``TypeError`` naming ``function``'s ``parameter`` when it is no path at all."""
+def is_url(value: Any) -> bool:
+    """Whether ``value`` names a file through an fsspec protocol (``s3://``, ``gs://``, ``memory://``...)."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    return isinstance(text, str) and "://" in text
+
+
+def checked_location(value: Any, parameter: str, function: str) -> Union[Path, str]:
+    """``value`` as a local ``Path``, or as the URL string it is; a ``TypeError`` naming ``function``'s ``parameter``
+    when it is neither."""
     if isinstance(value, (str, os.PathLike)) and str(value):
-        return Path(value)
-    raise TypeError(f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}.")
+        return os.fspath(value) if is_url(value) else Path(value)
+    raise InvalidArgumentTypeError(
+        f"`{function}`: `{parameter}` must be a file system path or URL (str or os.PathLike), got {value!r}."
+    )
+
+
+def checked_path(value: Any, parameter: str, function: str) -> Path:
+    """``value`` as a local ``Path``; a ``TypeError`` when it is no path at all, and a clear refusal for a URL."""
+    if not (isinstance(value, (str, os.PathLike)) and str(value)):
+        raise InvalidArgumentTypeError(
+            f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}."
+        )
+    location = checked_location(value, parameter, function)
+    if isinstance(location, str):
+        raise UnsupportedConfigurationError(
+            f"`{function}`: `{parameter}` must be a local path; {location} is a URL. Copy it to a local folder first"
+            " (e.g. with `fsspec.get_filesystem_class(protocol)().get(url, local_path)`)."
+        )
+    return location
 
 
 def write_atomic(checkpoint: dict, path: PathLike) -> None:
     """Write ``checkpoint`` to ``path`` so a crash at any moment leaves either the old file or the new one.
 
     See :func:`write_file_atomic`; a directory at ``path`` (a stock DeepSpeed checkpoint) is refused, not replaced.
+    A URL (``s3://...``) is written through fsspec, see :func:`write_url`.
     """
-    path = checked_path(path, "path", "write_atomic")
-    if path.is_dir():
+    location = checked_location(path, "path", "write_atomic")
+    if isinstance(location, str):
+        write_url(location, lambda handle: torch.save(checkpoint, handle))
+        return
+    if location.is_dir():
         raise CheckpointFormatError(
-            f"{path} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
-            " path such as `last.ckpt`, or remove the directory."
+            f"{location} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a"
+            " file path such as `last.ckpt`, or remove the directory."
         )
-    write_file_atomic(path, lambda handle: torch.save(checkpoint, handle))
+    write_file_atomic(location, lambda handle: torch.save(checkpoint, handle))
+
+
+def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(handle)`` on a temporary object next to ``url`` through fsspec, then move it to ``url``.
+
+    An object store publishes an object only once its upload is complete, so readers never see half a checkpoint; a
+    writer killed mid-upload may leave its ``.<name>.lf-<random>.tmp`` object behind (remote folders are not swept).
+    """
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    fs = get_filesystem(url)
+    if fs.isdir(url):
+        raise CheckpointFormatError(
+            f"{url} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
+            " URL such as `.../last.ckpt`, or remove the directory."
+        )
+    parent, _, name = url.rstrip("/").rpartition("/")
+    fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.{name}.lf-{secrets.token_hex(8)}.tmp"
+    try:
+        with fs.open(tmp, "wb") as handle:
+            write(handle)
+        fs.mv(tmp, url)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
 
 
 def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
 
-    The temporary file is ``.<name>.lf-<host>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
+    The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
     through an existing file or link). A process killed mid-write (SIGKILL, out of memory, power loss) leaves it
     behind: every write first removes such files in its folder when they are stale (see
     :func:`remove_stale_temp_files`), so they do not pile up across restarts.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
-    tmp = path.parent / f".{path.name}.lf-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -139,23 +205,24 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
 def remove_stale_temp_files(folder: Path) -> list[Path]:
     """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them.
 
-    A temp file is stale when it was written on this host by a process that no longer runs, or when nothing has
-    written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another host sharing the folder, or its pid was
-    reused). A live writer's file, here or on another host, is left alone, as is every file not named like ours.
+    A temp file is stale when it was written in this pid space (see :func:`pid_space_tag`) by a process that no
+    longer runs, or when nothing has written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another machine or
+    in another container sharing the folder, or its pid was reused). A live writer's file, here or elsewhere, is left
+    alone, as is every file not named like ours.
     """
     removed: list[Path] = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
-    host, now = _host_tag(), time.time()
+    space, now = pid_space_tag(), time.time()
     for entry in entries:
         match = _TEMP_FILE.match(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
             continue
         try:
             idle = now - entry.stat(follow_symlinks=False).st_mtime
-            dead = match["host"] == host and not _process_runs(int(match["pid"]))
+            dead = match["space"] == space and not _process_runs(int(match["pid"]))
             if dead or idle > STALE_TEMP_SECONDS:
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
@@ -171,8 +238,18 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
     return removed
 
 
-def _host_tag() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+def pid_space_tag() -> str:
+    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace.
+
+    A host name is not enough: containers on one machine (or on several) often share one, while each has its own pid
+    namespace, where another container's live writer looks dead. Without ``/proc`` (not Linux) the host name is used.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        space = socket.gethostname()
+    return hashlib.sha256(space.encode()).hexdigest()[:16]
 
 
 def _process_runs(pid: int) -> bool:
@@ -201,38 +278,62 @@ def _fsync_dir(folder: Path) -> None:
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
     """Open a lightning-frozen checkpoint with ``weights_only=True`` and check its layout; nothing in it is executed.
 
+    ``path`` is a local path or an fsspec URL (``s3://...``, ``memory://...``).
+
     Raises:
         TypeError: ``path`` is not a path.
         FileNotFoundError: nothing at ``path``.
         CheckpointFormatError: a directory (stock DeepSpeed), an unreadable, truncated or corrupt file, a file with
             pickled objects, or a checkpoint of another layout; the message names the file and the fix.
     """
-    path = checked_path(path, "path", "read_checkpoint")
-    if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}.")
-    if path.is_dir():
-        raise CheckpointFormatError(
-            f"{path} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
-            f" `lightning-frozen convert {path} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
-        )
+    location = checked_location(path, "path", "read_checkpoint")
+    source = _open_for_reading(location)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
     except OSError as error:
-        raise CheckpointFormatError(f"{path} cannot be read ({type(error).__name__}: {error}).") from None
+        raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
     except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
-        if isinstance(error, pickle.UnpicklingError) and zipfile.is_zipfile(path):
-            found = unsafe_globals(path)
+        if isinstance(error, pickle.UnpicklingError) and _rewound(source, zipfile.is_zipfile):
+            found = _rewound(source, unsafe_globals)
             named = f" ({', '.join(found[:5])})" if found else ""
             raise CheckpointFormatError(
-                f"{path} holds pickled Python objects{named} that are not loaded for safety (`weights_only=True`);"
-                " nothing in the file was executed. A lightning-frozen checkpoint never holds them: the file was"
-                " written by something else or tampered with."
+                f"{location} holds pickled Python objects{named} that are not loaded for safety"
+                " (`weights_only=True`); nothing in the file was executed. A lightning-frozen checkpoint never holds"
+                " them: the file was written by something else or tampered with."
             ) from None
         raise CheckpointFormatError(
-            f"{path} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
+            f"{location} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
         ) from None
-    validate_checkpoint(checkpoint, path)
+    validate_checkpoint(checkpoint, location)
     return checkpoint
+
+
+def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:
+    """The local file, or a URL's bytes; refuses what is missing and directories (stock DeepSpeed checkpoints)."""
+    if isinstance(location, str):
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        fs = get_filesystem(location)
+        _refuse_missing_or_directory(location, fs.exists(location), fs.isdir(location))
+        return io.BytesIO(fs.cat_file(location))
+    _refuse_missing_or_directory(location, location.exists(), location.is_dir())
+    return location
+
+
+def _refuse_missing_or_directory(location: Union[Path, str], exists: bool, is_dir: bool) -> None:
+    if not exists:
+        raise CheckpointNotFoundError(f"No checkpoint at {location}.")
+    if is_dir:
+        raise CheckpointFormatError(
+            f"{location} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
+            f" `lightning-frozen convert {location} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
+        )
+
+
+def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
+    return read(source)
 
 
 def load_error(error: Exception) -> str:
@@ -242,7 +343,7 @@ def load_error(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
-def unsafe_globals(path: Path) -> list[str]:
+def unsafe_globals(path: Union[Path, IO[bytes]]) -> list[str]:
     """The Python objects a ``torch.save`` file would unpickle beyond tensors and containers (statically read)."""
     try:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
@@ -385,8 +486,10 @@ def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True
             is left unchanged.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}.")
-    checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_adapter"))
+        raise InvalidArgumentTypeError(
+            f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
+        )
+    checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_adapter"))
     load_into(module, checkpoint, str(checkpoint_path), strict, verify_base)
     return module
 
@@ -405,20 +508,20 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
             :func:`load_adapter`.
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"
             f" {f'an instance of `{type(cls).__name__}`' if not isinstance(cls, type) else repr(cls)}. To load into a"
             " module you already built, use `lightning_frozen.load_adapter(module, checkpoint_path)`."
         )
     strict = bool(kwargs.pop("strict", True))
     verify = bool(kwargs.pop("verify_base", True))
-    checkpoint = read_checkpoint(checked_path(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
+    checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
     try:
         module = cls(**{**hyper_parameters, **kwargs})
     except TypeError as error:
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `{cls.__name__}` cannot be built from the hyper-parameters saved in"
             f" {checkpoint_path} ({error}). Was it saved from another class? Pass the class it was trained with, or"
             " override the offending arguments as keyword arguments."

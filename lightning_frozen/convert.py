@@ -21,7 +21,7 @@ import torch
 
 from lightning_frozen import base, checkpoint
 from lightning_frozen.checkpoint import PathLike, checked_path
-from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 
 log = logging.getLogger(__name__)
 _LIGHTNING_KEYS = (
@@ -86,7 +86,7 @@ def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
 
 def _checkpoint_folder(source: Path) -> Path:
     if not source.exists():
-        raise FileNotFoundError(f"No DeepSpeed checkpoint at {source}.")
+        raise CheckpointNotFoundError(f"No DeepSpeed checkpoint at {source}.")
     if not source.is_dir():
         raise CheckpointFormatError(
             f"{source} is a file; a stock DeepSpeed checkpoint is a directory (with `latest` and a `checkpoint/`"

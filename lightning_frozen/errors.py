@@ -35,5 +35,24 @@ class CheckpointKeysError(FrozenTrainingError):
     """A checkpoint's trainable state does not match the module's trainable parameters."""
 
 
-class SchedulerGroupsError(FrozenTrainingError):
+# Errors that are also a built-in type, so callers that caught the built-in before keep catching them.
+
+
+class InvalidArgumentTypeError(FrozenTrainingError, TypeError):
+    """An argument of a public function or of the strategy has the wrong type."""
+
+
+class InvalidArgumentValueError(FrozenTrainingError, ValueError):
+    """An argument of a public function or of the strategy has a value that cannot work."""
+
+
+class CheckpointNotFoundError(FrozenTrainingError, FileNotFoundError):
+    """Nothing at the checkpoint path given."""
+
+
+class UnsupportedConfigurationError(FrozenTrainingError, NotImplementedError):
+    """A setup this package cannot run (an accelerator, a callback, a training mode, a storage location)."""
+
+
+class SchedulerGroupsError(FrozenTrainingError, ValueError):
     """An LR scheduler's per-group values cannot follow param groups that were dropped or added."""

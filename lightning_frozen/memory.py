@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
 from lightning_frozen.zero import fitted_reduce_bucket, full_numel
 
 _PRECISION_BYTES = {
@@ -124,7 +125,9 @@ def precision_bytes(precision: str) -> int:
     try:
         return _PRECISION_BYTES[str(precision)]
     except KeyError:
-        raise ValueError(f"Unknown precision {precision!r}; expected one of {sorted(_PRECISION_BYTES)}.") from None
+        raise InvalidArgumentValueError(
+            f"Unknown precision {precision!r}; expected one of {sorted(_PRECISION_BYTES)}."
+        ) from None
 
 
 def _shard(numel: int, world_size: int) -> int:
@@ -207,13 +210,15 @@ def estimate_memory(
         ValueError: ``num_devices`` or ``num_nodes`` below 1, or an unknown ``precision``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"`estimate_memory`: `model` must be a torch.nn.Module (on `meta` is fine), got {model!r}.")
+        raise InvalidArgumentTypeError(
+            f"`estimate_memory`: `model` must be a torch.nn.Module (on `meta` is fine), got {model!r}."
+        )
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in (num_devices, num_nodes)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"`estimate_memory`: `num_devices` and `num_nodes` must be integers, got {num_devices!r} and {num_nodes!r}."
         )
     if num_devices < 1 or num_nodes < 1:
-        raise ValueError(f"num_devices and num_nodes must be >= 1, got {num_devices} and {num_nodes}.")
+        raise InvalidArgumentValueError(f"num_devices and num_nodes must be >= 1, got {num_devices} and {num_nodes}.")
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     frozen = sum(full_numel(p) for p in model.parameters() if not p.requires_grad)
     estimate = estimate_from_counts(

@@ -71,6 +71,8 @@ def _scheduler_chain(scheduler: Any) -> list[Any]:
 
 def _group_can_leave_zero(group: dict, index: int, schedulers: Sequence[Any]) -> bool:
     """Whether any learning rate this group can reach during the run is non-zero."""
+    if "lr" in group and group["lr"] is None:
+        return True  # the optimizer sets its own step size (Adafactor's `relative_step`)
     if any(float(group.get(key, 0.0) or 0.0) != 0.0 for key in _GROUP_LR_KEYS):
         return True
     for scheduler in schedulers:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
@@ -32,10 +34,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_frozen import base, checkpoint, memory, optim, pretrained, zero
-from lightning_frozen.errors import CheckpointFormatError, FrozenSetChangedError, NoTrainableParametersError
+from lightning_frozen.errors import (
+    CheckpointFormatError,
+    FrozenSetChangedError,
+    InvalidArgumentTypeError,
+    InvalidArgumentValueError,
+    NoTrainableParametersError,
+    UnsupportedConfigurationError,
+)
 
 if TYPE_CHECKING:
     import deepspeed
+    import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
 
 
@@ -99,9 +109,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         _check_argument_types(flags, frozen_base, timeout, kwargs.get("config"))
         if fingerprint not in base.FINGERPRINT_MODES:
-            raise ValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
+            raise InvalidArgumentValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
         if zero_optimization and stage != 3:
-            raise ValueError(
+            raise InvalidArgumentValueError(
                 f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage!r}`. Use"
                 " Lightning's `DeepSpeedStrategy` for stages 1 and 2."
             )
@@ -133,6 +143,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         # trainable params in no optimizer group (plain torch never steps them) and the hooks that drop their grads
         self._ungrouped_names: list[str] = []
         self._ungrouped_hooks: list[Any] = []
+        self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
 
     @classmethod
     @override
@@ -153,6 +164,21 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             offload_frozen=False,
         )
 
+    # ------------------------------------------------------------------ one run's state
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        # Lightning connects the strategy at the start of every fit/validate/test/predict. The frozen base may have
+        # changed since the last run, so its fingerprint is taken again; another module must not meet the previous
+        # one's optimizer and param names (a save after `fit`, or after a `validate` of the same module, keeps them)
+        self._fingerprint_cache = None
+        if self._connected is None or self._connected() is not model:
+            self.optimizers = []
+            self.lr_scheduler_configs = []
+            self._watched_params, self._trainable_flags, self._group_param_names = [], (), []
+        self._connected = weakref.ref(model)
+        super().connect(model)
+
     # ------------------------------------------------------------------ environment
 
     @override
@@ -163,7 +189,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         zero.align_deepspeed_accelerator(self.accelerator)
         zero_config = (self.config or {}).get("zero_optimization") or {}
         if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(self.accelerator, CUDAAccelerator):
-            raise RuntimeError(
+            raise UnsupportedConfigurationError(
                 "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
                 f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
                 " train with `accelerator='gpu'`."
@@ -181,7 +207,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         for callback in trainer.callbacks if trainer is not None else []:
             if isinstance(callback, LightningBaseFinetuning) and not isinstance(callback, BaseFinetuning):
-                raise NotImplementedError(
+                raise UnsupportedConfigurationError(
                     f"Lightning's `{type(callback).__name__}` refuses every DeepSpeed strategy. Import"
                     " `BaseFinetuning`/`BackboneFinetuning` from `lightning_frozen` instead (same names and"
                     " arguments): they unfreeze and freeze params under ZeRO-3 by rebuilding the optimizer."
@@ -535,16 +561,22 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             for names in self._group_param_names
             for name in names
         }
-        return {"layout": checkpoint.OPTIMIZER_LAYOUT, "state": state, "param_groups": groups}
+        return {
+            "layout": checkpoint.OPTIMIZER_LAYOUT,
+            "state": state,
+            "param_groups": groups,
+            "loss_scaler": zero.loss_scaler_state(optimizer),
+        }
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write one file with the trainable state and the frozen base's reference and fingerprint, atomically,
-        from rank 0. Every rank must call it (the fingerprint is collective)."""
-        if storage_options is not None:
-            raise TypeError(
-                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}:"
-                " it writes the file itself."
+        """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0:
+        atomically to a local path or an fsspec URL, or through the Trainer's ``CheckpointIO`` plugin when one was
+        given. Every rank must call it (the fingerprint is collective)."""
+        if storage_options is not None and not self._custom_checkpoint_io:
+            raise InvalidArgumentTypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` needs a `CheckpointIO` plugin that takes them"
+                f" (`Trainer(plugins=[...])`); {type(self).__name__} writes the file itself otherwise."
             )
         filepath = self.broadcast(filepath)
         module = self.lightning_module
@@ -559,14 +591,28 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             "world_size": self.world_size,
             "precision": str(self.precision_plugin.precision),
         }
-        if self.is_global_zero:
-            checkpoint.write_atomic(checkpoint.to_plain(checkpoint_dict), filepath)
+        if not self.is_global_zero:
+            return
+        plain = checkpoint.to_plain(checkpoint_dict)
+        if self._custom_checkpoint_io:
+            self.checkpoint_io.save_checkpoint(plain, filepath, storage_options=storage_options)
+        else:
+            checkpoint.write_atomic(plain, filepath)
+
+    @property
+    def _custom_checkpoint_io(self) -> bool:
+        # a plugin the user chose (cloud storage, async saves) writes and reads; Lightning's default is replaced
+        return type(self.checkpoint_io) is not TorchCheckpointIO
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
         checkpoint_path = self.broadcast(checkpoint_path)
-        loaded = checkpoint.read_checkpoint(checkpoint_path)
+        if self._custom_checkpoint_io:
+            loaded = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+            checkpoint.validate_checkpoint(loaded, checkpoint_path)
+        else:
+            loaded = checkpoint.read_checkpoint(checkpoint_path)
         frozen_base = loaded["frozen_base"]
         if self.fingerprint != "none":
             recorded = frozen_base.get("fingerprint") or {}
@@ -626,6 +672,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         for name, state in saved["state"].items():
             if name in params and params[name].requires_grad and state:
                 zero.set_optimizer_state(optimizer, params[name], state)
+        zero.restore_loss_scaler(optimizer, saved.get("loss_scaler") or {})
 
     def memory_summary(self) -> str:
         """The per-rank memory summary logged on rank 0 at the start of ``fit``."""
@@ -669,18 +716,20 @@ def _check_argument_types(flags: dict[str, Any], frozen_base: Any, timeout: Any,
     """A ``TypeError`` naming the strategy argument of the wrong type (the CLI checks types; Python callers not)."""
     for name, value in flags.items():
         if not isinstance(value, bool):
-            raise TypeError(f"FrozenAwareDeepSpeedStrategy: `{name}` must be True or False, got {value!r}.")
+            raise InvalidArgumentTypeError(
+                f"FrozenAwareDeepSpeedStrategy: `{name}` must be True or False, got {value!r}."
+            )
     if frozen_base is not None and not isinstance(frozen_base, (str, os.PathLike)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"FrozenAwareDeepSpeedStrategy: `frozen_base` must be the base's path or hub id, got {frozen_base!r}."
         )
     if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"FrozenAwareDeepSpeedStrategy: `timeout` must be a `datetime.timedelta`, e.g. `timedelta(minutes=10)`,"
             f" got {timeout!r}."
         )
     if config is not None and not isinstance(config, (str, os.PathLike, dict)):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"FrozenAwareDeepSpeedStrategy: `config` must be a DeepSpeed config dict or the path of its JSON file,"
             f" got {config!r}."
         )

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
-from lightning_frozen.errors import NoTrainableParametersError
+from lightning_frozen.errors import NoTrainableParametersError, UnsupportedConfigurationError
 
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
 
@@ -28,7 +28,7 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
 
     wanted = next((name for cls, name in _DEEPSPEED_ACCELERATOR_OF.items() if isinstance(accelerator, cls)), None)
     if wanted is None:
-        raise RuntimeError(
+        raise UnsupportedConfigurationError(
             f"lightning-frozen runs DeepSpeed on `CUDAAccelerator` or `CPUAccelerator`, not"
             f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
         )
@@ -37,7 +37,7 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
         return
     pinned = os.environ.get("DS_ACCELERATOR")
     if pinned:
-        raise RuntimeError(
+        raise UnsupportedConfigurationError(
             f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
             f" its `{current}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
             " `accelerator`."
@@ -302,9 +302,11 @@ def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Pa
     """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume.
 
     ZeRO-3 creates it at the first step; until then ``safe_set_full_optimizer_state`` raises ``KeyError``. We run
-    one step per sub-group with zero gradients at learning rate 0, which leaves the weights unchanged; the state
-    it creates is overwritten by the checkpoint's right after. With ``params``, only their sub-groups are touched, so
-    a group of newly trainable params starts its state (and step count) fresh at its first real step.
+    one step per sub-group with zero gradients at learning rate 0 and put the fp32 partitions back as they were
+    afterwards: an optimizer that ignores the group's ``lr`` (Adafactor's ``relative_step``) or decays weights
+    would otherwise move them. The state it creates is overwritten by the checkpoint's right after. With ``params``,
+    only their sub-groups are touched, so a group of newly trainable params starts its state (and step count) fresh
+    at its first real step.
     """
     inner = deepspeed_optimizer.optimizer
     flats = deepspeed_optimizer.fp32_partitioned_groups_flat
@@ -327,7 +329,10 @@ def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Pa
                 flats[index].grad = torch.zeros_like(flats[index])
             else:
                 persistent.zero_()
+            weights = flats[index].detach().clone()
             deepspeed_optimizer._optimizer_step(index)
+            with torch.no_grad():
+                flats[index].copy_(weights)
             flats[index].grad = persistent
     finally:
         for group, lr in zip(inner.param_groups, saved_lrs):
@@ -344,6 +349,33 @@ def set_optimizer_state(deepspeed_optimizer: Any, param: nn.Parameter, state: di
             inner[key] = value.to(device=inner[key].device, dtype=inner[key].dtype).clone()
         else:
             inner[key] = value
+
+
+# what DeepSpeed's loss scaler changes as training goes (the dynamic fp16 scale); its settings come from the config
+_LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(deepspeed_optimizer: Any) -> dict[str, Any]:
+    """The ZeRO optimizer's loss-scaler state as plain numbers (scale, iteration, last overflow, hysteresis left).
+
+    Under ``16-mixed`` it is DeepSpeed's dynamic loss scale, which a resume must continue; otherwise a constant 1.
+    """
+    scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
+    state: dict[str, Any] = {}
+    for key in _LOSS_SCALER_STATE:
+        value = getattr(scaler, key, None)
+        value = value.item() if torch.is_tensor(value) else value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            state[key] = value
+    return state
+
+
+def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None:
+    """Set the loss-scaler state :func:`loss_scaler_state` returned; keys the scaler does not have are skipped."""
+    scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
+    for key, value in state.items():
+        if key in _LOSS_SCALER_STATE and hasattr(scaler, key):
+            setattr(scaler, key, value)
 
 
 def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:

@@ -10,6 +10,8 @@ from lightning_frozen.base import find_base_reference, fingerprint_base, verify_
 from lightning_frozen.errors import FrozenBaseMismatchError
 from tests.models import AdapterModel
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _frozen(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -49,6 +51,54 @@ def test_a_bf16_base_verifies_against_the_same_base_in_fp32() -> None:
     model = AdapterModel()
     recorded = fingerprint_base(_frozen(model.to(torch.bfloat16)))
     verify_base(recorded, _frozen(AdapterModel()), "ref", "run.ckpt")
+
+
+def _double_rounding_base() -> nn.Module:
+    """A frozen base whose fp32 values include ones that fp16 rounds onto a bf16 rounding midpoint, fp16 subnormals,
+    values beyond fp16's range, zeros and a negative zero."""
+    torch.manual_seed(0)
+    values = torch.randn(4096) * torch.logspace(-9, 6, 4096)
+    # just below / above the midpoint between bf16 neighbours 1.0 and 1.0078125: fp16 lands on the midpoint
+    values[:4] = torch.tensor([1.00390601, 1.00390649, -3.0117178, 0.0])
+    values[4] = -0.0
+    module = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        module.weight.copy_(values.reshape(64, 64))
+    return module.requires_grad_(False)
+
+
+def test_an_fp16_base_verifies_against_fp32_and_a_bf16_base_against_fp32_both_ways() -> None:
+    fp32 = _double_rounding_base()
+    weight = fp32.weight
+    # the case a single cast to bf16 gets wrong: fp16 then bf16 differs from bf16 for some of these values
+    assert not torch.equal(weight.half().bfloat16(), weight.bfloat16())
+    recorded = {dtype: fingerprint_base(_frozen(_double_rounding_base().to(dtype))) for dtype in _DTYPES}
+    for trained, held in [
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ]:
+        verify_base(recorded[trained], _frozen(_double_rounding_base().to(held)), "ref", f"{trained}->{held}")
+
+    # one fp16 step off in one value is seen in every pairing with fp16
+    changed = _double_rounding_base().half()
+    with torch.no_grad():
+        changed.weight[10, 3] = torch.nextafter(changed.weight[10, 3], torch.tensor(1e9, dtype=torch.float16))
+    for trained in (torch.float16, torch.float32):
+        with pytest.raises(FrozenBaseMismatchError, match=r"`weight` holds different values \(float16 here"):
+            verify_base(recorded[trained], _frozen(changed), "ref", "run.ckpt")
+
+
+def test_an_fp16_base_against_a_bf16_one_is_named_as_not_comparable() -> None:
+    recorded = fingerprint_base(_frozen(_double_rounding_base().half()))
+    assert set(recorded["tensors"]["weight"]) == {"shape", "dtype", "value_fp16"}
+    with pytest.raises(
+        FrozenBaseMismatchError, match=r"bfloat16 here and was in float16 when trained.*load the base in"
+    ):
+        verify_base(recorded, _frozen(_double_rounding_base().bfloat16()), "ref", "run.ckpt")
 
 
 def test_shape_and_name_differences_are_named() -> None:

@@ -267,3 +267,83 @@ def test_resume_with_optimizer_offload_is_exact(tmp_path: Path) -> None:
             resumed["optimizer_states"][0]["state"][name]["exp_avg"],
             straight["optimizer_states"][0]["state"][name]["exp_avg"],
         )
+
+
+def test_creating_lazy_state_on_resume_leaves_weights_of_an_lr_ignoring_optimizer_as_saved(tmp_path: Path) -> None:
+    from transformers.optimization import Adafactor
+
+    def adafactor(module: AdapterModel) -> Any:
+        # relative_step: Adafactor sets its own step size and ignores the group's `lr`; weight decay then moves weights
+        # even with zero gradients
+        return Adafactor(module.parameters(), lr=None, relative_step=True, warmup_init=False, weight_decay=0.1)
+
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(AdapterModel(optimizer_fn=adafactor), regression_data())
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    # resuming at the end of the saved epoch trains no further: what is saved again must be what was loaded
+    again = cpu_trainer(max_epochs=1)
+    again.fit(AdapterModel(optimizer_fn=adafactor), regression_data(), ckpt_path=tmp_path / "one.ckpt")
+    again.save_checkpoint(tmp_path / "again.ckpt")
+    saved, reloaded = (torch.load(tmp_path / n, weights_only=True) for n in ("one.ckpt", "again.ckpt"))
+    assert sorted(saved["optimizer_states"][0]["state"]["head.weight"]) == ["RMS", "exp_avg_sq", "step"]
+    for name in TRAINABLE:
+        torch.testing.assert_close(reloaded["state_dict"][name], saved["state_dict"][name], rtol=0, atol=0)
+        for key, value in saved["optimizer_states"][0]["state"][name].items():
+            torch.testing.assert_close(reloaded["optimizer_states"][0]["state"][name][key], value, rtol=0, atol=0)
+
+
+def test_fsspec_urls_are_written_read_resumed_and_loaded(tmp_path: Path) -> None:
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    every_four = ModelCheckpoint(dirpath="memory://lf-test/run", every_n_train_steps=4, save_top_k=-1)
+    trainer = cpu_trainer(max_epochs=1, callbacks=[every_four], enable_checkpointing=True)
+    trainer.fit(AdapterModel(optimizer_fn=_scheduled), regression_data())
+    trainer.save_checkpoint("memory://lf-test/one.ckpt")
+    try:
+        assert sorted(memory.ls("/lf-test/run", detail=False)) == [
+            "/lf-test/run/epoch=0-step=4.ckpt",
+            "/lf-test/run/epoch=0-step=8.ckpt",
+        ]
+        assert not (Path.cwd() / "memory:").exists()  # not a local folder named after the URL
+        one = lightning_frozen.read_checkpoint("memory://lf-test/one.ckpt")
+        assert sorted(one["state_dict"]) == TRAINABLE and one["global_step"] == 8
+
+        resumed = cpu_trainer(max_epochs=2)
+        resumed.fit(AdapterModel(optimizer_fn=_scheduled), regression_data(), ckpt_path="memory://lf-test/one.ckpt")
+        assert resumed.global_step == 16
+        with pytest.raises(FrozenBaseMismatchError, match="memory://lf-test/one.ckpt"):
+            lightning_frozen.load_adapter(AdapterModel(seed=2), "memory://lf-test/one.ckpt")
+        module = lightning_frozen.load_adapter(AdapterModel(), "memory://lf-test/one.ckpt")
+        torch.testing.assert_close(module.head.weight.detach(), one["state_dict"]["head.weight"])
+        with pytest.raises(lightning_frozen.CheckpointNotFoundError, match="memory://lf-test/none.ckpt"):
+            lightning_frozen.read_checkpoint("memory://lf-test/none.ckpt")
+        # conversion works on local folders only, and says so
+        with pytest.raises(lightning_frozen.UnsupportedConfigurationError, match="memory://lf-test/one.ckpt is a URL"):
+            lightning_frozen.convert_deepspeed_checkpoint("memory://lf-test/one.ckpt", tmp_path / "out.ckpt")
+    finally:
+        memory.rm("/lf-test", recursive=True)
+
+
+def test_a_checkpoint_io_plugin_writes_and_reads_the_file(tmp_path: Path) -> None:
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    class RecordingIO(TorchCheckpointIO):
+        calls: list[str] = []
+
+        def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+            self.calls.append(f"save {Path(path).name} {storage_options}")
+            super().save_checkpoint(checkpoint, path, storage_options=None)
+
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
+            self.calls.append(f"load {Path(path).name} weights_only={weights_only}")
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    trainer = cpu_trainer(max_steps=2, plugins=[RecordingIO()])
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(tmp_path / "io.ckpt", storage_options={"tag": 1})
+    assert sorted(lightning_frozen.read_checkpoint(tmp_path / "io.ckpt")["state_dict"]) == TRAINABLE
+    cpu_trainer(max_steps=3, plugins=[RecordingIO()]).fit(
+        AdapterModel(), regression_data(), ckpt_path=tmp_path / "io.ckpt"
+    )
+    assert RecordingIO.calls == ["save io.ckpt {'tag': 1}", "load io.ckpt weights_only=True"]

@@ -18,20 +18,12 @@ from tests.models import AdapterModel, regression_data
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _gpu_trainer(strategy: str = "frozen_deepspeed", **kwargs: object) -> object:
+def _gpu_trainer(strategy: object = "frozen_deepspeed", **kwargs: object) -> object:
     import lightning as L
 
-    return L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        strategy=strategy,
-        precision="bf16-mixed",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        **kwargs,
-    )
+    options: dict = dict(precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False)
+    options.update(kwargs)
+    return L.Trainer(accelerator="gpu", devices=1, strategy=strategy, enable_progress_bar=False, **options)
 
 
 def _big_model() -> AdapterModel:
@@ -132,3 +124,26 @@ def test_from_pretrained_in_configure_model_on_the_gpu(tmp_path: Path) -> None:
         assert shard["device"] == ("cuda" if shard["trainable"] else "cpu"), name
         assert shard["dtype"] == "bfloat16", name
     assert set(seen["buffers"].values()) == {"cuda"}
+
+
+def test_fp16_loss_scale_round_trips_and_the_fp16_base_verifies_in_fp32(tmp_path: Path) -> None:
+    # `16-mixed`: DeepSpeed's dynamic loss scaler, which the CPU accelerator here cannot run (no fp16 support);
+    # a small initial scale and window so that it changes within a few steps
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+
+    def fit(max_steps: int, name: str, resume: Path | None = None) -> dict:
+        strategy = FrozenAwareDeepSpeedStrategy(initial_scale_power=4, loss_scale_window=2)
+        trainer = _gpu_trainer(strategy, precision="16-mixed", max_steps=max_steps, max_epochs=-1)
+        trainer.fit(AdapterModel(), regression_data(samples=8), ckpt_path=resume)
+        trainer.save_checkpoint(tmp_path / name)
+        return torch.load(tmp_path / name, weights_only=True)
+
+    half = fit(4, "half.ckpt")
+    straight, resumed = fit(8, "straight.ckpt"), fit(8, "resumed.ckpt", resume=tmp_path / "half.ckpt")
+    scaler = half["optimizer_states"][0]["loss_scaler"]
+    assert scaler["cur_iter"] == 4 and scaler["cur_scale"] != 2.0**4, scaler
+    assert resumed["optimizer_states"][0]["loss_scaler"] == straight["optimizer_states"][0]["loss_scaler"]
+    for name, value in straight["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value)
+    assert {t["dtype"] for t in straight["frozen_base"]["fingerprint"]["tensors"].values()} == {"float16"}
+    lightning_frozen.load_adapter(AdapterModel(), tmp_path / "straight.ckpt")  # fp32 base: verifies

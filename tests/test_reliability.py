@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_sigkill_while_checkpointing_every_step_leaves_whole_files_and_resumes(t
 
 
 def _plant_temp_file(folder: Path, name: str, pid: int, host: str | None = None, age: float = 0) -> Path:
-    path = folder / f".{name}.lf-{host or ckpt_module._host_tag()}-{pid}-0123abcd.tmp"
+    path = folder / f".{name}.lf-{host or ckpt_module.pid_space_tag()}-{pid}-0123abcd.tmp"
     path.write_bytes(b"half a checkpoint")
     os.utime(path, (time.time() - age, time.time() - age))
     return path
@@ -148,8 +149,9 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
         _plant_temp_file(tmp_path, "last.ckpt", live, host="0badc0de", age=2 * ckpt_module.STALE_TEMP_SECONDS),
     ]
     kept = [
-        _plant_temp_file(tmp_path, "last.ckpt", live),  # a writer of this host that still runs
+        _plant_temp_file(tmp_path, "last.ckpt", live),  # a writer of this pid namespace that still runs
         _plant_temp_file(tmp_path, "last.ckpt", dead.pid, host="0badc0de"),  # another host's, written to just now
+        _plant_temp_file(tmp_path, "last.ckpt", dead.pid, host="0123456789abcdef"),  # another container's, just now
     ]
     foreign = tmp_path / ".notes.tmp"  # not named like ours
     foreign.write_text("mine")
@@ -159,6 +161,59 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
     assert not any(path.exists() for path in stale)
     assert all(path.exists() for path in kept) and foreign.exists()
     assert torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=True)["value"], torch.arange(3))
+
+
+_BLOCKED_WRITER = """
+import pathlib, sys, time
+sys.path.insert(0, {repo!r})
+from lightning_frozen import checkpoint
+
+def write(handle):
+    handle.write(b"half a checkpoint")
+    handle.flush()
+    pathlib.Path({ready!r}).write_text("")
+    while not pathlib.Path({release!r}).exists():
+        time.sleep(0.01)
+
+checkpoint.write_file_atomic(pathlib.Path({target!r}), write)
+"""
+
+
+def _pid_not_running_here() -> int:
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    return next(pid for pid in range(pid_max - 1, 300, -1) if not ckpt_module._process_runs(pid))
+
+
+def test_a_live_writer_in_another_container_with_the_same_host_name_keeps_its_temp_file(tmp_path: Path) -> None:
+    # a container on the same machine: same host name and kernel, its own pid namespace, where the writer's pid is
+    # one that runs no process here (Linux lets root pick the next pid of a fresh namespace)
+    pid = _pid_not_running_here()
+    script = _BLOCKED_WRITER.format(
+        repo=str(Path(__file__).parents[1]),
+        ready=str(tmp_path / "ready"),
+        release=str(tmp_path / "release"),
+        target=str(tmp_path / "last.ckpt"),
+    )
+    command = f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid && {shlex.quote(sys.executable)} -c {shlex.quote(script)}"
+    try:
+        writer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", command])
+    except FileNotFoundError:
+        pytest.skip("needs util-linux `unshare`")
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            if writer.poll() is not None:
+                pytest.skip(f"cannot start a process in a new pid namespace here (unshare exited {writer.returncode})")
+            assert time.monotonic() < deadline, "the writer in the other namespace did not start"
+            time.sleep(0.01)
+        [temp] = _temp_files(tmp_path)
+        assert f"-{pid}-" in temp  # its pid there, which runs nothing here
+        assert ckpt_module.remove_stale_temp_files(tmp_path) == []
+        (tmp_path / "release").write_text("")
+        assert writer.wait(timeout=60) == 0
+    finally:
+        writer.kill()
+    assert (tmp_path / "last.ckpt").read_bytes() == b"half a checkpoint"
 
 
 def test_checkpoint_files_get_the_mode_the_umask_allows(tmp_path: Path) -> None:
@@ -178,7 +233,7 @@ def test_a_write_never_goes_through_a_planted_temp_name(tmp_path: Path, planted:
     folder.mkdir()
     # whatever sits under a name a temp file could take is neither overwritten nor followed
     for pid in (os.getpid(), 1):
-        target = folder / f".last.ckpt.lf-{ckpt_module._host_tag()}-{pid}-0123abcd.tmp"
+        target = folder / f".last.ckpt.lf-{ckpt_module.pid_space_tag()}-{pid}-0123abcd.tmp"
         if planted == "link":
             target.symlink_to(outside)
         else:

@@ -29,9 +29,11 @@ def main() -> None:
     parser.add_argument("--validate", help="run trainer.validate(ckpt_path=...) instead of fit")
     parser.add_argument("--report", required=True)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=4)
     args = parser.parse_args()
 
-    model = AdapterModel()
+    model = AdapterModel(width=args.width, rank=args.rank)
     trainer = cpu_trainer(
         FrozenAwareDeepSpeedStrategy(),
         devices=args.devices,
@@ -40,10 +42,10 @@ def main() -> None:
         precision=args.precision,
     )
     if args.validate:
-        metrics = trainer.validate(model, regression_data(), ckpt_path=args.validate)
+        metrics = trainer.validate(model, regression_data(width=args.width), ckpt_path=args.validate)
     else:
         metrics = None
-        trainer.fit(model, regression_data(), ckpt_path=args.resume)
+        trainer.fit(model, regression_data(width=args.width), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     engine_optimizer = trainer.strategy.deepspeed_engine.optimizer
