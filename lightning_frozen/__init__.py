@@ -18,6 +18,8 @@ from lightning_frozen.errors import (
     InvalidArgumentTypeError,
     InvalidArgumentValueError,
     NoTrainableParametersError,
+    OutputDirectoryError,
+    SchedulerGroupsError,
     UnsupportedConfigurationError,
     UnsupportedOffloadOptimizerError,
 )
@@ -43,6 +45,8 @@ __all__ = [
     "InvalidArgumentValueError",
     "MemoryEstimate",
     "NoTrainableParametersError",
+    "OutputDirectoryError",
+    "SchedulerGroupsError",
     "UnsupportedConfigurationError",
     "UnsupportedOffloadOptimizerError",
     "convert_deepspeed_checkpoint",

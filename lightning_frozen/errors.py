@@ -50,6 +50,10 @@ class CheckpointNotFoundError(FrozenTrainingError, FileNotFoundError):
     """Nothing at the checkpoint path given."""
 
 
+class OutputDirectoryError(FrozenTrainingError, NotADirectoryError):
+    """The output folder given is an existing file."""
+
+
 class UnsupportedConfigurationError(FrozenTrainingError, NotImplementedError):
     """A setup this package cannot run (an accelerator, a callback, a training mode, a storage location)."""
 

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_frozen.checkpoint import PathLike, checked_path, read_checkpoint, write_file_atomic
-from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError, OutputDirectoryError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -167,7 +167,7 @@ def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, t
 def _inside(folder: Path, name: str) -> Path:
     target = (folder / name).resolve()
     if target.parent != folder.resolve():
-        raise ValueError(
+        raise InvalidArgumentValueError(
             f"{folder / name} links to {target}, outside {folder}; the export writes only inside its folder. Remove"
             " the link or choose another `output_dir`."
         )
@@ -193,7 +193,7 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
     checkpoint_path = checked_path(checkpoint_path, "checkpoint_path", "export_peft_adapter")
     folder = checked_path(output_dir, "output_dir", "export_peft_adapter")
     if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
+        raise OutputDirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
     checkpoint = read_checkpoint(checkpoint_path)
     peft = checkpoint["frozen_base"].get("peft")
     if not peft:

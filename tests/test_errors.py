@@ -19,10 +19,6 @@ PACKAGE = Path(lightning_frozen.__file__).parent
 NOT_OURS = {
     ("memory.py", "AssertionError"),  # an unreachable branch
     ("finetuning.py", "ValueError"),  # the message torch.optim's own `add_param_group` raises, kept for its callers
-    # owned by parallel work on these modules at the time of writing: to become FrozenTrainingError subclasses there
-    ("optim.py", "ValueError"),
-    ("peft_export.py", "ValueError"),
-    ("peft_export.py", "NotADirectoryError"),
 }
 
 
