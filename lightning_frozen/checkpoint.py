@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_frozen import base
+from lightning_frozen import frozen_base as base
 from lightning_frozen.errors import (
     CheckpointFormatError,
     CheckpointKeysError,

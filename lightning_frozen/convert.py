@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_frozen import base, checkpoint
+from lightning_frozen import checkpoint
+from lightning_frozen import frozen_base as base
 from lightning_frozen.checkpoint import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 

@@ -33,7 +33,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import base, checkpoint, memory, optim, pretrained, zero
+from lightning_frozen import checkpoint, memory, optim, pretrained, zero
+from lightning_frozen import frozen_base as base
 from lightning_frozen.errors import (
     CheckpointFormatError,
     FrozenSetChangedError,

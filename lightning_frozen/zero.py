@@ -255,15 +255,11 @@ def _set_fp32_partition(
     DeepSpeed 0.19's ``safe_set_full_fp32_param``/``safe_set_full_optimizer_state`` narrow past the end of the value
     on the last rank when a param's size is not a multiple of the world size; this writes only the valid part.
     """
-    import deepspeed.comm as dist
-
     partition, group_index = deepspeed_optimizer._get_fp32_opt_state_partition(
         param, release_swap_buffers=False, optim_state_key=key
     )
     flat = value.detach().reshape(-1)
-    size = partition.numel()
-    start = size * dist.get_rank(group=param.ds_process_group)
-    valid = max(0, min(size, flat.numel() - start))
+    start, valid = shard_range(param)  # the fp32 partition is as long as the param's shard
     with torch.no_grad():
         partition.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(partition.dtype))
     if deepspeed_optimizer._swappable_optimizer_subgroup(group_index):

@@ -233,16 +233,16 @@ def test_fingerprint_option_full_hash_or_none(tmp_path: Path) -> None:
 
 
 def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
-    from lightning_frozen import base
+    from lightning_frozen import frozen_base
 
     calls: list[int] = []
-    real = base.fingerprint_base
+    real = frozen_base.fingerprint_base
 
     def counting(named: Any, mode: str = "checksum") -> dict:
         calls.append(len(named))
         return real(named, mode)
 
-    monkeypatch.setattr(base, "fingerprint_base", counting)
+    monkeypatch.setattr(frozen_base, "fingerprint_base", counting)
     trainer = cpu_trainer(max_epochs=2)
     trainer.fit(AdapterModel(optimizer_fn=_scheduled), regression_data(), ckpt_path=trained["one"])
     trainer.save_checkpoint(tmp_path / "a.ckpt")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_frozen.base import find_base_reference, fingerprint_base, verify_base
+from lightning_frozen.frozen_base import find_base_reference, fingerprint_base, verify_base
 from lightning_frozen.errors import FrozenBaseMismatchError
 from tests.models import AdapterModel
 
@@ -122,10 +122,10 @@ def test_sha256_mode_hashes_exact_bytes_and_none_checks_nothing() -> None:
 
 
 def test_fingerprinting_a_large_base_reports_progress(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    from lightning_frozen import base
+    from lightning_frozen import frozen_base
 
-    monkeypatch.setattr(base, "_PROGRESS_SECONDS", 0.0)  # a large base would take seconds per tensor
-    with caplog.at_level("WARNING", logger="lightning_frozen.base"):
+    monkeypatch.setattr(frozen_base, "_PROGRESS_SECONDS", 0.0)  # a large base would take seconds per tensor
+    with caplog.at_level("WARNING", logger="lightning_frozen.frozen_base"):
         fingerprint_base(_frozen(AdapterModel()))
     lines = [r.getMessage() for r in caplog.records if "fingerprinting the frozen base" in r.getMessage()]
     assert lines and lines[-1].endswith("100% of 2,112 elements")

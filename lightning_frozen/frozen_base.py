@@ -24,13 +24,14 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
+from lightning_frozen.zero import is_partitioned, shard_range
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +79,22 @@ def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
 # ---------------------------------------------------------------------------------------------- fingerprint
 
 
-def _local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The elements of ``param`` this rank holds, flattened, and the global index of the first one."""
-    shard = getattr(param, "ds_tensor", None)
-    if shard is None:
-        return param.detach().reshape(-1), 0
-    import deepspeed.comm as dist
+def named_frozen(
+    module: nn.Module, recorded: Optional[Mapping[str, Any]] = None, trained: Optional[Mapping[str, Any]] = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The module's tensors that the recorded fingerprint covers (by name), plus any other frozen ones, less those
+    the checkpoint holds trained values for (a finetuning callback unfroze them; they are loaded, not verified)."""
+    params = dict(module.named_parameters())
+    names = set((recorded or {}).get("tensors", {})) | {n for n, p in params.items() if not p.requires_grad}
+    return [(n, params[n]) for n in sorted(names - set(trained or {})) if n in params]
 
-    numel = int(param.ds_numel)
-    size = int(shard.ds_numel) if hasattr(shard, "ds_numel") else shard.numel()
-    start = size * dist.get_rank(group=param.ds_process_group)
-    valid = max(0, min(size, numel - start))
-    return shard.detach().reshape(-1)[:valid], start
+
+def local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements of ``param`` this rank holds, flattened, and the global index of the first one."""
+    if not is_partitioned(param):
+        return param.detach().reshape(-1), 0
+    start, count = shard_range(param)
+    return param.ds_tensor.detach().reshape(-1)[:count], start
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,7 +161,7 @@ def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
 
 
 def _sha256(param: torch.Tensor) -> str:
-    if hasattr(param, "ds_id"):
+    if is_partitioned(param):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -193,14 +198,14 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
         raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
     named = sorted(named_frozen, key=lambda item: item[0])
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    distributed = distributed and any(hasattr(p, "ds_id") for _, p in named)
+    distributed = distributed and any(is_partitioned(p) for _, p in named)
     tensors: dict[str, dict[str, Any]] = {}
     for name, param in named:
         shape = list(getattr(param, "ds_shape", param.shape))
         tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
     if mode == "checksum":
         checksum = _Checksummer()
-        sums = [checksum(*_local_values(param)) for _, param in _progress(named)]
+        sums = [checksum(*local_values(param)) for _, param in _progress(named)]
         for (name, param), world in zip(named, _world_sum(sums, distributed)):
             for index, key in enumerate(checksum_keys(param.dtype)):
                 tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
@@ -209,6 +214,26 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
             tensors[name]["value"] = _sha256(param)
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return {"mode": mode, "digest": digest, "tensors": tensors}
+
+
+class FingerprintCache:
+    """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
+    a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple[str, ...]] = None
+        self._value: dict[str, Any] = {}
+
+    def clear(self) -> None:
+        """Forget the cached fingerprint (the frozen base may have changed between runs)."""
+        self._key = None
+
+    def __call__(self, named_frozen: list[tuple[str, torch.Tensor]], mode: str) -> dict[str, Any]:
+        """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
+        key = (mode, *(name for name, _ in named_frozen))
+        if self._key != key:
+            self._value, self._key = fingerprint_base(named_frozen, mode), key
+        return self._value
 
 
 def comparable_value(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
