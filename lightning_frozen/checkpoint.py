@@ -44,6 +44,7 @@ from lightning_frozen.errors import (
     CheckpointNotFoundError,
     InvalidArgumentTypeError,
     UnsupportedConfigurationError,
+    format_names,
 )
 
 FORMAT_KEY = "lightning_frozen"
@@ -63,32 +64,40 @@ _TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>
 # reused pid).
 STALE_TEMP_SECONDS = 3600.0
 
-_SAFE_SCALARS = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
+_JSON_SCALARS = (str, int, float, bool, type(None))
+_SAFE_SCALARS = (*_JSON_SCALARS, torch.dtype, torch.device, torch.Size)
 
 
 # ---------------------------------------------------------------------------------------------- plain types
 
 
-def to_plain(obj: Any, where: str = "checkpoint") -> Any:
+def to_plain(obj: Any, where: str = "checkpoint", json_types: bool = False) -> Any:
     """Convert ``obj`` to what ``torch.load(weights_only=True)`` accepts: tensors, containers and plain scalars.
 
     Dict subclasses become dicts, enums their values, sets sorted lists, paths strings. Anything else is
     replaced by its ``repr`` with a warning naming where it sat, so no pickled class ends up in the file.
+    With ``json_types`` (a PEFT config, also written as JSON) the result holds JSON types only: keys become strings,
+    tuples lists, and anything else its ``str``.
     """
-    if torch.is_tensor(obj):
+    if torch.is_tensor(obj) and not json_types:
         return obj
     if isinstance(obj, enum.Enum):
-        return to_plain(obj.value, where)
-    if isinstance(obj, _SAFE_SCALARS):
+        return to_plain(obj.value, where, json_types)
+    if isinstance(obj, _JSON_SCALARS if json_types else _SAFE_SCALARS):
         return obj
     if isinstance(obj, Mapping):
-        return {to_plain(k, where): to_plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {
+            (str(k) if json_types else to_plain(k, where)): to_plain(v, f"{where}[{k!r}]", json_types)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (set, frozenset)):
-        return sorted((to_plain(v, where) for v in obj), key=repr)
-    if isinstance(obj, tuple):
+        return sorted((to_plain(v, where, json_types) for v in obj), key=None if json_types else repr)
+    if isinstance(obj, tuple) and not json_types:
         return tuple(to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    if isinstance(obj, list):
-        return [to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v, f"{where}[{i}]", json_types) for i, v in enumerate(obj)]
+    if json_types:
+        return str(obj)
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
     rank_zero_warn(
@@ -416,19 +425,14 @@ def check_keys(
         return
     parts = []
     if missing:
-        parts.append(f"missing trainable parameters {_shorten(missing)}")
+        parts.append(f"missing trainable parameters {format_names(missing)}")
     if unexpected:
-        parts.append(f"unexpected keys {_shorten(unexpected)} (not trainable parameters or buffers of the module)")
+        parts.append(f"unexpected keys {format_names(unexpected)} (not trainable parameters or buffers of the module)")
     raise CheckpointKeysError(
         f"{source} does not match the module: {'; '.join(parts)}. Check that the module is built and frozen the same"
         " way as when the checkpoint was saved (same adapter config and trainable parameters), or pass"
         " `strict=False` to load the keys that do match."
     )
-
-
-def _shorten(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 # ---------------------------------------------------------------------------------------------- loading for use

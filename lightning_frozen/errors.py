@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+
+def format_names(names: Sequence[str], limit: int = 5) -> str:
+    """Names for a message: the first ``limit`` in backticks, then how many more there are."""
+    shown = ", ".join(f"`{n}`" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
 
 class FrozenTrainingError(RuntimeError):
     """Base class of every error this package raises on purpose."""

@@ -15,7 +15,6 @@ class (for prompt tuning and prefix tuning without projection that is the embedd
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen.checkpoint import PathLike, checked_path, read_checkpoint, write_file_atomic
+from lightning_frozen.checkpoint import PathLike, checked_path, read_checkpoint, to_plain, write_file_atomic
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError, OutputDirectoryError
 
 CONFIG_NAME = "adapter_config.json"
@@ -34,21 +33,6 @@ PROMPT_EMBEDDINGS = "prompt_embeddings"
 # prompt learning methods whose saved tensor export can compute: PEFT's `get_prompt_embedding_to_save` runs their
 # encoder on all virtual tokens; multitask prompt tuning, CPT and cartridges save differently
 EXPORTABLE_PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")
-
-
-def _json_plain(obj: Any) -> Any:
-    """PEFT configs hold enums and sets: make them JSON (and ``weights_only``) friendly."""
-    if isinstance(obj, enum.Enum):
-        return _json_plain(obj.value)
-    if isinstance(obj, dict):
-        return {str(k): _json_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (set, frozenset)):
-        return sorted(_json_plain(v) for v in obj)
-    if isinstance(obj, (list, tuple)):
-        return [_json_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    return str(obj)
 
 
 def peft_entry(
@@ -67,7 +51,7 @@ def peft_entry(
     ours = [name for name in trainable_names if name.startswith(lead)]
     probe = {name[len(lead) :]: torch.empty(0) for name in [*ours, *(b for b in buffer_names if b.startswith(lead))]}
     ours_by_id = {id(tensor): f"{lead}{name}" for name, tensor in probe.items()}
-    peft_type = _json_plain(peft_config.peft_type)
+    peft_type = to_plain(peft_config.peft_type, json_types=True)
     encoder: dict[str, str] = {}
     not_exportable = None
     if peft_config.is_prompt_learning:
@@ -104,7 +88,7 @@ def peft_entry(
     return {
         "prefix": prefix,
         "adapter_name": adapter_name,
-        "config": _json_plain(peft_config.to_dict()),
+        "config": to_plain(peft_config.to_dict(), json_types=True),
         "keys": keys,
         "prompt_encoder": encoder,
         "not_in_adapter": sorted(set(trainable_names) - in_adapter),

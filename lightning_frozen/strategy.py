@@ -42,6 +42,7 @@ from lightning_frozen.errors import (
     InvalidArgumentValueError,
     NoTrainableParametersError,
     UnsupportedConfigurationError,
+    format_names,
 )
 
 if TYPE_CHECKING:
@@ -341,7 +342,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._ungrouped_hooks = optim.discard_gradients([params[n] for n in names])
         if names and names != self._ungrouped_names:
             rank_zero_info(
-                f"lightning-frozen: {_names(names)} require grad but are in no optimizer param group, so they are"
+                f"lightning-frozen: {format_names(names)} require grad but are in no optimizer param group, so they are"
                 " never stepped (as in plain PyTorch); a finetuning callback may add them to a group later."
             )
         self._ungrouped_names = names
@@ -411,8 +412,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         frozen = [name for name, now in changed if not now]
         raise FrozenSetChangedError(
             "The set of trainable parameters changed during training:"
-            + (f" unfrozen {_names(unfrozen)};" if unfrozen else "")
-            + (f" frozen {_names(frozen)};" if frozen else "")
+            + (f" unfrozen {format_names(unfrozen)};" if unfrozen else "")
+            + (f" frozen {format_names(frozen)};" if frozen else "")
             + " the ZeRO optimizer was built for the set at the start of `fit`, so these would be silently"
             " ignored or trained without state. Set `requires_grad` before `fit`, or change it mid-run through"
             " `lightning_frozen.BaseFinetuning` / `BackboneFinetuning`, which rebuild the optimizer."
@@ -706,11 +707,6 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             f" per node ({estimate.ranks_per_node} rank(s), each with"
             f" {memory.format_bytes(estimate.load_in_flight)} in flight)."
         )
-
-
-def _names(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _check_argument_types(flags: dict[str, Any], frozen_base: Any, timeout: Any, config: Any) -> None:
