@@ -5,7 +5,7 @@ Importing the package registers the strategy names (``frozen_deepspeed`` and fri
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_frozen.checkpoint import load_adapter, load_from_checkpoint, read_checkpoint
+from lightning_frozen.checkpoint import read_checkpoint
 from lightning_frozen.convert import convert_deepspeed_checkpoint
 from lightning_frozen.errors import (
     CheckpointFormatError,
@@ -24,6 +24,7 @@ from lightning_frozen.errors import (
     UnsupportedOffloadOptimizerError,
 )
 from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
+from lightning_frozen.loading import load_adapter, load_from_checkpoint
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
 from lightning_frozen.peft_export import export_peft_adapter
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy

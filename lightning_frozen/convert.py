@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 
 from lightning_frozen import checkpoint
-from lightning_frozen import frozen_base as base
 from lightning_frozen.checkpoint import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
+from lightning_frozen.frozen_base import fingerprint_base
 
 log = logging.getLogger(__name__)
 _LIGHTNING_KEYS = (
@@ -179,7 +179,7 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
     frozen: dict[str, torch.Tensor] = {}
     zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)
     if frozen:
-        fingerprint = base.fingerprint_base(sorted(frozen.items()))
+        fingerprint = fingerprint_base(sorted(frozen.items()))
     else:
         log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
         fingerprint = {"mode": "none", "digest": None, "tensors": {}}
@@ -191,11 +191,7 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
                 {"layout": checkpoint.OPTIMIZER_LAYOUT, "state": per_name, "param_groups": param_groups}
             ],
             "frozen_base": {"reference": reference, "fingerprint": fingerprint},
-            checkpoint.FORMAT_KEY: {
-                "format_version": checkpoint.FORMAT_VERSION,
-                "world_size": world_size,
-                "converted_from": str(source),
-            },
+            checkpoint.FORMAT_KEY: checkpoint.format_marker(world_size=world_size, converted_from=str(source)),
         }
     )
     checkpoint.write_atomic(checkpoint.to_plain(converted), destination)

@@ -50,7 +50,7 @@ class StagedOptimizer:
         self.defaults = dict(getattr(real, "defaults", None) or inner.defaults)
         self.param_groups: list[dict[str, Any]] = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in names]}
-            for group, names in zip(real.param_groups, strategy._group_param_names)
+            for group, names in zip(real.param_groups, strategy.param_group_names)
         ]
         self.origins: list[Optional[int]] = list(range(len(self.param_groups)))
 
@@ -66,6 +66,9 @@ class StagedOptimizer:
 
 class BaseFinetuning(lightning_finetuning.BaseFinetuning):
     """Lightning's ``BaseFinetuning``, working under ``frozen_deepspeed`` (and unchanged under other strategies)."""
+
+    # tells the strategy that this callback unfreezes through `reconfigure_trainable` (see strategy.ZERO3_FINETUNING)
+    unfreezes_under_zero3 = True
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

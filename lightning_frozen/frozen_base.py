@@ -293,3 +293,21 @@ def verify_base(
         " trained on; if the difference is intended, pass `verify_base=False` to `load_adapter` or"
         " `fingerprint='none'` to the strategy."
     )
+
+
+def verify_checkpoint_base(
+    checkpoint: Mapping[str, Any],
+    module: nn.Module,
+    source: str,
+    fingerprint: Optional[Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]]] = None,
+) -> None:
+    """:func:`verify_base` of ``module`` against a checkpoint's ``frozen_base`` entry; the params the checkpoint holds
+    trained values for are loaded, not verified. Collective when distributed.
+
+    Raises:
+        FrozenBaseMismatchError: as :func:`verify_base`.
+    """
+    entry = checkpoint["frozen_base"]
+    recorded = entry.get("fingerprint") or {}
+    named = named_frozen(module, recorded, checkpoint["state_dict"])
+    verify_base(recorded, named, entry.get("reference"), source, fingerprint=fingerprint or fingerprint_base)

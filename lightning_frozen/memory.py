@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from lightning_frozen import optim
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
-from lightning_frozen.zero import fitted_reduce_bucket, full_numel
+from lightning_frozen.placement import fitted_reduce_bucket
+from lightning_frozen.zero import full_numel
 
 _PRECISION_BYTES = {
     "32": 4,
@@ -247,3 +249,42 @@ def measured_frozen_shard_bytes(frozen: list[nn.Parameter]) -> tuple[int, str]:
         total += tensor.numel() * tensor.element_size()
         devices.add(tensor.device.type)
     return total, ",".join(sorted(devices)) or "-"
+
+
+def run_summary(
+    module: nn.Module,
+    deepspeed_optimizer: Any,
+    world_size: int,
+    ranks_per_node: int,
+    zero_stage_3: bool,
+    precision: str,
+    offload_frozen: bool,
+    offload_optimizer: bool,
+) -> str:
+    """The per-rank memory summary logged at the start of ``fit``: the estimate for the module's trainable and frozen
+    params and its optimizer (sharded over the ranks under ZeRO-3), and the frozen shard bytes measured here."""
+    inner = getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
+    trainable, frozen = optim.trainable_params(module), optim.frozen_params(module)
+    estimate = estimate_from_counts(
+        trainable_params=sum(full_numel(p) for p in trainable),
+        frozen_params=sum(full_numel(p) for p in frozen),
+        world_size=world_size if zero_stage_3 else 1,
+        precision=precision,
+        offload_frozen=offload_frozen,
+        offload_optimizer=offload_optimizer,
+        optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
+        largest_module_params=largest_module_params(module),
+        ranks_per_node=ranks_per_node if zero_stage_3 else 1,
+    )
+    shard_bytes, shard_device = measured_frozen_shard_bytes(frozen)
+    return (
+        f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
+        f" on {world_size} rank(s). Per rank: frozen shards {format_bytes(shard_bytes)} in"
+        f" {shard_device} memory, trainable weights {format_bytes(estimate.trainable_weights)},"
+        f" optimizer state (fp32 master + moments) {format_bytes(estimate.optimizer_state)} on"
+        f" {'host' if offload_optimizer else 'device'}; the `lr=0` workaround would have added"
+        f" {format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"
+        f" base in `configure_model` needs about {format_bytes(estimate.host_load_bytes)} of host memory"
+        f" per node ({estimate.ranks_per_node} rank(s), each with"
+        f" {format_bytes(estimate.load_in_flight)} in flight)."
+    )

@@ -6,23 +6,28 @@ nothing is allocated for a frozen parameter: no gradient, no fp32 master copy, n
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_frozen.errors import ForeignParametersError, SchedulerGroupsError, UnsupportedOffloadOptimizerError
+from lightning_frozen.errors import (
+    ForeignParametersError,
+    NoTrainableParametersError,
+    UnsupportedOffloadOptimizerError,
+    format_names,
+)
+from lightning_frozen.schedulers import filter_scheduler_groups, scheduler_chain
+from lightning_frozen.zero import check_has_trainable
 
 # Keys under which torch and DeepSpeed schedulers keep a learning rate that a group can climb to.
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr")
 _SCHEDULER_PER_GROUP_LR_KEYS = ("base_lrs", "max_lrs", "min_lrs")
 _SCHEDULER_SCALAR_LR_KEYS = ("eta_min",)
-# Scheduler attributes that hold sub-schedulers (SequentialLR, ChainedScheduler) rather than per-group values.
-_SUB_SCHEDULER_KEYS = ("_schedulers",)
 
 
 @dataclass
@@ -58,17 +63,6 @@ def check_params_belong_to(module: nn.Module, optimizer: Optimizer) -> None:
         )
 
 
-def _scheduler_chain(scheduler: Any) -> list[Any]:
-    """The scheduler and, for SequentialLR / ChainedScheduler, every scheduler inside it."""
-    if scheduler is None:
-        return []
-    chain = [scheduler]
-    for key in _SUB_SCHEDULER_KEYS:
-        for inner in getattr(scheduler, key, None) or []:
-            chain.extend(_scheduler_chain(inner))
-    return chain
-
-
 def _group_can_leave_zero(group: dict, index: int, schedulers: Sequence[Any]) -> bool:
     """Whether any learning rate this group can reach during the run is non-zero."""
     if "lr" in group and group["lr"] is None:
@@ -92,7 +86,7 @@ def lr_zero_group_indices(optimizer: Optimizer, scheduler: Any = None) -> list[i
     A group counts only if its ``lr``, its scheduler base LR (``initial_lr``/``base_lrs``), any peak
     (``max_lr``/``max_lrs``) and any floor (``eta_min``/``min_lrs``) are all 0, so warm-up from 0 never counts.
     """
-    schedulers = _scheduler_chain(scheduler)
+    schedulers = scheduler_chain(scheduler)
     return [
         index
         for index, group in enumerate(optimizer.param_groups)
@@ -114,100 +108,6 @@ def freeze_lr_zero_groups(optimizer: Optimizer, scheduler: Any = None) -> list[n
     return frozen
 
 
-# Attributes (beyond those of the base classes) that hold one value per param group, for each scheduler class, as
-# torch 2.13's lr_scheduler.py and DeepSpeed 0.19's lr_schedules.py define them. Values a scheduler keeps inside the
-# group dicts (OneCycleLR's max_lr/min_lr, momentum bounds) move with their group by themselves. Other list
-# attributes are not per group, whatever their length (OneCycleLR._schedule_phases, SequentialLR._milestones).
-_PER_GROUP_ATTRIBUTES: dict[type, tuple[str, ...]] = {
-    torch.optim.lr_scheduler.LRScheduler: ("base_lrs", "_last_lr"),
-    torch.optim.lr_scheduler.LambdaLR: ("lr_lambdas",),
-    torch.optim.lr_scheduler.MultiplicativeLR: ("lr_lambdas",),
-    torch.optim.lr_scheduler.StepLR: (),
-    torch.optim.lr_scheduler.MultiStepLR: (),
-    torch.optim.lr_scheduler.ConstantLR: (),
-    torch.optim.lr_scheduler.LinearLR: (),
-    torch.optim.lr_scheduler.ExponentialLR: (),
-    torch.optim.lr_scheduler.PolynomialLR: (),
-    torch.optim.lr_scheduler.CosineAnnealingLR: (),
-    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts: (),
-    torch.optim.lr_scheduler.OneCycleLR: (),
-    torch.optim.lr_scheduler.CyclicLR: ("max_lrs", "base_momentums", "max_momentums"),
-    torch.optim.lr_scheduler.SequentialLR: (),
-    torch.optim.lr_scheduler.ChainedScheduler: (),
-    torch.optim.lr_scheduler.ReduceLROnPlateau: ("min_lrs",),
-}
-# Keys a scheduler reads from every group dict: a group added mid-run must bring them
-_GROUP_KEYS_READ: dict[type, tuple[str, ...]] = {
-    torch.optim.lr_scheduler.OneCycleLR: ("initial_lr", "max_lr", "min_lr"),
-}
-
-
-@functools.cache
-def _deepspeed_per_group_attributes() -> dict[type, tuple[str, ...]]:
-    from deepspeed.runtime import lr_schedules
-
-    return {
-        lr_schedules.LRRangeTest: ("min_lr", "_last_lr"),
-        lr_schedules.OneCycle: ("min_lrs", "max_lrs", "min_moms", "max_moms", "_last_lr"),
-        lr_schedules.WarmupLR: ("min_lrs", "max_lrs", "delta_lrs", "_last_lr"),
-        lr_schedules.WarmupDecayLR: (),
-        lr_schedules.WarmupCosineLR: ("org_lrs", "_last_lr"),
-    }
-
-
-def _per_group_table() -> dict[type, tuple[str, ...]]:
-    return {**_PER_GROUP_ATTRIBUTES, **_deepspeed_per_group_attributes()}
-
-
-def _known_per_group_attributes(scheduler: Any) -> tuple[str, ...]:
-    table = _per_group_table()
-    return tuple(dict.fromkeys(name for cls in type(scheduler).__mro__ if cls in table for name in table[cls]))
-
-
-def register_per_group_attributes(scheduler_class: type, *names: str) -> None:
-    """Declare which attributes of ``scheduler_class`` hold one value per param group (besides those of the torch or
-    DeepSpeed scheduler it subclasses), so that they follow the groups kept when fully frozen groups are dropped."""
-    _PER_GROUP_ATTRIBUTES[scheduler_class] = tuple(names)
-
-
-def per_group_attributes(scheduler: Any, num_groups: int) -> tuple[str, ...]:
-    """The names of ``scheduler``'s attributes that hold one value for each of its optimizer's ``num_groups`` param
-    groups, from its class and base classes.
-
-    Raises:
-        SchedulerGroupsError: the class (or a subclass of a known one) is not known and has list attributes as long
-            as the group count, which may be per group or not; see :func:`register_per_group_attributes`.
-    """
-    table = _per_group_table()
-    names = _known_per_group_attributes(scheduler)
-    if type(scheduler) in table:
-        return names
-    unsure = sorted(
-        key
-        for key, value in vars(scheduler).items()
-        if key not in names and isinstance(value, (list, tuple)) and len(value) == num_groups
-    )
-    if unsure:
-        raise SchedulerGroupsError(
-            f"`{type(scheduler).__name__}` has list attributes as long as the {num_groups} param groups"
-            f" ({', '.join(f'`{k}`' for k in unsure)}), and lightning-frozen does not know whether they hold one value"
-            " per group, which must follow the groups it drops (fully frozen) or adds (finetuning callbacks). Declare"
-            " the per-group ones with `lightning_frozen.optim.register_per_group_attributes("
-            f"{type(scheduler).__name__}, 'name', ...)` (no names if none is), or build the optimizer from trainable"
-            " params only, so that no group is dropped."
-        )
-    return names
-
-
-def _filter_scheduler_groups(scheduler: Any, keep: list[int], num_groups: int) -> None:
-    """Keep only the entries of ``keep`` in every per-group attribute of the scheduler and the ones inside it."""
-    for inner in _scheduler_chain(scheduler):
-        for key in per_group_attributes(inner, num_groups):
-            value = getattr(inner, key, None)
-            if isinstance(value, (list, tuple)) and len(value) == num_groups:
-                setattr(inner, key, type(value)(value[i] for i in keep))
-
-
 def strip_frozen_params(optimizer: Optimizer, scheduler: Any = None) -> StripReport:
     """Remove every ``requires_grad=False`` param from every group, in place; drop groups left empty.
 
@@ -217,7 +117,7 @@ def strip_frozen_params(optimizer: Optimizer, scheduler: Any = None) -> StripRep
 
     Raises:
         SchedulerGroupsError: groups are dropped and the scheduler is of a class whose per-group attributes are not
-            known.
+            known (see ``schedulers.per_group_attributes``).
     """
     report = StripReport()
     num_groups = len(optimizer.param_groups)
@@ -239,7 +139,7 @@ def strip_frozen_params(optimizer: Optimizer, scheduler: Any = None) -> StripRep
     optimizer.param_groups[:] = kept_groups
     # with every group dropped nothing trains, and the caller says so; the scheduler is moot
     if report.dropped_groups and kept_groups:
-        _filter_scheduler_groups(scheduler, keep, num_groups)
+        filter_scheduler_groups(scheduler, keep, num_groups)
     return report
 
 
@@ -259,6 +159,39 @@ def prepare_optimizer(
     return report
 
 
+def prepare_for_zero(
+    module: nn.Module, optimizer: Optimizer, scheduler: Any, convert_lr_zero: bool, strategy_name: str
+) -> Optimizer:
+    """:func:`prepare_optimizer`, with the notices a run gets: ``lr=0`` groups frozen, nothing frozen at all.
+
+    Raises:
+        ForeignParametersError: as :func:`prepare_optimizer`.
+        NoTrainableParametersError: nothing trainable in the module or in the optimizer.
+    """
+    report = prepare_optimizer(module, optimizer, scheduler, convert_lr_zero)
+    if report.lr_zero_params:
+        rank_zero_info(
+            f"lightning-frozen: froze {report.lr_zero_params} parameter tensors ({report.lr_zero_numel:,} elements)"
+            " whose learning rate is 0 for the whole run (the `lr=0` workaround); they get no gradient or"
+            " optimizer state. Pass `convert_lr_zero_groups=False` to keep them in the optimizer."
+        )
+    check_has_trainable(module)
+    if not frozen_params(module):
+        rank_zero_warn(
+            f"lightning-frozen: every parameter of `{type(module).__name__}` is trainable, so"
+            f" {strategy_name} brings nothing over plain ZeRO-3 (it saves optimizer state, gradients and"
+            " checkpoint size of frozen parameters only). Freeze the base before `fit` (`requires_grad_(False)`,"
+            " or wrap the model with PEFT), or train with `strategy='deepspeed_stage_3'`."
+        )
+    if not optimizer.param_groups:
+        raise NoTrainableParametersError(
+            f"The {type(optimizer).__name__} returned by `configure_optimizers` holds only frozen parameters"
+            " (`requires_grad=False`), so nothing would train. Pass the trainable parameters to it, e.g."
+            " `[p for p in self.parameters() if p.requires_grad]`."
+        )
+    return optimizer
+
+
 def ungrouped_trainable_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
     """Names of ``module``'s trainable params that no group of ``optimizer`` holds.
 
@@ -267,6 +200,25 @@ def ungrouped_trainable_names(module: nn.Module, optimizer: Optimizer) -> list[s
     """
     grouped = {id(p) for p in optimizer_params(optimizer)}
     return [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in grouped]
+
+
+def leave_ungrouped_unstepped(
+    module: nn.Module, optimizer: Optimizer, previous_names: list[str], previous_hooks: list[Any]
+) -> tuple[list[str], list[Any]]:
+    """Trainable params outside every group train as in plain torch: never stepped. ZeRO-3 would keep their whole
+    gradients forever, so they are dropped as they come. Replaces ``previous_hooks``; returns the names and hooks,
+    with a notice when the names changed."""
+    for handle in previous_hooks:
+        handle.remove()
+    names = ungrouped_trainable_names(module, optimizer)
+    params = dict(module.named_parameters())
+    hooks = discard_gradients([params[n] for n in names])
+    if names and names != previous_names:
+        rank_zero_info(
+            f"lightning-frozen: {format_names(names)} require grad but are in no optimizer param group, so they"
+            " are never stepped (as in plain PyTorch); a finetuning callback may add them to a group later."
+        )
+    return names, hooks
 
 
 def discard_gradients(params: Sequence[nn.Parameter]) -> list[Any]:
@@ -323,7 +275,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
         for group in optimizer.param_groups
     ]
     converted = DeepSpeedCPUAdam(groups, adamw_mode=adamw, **_cpu_adam_defaults(optimizer.defaults))
-    for scheduler_ in _scheduler_chain(scheduler):
+    for scheduler_ in scheduler_chain(scheduler):
         scheduler_.optimizer = converted
     return converted
 
@@ -359,59 +311,3 @@ def same_kind_of_optimizer(optimizer: Optimizer, param_groups: list[dict]) -> Op
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
     return type(optimizer)(param_groups, **defaults)
-
-
-def regroup_scheduler(scheduler: Any, optimizer: Optimizer, kept: list[int], num_groups: int) -> None:
-    """Point the scheduler at a rebuilt optimizer whose groups are old groups ``kept`` followed by new ones.
-
-    Per-group attributes keep the entries of the kept groups. A new group gets its own ``initial_lr`` (default: its
-    ``lr``) as base LR and ``lr`` as last LR; any other per-group value (a lambda, ``max_lr``, ``min_lr``, momentum
-    bounds) it gets only where every existing group shares one.
-
-    Raises:
-        SchedulerGroupsError: a new group would need a per-group value the existing groups do not share, or lacks a
-            key the scheduler reads from every group (OneCycleLR's ``initial_lr``/``max_lr``/``min_lr``).
-    """
-    added = optimizer.param_groups[len(kept) :]
-    chain = _scheduler_chain(scheduler)
-    for inner in chain:
-        _check_added_groups_have_keys(inner, added)
-    for group in added:
-        group.setdefault("initial_lr", group["lr"])
-    _filter_scheduler_groups(scheduler, kept, num_groups)
-    for inner in chain:
-        inner.optimizer = optimizer
-        if not added:
-            continue
-        for key in _known_per_group_attributes(inner):
-            values = getattr(inner, key, None)
-            if isinstance(values, (list, tuple)):
-                new = [_value_for_new_group(inner, key, values, group) for group in added]
-                setattr(inner, key, type(values)([*values, *new]))
-
-
-def _check_added_groups_have_keys(scheduler: Any, added: list[dict]) -> None:
-    wanted = [key for cls, keys in _GROUP_KEYS_READ.items() if isinstance(scheduler, cls) for key in keys]
-    if getattr(scheduler, "cycle_momentum", False) and isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-        wanted += ["max_momentum", "base_momentum"]
-    missing = sorted({key for group in added for key in wanted if key not in group})
-    if missing:
-        raise SchedulerGroupsError(
-            f"`{type(scheduler).__name__}` reads {', '.join(f'`{k}`' for k in missing)} from every param group, and a"
-            " group added mid-run has none. Put them in the group your `finetune_function` passes to"
-            " `optimizer.add_param_group`, or use a scheduler that keeps no values in the groups (e.g. LambdaLR)."
-        )
-
-
-def _value_for_new_group(scheduler: Any, key: str, values: Sequence[Any], group: dict) -> Any:
-    if key == "_last_lr":
-        return group["lr"]
-    if key in ("base_lrs", "org_lrs"):
-        return group["initial_lr"]
-    if values and all(v is values[0] or v == values[0] for v in values):
-        return values[0]
-    raise SchedulerGroupsError(
-        f"`{type(scheduler).__name__}` has a different `{key}` for each param group, so a group added mid-run has"
-        f" none. Give every group the same one (one lambda, or a scalar `{key.rstrip('s')}`), or use a scheduler"
-        " without per-group values."
-    )

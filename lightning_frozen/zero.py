@@ -1,55 +1,18 @@
-"""Where ZeRO-3 puts frozen and trainable params, and reading/writing full trainable tensors under ZeRO-3.
+"""Whole tensors under ZeRO-3: reading and writing a param's full value, its fp32 master copy and its optimizer
+state through the shards of any number of ranks, and the loss scaler.
 
-DeepSpeed's ``offload_param`` moves every param to CPU memory, trainable ones too. We want only the frozen
-shards there, so before ``deepspeed.initialize`` we convert the two sets with two ``deepspeed.zero.Init``
-contexts: one whose ``remote_device`` is the CPU (frozen) and one that keeps shards on the accelerator
-(trainable). DeepSpeed then finds every param already partitioned and leaves their placement alone; each
-later all-gather copies a shard to the accelerator from wherever it lives.
+A ZeRO-3 partition is a contiguous range of the flattened tensor, padded at the end (:func:`shard_range`). Where the
+shards live is ``placement.py``'s concern.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
-from lightning_frozen.errors import NoTrainableParametersError, UnsupportedConfigurationError
-
-_DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
-
-
-def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
-    """Make DeepSpeed's accelerator match Lightning's, or raise if ``DS_ACCELERATOR`` pins another one."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    wanted = next((name for cls, name in _DEEPSPEED_ACCELERATOR_OF.items() if isinstance(accelerator, cls)), None)
-    if wanted is None:
-        raise UnsupportedConfigurationError(
-            f"lightning-frozen runs DeepSpeed on `CUDAAccelerator` or `CPUAccelerator`, not"
-            f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
-        )
-    current = get_accelerator()._name
-    if current == wanted:
-        return
-    pinned = os.environ.get("DS_ACCELERATOR")
-    if pinned:
-        raise UnsupportedConfigurationError(
-            f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
-            f" its `{current}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
-            " `accelerator`."
-        )
-    if wanted == "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-    else:
-        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
-
-        set_accelerator(CUDA_Accelerator())
+from lightning_frozen.errors import NoTrainableParametersError
 
 
 def check_has_trainable(module: nn.Module) -> None:
@@ -77,34 +40,6 @@ def is_partitioned(param: nn.Parameter) -> bool:
     return hasattr(param, "ds_id")
 
 
-def compute_dtype(config: dict) -> Optional[torch.dtype]:
-    """The dtype DeepSpeed computes in for this config: bf16, fp16, or None for fp32."""
-    if (config.get("bf16") or {}).get("enabled"):
-        return torch.bfloat16
-    if (config.get("fp16") or {}).get("enabled"):
-        return torch.float16
-    return None
-
-
-# Lightning's DeepSpeedStrategy default `reduce_bucket_size`, in elements
-LIGHTNING_REDUCE_BUCKET_SIZE = 200_000_000
-
-
-def fit_reduce_bucket(config: dict, trainable_numel: int) -> None:
-    """Size ZeRO-3's gradient reduce bucket to the trainable elements when they are fewer than the default.
-
-    ZeRO-3 allocates the bucket (``reduce_bucket_size`` elements) up front and only trainable gradients pass
-    through it: with Lightning's default of 2e8 that is 763 MiB in fp32 (381 MiB in bf16) for any adapter.
-    """
-    zero_config = config.setdefault("zero_optimization", {})
-    zero_config["reduce_bucket_size"] = fitted_reduce_bucket(trainable_numel)
-
-
-def fitted_reduce_bucket(trainable_numel: int) -> int:
-    """The reduce bucket ``frozen_deepspeed`` uses: Lightning's default, or the trainable elements if fewer."""
-    return int(min(LIGHTNING_REDUCE_BUCKET_SIZE, max(trainable_numel, 1)))
-
-
 def shard_range(param: nn.Parameter) -> tuple[int, int]:
     """``(start, count)``: the flat elements of a ZeRO-3 param this rank's shard holds.
 
@@ -116,100 +51,6 @@ def shard_range(param: nn.Parameter) -> tuple[int, int]:
     size = int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
     start = size * dist.get_rank(group=param.ds_process_group)
     return start, max(0, min(size, int(param.ds_numel) - start))
-
-
-def place_shards(model: nn.Module, device: torch.device, offload_frozen: bool, dtype: torch.dtype) -> None:
-    """Put each ZeRO-3 shard where it belongs, in the compute ``dtype``: frozen ones in CPU memory if
-    ``offload_frozen``, else on ``device``; trainable ones on ``device``.
-
-    Params built under ``deepspeed.zero.Init`` (``configure_model``) keep the placement and dtype they were built
-    with (a bf16 checkpoint stays bf16 under fp32 training), and DeepSpeed moves neither them nor the module later
-    ("zero.Init handles device placement"); its ZeRO-3 optimizer needs every trainable shard in one dtype.
-    """
-    cpu = torch.device("cpu")
-    for param in model.parameters():
-        if not is_partitioned(param):
-            continue
-        target = cpu if offload_frozen and not param.requires_grad else device
-        cast = param.ds_tensor.is_floating_point() and param.ds_tensor.dtype != dtype
-        if param.ds_tensor.device != target or cast:
-            param.ds_tensor.data = param.ds_tensor.data.to(target, dtype=dtype if cast else None)
-        if cast:
-            param.data = torch.empty(0, dtype=dtype, device=param.data.device)
-
-
-def place_buffers(model: nn.Module, device: torch.device) -> None:
-    """Move every buffer (and torchmetrics state) of ``model`` to ``device``, leaving params alone.
-
-    DeepSpeed skips ``module.to(device)`` for a model whose params are already ZeRO-3 params, and Lightning does
-    not move it either, so without this BERT's ``position_ids``, BatchNorm statistics or rotary ``inv_freq`` would
-    stay where the model was built.
-    """
-    for module in model.modules():
-        if _is_metric(module):
-            module.to(device)  # torchmetrics keeps its states outside `_buffers` and moves them in `_apply`
-            continue
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-
-
-def _is_metric(module: nn.Module) -> bool:
-    metrics = sys.modules.get("torchmetrics")  # no torchmetrics imported, no metric in the model
-    return metrics is not None and isinstance(module, metrics.Metric)
-
-
-def partition_frozen_and_trainable(model: nn.Module, config: dict, offload_frozen: bool, pin_memory: bool) -> None:
-    """Turn the model's params into ZeRO-3 shards: frozen ones in CPU memory if ``offload_frozen``.
-
-    Params already partitioned (built under ``deepspeed.zero.Init``) keep their placement. With
-    ``offload_param`` in the config DeepSpeed offloads everything itself and nothing is done here.
-    """
-    import deepspeed
-
-    if not offload_frozen or (config.get("zero_optimization") or {}).get("offload_param"):
-        return
-    pending = [p for p in model.parameters() if not is_partitioned(p)]
-    if not pending:
-        return
-    dtype = compute_dtype(config)
-    if dtype is not None:
-        # ZeRO-3 expects pre-partitioned params to be in the compute dtype already; the engine only checks.
-        for param in pending:
-            if param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
-    frozen = [p for p in pending if not p.requires_grad]
-    trainable = [p for p in pending if p.requires_grad]
-    for params, remote_device in ((frozen, "cpu"), (trainable, None)):
-        if params:
-            deepspeed.zero.Init(
-                module=nn.ParameterList(params),
-                remote_device=remote_device,
-                pin_memory=pin_memory and remote_device == "cpu",
-                config_dict_or_path=config,
-                dtype=dtype or torch.float32,
-            )
-
-
-def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
-    """Keep frozen params as 1/N shards at all times.
-
-    ZeRO-3 keeps small params (below ``stage3_param_persistence_threshold``) gathered whole on every rank after
-    their first use. That speeds up small trainable params, but a frozen one would then be held in full on every
-    rank, so frozen params are taken out of the persistent set and re-partitioned.
-    """
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    offload = getattr(engine.optimizer, "parameter_offload", None) or getattr(engine, "optimizer", None)
-    persistent = getattr(offload, "persistent_parameters", None)
-    if persistent is not None:
-        persistent[:] = [p for p in persistent if p.requires_grad]
-    for param in model.parameters():
-        if param.requires_grad or not is_partitioned(param):
-            continue
-        param.ds_persist = False
-        if param.ds_status == ZeroParamStatus.AVAILABLE:
-            param.partition()
 
 
 # ---------------------------------------------------------------------------------------------- full tensors
@@ -372,15 +213,3 @@ def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None
     for key, value in state.items():
         if key in _LOSS_SCALER_STATE and hasattr(scaler, key):
             setattr(scaler, key, value)
-
-
-def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
-    """Give params that just stopped training shards of their own (in CPU memory if ``offload``).
-
-    A trainable param's shard is a view into its ZeRO optimizer's flat buffer; once frozen it must not keep that
-    buffer alive, nor stay on the accelerator when frozen shards are offloaded.
-    """
-    for param in params:
-        if is_partitioned(param):
-            device = torch.device("cpu") if offload else param.ds_tensor.device
-            param.ds_tensor.data = param.ds_tensor.data.to(device, copy=True)

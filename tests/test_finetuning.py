@@ -40,7 +40,7 @@ class Recorder(Callback):
         optimizer = trainer.strategy.deepspeed_engine.optimizer
         self.weights[when] = {n: _full(p) for n, p in module.named_parameters()}
         self.head_state[when] = zero.optimizer_state_of(optimizer, module.head.weight)
-        self.groups[when] = [list(g) for g in trainer.strategy._group_param_names]
+        self.groups[when] = [list(g) for g in trainer.strategy.param_group_names]
         self.fp32_numel[when] = sum(f.numel() for f in optimizer.fp32_partitioned_groups_flat)
 
     def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:

@@ -71,7 +71,7 @@ class Epochs(Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         names = {id(p): n for n, p in module.named_parameters()}
         self.trainable.append([n for n, p in module.named_parameters() if p.requires_grad])
-        groups = getattr(trainer.strategy, "_group_param_names", None)
+        groups = getattr(trainer.strategy, "param_group_names", None)
         if groups is None:
             groups = [[names[id(p)] for p in g["params"]] for g in trainer.optimizers[0].param_groups]
         self.groups.append([list(g) for g in groups])

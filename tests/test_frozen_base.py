@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_frozen.frozen_base import find_base_reference, fingerprint_base, verify_base
 from lightning_frozen.errors import FrozenBaseMismatchError
+from lightning_frozen.frozen_base import find_base_reference, fingerprint_base, verify_base
 from tests.models import AdapterModel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

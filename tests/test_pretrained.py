@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_frozen
-from lightning_frozen import pretrained, zero
+from lightning_frozen import placement, pretrained
 from tests.distributed import read_reports, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data, write_llama
@@ -132,7 +132,7 @@ def test_place_buffers_moves_buffers_and_metric_states_but_no_param() -> None:
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model.metric = MulticlassAccuracy(num_classes=3)
-    zero.place_buffers(model, torch.device("meta"))  # the CPU cannot show a GPU; the meta device shows the move
+    placement.place_buffers(model, torch.device("meta"))  # the CPU cannot show a GPU; the meta device shows the move
     assert {b.device.type for b in model.buffers()} == {"meta"}
     assert model.metric.tp.device.type == "meta"
     assert {p.device.type for p in model.parameters()} == {"cpu"}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lightning_frozen
-from lightning_frozen import CheckpointFormatError, read_checkpoint
+from lightning_frozen import CheckpointFormatError, atomic_files, read_checkpoint
 from lightning_frozen import checkpoint as ckpt_module
 from tests.distributed import SCRIPTS, free_port
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
@@ -133,7 +133,7 @@ def test_sigkill_while_checkpointing_every_step_leaves_whole_files_and_resumes(t
 
 
 def _plant_temp_file(folder: Path, name: str, pid: int, host: str | None = None, age: float = 0) -> Path:
-    path = folder / f".{name}.lf-{host or ckpt_module.pid_space_tag()}-{pid}-0123abcd.tmp"
+    path = folder / f".{name}.lf-{host or atomic_files.pid_space_tag()}-{pid}-0123abcd.tmp"
     path.write_bytes(b"half a checkpoint")
     os.utime(path, (time.time() - age, time.time() - age))
     return path
@@ -146,7 +146,7 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
     stale = [
         _plant_temp_file(tmp_path, "last.ckpt", dead.pid),
         _plant_temp_file(tmp_path, "epoch=0-step=3.ckpt", dead.pid),  # another checkpoint name in the same folder
-        _plant_temp_file(tmp_path, "last.ckpt", live, host="0badc0de", age=2 * ckpt_module.STALE_TEMP_SECONDS),
+        _plant_temp_file(tmp_path, "last.ckpt", live, host="0badc0de", age=2 * atomic_files.STALE_TEMP_SECONDS),
     ]
     kept = [
         _plant_temp_file(tmp_path, "last.ckpt", live),  # a writer of this pid namespace that still runs
@@ -166,7 +166,7 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
 _BLOCKED_WRITER = """
 import pathlib, sys, time
 sys.path.insert(0, {repo!r})
-from lightning_frozen import checkpoint
+from lightning_frozen import atomic_files
 
 def write(handle):
     handle.write(b"half a checkpoint")
@@ -175,13 +175,13 @@ def write(handle):
     while not pathlib.Path({release!r}).exists():
         time.sleep(0.01)
 
-checkpoint.write_file_atomic(pathlib.Path({target!r}), write)
+atomic_files.write_file_atomic(pathlib.Path({target!r}), write)
 """
 
 
 def _pid_not_running_here() -> int:
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    return next(pid for pid in range(pid_max - 1, 300, -1) if not ckpt_module._process_runs(pid))
+    return next(pid for pid in range(pid_max - 1, 300, -1) if not atomic_files.process_runs(pid))
 
 
 def test_a_live_writer_in_another_container_with_the_same_host_name_keeps_its_temp_file(tmp_path: Path) -> None:
@@ -208,7 +208,7 @@ def test_a_live_writer_in_another_container_with_the_same_host_name_keeps_its_te
             time.sleep(0.01)
         [temp] = _temp_files(tmp_path)
         assert f"-{pid}-" in temp  # its pid there, which runs nothing here
-        assert ckpt_module.remove_stale_temp_files(tmp_path) == []
+        assert atomic_files.remove_stale_temp_files(tmp_path) == []
         (tmp_path / "release").write_text("")
         assert writer.wait(timeout=60) == 0
     finally:
@@ -233,7 +233,7 @@ def test_a_write_never_goes_through_a_planted_temp_name(tmp_path: Path, planted:
     folder.mkdir()
     # whatever sits under a name a temp file could take is neither overwritten nor followed
     for pid in (os.getpid(), 1):
-        target = folder / f".last.ckpt.lf-{ckpt_module.pid_space_tag()}-{pid}-0123abcd.tmp"
+        target = folder / f".last.ckpt.lf-{atomic_files.pid_space_tag()}-{pid}-0123abcd.tmp"
         if planted == "link":
             target.symlink_to(outside)
         else:

@@ -14,9 +14,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.optim import lr_scheduler
 
-from lightning_frozen import optim
+from lightning_frozen import schedulers
 from lightning_frozen.errors import SchedulerGroupsError
-from lightning_frozen.optim import register_per_group_attributes, regroup_scheduler, strip_frozen_params
+from lightning_frozen.optim import strip_frozen_params
+from lightning_frozen.schedulers import register_per_group_attributes, regroup_scheduler
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 STEPS = 15
@@ -161,7 +162,7 @@ def test_an_unknown_scheduler_with_group_long_lists_is_refused_naming_them() -> 
 
 
 def test_a_registered_scheduler_follows_torchs_trajectory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(optim, "_PER_GROUP_ATTRIBUTES", dict(optim._PER_GROUP_ATTRIBUTES))
+    monkeypatch.setattr(schedulers, "_PER_GROUP_ATTRIBUTES", dict(schedulers._PER_GROUP_ATTRIBUTES))
     register_per_group_attributes(PeakScheduler, "peaks")
     reference_optimizer = _optimizer("FT")
     expected = _trajectory(reference_optimizer, PeakScheduler(reference_optimizer, [1.0, 2.0]), [1])

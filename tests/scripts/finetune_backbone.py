@@ -28,7 +28,7 @@ def main() -> None:
     with deepspeed.zero.GatheredParameters([module.backbone[0].weight]):
         changed = not torch.equal(module.backbone[0].weight.detach(), initial)
     report = {
-        "groups": trainer.strategy._group_param_names,
+        "groups": trainer.strategy.param_group_names,
         "backbone_changed": changed,
         "global_step": trainer.global_step,
     }

@@ -47,7 +47,7 @@ class Snapshots(Callback):
         self.bn_weight: list[list[float]] = []
 
     def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.groups.append([list(g) for g in trainer.strategy._group_param_names])
+        self.groups.append([list(g) for g in trainer.strategy.param_group_names])
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         with deepspeed.zero.GatheredParameters([module.backbone[1].weight]):

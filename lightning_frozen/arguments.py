@@ -1,0 +1,73 @@
+"""Checks of the strategy's arguments and DeepSpeed config, before anything is built.
+
+The CLI checks types from the signature; Python callers get the same refusals here, each naming the argument.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+
+from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
+from lightning_frozen.frozen_base import FINGERPRINT_MODES
+
+
+def check_strategy_arguments(
+    flags: dict[str, Any],
+    frozen_base: Any,
+    timeout: Any,
+    config: Any,
+    fingerprint: Any,
+    zero_optimization: bool,
+    stage: Any,
+) -> None:
+    """Refuse strategy arguments of the wrong type or value; ``flags`` are the arguments that must be booleans.
+
+    Raises:
+        InvalidArgumentTypeError: an argument of the wrong type, named with what it must be.
+        InvalidArgumentValueError: an unknown ``fingerprint`` mode, or a ZeRO stage other than 3.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidArgumentTypeError(
+                f"FrozenAwareDeepSpeedStrategy: `{name}` must be True or False, got {value!r}."
+            )
+    if frozen_base is not None and not isinstance(frozen_base, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(
+            f"FrozenAwareDeepSpeedStrategy: `frozen_base` must be the base's path or hub id, got {frozen_base!r}."
+        )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise InvalidArgumentTypeError(
+            f"FrozenAwareDeepSpeedStrategy: `timeout` must be a `datetime.timedelta`, e.g. `timedelta(minutes=10)`,"
+            f" got {timeout!r}."
+        )
+    if config is not None and not isinstance(config, (str, os.PathLike, dict)):
+        raise InvalidArgumentTypeError(
+            f"FrozenAwareDeepSpeedStrategy: `config` must be a DeepSpeed config dict or the path of its JSON file,"
+            f" got {config!r}."
+        )
+    if fingerprint not in FINGERPRINT_MODES:
+        raise InvalidArgumentValueError(f"`fingerprint={fingerprint!r}` is not one of {FINGERPRINT_MODES}.")
+    if zero_optimization and stage != 3:
+        raise InvalidArgumentValueError(
+            f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage!r}`. Use"
+            " Lightning's `DeepSpeedStrategy` for stages 1 and 2."
+        )
+
+
+def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[Accelerator]) -> None:
+    """Refuse DeepSpeed config options that cannot run on ``accelerator``.
+
+    Raises:
+        UnsupportedConfigurationError: ``zero_quantized_nontrainable_weights`` off CUDA.
+    """
+    zero_config = (config or {}).get("zero_optimization") or {}
+    if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(accelerator, CUDAAccelerator):
+        raise UnsupportedConfigurationError(
+            "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
+            f" which do not run on `{type(accelerator).__name__}`. Remove it from the DeepSpeed config or"
+            " train with `accelerator='gpu'`."
+        )

@@ -1,0 +1,157 @@
+"""Writing a file so that a crash at any moment leaves the old file or the new one, locally or through fsspec.
+
+Writes go to a temporary file renamed over the target, so a process killed at any moment leaves whole files under
+their names; the temporary file it may leave is removed by a later write into the same folder. On an object store
+(``s3://``, ``gs://``, ``memory://``) an object is published only once its upload is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from lightning_frozen.errors import CheckpointFormatError
+
+log = logging.getLogger(__name__)
+
+
+# `.<name>.lf-<pid space>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
+# (8 hex digits: a host-name tag of lightning-frozen 0.1, removed by age only)
+_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
+# A temp file nobody has written to for this long is stale whoever wrote it (another machine or container, or a
+# reused pid).
+STALE_TEMP_SECONDS = 3600.0
+
+
+def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(handle)`` on a temporary object next to ``url`` through fsspec, then move it to ``url``.
+
+    An object store publishes an object only once its upload is complete, so readers never see half a checkpoint; a
+    writer killed mid-upload may leave its ``.<name>.lf-<random>.tmp`` object behind (remote folders are not swept).
+    """
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    fs = get_filesystem(url)
+    if fs.isdir(url):
+        raise CheckpointFormatError(
+            f"{url} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
+            " URL such as `.../last.ckpt`, or remove the directory."
+        )
+    parent, _, name = url.rstrip("/").rpartition("/")
+    fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.{name}.lf-{secrets.token_hex(8)}.tmp"
+    try:
+        with fs.open(tmp, "wb") as handle:
+            write(handle)
+        fs.mv(tmp, url)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+
+
+def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
+
+    The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
+    through an existing file or link). A process killed mid-write (SIGKILL, out of memory, power loss) leaves it
+    behind: every write first removes such files in its folder when they are stale (see
+    :func:`remove_stale_temp_files`), so they do not pile up across restarts.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(path.parent)
+    tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def remove_stale_temp_files(folder: Path) -> list[Path]:
+    """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them.
+
+    A temp file is stale when it was written in this pid space (see :func:`pid_space_tag`) by a process that no
+    longer runs, or when nothing has written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another machine or
+    in another container sharing the folder, or its pid was reused). A live writer's file, here or elsewhere, is left
+    alone, as is every file not named like ours.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    space, now = pid_space_tag(), time.time()
+    for entry in entries:
+        match = _TEMP_FILE.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+            dead = match["space"] == space and not process_runs(int(match["pid"]))
+            if dead or idle > STALE_TEMP_SECONDS:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except FileNotFoundError:
+            continue  # another process removed or renamed it meanwhile
+    if removed:
+        log.warning(
+            "lightning-frozen: removed %d temp file(s) left in %s by an interrupted checkpoint write: %s",
+            len(removed),
+            folder,
+            ", ".join(path.name for path in removed),
+        )
+    return removed
+
+
+def pid_space_tag() -> str:
+    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace.
+
+    A host name is not enough: containers on one machine (or on several) often share one, while each has its own pid
+    namespace, where another container's live writer looks dead. Without ``/proc`` (not Linux) the host name is used.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        space = socket.gethostname()
+    return hashlib.sha256(space.encode()).hexdigest()[:16]
+
+
+def process_runs(pid: int) -> bool:
+    """Whether a process with this pid runs in this pid namespace (under any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it runs, under another user
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,126 @@
+"""Loading an adapter checkpoint for use without DeepSpeed: into a module that holds its frozen base, or into a
+module built from the checkpoint's hyper-parameters, checking keys and shapes and verifying the base first."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from lightning_frozen.checkpoint import PathLike, checked_location, persistent_buffers, read_checkpoint
+from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
+from lightning_frozen.frozen_base import verify_checkpoint_base
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def check_keys(
+    state_dict: Mapping[str, Any], trainable: Mapping[str, Any], buffers: Mapping[str, Any], source: str
+) -> None:
+    """Raise :class:`CheckpointKeysError` naming trainable params the checkpoint lacks and keys the module lacks."""
+    known = set(trainable) | set(buffers)
+    missing = sorted(set(trainable) - set(state_dict))
+    unexpected = sorted(set(state_dict) - known)
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing trainable parameters {format_names(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys {format_names(unexpected)} (not trainable parameters or buffers of the module)")
+    raise CheckpointKeysError(
+        f"{source} does not match the module: {'; '.join(parts)}. Check that the module is built and frozen the same"
+        " way as when the checkpoint was saved (same adapter config and trainable parameters), or pass"
+        " `strict=False` to load the keys that do match."
+    )
+
+
+def load_into(module: nn.Module, checkpoint: Mapping[str, Any], source: str, strict: bool, verify: bool) -> None:
+    """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed)."""
+    frozen_base = checkpoint["frozen_base"]
+    state_dict = checkpoint["state_dict"]
+    if verify:
+        verify_checkpoint_base(checkpoint, module, source)
+    params = dict(module.named_parameters())
+    buffers = persistent_buffers(module)
+    frozen_names = set((frozen_base.get("fingerprint") or {}).get("tensors", {}))
+    trainable = {n: p for n, p in params.items() if n not in frozen_names and (p.requires_grad or n in state_dict)}
+    if strict:
+        check_keys(state_dict, trainable, buffers, source)
+    targets = {name: params.get(name, buffers.get(name)) for name in state_dict}
+    pairs = [(target, state_dict[name]) for name, target in targets.items() if target is not None]
+    for name, target in targets.items():
+        # every shape is checked before the first copy, so a refused checkpoint leaves the module as it was
+        if target is not None and tuple(target.shape) != tuple(state_dict[name].shape):
+            raise CheckpointKeysError(
+                f"{source}: `{name}` has shape {tuple(state_dict[name].shape)} in the checkpoint but"
+                f" {tuple(target.shape)} in the module. Build the module with the same configuration as when it"
+                " was trained."
+            )
+    with torch.no_grad():
+        for target, value in pairs:
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True, verify_base: bool = True) -> ModuleT:
+    """Load a lightning-frozen checkpoint's trainable state into ``module``, which already holds its frozen base.
+
+    Needs no DeepSpeed and no process group. The frozen base is verified against the checkpoint's fingerprint
+    first. Returns ``module``.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module`` or ``checkpoint_path`` is not a path.
+        FileNotFoundError, CheckpointFormatError: the file is missing or not a lightning-frozen checkpoint.
+        FrozenBaseMismatchError: ``module``'s frozen parameters are not the base the checkpoint was trained on.
+        CheckpointKeysError: trainable parameters missing from the checkpoint, or keys the module lacks; the module
+            is left unchanged.
+    """
+    if not isinstance(module, nn.Module):
+        raise InvalidArgumentTypeError(
+            f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
+        )
+    checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_adapter"))
+    load_into(module, checkpoint, str(checkpoint_path), strict, verify_base)
+    return module
+
+
+def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs: Any) -> ModuleT:
+    """Like ``LightningModule.load_from_checkpoint`` for adapter checkpoints.
+
+    Builds ``cls(**hyper_parameters, **kwargs)`` and calls its ``configure_model`` as Lightning does (the module may
+    build its frozen base in either), verifies the base, loads the trainable state, calls ``on_load_checkpoint`` and
+    returns the module in eval mode.
+    Keyword arguments ``strict`` and ``verify_base`` are taken by this function, the rest go to ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a ``torch.nn.Module`` class (an instance, say) or ``checkpoint_path`` is not a path.
+        FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError: as
+            :func:`load_adapter`.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise InvalidArgumentTypeError(
+            f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"
+            f" {f'an instance of `{type(cls).__name__}`' if not isinstance(cls, type) else repr(cls)}. To load into a"
+            " module you already built, use `lightning_frozen.load_adapter(module, checkpoint_path)`."
+        )
+    strict = bool(kwargs.pop("strict", True))
+    verify = bool(kwargs.pop("verify_base", True))
+    checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
+    # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
+    hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+    try:
+        module = cls(**{**hyper_parameters, **kwargs})
+    except TypeError as error:
+        raise InvalidArgumentTypeError(
+            f"`load_from_checkpoint`: `{cls.__name__}` cannot be built from the hyper-parameters saved in"
+            f" {checkpoint_path} ({error}). Was it saved from another class? Pass the class it was trained with, or"
+            " override the offending arguments as keyword arguments."
+        ) from error
+    if callable(getattr(module, "configure_model", None)):
+        module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
+    load_into(module, checkpoint, str(checkpoint_path), strict, verify)
+    if hasattr(module, "on_load_checkpoint"):
+        module.on_load_checkpoint(checkpoint)
+    return module.eval()

@@ -1,0 +1,137 @@
+"""The trainable state of a ZeRO-3 run by parameter name: what a checkpoint holds, and putting it back.
+
+Whole tensors keyed by name (gathered through ``zero.py``'s world-size independent accessors), so a checkpoint
+written by any number of ranks resumes on any other. The ``frozen_base`` entry records what the trainable state was
+trained on. Every function that gathers or scatters is collective under ZeRO-3: every rank calls it in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_frozen import zero
+from lightning_frozen.checkpoint import FORMAT_KEY, OPTIMIZER_LAYOUT, format_marker, persistent_buffers
+from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.frozen_base import find_base_reference, find_peft_model
+from lightning_frozen.loading import check_keys
+from lightning_frozen.peft_export import peft_entry
+
+
+def optimizer_holding(name: str, deepspeed_optimizer: Any, ungrouped_names: Collection[str]) -> Any:
+    """The ZeRO optimizer if it holds the param (and its fp32 master copy), else None."""
+    return None if name in ungrouped_names else deepspeed_optimizer
+
+
+def trainable_state_dict(
+    module: nn.Module, deepspeed_optimizer: Any, ungrouped_names: Collection[str] = ()
+) -> dict[str, Any]:
+    """The trainable params (whole fp32 values) and persistent buffers; never a frozen weight. Collective."""
+    state = {
+        name: zero.full_param(param, optimizer_holding(name, deepspeed_optimizer, ungrouped_names))
+        for name, param in module.named_parameters()
+        if param.requires_grad
+    }
+    state.update({name: buffer.detach().cpu().clone() for name, buffer in persistent_buffers(module).items()})
+    return state
+
+
+def load_trainable_state(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    deepspeed_optimizer: Any,
+    ungrouped_names: Collection[str] = (),
+    strict: bool = True,
+) -> None:
+    """Write a :func:`trainable_state_dict` into the module's trainable params (and fp32 master copies) and buffers.
+
+    Raises:
+        CheckpointKeysError: with ``strict``, trainable params the state lacks or keys the module lacks.
+    """
+    params = dict(module.named_parameters())
+    buffers = persistent_buffers(module)
+    trainable = {name: param for name, param in params.items() if param.requires_grad}
+    if strict:
+        check_keys(state_dict, trainable, buffers, "the checkpoint")
+    for name, value in state_dict.items():
+        if name in trainable:
+            holder = optimizer_holding(name, deepspeed_optimizer, ungrouped_names)
+            zero.set_full_param(trainable[name], value, holder)
+        elif name in buffers:
+            buffers[name].data.copy_(value.to(device=buffers[name].device, dtype=buffers[name].dtype))
+
+
+def optimizer_state_by_name(
+    deepspeed_optimizer: Any, module: nn.Module, group_param_names: list[list[str]]
+) -> dict[str, Any]:
+    """The optimizer state keyed by param name, whole tensors: any world size can resume it. Collective."""
+    params = dict(module.named_parameters())
+    groups = [
+        {**{key: value for key, value in group.items() if key != "params"}, "params": list(names)}
+        for group, names in zip(deepspeed_optimizer.param_groups, group_param_names)
+    ]
+    state = {
+        name: zero.optimizer_state_of(deepspeed_optimizer, params[name])
+        for names in group_param_names
+        for name in names
+    }
+    return {
+        "layout": OPTIMIZER_LAYOUT,
+        "state": state,
+        "param_groups": groups,
+        "loss_scaler": zero.loss_scaler_state(deepspeed_optimizer),
+    }
+
+
+def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, saved: Mapping[str, Any]) -> None:
+    """Put an :func:`optimizer_state_by_name` back: group hyper-parameters, per-param state, loss scaler.
+
+    Raises:
+        CheckpointFormatError: the state is not keyed by name, or has another number of param groups.
+    """
+    if saved.get("layout") != OPTIMIZER_LAYOUT:
+        raise CheckpointFormatError(
+            "The checkpoint's optimizer state is not keyed by parameter name; it was not written by"
+            " lightning-frozen. Convert it with `lightning-frozen convert`."
+        )
+    if len(saved["param_groups"]) != len(deepspeed_optimizer.param_groups):
+        raise CheckpointFormatError(
+            f"The checkpoint's optimizer has {len(saved['param_groups'])} param groups, the one"
+            f" `configure_optimizers` built now has {len(deepspeed_optimizer.param_groups)}. Resume with the same"
+            " optimizer configuration and the same frozen/trainable split."
+        )
+    for group, saved_group in zip(deepspeed_optimizer.param_groups, saved["param_groups"]):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+    params = dict(module.named_parameters())
+    zero.ensure_optimizer_state(deepspeed_optimizer)
+    for name, state in saved["state"].items():
+        if name in params and params[name].requires_grad and state:
+            zero.set_optimizer_state(deepspeed_optimizer, params[name], state)
+    zero.restore_loss_scaler(deepspeed_optimizer, saved.get("loss_scaler") or {})
+
+
+def frozen_base_entry(
+    module: nn.Module, fingerprint: dict[str, Any], explicit_reference: Optional[str], trainable_names: list[str]
+) -> dict[str, Any]:
+    """The ``frozen_base`` entry: reference, fingerprint and, for a PEFT model, what export needs."""
+    entry: dict[str, Any] = {
+        "reference": find_base_reference(module, explicit_reference),
+        "fingerprint": fingerprint,
+    }
+    peft = find_peft_model(module)
+    if peft is not None:
+        entry["peft"] = peft_entry(peft[0], peft[1], trainable_names, list(persistent_buffers(module)))
+    return entry
+
+
+def checkpoint_entries(
+    module: nn.Module, fingerprint: dict[str, Any], explicit_reference: Optional[str], world_size: int, precision: str
+) -> dict[str, Any]:
+    """What this package adds to Lightning's checkpoint dict: the ``frozen_base`` entry and the format marker."""
+    trainable_names = [name for name, param in module.named_parameters() if param.requires_grad]
+    return {
+        "frozen_base": frozen_base_entry(module, fingerprint, explicit_reference, trainable_names),
+        FORMAT_KEY: format_marker(world_size=world_size, precision=precision),
+    }
