@@ -33,3 +33,7 @@ class CheckpointFormatError(FrozenTrainingError):
 
 class CheckpointKeysError(FrozenTrainingError):
     """A checkpoint's trainable state does not match the module's trainable parameters."""
+
+
+class FrozenDtypeError(FrozenTrainingError, ValueError):
+    """A ``frozen_dtype`` (quantized frozen storage) that is unknown, or cannot be used for this param or device."""

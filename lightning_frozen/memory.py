@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_frozen.quant import storage_bytes
 from lightning_frozen.zero import fitted_reduce_bucket, full_numel
 
 _PRECISION_BYTES = {
@@ -123,10 +124,12 @@ def estimate_from_counts(
     optimizer_state_bytes: int = 8,
     largest_module_params: int = 0,
     reduce_bucket_size: int = 0,
+    frozen_dtype: Optional[str] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3.
 
     ``largest_module_params`` (elements) and ``reduce_bucket_size`` size the two working buffers; 0 leaves them out.
+    ``frozen_dtype`` (``"int8"``/``"nf4"``) counts the frozen shards as quantized codes plus block scales.
     """
     weight_bytes = precision_bytes(precision)
     trainable_shard = _shard(trainable_params, world_size)
@@ -138,7 +141,7 @@ def estimate_from_counts(
         trainable_params=trainable_params,
         frozen_params=frozen_params,
         world_size=world_size,
-        frozen_shards=frozen_shard * weight_bytes,
+        frozen_shards=storage_bytes(frozen_shard, frozen_dtype, weight_bytes),
         frozen_on="host" if offload_frozen else "device",
         trainable_weights=trainable_shard * weight_bytes,
         gradients=trainable_shard * 4,
@@ -165,6 +168,7 @@ def estimate_memory(
     optimizer_state_bytes: int = 8,
     reduce_bucket_size: Optional[int] = None,
     print_table: bool = True,
+    frozen_dtype: Optional[str] = None,
 ) -> MemoryEstimate:
     """Estimate per-rank memory of training ``model`` under ``frozen_deepspeed``; frozen = ``requires_grad=False``.
 
@@ -172,12 +176,14 @@ def estimate_memory(
     gradients, optimizer state (Adam-type by default: ``optimizer_state_bytes=8``) and ZeRO-3's two working
     buffers (the largest module's params gathered whole, and the gradient bucket of ``reduce_bucket_size``
     elements: by default what the strategy picks, the trainable elements up to Lightning's 2e8), and
-    prints its table. Activations are not included. The model may live on the ``meta`` device, so a 13B model
-    can be estimated without allocating it, or be partitioned by ZeRO-3 already.
+    prints its table. ``frozen_dtype`` (``"int8"``/``"nf4"``, as the strategy's option) counts the frozen shards
+    quantized: codes plus one scale per block. Activations are not included. The model may live on the ``meta``
+    device, so a 13B model can be estimated without allocating it, or be partitioned by ZeRO-3 already.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or ``num_devices`` / ``num_nodes`` not integers.
         ValueError: ``num_devices`` or ``num_nodes`` below 1, or an unknown ``precision``.
+        FrozenDtypeError: an unknown ``frozen_dtype``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`estimate_memory`: `model` must be a torch.nn.Module (on `meta` is fine), got {model!r}.")
@@ -199,6 +205,7 @@ def estimate_memory(
         optimizer_state_bytes=optimizer_state_bytes,
         largest_module_params=largest_module_params(model),
         reduce_bucket_size=fitted_reduce_bucket(trainable) if reduce_bucket_size is None else reduce_bucket_size,
+        frozen_dtype=frozen_dtype,
     )
     if print_table:
         print(estimate.table())
