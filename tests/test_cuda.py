@@ -71,3 +71,25 @@ def test_checkpoint_round_trip_on_the_gpu(tmp_path: Path) -> None:
     module = lightning_frozen.load_adapter(_big_model(), tmp_path / "gpu.ckpt")
     saved = torch.load(tmp_path / "gpu.ckpt", weights_only=True)["state_dict"]["head.weight"]
     torch.testing.assert_close(module.head.weight, saved)
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(frozen_dtype: str) -> None:
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy, quant
+
+    model = _big_model()
+    source = model.layers[0].base.weight.detach().to(torch.bfloat16).clone()
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep_first_weight(module: torch.nn.Module, inputs: tuple) -> None:
+        seen.setdefault("weight", module.weight.detach().clone())
+
+    model.layers[0].base.register_forward_pre_hook(keep_first_weight)
+    _gpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)).fit(model, regression_data(width=2048))
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert {(p.ds_tensor.dtype, p.ds_tensor.device.type) for p in frozen} == {(torch.uint8, "cpu")}
+    stored = sum(p.ds_tensor.numel() for p in frozen)
+    assert stored / sum(p.ds_numel * 2 for p in frozen) <= {"int8": 0.52, "nf4": 0.28}[frozen_dtype]
+    assert seen["weight"].device.type == "cuda" and seen["weight"].dtype == torch.bfloat16
+    expected = quant.decode(quant.encode(source.reshape(-1), frozen_dtype), source.numel(), frozen_dtype)
+    torch.testing.assert_close(seen["weight"].cpu(), expected.to(torch.bfloat16).view_as(source), rtol=0, atol=0)
