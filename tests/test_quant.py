@@ -262,9 +262,20 @@ def test_sha256_fingerprint_is_of_the_source_bytes(tmp_path: Path) -> None:
     assert recorded["digest"] == base.fingerprint_base(source_frozen, "sha256")["digest"]
 
 
-def test_a_quantized_param_cannot_be_made_trainable() -> None:
+def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainable() -> None:
+    import deepspeed
+
     model, _, _ = _fit_quantized("int8")
-    model.layers[0].base.weight.requires_grad_(True)
+    weight = model.layers[0].base.weight
+    before = zero.full_param(weight)
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        weight.data.mul_(-2)
+    expected = quant.decode(quant.encode(before.float() * -2, "int8"), weight.ds_numel, "int8", torch.bfloat16)
+    assert weight.ds_tensor.dtype == torch.uint8
+    assert torch.equal(zero.full_param(weight), expected.view(WIDTH, WIDTH))
+    assert getattr(weight, base.SOURCE_CHECKSUM) == base.values_checksum((before * -2).reshape(-1), 0)
+
+    weight.requires_grad_(True)
     with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):
         quant.quantize_frozen_shards(model, "int8")
 
