@@ -167,8 +167,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(self.accelerator, CUDAAccelerator):
             raise RuntimeError(
                 "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
-                f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
-                " train with `accelerator='gpu'`."
+                f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config and"
+                " pass `frozen_dtype='int8'` (or `'nf4'`) to the strategy, which runs on the CPU too, or train with"
+                " `accelerator='gpu'`."
             )
         self._check_finetuning_callbacks()
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.

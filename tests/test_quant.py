@@ -280,6 +280,53 @@ def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainabl
         quant.quantize_frozen_shards(model, "int8")
 
 
+def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> None:
+    import warnings
+
+    import yaml
+
+    from lightning_frozen.cli import lightning_cli
+
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": "bf16-true",
+            "max_steps": 2,
+            "default_root_dir": str(tmp_path / "yaml"),
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "strategy": {
+                "class_path": "lightning_frozen.FrozenAwareDeepSpeedStrategy",
+                "init_args": {"frozen_dtype": "nf4"},
+            },
+        },
+        "model": {"class_path": "tests.cli_support.SavedHparamsAdapterModel", "init_args": {"width": WIDTH}},
+        "data": {"class_path": "tests.cli_support.RegressionData", "init_args": {"width": WIDTH}},
+    }
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        from_yaml = lightning_cli(["fit", "--config", str(path)])
+        assert from_yaml.trainer.strategy.frozen_dtype == "nf4"
+        assert from_yaml.model.layers[0].base.weight.ds_tensor.dtype == torch.uint8
+        overridden = lightning_cli(
+            [
+                "fit",
+                "--config",
+                str(path),
+                "--trainer.strategy.init_args.frozen_dtype=int8",
+                f"--trainer.default_root_dir={tmp_path / 'cli'}",
+            ]
+        )
+        assert overridden.trainer.strategy.frozen_dtype == "int8"
+        with pytest.raises(SystemExit):
+            lightning_cli(["fit", "--config", str(path), "--trainer.strategy.init_args.frozen_dtype=int4"])
+
+
 # ---------------------------------------------------------------------------------------------- 2 processes
 
 
