@@ -11,7 +11,10 @@ so only how the frozen base is stored differs, then validates. Each rank reports
   the training steps (what crosses PCIe or the network), per step;
 - **step time**: median wall time of the training steps after the first epoch's first 3 (CPU, 1 torch thread per
   rank): the dequantization cost on the CPU shows against bf16;
-- **quality**: validation accuracy and loss after training, and the training loss of the last epoch.
+- **quality**: validation accuracy and loss after training, and the training loss of the last epoch;
+- **memory**: each rank's RSS high-water mark up to ``on_train_start`` (model build, partitioning, quantizing) and
+  its RSS after fit (``/proc/self/status``, Linux). The example builds MiniLM in ``__init__``, so every rank holds
+  the whole fp32 model before ZeRO-3 shards it; quantizing must add nothing to that peak.
 
 Writes ``<out>/quant.json`` and ``<out>/quant.md``.
 """
@@ -49,6 +52,14 @@ def _count_gathered_bytes(counter: dict[str, int]) -> None:
     deepspeed.comm.all_gather_into_tensor = counting
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
 def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
     import lightning as L
     import torch
@@ -66,6 +77,10 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
             self.step_seconds: list[float] = []
             self.step_bytes: list[int] = []
             self.train_losses: list[float] = []
+            self.setup_peak_rss = 0
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.setup_peak_rss = _status_bytes("VmHWM")
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             self.started, self.bytes_before = time.perf_counter(), gathered["bytes"]
@@ -95,6 +110,7 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
         callbacks=[measure],
     )
     trainer.fit(model, data)
+    rss_after_fit = _status_bytes("VmRSS")
     metrics = trainer.validate(model, data, verbose=False)[0]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     report = {
@@ -106,6 +122,8 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
         "steps": len(measure.step_seconds),
         "gathered_bytes_per_step": statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
         "step_seconds_median": statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
+        "setup_peak_rss": measure.setup_peak_rss,
+        "rss_after_fit": rss_after_fit,
         "val_acc": float(metrics["val_acc"]),
         "val_loss": float(metrics["val_loss"]),
         "last_epoch_train_loss": statistics.mean(measure.train_losses),
@@ -118,8 +136,9 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     bf16 = results["bf16"]
     rows = [
         "| storage | frozen base, host bytes (all ranks) | vs bf16 | gathered per step (all ranks) | vs bf16 |"
-        " step time (median, worst rank) | val accuracy | val loss | train loss (last epoch) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " step time (median, worst rank) | setup RSS peak (worst rank) | RSS after fit (worst rank) | val accuracy |"
+        " val loss | train loss (last epoch) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base_host = sum(r["frozen_host_bytes"] for r in bf16)
     base_gathered = sum(r["gathered_bytes_per_step"] for r in bf16)
@@ -131,7 +150,9 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
         rows.append(
             f"| {storage} | {host / 2**20:.2f} MiB | {host / base_host:.3f}x | {gathered / 2**20:.1f} MiB |"
             f" {gathered / base_gathered if base_gathered else float('nan'):.3f}x |"
-            f" {step * 1000:.0f} ms ({step / base_step:.2f}x) | {reports[0]['val_acc']:.3f} |"
+            f" {step * 1000:.0f} ms ({step / base_step:.2f}x) |"
+            f" {max(r['setup_peak_rss'] for r in reports) / 2**20:.0f} MiB |"
+            f" {max(r['rss_after_fit'] for r in reports) / 2**20:.0f} MiB | {reports[0]['val_acc']:.3f} |"
             f" {reports[0]['val_loss']:.4f} | {statistics.mean(r['last_epoch_train_loss'] for r in reports):.4f} |"
         )
     return "\n".join(rows)

@@ -56,6 +56,7 @@ NF4_VALUES = (
     1.0,
 )
 _FP16_MAX = 65504.0
+_CHUNK_ELEMENTS = 1 << 20  # weights encoded or decoded at a time: a multiple of every block size
 
 
 @dataclass(frozen=True)
@@ -147,37 +148,49 @@ def _scale_up_to_fp16(absmax: torch.Tensor) -> torch.Tensor:
 def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None) -> torch.Tensor:
     """Quantize a 1-D tensor block-wise; returns one ``uint8`` tensor: the codes, then the scales' bytes.
 
-    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks.
-    Deterministic: the same values give the same bytes on any device.
+    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. Works through
+    the tensor in chunks, so the fp32 temporaries stay small whatever its size. Deterministic: the same values give
+    the same bytes on any device.
 
     Raises:
         FrozenDtypeError: an unknown ``frozen_dtype``, or (``nf4``) a block whose absmax exceeds fp16's range.
     """
     fmt = block_format(frozen_dtype)
-    flat = values.detach().reshape(-1).float()
-    padded = fmt.blocks(max(flat.numel(), numel or 0)) * fmt.block_size
-    if padded != flat.numel():
-        flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
-    blocks = flat.view(-1, fmt.block_size)
+    flat = values.detach().reshape(-1)
+    blocks = fmt.blocks(max(flat.numel(), numel or 0))
+    code_bytes = blocks * fmt.code_bytes_per_block
+    stored = torch.empty(code_bytes + blocks * fmt.scale_bytes, dtype=torch.uint8, device=flat.device)
+    codes, scales = stored[:code_bytes], stored[code_bytes:].view(fmt.scale_dtype)
+    per_chunk = _CHUNK_ELEMENTS // fmt.block_size
+    for first in range(0, blocks, per_chunk):
+        last = min(first + per_chunk, blocks)
+        chunk = flat[first * fmt.block_size : last * fmt.block_size].float()
+        if chunk.numel() < (last - first) * fmt.block_size:
+            chunk = torch.nn.functional.pad(chunk, (0, (last - first) * fmt.block_size - chunk.numel()))
+        chunk_codes, chunk_scales = _encode_blocks(chunk.view(-1, fmt.block_size), fmt)
+        codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block] = chunk_codes.reshape(-1)
+        scales[first:last] = chunk_scales
+    return stored
+
+
+def _encode_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (``uint8``, packed for NF4) and scales (``fmt.scale_dtype``) of fp32 ``blocks`` (one block a row)."""
     absmax = blocks.abs().amax(dim=1)
     if fmt.name == "int8":
-        scale = absmax
-        inverse = torch.where(scale > 0, 127.0 / scale, torch.zeros_like(scale))
+        inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
         codes = torch.round(blocks * inverse[:, None]).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
-    else:
-        if bool((absmax > _FP16_MAX).any()):
-            raise FrozenDtypeError(
-                f"A block of this tensor holds a weight of magnitude {float(absmax.max()):.3g}, beyond the fp16 range"
-                " of NF4's block scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
-            )
-        scale = _scale_up_to_fp16(absmax)
-        wide = scale.float()
-        normalized = blocks / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]
-        table = _nf4_table(flat.device)
-        index = torch.bucketize(normalized, (table[1:] + table[:-1]) / 2).to(torch.uint8).view(-1, 2)
-        codes = index[:, 0] | (index[:, 1] << 4)
-    scale_bytes = scale.to(fmt.scale_dtype).contiguous().view(torch.uint8)
-    return torch.cat([codes.reshape(-1), scale_bytes])
+        return codes, absmax
+    if bool((absmax > _FP16_MAX).any()):
+        raise FrozenDtypeError(
+            f"A block of this tensor holds a weight of magnitude {float(absmax.max()):.3g}, beyond the fp16 range"
+            " of NF4's block scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
+        )
+    scale = _scale_up_to_fp16(absmax)
+    wide = scale.float()
+    normalized = blocks / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]
+    table = _nf4_table(blocks.device)
+    index = torch.bucketize(normalized, (table[1:] + table[:-1]) / 2, out_int32=True).to(torch.uint8).view(-1, 2)
+    return index[:, 0] | (index[:, 1] << 4), scale
 
 
 def split(stored: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,19 +208,29 @@ def decode(stored: torch.Tensor, numel: int, frozen_dtype: str, dtype: torch.dty
     """Dequantize what :func:`encode` returned: the first ``numel`` values, in ``dtype``.
 
     ``stored`` may also be a 2-D tensor, one encoded shard per row (what an all-gather returns); then each row's
-    first ``numel`` values are kept and the rows concatenated.
+    first ``numel`` values are kept and the rows concatenated. Works in chunks: besides the result, only small
+    fp32 temporaries are allocated.
     """
     fmt = block_format(frozen_dtype)
     rows = stored.reshape(-1, stored.shape[-1])
     codes, scales = split(rows, frozen_dtype)
-    if fmt.name == "int8":
-        values = codes.contiguous().view(torch.int8).float().view(rows.shape[0], -1, fmt.block_size)
-        values = values * (scales.float() / 127.0)[..., None]
-    else:
-        low, high = codes & 0x0F, codes >> 4
-        index = torch.stack([low, high], dim=-1).view(rows.shape[0], -1, fmt.block_size).long()
-        values = _nf4_table(stored.device)[index] * scales.float()[..., None]
-    return values.view(rows.shape[0], -1)[:, :numel].reshape(-1).to(dtype)
+    out = torch.empty(rows.shape[0], numel, dtype=dtype, device=stored.device)
+    per_chunk = _CHUNK_ELEMENTS // fmt.block_size
+    table = _nf4_table(stored.device) if fmt.name == "nf4" else None
+    for row in range(rows.shape[0]):
+        for first in range(0, math.ceil(numel / fmt.block_size), per_chunk):
+            last = min(first + per_chunk, scales.shape[-1])
+            chunk = codes[row, first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
+            if table is None:
+                values = chunk.view(torch.int8).float().view(-1, fmt.block_size)
+                values = values * (scales[row, first:last].float() / 127.0)[:, None]
+            else:
+                index = torch.stack([chunk & 0x0F, chunk >> 4], dim=-1).view(-1, fmt.block_size).int()
+                values = table[index] * scales[row, first:last].float()[:, None]
+            start = first * fmt.block_size
+            stop = min(last * fmt.block_size, numel)
+            out[row, start:stop] = values.view(-1)[: stop - start]
+    return out.view(-1)
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-3 shards

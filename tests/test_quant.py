@@ -86,6 +86,17 @@ def test_codes_round_trip_exactly_and_encoding_is_deterministic(frozen_dtype: st
     assert torch.equal(quant.encode(decoded, frozen_dtype), stored)  # decoded values re-encode to the same codes
 
 
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_working_in_chunks_gives_the_same_bytes_and_values(frozen_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    values = _weights()
+    whole = quant.encode(values, frozen_dtype)
+    decoded = quant.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 1024)  # 16 chunks instead of one
+    assert torch.equal(quant.encode(values, frozen_dtype), whole)
+    chunked = quant.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
+    assert torch.equal(chunked, decoded) and chunked.numel() == 2 * values.numel()
+
+
 def test_nf4_packs_two_codes_per_byte_low_nibble_first() -> None:
     values = torch.zeros(64)
     values[0], values[1] = -1.0, 1.0  # codes 0 and 15
