@@ -138,6 +138,13 @@ def _nf4_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
 
 
+def _nf4_pairs(device: torch.device) -> torch.Tensor:
+    """The two code values of every byte, low nibble first: a (256, 2) table."""
+    table = _nf4_table(device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=1)
+
+
 def _scale_up_to_fp16(absmax: torch.Tensor) -> torch.Tensor:
     """The smallest fp16 value >= ``absmax``, per block, so every weight divided by it stays in [-1, 1]."""
     scale = absmax.to(torch.float16)
@@ -216,17 +223,16 @@ def decode(stored: torch.Tensor, numel: int, frozen_dtype: str, dtype: torch.dty
     codes, scales = split(rows, frozen_dtype)
     out = torch.empty(rows.shape[0], numel, dtype=dtype, device=stored.device)
     per_chunk = _CHUNK_ELEMENTS // fmt.block_size
-    table = _nf4_table(stored.device) if fmt.name == "nf4" else None
+    pairs = _nf4_pairs(stored.device) if fmt.name == "nf4" else None
     for row in range(rows.shape[0]):
         for first in range(0, math.ceil(numel / fmt.block_size), per_chunk):
             last = min(first + per_chunk, scales.shape[-1])
             chunk = codes[row, first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
-            if table is None:
+            if pairs is None:
                 values = chunk.view(torch.int8).float().view(-1, fmt.block_size)
                 values = values * (scales[row, first:last].float() / 127.0)[:, None]
-            else:
-                index = torch.stack([chunk & 0x0F, chunk >> 4], dim=-1).view(-1, fmt.block_size).int()
-                values = table[index] * scales[row, first:last].float()[:, None]
+            else:  # one lookup per byte gives both of its code values
+                values = pairs[chunk.int()].view(-1, fmt.block_size) * scales[row, first:last].float()[:, None]
             start = first * fmt.block_size
             stop = min(last * fmt.block_size, numel)
             out[row, start:stop] = values.view(-1)[: stop - start]
