@@ -40,6 +40,10 @@ _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
 _CHUNK = 1 << 20
 _PROGRESS_SECONDS = 5.0
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
+# Set by quant.py on a param whose shard no longer holds its source values (a quantized frozen base): this rank's
+# checksum sums, and (sha256 mode) the whole tensor's hash, of the values before quantization.
+SOURCE_CHECKSUM = "lf_source_checksum"
+SOURCE_SHA256 = "lf_source_sha256"
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -78,7 +82,7 @@ def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
 # ---------------------------------------------------------------------------------------------- fingerprint
 
 
-def _local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+def local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The elements of ``param`` this rank holds, flattened, and the global index of the first one."""
     shard = getattr(param, "ds_tensor", None)
     if shard is None:
@@ -144,6 +148,16 @@ class _Checksummer:
         return sums
 
 
+def values_checksum(values: torch.Tensor, start: int) -> list[int]:
+    """This rank's part of the checksum fingerprint of ``values``, the elements of a tensor from index ``start``."""
+    return _Checksummer()(values, start)
+
+
+def shard_checksum(param: torch.Tensor) -> list[int]:
+    """This rank's part of the checksum fingerprint of ``param`` (its ZeRO-3 shard, or the whole tensor)."""
+    return values_checksum(*local_values(param))
+
+
 def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
         return sums
@@ -155,7 +169,7 @@ def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     ]
 
 
-def _sha256(param: torch.Tensor) -> str:
+def param_sha256(param: torch.Tensor) -> str:
     if hasattr(param, "ds_id"):
         import deepspeed
 
@@ -200,13 +214,16 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
         tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
     if mode == "checksum":
         checksum = _Checksummer()
-        sums = [checksum(*_local_values(param)) for _, param in _progress(named)]
+        # a quantized shard no longer holds its source values: their checksum was kept before quantizing
+        sums = [
+            getattr(param, SOURCE_CHECKSUM, None) or checksum(*local_values(param)) for _, param in _progress(named)
+        ]
         for (name, param), world in zip(named, _world_sum(sums, distributed)):
             for index, key in enumerate(checksum_keys(param.dtype)):
                 tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
     elif mode == "sha256":
         for name, param in _progress(named):
-            tensors[name]["value"] = _sha256(param)
+            tensors[name]["value"] = getattr(param, SOURCE_SHA256, None) or param_sha256(param)
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return {"mode": mode, "digest": digest, "tensors": tensors}
 

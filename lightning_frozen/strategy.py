@@ -33,7 +33,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import base, checkpoint, memory, optim, pretrained, zero
+from lightning_frozen import base, checkpoint, memory, optim, pretrained, quant, zero
 from lightning_frozen.errors import (
     CheckpointFormatError,
     FrozenSetChangedError,
@@ -75,6 +75,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             module when not given.
         fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
+        frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise
+            absmax, 256 weights per fp32 scale) or ``"nf4"`` (4-bit NormalFloat, 64 weights per fp16 scale);
+            dequantized to the compute dtype when a layer is computed (see ``lightning_frozen.quant``).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks, addresses and ports come from (torchrun, SLURM, ...); normally detected
             by the Trainer.
@@ -98,6 +101,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
         fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
+        frozen_dtype: Optional[Literal["int8", "nf4"]] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision_plugin: Optional[Precision] = None,
@@ -110,6 +114,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         _check_argument_types(flags, frozen_base, timeout, kwargs.get("config"))
         if fingerprint not in base.FINGERPRINT_MODES:
             raise InvalidArgumentValueError(f"`fingerprint={fingerprint!r}` is not one of {base.FINGERPRINT_MODES}.")
+        quant.check_frozen_dtype(frozen_dtype)
         if zero_optimization and stage != 3:
             raise InvalidArgumentValueError(
                 f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage!r}`. Use"
@@ -132,6 +137,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.convert_lr_zero_groups = convert_lr_zero_groups
         self.frozen_base = frozen_base
         self.fingerprint = fingerprint
+        self.frozen_dtype = frozen_dtype
         self.pin_memory = bool(kwargs.get("pin_memory", False))
         # ZeRO-3 allocates its gradient reduce bucket whole up front; only trainable grads ever go in it
         self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and kwargs.get("config") is None
@@ -191,8 +197,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(self.accelerator, CUDAAccelerator):
             raise UnsupportedConfigurationError(
                 "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
-                f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config or"
-                " train with `accelerator='gpu'`."
+                f" which do not run on `{type(self.accelerator).__name__}`. Remove it from the DeepSpeed config and"
+                " pass `frozen_dtype='int8'` (or `'nf4'`) to the strategy, which runs on the CPU too, or train with"
+                " `accelerator='gpu'`."
             )
         self._check_finetuning_callbacks()
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
@@ -287,6 +294,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._trainable_flags = tuple(p.requires_grad for _, p in self._watched_params)
         if self._fit_reduce_bucket and self.zero_stage_3:
             zero.fit_reduce_bucket(self.config, sum(zero.full_numel(p) for p in optim.trainable_params(model)))
+        if self.frozen_dtype:
+            quant.check_config(self.frozen_dtype, self.config, self.root_device)
         if self.zero_stage_3:
             zero.partition_frozen_and_trainable(model, self.config, self.offload_frozen, self.pin_memory)
         self._place(model)
@@ -301,6 +310,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         )
         if self.zero_stage_3:
             zero.release_frozen_persistence(engine, model)
+        if self.frozen_dtype:
+            quant.quantize_frozen_shards(model, self.frozen_dtype, self.fingerprint)
         return engine, deepspeed_optimizer
 
     def _place(self, model: Module) -> None:
@@ -368,6 +379,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
             inference_config["zero_optimization"] = self.config["zero_optimization"]
             zero.partition_frozen_and_trainable(model, inference_config, self.offload_frozen, self.pin_memory)
+        if self.frozen_dtype:
+            quant.check_config(self.frozen_dtype, inference_config, self.root_device)
         self._place(model)
         remove_module_hooks(model)
         engine, _, _, _ = deepspeed.initialize(
@@ -381,6 +394,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         )
         if self.zero_stage_3:
             zero.release_frozen_persistence(engine, model)
+        if self.frozen_dtype:
+            quant.quantize_frozen_shards(model, self.frozen_dtype, self.fingerprint)
         self.model = engine
 
     # ------------------------------------------------------------------ training
@@ -586,6 +601,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         checkpoint_dict["frozen_base"] = checkpoint.frozen_base_entry(
             module, self.frozen_base_fingerprint(), self.frozen_base, trainable_names
         )
+        if self.frozen_dtype:
+            checkpoint_dict["frozen_base"]["quantization"] = quant.block_format(self.frozen_dtype).describe()
         checkpoint_dict[checkpoint.FORMAT_KEY] = {
             "format_version": checkpoint.FORMAT_VERSION,
             "world_size": self.world_size,
@@ -614,6 +631,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         else:
             loaded = checkpoint.read_checkpoint(checkpoint_path)
         frozen_base = loaded["frozen_base"]
+        trained_as = (frozen_base.get("quantization") or {}).get("dtype")
+        if trained_as != self.frozen_dtype:
+            rank_zero_warn(
+                f"lightning-frozen: {checkpoint_path} was trained on a frozen base stored as"
+                f" {trained_as or 'unquantized'}, this run stores it as {self.frozen_dtype or 'unquantized'}"
+                " (`frozen_dtype`): the adapter sees slightly different base weights than it was trained on."
+            )
         if self.fingerprint != "none":
             recorded = frozen_base.get("fingerprint") or {}
             base.verify_base(
@@ -692,12 +716,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
             largest_module_params=memory.largest_module_params(module),
             ranks_per_node=self.num_processes if self.zero_stage_3 else 1,
+            frozen_dtype=self.frozen_dtype,
         )
         shard_bytes, shard_device = memory.measured_frozen_shard_bytes(frozen)
         return (
             f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
-            f" on {self.world_size} rank(s). Per rank: frozen shards {memory.format_bytes(shard_bytes)} in"
-            f" {shard_device} memory, trainable weights {memory.format_bytes(estimate.trainable_weights)},"
+            f" on {self.world_size} rank(s). Per rank: frozen shards {memory.format_bytes(shard_bytes)}"
+            f" ({self.frozen_dtype or 'compute dtype'}) in {shard_device} memory, trainable weights"
+            f" {memory.format_bytes(estimate.trainable_weights)},"
             f" optimizer state (fp32 master + moments) {memory.format_bytes(estimate.optimizer_state)} on"
             f" {'host' if self.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
             f" {memory.format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"
