@@ -457,8 +457,8 @@ def _gather(params: list[nn.Parameter]) -> _DoneHandle:
     device = torch.device(get_accelerator().current_device_name())
     by_group: dict[int, list[nn.Parameter]] = {}
     for param in sorted(params, key=lambda p: p.ds_id):
-        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            raise RuntimeError(f"expected a released param to gather, got {param.ds_summary()}")
+        # DeepSpeed's own gather asserts the same: only released params are fetched
+        assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, f"expected a released param, got {param.ds_summary()}"
         param.ds_status = ZeroParamStatus.INFLIGHT
         by_group.setdefault(id(param.ds_process_group), []).append(param)
     for group_params in by_group.values():
