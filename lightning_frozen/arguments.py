@@ -68,6 +68,7 @@ def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[A
     if zero_config.get("zero_quantized_nontrainable_weights") and not isinstance(accelerator, CUDAAccelerator):
         raise UnsupportedConfigurationError(
             "`zero_quantized_nontrainable_weights` stores frozen weights in int8 with DeepSpeed's CUDA kernels,"
-            f" which do not run on `{type(accelerator).__name__}`. Remove it from the DeepSpeed config or"
-            " train with `accelerator='gpu'`."
+            f" which do not run on `{type(accelerator).__name__}`. Remove it from the DeepSpeed config and"
+            " pass `frozen_dtype='int8'` (or `'nf4'`) to the strategy, which runs on the CPU too, or train with"
+            " `accelerator='gpu'`."
         )

@@ -68,3 +68,7 @@ class UnsupportedConfigurationError(FrozenTrainingError, NotImplementedError):
 
 class SchedulerGroupsError(FrozenTrainingError, ValueError):
     """An LR scheduler's per-group values cannot follow param groups that were dropped or added."""
+
+
+class FrozenDtypeError(FrozenTrainingError, ValueError):
+    """A ``frozen_dtype`` (quantized frozen storage) that is unknown, or cannot be used for this param or device."""

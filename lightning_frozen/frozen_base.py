@@ -41,6 +41,10 @@ _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
 _CHUNK = 1 << 20
 _PROGRESS_SECONDS = 5.0
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
+# Set by quant.py on a param whose shard no longer holds its source values (a quantized frozen base): this rank's
+# checksum sums, and (sha256 mode) the whole tensor's hash, of the values before quantization.
+SOURCE_CHECKSUM = "lf_source_checksum"
+SOURCE_SHA256 = "lf_source_sha256"
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -149,6 +153,16 @@ class _Checksummer:
         return sums
 
 
+def values_checksum(values: torch.Tensor, start: int) -> list[int]:
+    """This rank's part of the checksum fingerprint of ``values``, the elements of a tensor from index ``start``."""
+    return _Checksummer()(values, start)
+
+
+def shard_checksum(param: torch.Tensor) -> list[int]:
+    """This rank's part of the checksum fingerprint of ``param`` (its ZeRO-3 shard, or the whole tensor)."""
+    return values_checksum(*local_values(param))
+
+
 def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
         return sums
@@ -160,7 +174,7 @@ def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     ]
 
 
-def _sha256(param: torch.Tensor) -> str:
+def param_sha256(param: torch.Tensor) -> str:
     if is_partitioned(param):
         import deepspeed
 
@@ -205,13 +219,16 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
         tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
     if mode == "checksum":
         checksum = _Checksummer()
-        sums = [checksum(*local_values(param)) for _, param in _progress(named)]
+        # a quantized shard no longer holds its source values: their checksum was kept before quantizing
+        sums = [
+            getattr(param, SOURCE_CHECKSUM, None) or checksum(*local_values(param)) for _, param in _progress(named)
+        ]
         for (name, param), world in zip(named, _world_sum(sums, distributed)):
             for index, key in enumerate(checksum_keys(param.dtype)):
                 tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
     elif mode == "sha256":
         for name, param in _progress(named):
-            tensors[name]["value"] = _sha256(param)
+            tensors[name]["value"] = getattr(param, SOURCE_SHA256, None) or param_sha256(param)
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return {"mode": mode, "digest": digest, "tensors": tensors}
 

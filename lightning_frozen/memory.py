@@ -26,6 +26,7 @@ from torch import nn
 from lightning_frozen import optim
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
 from lightning_frozen.placement import fitted_reduce_bucket
+from lightning_frozen.quant_codec import storage_bytes
 from lightning_frozen.zero import full_numel
 
 _PRECISION_BYTES = {
@@ -58,6 +59,7 @@ class MemoryEstimate:
     gradient_bucket: int = 0
     ranks_per_node: int = 1
     load_in_flight: int = 0
+    loaded_shards: int = 0  # a rank's frozen shards while loading: in the compute dtype, quantized only after
 
     @property
     def limit_bytes(self) -> int:
@@ -81,8 +83,8 @@ class MemoryEstimate:
     def host_load_bytes(self) -> int:
         """Host memory per node while ``configure_model`` loads the base: the frozen base once (when its shards are
         offloaded) plus each rank's bytes in flight (``load_in_flight``)."""
-        base = self.frozen_shards * self.world_size if self.frozen_on == "host" else 0
-        return base + self.ranks_per_node * self.load_in_flight
+        base = self.loaded_shards if self.frozen_on == "host" else 0
+        return self.ranks_per_node * (base + self.load_in_flight)
 
     def as_dict(self) -> dict:
         return {
@@ -147,12 +149,14 @@ def estimate_from_counts(
     largest_module_params: int = 0,
     reduce_bucket_size: int = 0,
     ranks_per_node: Optional[int] = None,
+    frozen_dtype: Optional[str] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3.
 
     ``largest_module_params`` (elements) and ``reduce_bucket_size`` size the two working buffers; 0 leaves them out.
     ``largest_module_params`` also sizes what a rank holds in flight while loading (see ``host_load_bytes``);
     ``ranks_per_node`` defaults to ``world_size`` (one node).
+    ``frozen_dtype`` (``"int8"``/``"nf4"``) counts the frozen shards as quantized codes plus block scales.
     """
     weight_bytes = precision_bytes(precision)
     trainable_shard = _shard(trainable_params, world_size)
@@ -167,7 +171,7 @@ def estimate_from_counts(
         trainable_params=trainable_params,
         frozen_params=frozen_params,
         world_size=world_size,
-        frozen_shards=frozen_shard * weight_bytes,
+        frozen_shards=storage_bytes(frozen_shard, frozen_dtype, weight_bytes),
         frozen_on="host" if offload_frozen else "device",
         trainable_weights=trainable_shard * weight_bytes,
         gradients=trainable_shard * 4,
@@ -178,6 +182,7 @@ def estimate_from_counts(
         gradient_bucket=reduce_bucket_size * weight_bytes if trainable_params else 0,
         ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
         load_in_flight=load_in_flight,
+        loaded_shards=frozen_shard * weight_bytes,
     )
 
 
@@ -196,6 +201,7 @@ def estimate_memory(
     optimizer_state_bytes: int = 8,
     reduce_bucket_size: Optional[int] = None,
     print_table: bool = True,
+    frozen_dtype: Optional[str] = None,
 ) -> MemoryEstimate:
     """Estimate per-rank memory of training ``model`` under ``frozen_deepspeed``; frozen = ``requires_grad=False``.
 
@@ -204,12 +210,14 @@ def estimate_memory(
     buffers (the largest module's params gathered whole, and the gradient bucket of ``reduce_bucket_size``
     elements: by default what the strategy picks, the trainable elements up to Lightning's 2e8), the host memory
     per node that loading the base in ``configure_model`` needs (``host_load_bytes``), and prints its table.
-    Activations are not included. The model may live on the ``meta`` device, so a 13B model can be estimated
-    without allocating it, or be partitioned by ZeRO-3 already.
+    ``frozen_dtype`` (``"int8"``/``"nf4"``, as the strategy's option) counts the frozen shards quantized: codes
+    plus one scale per block. Activations are not included. The model may live on the ``meta`` device, so a 13B
+    model can be estimated without allocating it, or be partitioned by ZeRO-3 already.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or ``num_devices`` / ``num_nodes`` not integers.
         ValueError: ``num_devices`` or ``num_nodes`` below 1, or an unknown ``precision``.
+        FrozenDtypeError: an unknown ``frozen_dtype``.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentTypeError(
@@ -234,6 +242,7 @@ def estimate_memory(
         largest_module_params=largest_module_params(model),
         reduce_bucket_size=fitted_reduce_bucket(trainable) if reduce_bucket_size is None else reduce_bucket_size,
         ranks_per_node=num_devices,
+        frozen_dtype=frozen_dtype,
     )
     if print_table:
         print(estimate.table())
@@ -260,6 +269,7 @@ def run_summary(
     precision: str,
     offload_frozen: bool,
     offload_optimizer: bool,
+    frozen_dtype: Optional[str] = None,
 ) -> str:
     """The per-rank memory summary logged at the start of ``fit``: the estimate for the module's trainable and frozen
     params and its optimizer (sharded over the ranks under ZeRO-3), and the frozen shard bytes measured here."""
@@ -275,12 +285,14 @@ def run_summary(
         optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
         largest_module_params=largest_module_params(module),
         ranks_per_node=ranks_per_node if zero_stage_3 else 1,
+        frozen_dtype=frozen_dtype,
     )
     shard_bytes, shard_device = measured_frozen_shard_bytes(frozen)
     return (
         f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
-        f" on {world_size} rank(s). Per rank: frozen shards {format_bytes(shard_bytes)} in"
-        f" {shard_device} memory, trainable weights {format_bytes(estimate.trainable_weights)},"
+        f" on {world_size} rank(s). Per rank: frozen shards {format_bytes(shard_bytes)}"
+        f" ({frozen_dtype or 'compute dtype'}) in {shard_device} memory, trainable weights"
+        f" {format_bytes(estimate.trainable_weights)},"
         f" optimizer state (fp32 master + moments) {format_bytes(estimate.optimizer_state)} on"
         f" {'host' if offload_optimizer else 'device'}; the `lr=0` workaround would have added"
         f" {format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"

@@ -40,6 +40,7 @@ from lightning_frozen import (
     optim,
     placement,
     pretrained,
+    quant,
     schedulers,
     trainable_state,
     unfreezing,
@@ -85,6 +86,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             module when not given.
         fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
+        frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise
+            absmax, 256 weights per fp32 scale) or ``"nf4"`` (4-bit NormalFloat, 64 weights per fp16 scale);
+            dequantized to the compute dtype when a layer is computed (see ``lightning_frozen.quant``).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks, addresses and ports come from (torchrun, SLURM, ...); normally detected
             by the Trainer.
@@ -108,6 +112,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
         fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
+        frozen_dtype: Optional[Literal["int8", "nf4"]] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision_plugin: Optional[Precision] = None,
@@ -120,6 +125,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         check_strategy_arguments(
             flags, frozen_base, timeout, kwargs.get("config"), fingerprint, zero_optimization, stage
         )
+        quant.check_frozen_dtype(frozen_dtype)
         super().__init__(
             accelerator=accelerator,
             zero_optimization=zero_optimization,
@@ -137,6 +143,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.convert_lr_zero_groups = convert_lr_zero_groups
         self.frozen_base = frozen_base
         self.fingerprint = fingerprint
+        self.frozen_dtype = frozen_dtype
         self.pin_memory = bool(kwargs.get("pin_memory", False))
         # ZeRO-3 allocates its gradient reduce bucket whole up front; only trainable grads ever go in it
         self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and kwargs.get("config") is None
@@ -270,7 +277,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def _initialize_engine(
         self, model: Module, config: Any, optimizer: Any, lr_scheduler: Any, model_parameters: list
     ) -> tuple[deepspeed.DeepSpeedEngine, Any]:
-        return placement.initialize_engine(
+        if self.frozen_dtype:
+            quant.check_config(self.frozen_dtype, config, self.root_device)
+        engine, deepspeed_optimizer = placement.initialize_engine(
             model,
             config,
             self.root_device,
@@ -282,6 +291,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             lr_scheduler,
             model_parameters,
         )
+        if self.frozen_dtype:
+            quant.quantize_frozen_shards(model, self.frozen_dtype, self.fingerprint)
+        return engine, deepspeed_optimizer
 
     @contextmanager
     @override
@@ -419,6 +431,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             self.frozen_base,
             self.world_size,
             str(self.precision_plugin.precision),
+            self.frozen_dtype,
         )
         checkpoint_dict = {**checkpoint_dict, **entries}
         if not self.is_global_zero:
@@ -443,6 +456,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             checkpoint.validate_checkpoint(loaded, checkpoint_path)
         else:
             loaded = checkpoint.read_checkpoint(checkpoint_path)
+        quant.warn_if_stored_otherwise(loaded, self.frozen_dtype, checkpoint_path)
         if self.fingerprint != "none":
             module = self.lightning_module
             assert module is not None
@@ -488,4 +502,5 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             precision=str(self.precision_plugin.precision),
             offload_frozen=self.offload_frozen,
             offload_optimizer=self.offload_optimizer,
+            frozen_dtype=self.frozen_dtype,
         )

@@ -147,3 +147,25 @@ def test_fp16_loss_scale_round_trips_and_the_fp16_base_verifies_in_fp32(tmp_path
         torch.testing.assert_close(resumed["state_dict"][name], value)
     assert {t["dtype"] for t in straight["frozen_base"]["fingerprint"]["tensors"].values()} == {"float16"}
     lightning_frozen.load_adapter(AdapterModel(), tmp_path / "straight.ckpt")  # fp32 base: verifies
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(frozen_dtype: str) -> None:
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy, quant_codec
+
+    model = _big_model()
+    source = model.layers[0].base.weight.detach().to(torch.bfloat16).clone()
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep_first_weight(module: torch.nn.Module, inputs: tuple) -> None:
+        seen.setdefault("weight", module.weight.detach().clone())
+
+    model.layers[0].base.register_forward_pre_hook(keep_first_weight)
+    _gpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)).fit(model, regression_data(width=2048))
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert {(p.ds_tensor.dtype, p.ds_tensor.device.type) for p in frozen} == {(torch.uint8, "cpu")}
+    stored = sum(p.ds_tensor.numel() for p in frozen)
+    assert stored / sum(p.ds_numel * 2 for p in frozen) <= {"int8": 0.52, "nf4": 0.28}[frozen_dtype]
+    assert seen["weight"].device.type == "cuda" and seen["weight"].dtype == torch.bfloat16
+    expected = quant_codec.decode(quant_codec.encode(source.reshape(-1), frozen_dtype), source.numel(), frozen_dtype)
+    torch.testing.assert_close(seen["weight"].cpu(), expected.to(torch.bfloat16).view_as(source), rtol=0, atol=0)

@@ -98,7 +98,7 @@ def test_load_estimate_counts_the_base_once_per_node_and_each_ranks_bytes_in_fli
     assert "host at load / node" in capsys.readouterr().out
     two_nodes = lightning_frozen.estimate_memory(model, num_devices=2, num_nodes=2, print_table=False)
     assert (two_nodes.ranks_per_node, two_nodes.load_in_flight) == (2, 110 * 2 + 28 * 2 + 22 * 4)
-    assert two_nodes.host_load_bytes == 4 * 28 * 2 + 2 * two_nodes.load_in_flight  # a quarter of the base per rank
+    assert two_nodes.host_load_bytes == 2 * 28 * 2 + 2 * two_nodes.load_in_flight  # its two ranks: half the base
     on_device = lightning_frozen.estimate_memory(model, num_devices=2, offload_frozen=False, print_table=False)
     assert on_device.host_load_bytes == 2 * on_device.load_in_flight  # the shards go to the accelerator
 
@@ -132,3 +132,11 @@ def test_fit_summary_tells_the_host_memory_the_load_needs_per_node(lightning_log
         f"Loading the base in `configure_model` needs about {memory.format_bytes(expected.host_load_bytes)} of host"
         f" memory per node (1 rank(s), each with {memory.format_bytes(expected.load_in_flight)} in flight)."
     ) in lightning_log.text
+
+
+def test_a_quantized_base_is_loaded_in_the_compute_dtype_before_it_is_quantized() -> None:
+    model = _frozen_body_trainable_head()
+    plain = lightning_frozen.estimate_memory(model, num_devices=2, print_table=False)
+    nf4 = lightning_frozen.estimate_memory(model, num_devices=2, frozen_dtype="nf4", print_table=False)
+    assert nf4.frozen_shards < plain.frozen_shards  # stored as codes once quantized
+    assert nf4.host_load_bytes == plain.host_load_bytes  # but loaded into bf16 shards first

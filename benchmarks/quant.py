@@ -1,0 +1,195 @@
+"""The frozen base stored in bf16, int8 and NF4 (``frozen_dtype``), side by side on the MiniLM LoRA example task.
+
+    python benchmarks/quant.py [--devices 2] [--epochs 3] [--out benchmarks/results]
+
+For each storage, a fresh process pair (Lightning's launcher re-runs this script for rank 1) fine-tunes the
+example's LoRA adapter on all-MiniLM-L6-v2 (``examples/minilm_lora/task.py``) in ``bf16-true`` with the same seed,
+so only how the frozen base is stored differs, then validates. Each rank reports:
+
+- **host bytes of the frozen base**: the bytes of its frozen ZeRO-3 shards (codes and scales when quantized);
+- **bytes gathered per step**: the output bytes of every all-gather ZeRO-3 and the quantized gather issue during
+  the training steps (what crosses PCIe or the network), per step;
+- **step time**: median wall time of the training steps after the first epoch's first 3 (CPU, 1 torch thread per
+  rank): the dequantization cost on the CPU shows against bf16;
+- **quality**: validation accuracy and loss after training, and the training loss of the last epoch;
+- **memory**: each rank's RSS high-water mark up to ``on_train_start`` (model build, partitioning, quantizing) and
+  its RSS after fit (``/proc/self/status``, Linux). The example builds MiniLM in ``__init__``, so every rank holds
+  the whole fp32 model before ZeRO-3 shards it; quantizing must add nothing to that peak.
+
+Writes ``<out>/quant.json`` and ``<out>/quant.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STORAGES = ("bf16", "int8", "nf4")
+SKIPPED_STEPS = 3
+
+
+def _count_gathered_bytes(counter: dict[str, int]) -> None:
+    """Count the output bytes of every all-gather into a tensor made through ``deepspeed.comm``."""
+    import deepspeed.comm
+    import deepspeed.comm.comm
+
+    original = deepspeed.comm.comm.all_gather_into_tensor
+
+    def counting(output_tensor: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        counter["bytes"] += output_tensor.numel() * output_tensor.element_size()
+        return original(output_tensor, tensor, *args, **kwargs)
+
+    deepspeed.comm.comm.all_gather_into_tensor = counting
+    deepspeed.comm.all_gather_into_tensor = counting
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from examples.minilm_lora.task import LoRASentimentClassifier, SentimentData
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+
+    torch.set_num_threads(1)
+    gathered = {"bytes": 0}
+    _count_gathered_bytes(gathered)
+
+    class Measure(Callback):
+        def __init__(self) -> None:
+            self.step_seconds: list[float] = []
+            self.step_bytes: list[int] = []
+            self.train_losses: list[float] = []
+            self.setup_peak_rss = 0
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.setup_peak_rss = _status_bytes("VmHWM")
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            self.started, self.bytes_before = time.perf_counter(), gathered["bytes"]
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.step_seconds.append(time.perf_counter() - self.started)
+            self.step_bytes.append(gathered["bytes"] - self.bytes_before)
+            if trainer.current_epoch == trainer.max_epochs - 1:
+                self.train_losses.append(float(outputs["loss"]))
+
+    L.seed_everything(0)
+    model = LoRASentimentClassifier()
+    data = SentimentData()
+    measure = Measure()
+    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=None if storage == "bf16" else storage)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="bf16-true",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[measure],
+    )
+    trainer.fit(model, data)
+    rss_after_fit = _status_bytes("VmRSS")
+    metrics = trainer.validate(model, data, verbose=False)[0]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    report = {
+        "storage": storage,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "frozen_params": sum(int(p.ds_numel) for p in frozen),
+        "frozen_host_bytes": sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in frozen),
+        "steps": len(measure.step_seconds),
+        "gathered_bytes_per_step": statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
+        "step_seconds_median": statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
+        "setup_peak_rss": measure.setup_peak_rss,
+        "rss_after_fit": rss_after_fit,
+        "val_acc": float(metrics["val_acc"]),
+        "val_loss": float(metrics["val_loss"]),
+        "last_epoch_train_loss": statistics.mean(measure.train_losses),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{storage}_rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def _table(results: dict[str, list[dict[str, Any]]]) -> str:
+    bf16 = results["bf16"]
+    rows = [
+        "| storage | frozen base, host bytes (all ranks) | vs bf16 | gathered per step (all ranks) | vs bf16 |"
+        " step time (median, worst rank) | setup RSS peak (worst rank) | RSS after fit (worst rank) | val accuracy |"
+        " val loss | train loss (last epoch) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base_host = sum(r["frozen_host_bytes"] for r in bf16)
+    base_gathered = sum(r["gathered_bytes_per_step"] for r in bf16)
+    base_step = max(r["step_seconds_median"] for r in bf16)
+    for storage, reports in results.items():
+        host = sum(r["frozen_host_bytes"] for r in reports)
+        gathered = sum(r["gathered_bytes_per_step"] for r in reports)
+        step = max(r["step_seconds_median"] for r in reports)
+        rows.append(
+            f"| {storage} | {host / 2**20:.2f} MiB | {host / base_host:.3f}x | {gathered / 2**20:.1f} MiB |"
+            f" {gathered / base_gathered if base_gathered else float('nan'):.3f}x |"
+            f" {step * 1000:.0f} ms ({step / base_step:.2f}x) |"
+            f" {max(r['setup_peak_rss'] for r in reports) / 2**20:.0f} MiB |"
+            f" {max(r['rss_after_fit'] for r in reports) / 2**20:.0f} MiB | {reports[0]['val_acc']:.3f} |"
+            f" {reports[0]['val_loss']:.4f} | {statistics.mean(r['last_epoch_train_loss'] for r in reports):.4f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--worker", choices=STORAGES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.devices, args.epochs, args.out / "tmp" / "quant")
+        return
+    results: dict[str, list[dict[str, Any]]] = {}
+    for storage in STORAGES:
+        started = time.monotonic()
+        command = [sys.executable, __file__, f"--worker={storage}", f"--devices={args.devices}"]
+        command += [f"--epochs={args.epochs}", f"--out={args.out}"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"{storage} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}")
+        results[storage] = [
+            json.loads((args.out / "tmp" / "quant" / f"{storage}_rank{rank}.json").read_text())
+            for rank in range(args.devices)
+        ]
+        print(f"{storage}: {time.monotonic() - started:.0f} s", flush=True)
+    (args.out / "quant.json").write_text(json.dumps(results, indent=1))
+    table = _table(results)
+    (args.out / "quant.md").write_text(
+        f"# Frozen base storage: bf16 / int8 / NF4\n\nMiniLM LoRA example task, {args.devices} CPU ranks,"
+        f" {args.epochs} epochs, bf16-true, seed 0. Written by `benchmarks/quant.py`.\n\n{table}\n"
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"`` or ``"nf4"``; the codecs are in
+``quant_codec.py``).
+
+Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
+``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
+all-gathers those bytes (what crosses PCIe or the network) and dequantizes them, on the device that computes, to
+the compute dtype; releasing it frees the full tensor as for any ZeRO-3 param. Trainable params are never touched.
+
+Route: DeepSpeed's ZeRO-3 machinery (partitioning, the coordinator's prefetch/fetch/release hooks, ``partition``)
+is kept; what is ours is the storage and the gather. DeepSpeed's ZeRO++ ``zero_quantized_nontrainable_weights``
+path was not reused: its quantizer is a CUDA op that moves every shard to the GPU, and its gather paths size their
+buffers at one byte per element (no 4-bit packing) and dequantize a concatenation of params with one group size.
+Instead every quantized param carries ``ds_tensor.ds_quant_scale``, which makes the coordinator route it to its
+quantized gather, and its own ``all_gather_coalesced`` / ``all_gather`` / ``partition`` (DeepSpeed attaches these
+per param), which gather and decode the bytes described here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_frozen import frozen_base
+from lightning_frozen.errors import FrozenDtypeError
+from lightning_frozen.placement import compute_dtype
+from lightning_frozen.quant_codec import BlockFormat, block_format, decode, encode, split
+
+_FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
+
+
+def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
+    """``"int8"``/``"nf4"`` when ``param``'s ZeRO-3 shard is stored quantized, else None."""
+    return getattr(param, _FROZEN_DTYPE_ATTR, None)
+
+
+def quantized_shard_bytes(params: Iterable[nn.Parameter]) -> int:
+    """Bytes this rank holds of the quantized shards among ``params`` (codes and scales)."""
+    return sum(p.ds_tensor.numel() for p in params if frozen_dtype_of(p) is not None)
+
+
+def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
+    """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype.
+
+    Raises:
+        FrozenDtypeError: ZeRO stage 3 is off, DeepSpeed's own ``zero_quantized_nontrainable_weights`` is on too,
+            params are offloaded to NVMe, or the accelerator cannot run the dequantization.
+    """
+    zero_config = config.get("zero_optimization") or {}
+    if zero_config.get("stage") != 3:
+        raise FrozenDtypeError(
+            f"`frozen_dtype={frozen_dtype!r}` stores ZeRO-3 shards, but ZeRO stage {zero_config.get('stage')} is"
+            " configured. Use `stage=3` (the default of `frozen_deepspeed`)."
+        )
+    if zero_config.get("zero_quantized_nontrainable_weights") or zero_config.get("zero_quantized_weights"):
+        raise FrozenDtypeError(
+            f"`frozen_dtype={frozen_dtype!r}` and DeepSpeed's `zero_quantized_(nontrainable_)weights` both quantize"
+            " the frozen shards. Remove the DeepSpeed option from the config."
+        )
+    if ((zero_config.get("offload_param") or {}).get("device")) == "nvme":
+        raise FrozenDtypeError(
+            f"`frozen_dtype={frozen_dtype!r}` keeps shards in host or device memory; DeepSpeed's NVMe parameter"
+            " offload swaps them as compute-dtype tensors. Remove `offload_param: {device: nvme}` or the frozen_dtype."
+        )
+    check_runs_on(frozen_dtype, device, compute_dtype(config) or torch.float32)
+
+
+def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will.
+
+    Raises:
+        FrozenDtypeError: the accelerator cannot run it; the message names the device and the fix.
+    """
+    fmt = block_format(frozen_dtype)
+    try:
+        sample = torch.linspace(-1, 1, fmt.block_size, device=device)
+        decode(encode(sample, frozen_dtype), fmt.block_size, frozen_dtype, dtype)
+    except (RuntimeError, AssertionError, TypeError) as error:
+        raise FrozenDtypeError(
+            f"`frozen_dtype={frozen_dtype!r}` cannot dequantize to {dtype} on `{device}`"
+            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Train on an accelerator"
+            " that runs it, or pass `frozen_dtype=None`."
+        ) from error
+
+
+def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, fingerprint_mode: str = "checksum") -> int:
+    """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``; return how many it did.
+
+    Each shard is quantized in turn, on the device it lives on, and its compute-dtype copy freed: no full copy of
+    the base beyond what partitioning made. The fingerprint of the source values (``fingerprint_mode``) is kept
+    on the param first, so checkpoints verify against the unquantized base. Params quantized before are skipped.
+    Collective for ``fingerprint_mode="sha256"``.
+
+    Raises:
+        FrozenDtypeError: a quantized param was made trainable (its source values are gone), or a frozen param is
+            not a ZeRO-3 param or not released.
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    fmt = block_format(frozen_dtype)
+    done = 0
+    for name, param in model.named_parameters():
+        stored_as = frozen_dtype_of(param)
+        if param.requires_grad:
+            if stored_as is not None:
+                raise FrozenDtypeError(
+                    f"`{name}` is stored quantized (`frozen_dtype={stored_as!r}`) and cannot be trained: only its"
+                    f" {stored_as} codes are left. Keep it frozen, or train with `frozen_dtype=None`."
+                )
+            continue
+        if stored_as is not None:
+            continue
+        if not hasattr(param, "ds_id") or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise FrozenDtypeError(
+                f"`{name}` is frozen but not a released ZeRO-3 shard, so it cannot be stored as {fmt.name}."
+                " `frozen_dtype` needs ZeRO stage 3 (`stage=3`, the default)."
+            )
+        quantize_param_shard(param, fmt.name, fingerprint_mode)
+        done += 1
+    return done
+
+
+def quantize_param_shard(param: nn.Parameter, frozen_dtype: str, fingerprint_mode: str = "checksum") -> None:
+    """Quantize one released ZeRO-3 param's shard (see :func:`quantize_frozen_shards`).
+
+    Raises:
+        FrozenDtypeError: ``param`` requires grad: trainable params keep their compute dtype.
+    """
+    if param.requires_grad:
+        raise FrozenDtypeError(
+            f"A trainable param (shape {tuple(getattr(param, 'ds_shape', param.shape))}) cannot be stored as"
+            f" {frozen_dtype}: only frozen params (`requires_grad=False`) are quantized. Freeze it first"
+            " (`requires_grad_(False)`) or leave it out of the frozen base."
+        )
+    fmt = block_format(frozen_dtype)
+    setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.shard_checksum(param))
+    if fingerprint_mode == "sha256":
+        setattr(param, frozen_base.SOURCE_SHA256, frozen_base.param_sha256(param))
+    values, _ = frozen_base.local_values(param)
+    _store(param, encode(values, fmt.name, numel=int(param.ds_tensor.ds_numel)), fmt)
+    _install_gather(param)
+
+
+def _store(param: nn.Parameter, stored: torch.Tensor, fmt: BlockFormat) -> None:
+    """Put the encoded bytes in place of the shard; ``ds_quant_scale`` routes the param to the quantized gather."""
+    from deepspeed.accelerator import get_accelerator
+
+    shard = param.ds_tensor
+    if shard.device.type == "cpu" and shard.is_pinned():
+        stored = get_accelerator().pin_memory(stored)
+    shard.data = stored
+    shard.ds_quant_scale = split(stored, fmt.name)[1]
+    setattr(param, _FROZEN_DTYPE_ATTR, fmt.name)
+
+
+def _install_gather(param: nn.Parameter) -> None:
+    original_partition = param.partition
+
+    def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False, quantize: bool = False) -> Any:
+        params = list(params)
+        others = [p for p in params if frozen_dtype_of(p) is None]
+        handles = [_gather([p for p in params if frozen_dtype_of(p) is not None])]
+        if others:
+            handles.append(others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize))
+        return _Handles(handles)
+
+    def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        param_list = [param] if param_list is None else list(param_list)
+        ours = [
+            p for p in param_list if frozen_dtype_of(p) is not None and p.ds_status == ZeroParamStatus.NOT_AVAILABLE
+        ]
+        others = [p for p in param_list if frozen_dtype_of(p) is None]
+        _gather(ours).wait()
+        if others:
+            return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
+        return [] if async_op else None
+
+    def partition(
+        param_list: Optional[list] = None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True
+    ) -> None:
+        param_list = [param] if param_list is None else list(param_list)
+        ours = [p for p in param_list if frozen_dtype_of(p) is not None]
+        others = [p for p in param_list if frozen_dtype_of(p) is None]
+        if has_been_updated:
+            for p in ours:  # written under GatheredParameters(modifier_rank=...): quantize this rank's new slice
+                _requantize_from_full(p)
+        if ours:
+            original_partition(param_list=ours, hierarchy=hierarchy, has_been_updated=False, free_data=free_data)
+        if others:
+            others[0].partition(
+                param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
+            )
+
+    param.all_gather_coalesced = all_gather_coalesced
+    param.all_gather = all_gather
+    param.partition = partition
+
+
+def _requantize_from_full(param: nn.Parameter) -> None:
+    import deepspeed.comm as dist
+
+    frozen_dtype = frozen_dtype_of(param)
+    assert frozen_dtype is not None
+    shard_numel = int(param.ds_tensor.ds_numel)
+    start = shard_numel * dist.get_rank(group=param.ds_process_group)
+    piece = param.data.detach().reshape(-1)[start : start + shard_numel].to(param.ds_tensor.device)
+    setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.values_checksum(piece, start))
+    _store(param, encode(piece, frozen_dtype, numel=shard_numel), block_format(frozen_dtype))
+
+
+class _Handles:
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
+class _DoneHandle:
+    """The gather already happened; ``wait`` marks the params available, as DeepSpeed's handles do."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        for param in self.params:
+            param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _gather(params: list[nn.Parameter]) -> _DoneHandle:
+    """All-gather the encoded shards of ``params`` (one collective per process group) and decode each param whole,
+    in its compute dtype, on the accelerator. Every rank passes the same params (sorted here by ``ds_id``)."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    device = torch.device(get_accelerator().current_device_name())
+    by_group: dict[int, list[nn.Parameter]] = {}
+    for param in sorted(params, key=lambda p: p.ds_id):
+        # DeepSpeed's own gather asserts the same: only released params are fetched
+        assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, f"expected a released param, got {param.ds_summary()}"
+        param.ds_status = ZeroParamStatus.INFLIGHT
+        by_group.setdefault(id(param.ds_process_group), []).append(param)
+    for group_params in by_group.values():
+        group = group_params[0].ds_process_group
+        world_size = dist.get_world_size(group=group)
+        local = torch.cat([p.ds_tensor.data.to(device, non_blocking=True) for p in group_params])
+        if world_size > 1:
+            gathered = torch.empty(local.numel() * world_size, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(gathered, local, group=group)
+        else:
+            gathered = local
+        rows = gathered.view(world_size, -1)
+        offset = 0
+        for param in group_params:
+            size = param.ds_tensor.numel()
+            frozen_dtype = frozen_dtype_of(param)
+            assert frozen_dtype is not None
+            values = decode(rows[:, offset : offset + size], int(param.ds_tensor.ds_numel), frozen_dtype, param.dtype)
+            param.data = values[: param.ds_numel].view(param.ds_shape)
+            offset += size
+    return _DoneHandle(params)
+
+
+def warn_if_stored_otherwise(checkpoint: Mapping[str, Any], frozen_dtype: Optional[str], source: Any) -> None:
+    """Warn when a checkpoint was trained on a frozen base stored in another ``frozen_dtype`` than this run's."""
+    trained_as = (checkpoint["frozen_base"].get("quantization") or {}).get("dtype")
+    if trained_as != frozen_dtype:
+        rank_zero_warn(
+            f"lightning-frozen: {source} was trained on a frozen base stored as"
+            f" {trained_as or 'unquantized'}, this run stores it as {frozen_dtype or 'unquantized'}"
+            " (`frozen_dtype`): the adapter sees slightly different base weights than it was trained on."
+        )

@@ -1,0 +1,224 @@
+"""Block-wise quantization of frozen weights: int8 absmax and 4-bit NormalFloat (NF4), encoded into and decoded from
+one ``uint8`` tensor (the codes, then the scales' bytes). Plain tensor functions; ``quant.py`` stores ZeRO-3 shards
+with them.
+
+- ``int8``: symmetric absmax, 256 weights per block, an fp32 scale each: 1.016 bytes per weight (0.51x bf16);
+  a weight's error is at most ``absmax / 254`` of its block.
+- ``nf4``: QLoRA's 16 NormalFloat code values (exact zero included), 64 weights per block, two codes per byte and
+  an fp16 scale each (the block's absmax rounded up, so no weight leaves [-1, 1]): 0.531 bytes per weight (0.27x
+  bf16; an fp32 scale would be 0.28125x). Error at most half the largest gap between code values times the scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from lightning_frozen.errors import FrozenDtypeError
+
+FROZEN_DTYPES = ("int8", "nf4")
+
+# QLoRA's NF4 code values (Dettmers et al. 2023, as bitsandbytes ships them): quantiles of N(0, 1) scaled to [-1, 1]
+NF4_VALUES = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+_FP16_MAX = 65504.0
+_CHUNK_ELEMENTS = 1 << 20  # weights encoded or decoded at a time: a multiple of every block size
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How one frozen dtype lays out a shard: ``block_size`` weights per block, codes then one scale per block."""
+
+    name: str
+    block_size: int
+    codes_per_byte: int
+    scale_dtype: torch.dtype
+
+    @property
+    def code_bytes_per_block(self) -> int:
+        return self.block_size // self.codes_per_byte
+
+    @property
+    def scale_bytes(self) -> int:
+        return torch.empty(0, dtype=self.scale_dtype).element_size()
+
+    def blocks(self, numel: int) -> int:
+        return math.ceil(numel / self.block_size)
+
+    def stored_bytes(self, numel: int) -> int:
+        """Bytes that ``numel`` weights take: codes and scales, the last block padded."""
+        return self.blocks(numel) * (self.code_bytes_per_block + self.scale_bytes)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-typed record of the format, as checkpoints store it under ``frozen_base["quantization"]``."""
+        entry: dict[str, Any] = {
+            "dtype": self.name,
+            "block_size": self.block_size,
+            "scale_dtype": str(self.scale_dtype).replace("torch.", ""),
+            "bytes_per_weight": self.stored_bytes(self.block_size) / self.block_size,
+        }
+        if self.name == "nf4":
+            entry["code_values"] = list(NF4_VALUES)
+            entry["scale"] = "block absmax rounded up to fp16"
+        else:
+            entry["scale"] = "block absmax (fp32); code = round(127 * weight / scale)"
+        return entry
+
+
+FORMATS = {
+    "int8": BlockFormat("int8", block_size=256, codes_per_byte=1, scale_dtype=torch.float32),
+    "nf4": BlockFormat("nf4", block_size=64, codes_per_byte=2, scale_dtype=torch.float16),
+}
+
+
+def block_format(frozen_dtype: str) -> BlockFormat:
+    """The :class:`BlockFormat` of ``frozen_dtype``.
+
+    Raises:
+        FrozenDtypeError: ``frozen_dtype`` is not ``"int8"`` or ``"nf4"``.
+    """
+    check_frozen_dtype(frozen_dtype)
+    return FORMATS[frozen_dtype]
+
+
+def check_frozen_dtype(frozen_dtype: Any) -> None:
+    """Raise :class:`FrozenDtypeError` unless ``frozen_dtype`` is None, ``"int8"`` or ``"nf4"``."""
+    if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
+        raise FrozenDtypeError(
+            f"`frozen_dtype={frozen_dtype!r}` is not a frozen storage dtype: pass `'int8'` (block-wise absmax, 1.016"
+            " bytes per weight), `'nf4'` (4-bit NormalFloat, 0.531 bytes per weight) or None (the compute dtype)."
+        )
+
+
+def storage_bytes(numel: int, frozen_dtype: Optional[str], compute_bytes: int) -> int:
+    """Bytes that ``numel`` frozen weights take in ``frozen_dtype`` (``compute_bytes`` each when None)."""
+    if frozen_dtype is None:
+        return numel * compute_bytes
+    return block_format(frozen_dtype).stored_bytes(numel)
+
+
+# ---------------------------------------------------------------------------------------------- encode / decode
+
+
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
+
+
+def _nf4_pairs(device: torch.device) -> torch.Tensor:
+    """The two code values of every byte, low nibble first: a (256, 2) table."""
+    table = _nf4_table(device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=1)
+
+
+def _scale_up_to_fp16(absmax: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 value >= ``absmax``, per block, so every weight divided by it stays in [-1, 1]."""
+    scale = absmax.to(torch.float16)
+    low = scale.float() < absmax
+    return torch.where(low, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+
+
+def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None) -> torch.Tensor:
+    """Quantize a 1-D tensor block-wise; returns one ``uint8`` tensor: the codes, then the scales' bytes.
+
+    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. Works through
+    the tensor in chunks, so the fp32 temporaries stay small whatever its size. Deterministic: the same values give
+    the same bytes on any device.
+
+    Raises:
+        FrozenDtypeError: an unknown ``frozen_dtype``, or (``nf4``) a block whose absmax exceeds fp16's range.
+    """
+    fmt = block_format(frozen_dtype)
+    flat = values.detach().reshape(-1)
+    blocks = fmt.blocks(max(flat.numel(), numel or 0))
+    code_bytes = blocks * fmt.code_bytes_per_block
+    stored = torch.empty(code_bytes + blocks * fmt.scale_bytes, dtype=torch.uint8, device=flat.device)
+    codes, scales = stored[:code_bytes], stored[code_bytes:].view(fmt.scale_dtype)
+    per_chunk = _CHUNK_ELEMENTS // fmt.block_size
+    for first in range(0, blocks, per_chunk):
+        last = min(first + per_chunk, blocks)
+        chunk = flat[first * fmt.block_size : last * fmt.block_size].float()
+        if chunk.numel() < (last - first) * fmt.block_size:
+            chunk = torch.nn.functional.pad(chunk, (0, (last - first) * fmt.block_size - chunk.numel()))
+        chunk_codes, chunk_scales = _encode_blocks(chunk.view(-1, fmt.block_size), fmt)
+        codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block] = chunk_codes.reshape(-1)
+        scales[first:last] = chunk_scales
+    return stored
+
+
+def _encode_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (``uint8``, packed for NF4) and scales (``fmt.scale_dtype``) of fp32 ``blocks`` (one block a row)."""
+    absmax = blocks.abs().amax(dim=1)
+    if fmt.name == "int8":
+        inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        codes = torch.round(blocks * inverse[:, None]).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        return codes, absmax
+    if bool((absmax > _FP16_MAX).any()):
+        raise FrozenDtypeError(
+            f"A block of this tensor holds a weight of magnitude {float(absmax.max()):.3g}, beyond the fp16 range"
+            " of NF4's block scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
+        )
+    scale = _scale_up_to_fp16(absmax)
+    wide = scale.float()
+    normalized = blocks / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]
+    table = _nf4_table(blocks.device)
+    index = torch.bucketize(normalized, (table[1:] + table[:-1]) / 2, out_int32=True).to(torch.uint8).view(-1, 2)
+    return index[:, 0] | (index[:, 1] << 4), scale
+
+
+def split(stored: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``uint8`` codes and the per-block scales (in the format's scale dtype) of stored bytes (1-D or rows)."""
+    fmt = block_format(frozen_dtype)
+    per_block = fmt.code_bytes_per_block + fmt.scale_bytes
+    blocks = stored.shape[-1] // per_block
+    code_bytes = blocks * fmt.code_bytes_per_block
+    codes = stored[..., :code_bytes]
+    scales = stored[..., code_bytes:].contiguous().view(fmt.scale_dtype)
+    return codes, scales
+
+
+def decode(stored: torch.Tensor, numel: int, frozen_dtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize what :func:`encode` returned: the first ``numel`` values, in ``dtype``.
+
+    ``stored`` may also be a 2-D tensor, one encoded shard per row (what an all-gather returns); then each row's
+    first ``numel`` values are kept and the rows concatenated. Works in chunks: besides the result, only small
+    fp32 temporaries are allocated.
+    """
+    fmt = block_format(frozen_dtype)
+    rows = stored.reshape(-1, stored.shape[-1])
+    codes, scales = split(rows, frozen_dtype)
+    out = torch.empty(rows.shape[0], numel, dtype=dtype, device=stored.device)
+    per_chunk = _CHUNK_ELEMENTS // fmt.block_size
+    pairs = _nf4_pairs(stored.device) if fmt.name == "nf4" else None
+    for row in range(rows.shape[0]):
+        for first in range(0, math.ceil(numel / fmt.block_size), per_chunk):
+            last = min(first + per_chunk, scales.shape[-1])
+            chunk = codes[row, first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
+            if pairs is None:
+                values = chunk.view(torch.int8).float().view(-1, fmt.block_size)
+                values = values * (scales[row, first:last].float() / 127.0)[:, None]
+            else:  # one lookup per byte gives both of its code values
+                values = pairs[chunk.int()].view(-1, fmt.block_size) * scales[row, first:last].float()[:, None]
+            start = first * fmt.block_size
+            stop = min(last * fmt.block_size, numel)
+            out[row, start:stop] = values.view(-1)[: stop - start]
+    return out.view(-1)

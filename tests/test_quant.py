@@ -1,0 +1,379 @@
+"""Frozen shards stored as int8 / NF4 (``frozen_dtype``): error per block against theory, codes, bytes, fits on 1 and
+2 CPU processes, checkpoints that verify against the unquantized base, exact resume, and the errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_frozen
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, frozen_base, quant, quant_codec, zero
+from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
+from tests.distributed import read_reports, run_script
+from tests.models import AdapterModel, cpu_trainer, regression_data
+
+WIDTH = 128  # frozen weight 128x128: whole blocks for both formats; the 128-element biases pad their last block
+NF4_HALF_GAP = max(b - a for a, b in zip(quant_codec.NF4_VALUES, quant_codec.NF4_VALUES[1:])) / 2
+RATIO_LIMIT = {"int8": 0.52, "nf4": 0.28}  # stored bytes / bf16 bytes of the frozen base, from issue 12
+
+
+def _weights(numel: int = 64 * 256 + 100) -> torch.Tensor:
+    """Normal weights whose scale varies across blocks, one all-zero block and one outlier; not a block multiple."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(numel, generator=generator) * torch.logspace(-3, 1, numel)
+    values[256:512] = 0.0
+    values[1000] = 40.0
+    return values
+
+
+def _blocks(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    padded = math.ceil(values.numel() / block_size) * block_size
+    return torch.nn.functional.pad(values, (0, padded - values.numel())).view(-1, block_size)
+
+
+# ---------------------------------------------------------------------------------------------- encode / decode
+
+
+def test_int8_error_per_block_is_at_most_absmax_over_254() -> None:
+    values = _weights()
+    stored = quant_codec.encode(values, "int8")
+    error = _blocks(quant_codec.decode(stored, values.numel(), "int8") - values, 256).abs().amax(dim=1)
+    absmax = _blocks(values, 256).abs().amax(dim=1)
+    _, scales = quant_codec.split(stored, "int8")
+    torch.testing.assert_close(scales, absmax)  # fp32 scale: the block's absmax exactly
+    assert bool((error <= absmax / 254 * (1 + 1e-6)).all())
+    assert float(error[1]) == 0.0  # the all-zero block decodes to zeros
+    assert float((error / absmax.clamp_min(1e-30)).max()) > 0.9 / 254  # the bound is tight, not loose
+
+
+def test_nf4_error_per_block_is_at_most_half_the_largest_code_gap() -> None:
+    values = _weights()
+    stored = quant_codec.encode(values, "nf4")
+    error = _blocks(quant_codec.decode(stored, values.numel(), "nf4") - values, 64).abs().amax(dim=1)
+    absmax = _blocks(values, 64).abs().amax(dim=1)
+    _, scales = quant_codec.split(stored, "nf4")
+    scale = scales.float()
+    assert scales.dtype == torch.float16
+    assert bool((scale >= absmax).all())  # rounded up: every normalized weight stays in [-1, 1]
+    normal = absmax > 2**-14  # fp16 normal range: the rounding adds at most one part in 2**10
+    assert bool((scale[normal] <= absmax[normal] * (1 + 2**-10)).all())
+    assert bool((error <= NF4_HALF_GAP * scale * (1 + 1e-6)).all())
+    assert bool((error <= NF4_HALF_GAP * absmax * (1 + 2**-10) + 1e-7).all())
+    assert float(error[4:8].max()) == 0.0  # the all-zero block (elements 256..511) decodes to exact zeros
+
+
+def test_nf4_has_sixteen_code_values_with_exact_zero_and_decodes_them_exactly() -> None:
+    assert len(quant_codec.NF4_VALUES) == 16 and 0.0 in quant_codec.NF4_VALUES
+    assert quant_codec.NF4_VALUES[0] == -1.0 and quant_codec.NF4_VALUES[-1] == 1.0
+    table = torch.tensor(quant_codec.NF4_VALUES)
+    values = table.repeat(8) * 2.0  # 128 weights, absmax 2 (an fp16 value): each is a code value times the scale
+    assert torch.equal(quant_codec.decode(quant_codec.encode(values, "nf4"), 128, "nf4"), values)
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_codes_round_trip_exactly_and_encoding_is_deterministic(frozen_dtype: str) -> None:
+    values = _weights()
+    stored = quant_codec.encode(values, frozen_dtype)
+    assert stored.dtype == torch.uint8
+    assert torch.equal(quant_codec.encode(values.clone(), frozen_dtype), stored)
+    decoded = quant_codec.decode(stored, values.numel(), frozen_dtype)
+    assert torch.equal(quant_codec.encode(decoded, frozen_dtype), stored)  # decoded values re-encode to the same codes
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_working_in_chunks_gives_the_same_bytes_and_values(frozen_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    values = _weights()
+    whole = quant_codec.encode(values, frozen_dtype)
+    decoded = quant_codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 1024)  # 16 chunks instead of one
+    assert torch.equal(quant_codec.encode(values, frozen_dtype), whole)
+    chunked = quant_codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
+    assert torch.equal(chunked, decoded) and chunked.numel() == 2 * values.numel()
+
+
+def test_nf4_packs_two_codes_per_byte_low_nibble_first() -> None:
+    values = torch.zeros(64)
+    values[0], values[1] = -1.0, 1.0  # codes 0 and 15
+    codes, _ = quant_codec.split(quant_codec.encode(values, "nf4"), "nf4")
+    assert codes.numel() == 32
+    assert int(codes[0]) == 0 | (15 << 4)
+    assert int(codes[1]) == 7 | (7 << 4)  # exact zero is code 7
+
+
+def test_stored_bytes_are_within_the_issue_ratios_of_bf16() -> None:
+    numel = 4096 * 4096
+    assert quant_codec.storage_bytes(numel, "int8", 2) / (2 * numel) == pytest.approx(1.015625 / 2)
+    assert quant_codec.storage_bytes(numel, "nf4", 2) / (2 * numel) == pytest.approx(0.53125 / 2)
+    for frozen_dtype, limit in RATIO_LIMIT.items():
+        assert quant_codec.encode(torch.randn(numel // 64), frozen_dtype).numel() <= limit * 2 * numel // 64
+    assert quant_codec.storage_bytes(100, None, 2) == 200
+
+
+def test_estimate_memory_counts_quantized_frozen_shards() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))
+    model[0].requires_grad_(False)  # 65,792 frozen elements
+    estimates = {
+        dtype: lightning_frozen.estimate_memory(model, num_devices=2, frozen_dtype=dtype, print_table=False)
+        for dtype in (None, "int8", "nf4")
+    }
+    assert estimates[None].frozen_shards == 32896 * 2
+    assert estimates["int8"].frozen_shards == 129 * (256 + 4)  # ceil(32,896 / 256) blocks of codes + fp32 scale
+    assert estimates["nf4"].frozen_shards == 514 * (32 + 2)  # 514 blocks of 64: 32 code bytes + fp16 scale
+    assert estimates["nf4"].host_bytes == estimates[None].host_bytes - (32896 * 2 - 514 * 34)
+    assert estimates["int8"].trainable_weights == estimates[None].trainable_weights
+    with pytest.raises(FrozenDtypeError, match="`frozen_dtype='fp8'` is not a frozen storage dtype"):
+        lightning_frozen.estimate_memory(model, frozen_dtype="fp8")
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_frozen_dtype_is_refused_at_construction() -> None:
+    with pytest.raises(FrozenDtypeError, match=r"`frozen_dtype='int4'`.*'int8'.*'nf4'.*None") as raised:
+        FrozenAwareDeepSpeedStrategy(frozen_dtype="int4")
+    assert isinstance(raised.value, FrozenTrainingError) and isinstance(raised.value, ValueError)
+
+
+def test_quantizing_a_trainable_param_is_refused() -> None:
+    param = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(FrozenDtypeError, match=r"trainable param \(shape \(8, 8\)\) cannot be stored as nf4.*Freeze"):
+        quant.quantize_param_shard(param, "nf4")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs an accelerator that cannot run the dequantization")
+def test_an_accelerator_that_cannot_run_the_dtype_is_named() -> None:
+    # a CPU-only torch build has no CUDA: the probe fails there as it would on an accelerator without the ops
+    with pytest.raises(FrozenDtypeError, match=r"`frozen_dtype='nf4'` cannot dequantize to torch.bfloat16 on `cuda"):
+        quant.check_runs_on("nf4", torch.device("cuda", 0), torch.bfloat16)
+    quant.check_runs_on("nf4", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("zero_config", "message"),
+    [
+        ({"stage": 2}, "ZeRO stage 2 is configured"),
+        ({"stage": 3, "zero_quantized_nontrainable_weights": True}, "both quantize the frozen shards"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "NVMe parameter offload"),
+    ],
+)
+def test_configs_that_cannot_hold_quantized_shards_are_refused(zero_config: dict, message: str) -> None:
+    with pytest.raises(FrozenDtypeError, match=message):
+        quant.check_config("int8", {"zero_optimization": zero_config}, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------- 1 process
+
+
+def _expected_weight(source: torch.Tensor, frozen_dtype: str, world_size: int) -> torch.Tensor:
+    """What a layer computes with: each rank's ZeRO-3 shard of ``source`` encoded on its own, decoded to bf16."""
+    flat = source.reshape(-1)
+    shard = math.ceil(flat.numel() / world_size)
+    pieces = [
+        quant_codec.decode(
+            quant_codec.encode(flat[r * shard : (r + 1) * shard], frozen_dtype, numel=shard), shard, frozen_dtype
+        )
+        for r in range(world_size)
+    ]
+    return torch.cat(pieces)[: flat.numel()].to(torch.bfloat16).view_as(source)
+
+
+def _fit_quantized(
+    frozen_dtype: str, max_epochs: int = 1, resume: Path | None = None, **strategy_kwargs: Any
+) -> tuple[AdapterModel, Any, dict[str, torch.Tensor]]:
+    model = AdapterModel(width=WIDTH)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep_first_weight(module: torch.nn.Module, inputs: tuple) -> None:
+        seen.setdefault("weight", module.weight.detach().clone())
+
+    model.layers[0].base.register_forward_pre_hook(keep_first_weight)
+    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype, **strategy_kwargs)
+    trainer = cpu_trainer(strategy, max_epochs=max_epochs, precision="bf16-true")
+    trainer.fit(model, regression_data(width=WIDTH), ckpt_path=resume)
+    return model, trainer, seen
+
+
+def _codes_digest(model: AdapterModel) -> dict[str, str]:
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    return {n: hashlib.sha256(p.ds_tensor.numpy().tobytes()).hexdigest() for n, p in frozen.items()}
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_one_process_fit_stores_codes_and_computes_with_dequantized_bf16(
+    frozen_dtype: str, tmp_path: Path, lightning_log: Any
+) -> None:
+    source = AdapterModel(width=WIDTH).to(torch.bfloat16)
+    model, trainer, seen = _fit_quantized(frozen_dtype)
+
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    stored = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in frozen.values())
+    bf16 = sum(int(p.ds_numel) * 2 for p in frozen.values())
+    assert {p.ds_tensor.dtype for p in frozen.values()} == {torch.uint8}
+    assert {p.ds_tensor.device.type for p in frozen.values()} == {"cpu"}
+    assert stored == sum(quant_codec.storage_bytes(int(p.ds_numel), frozen_dtype, 2) for p in frozen.values())
+    assert stored / bf16 <= RATIO_LIMIT[frozen_dtype]
+    assert f"frozen shards {lightning_frozen.memory.format_bytes(stored)} ({frozen_dtype}) in cpu memory" in (
+        lightning_log.text
+    )
+    # the layer's forward saw the dequantized weight, whole and in the compute dtype
+    assert seen["weight"].dtype == torch.bfloat16 and seen["weight"].shape == (WIDTH, WIDTH)
+    assert torch.equal(seen["weight"], _expected_weight(source.layers[0].base.weight, frozen_dtype, 1))
+    # a gather outside forward (GatheredParameters) decodes the same, then the shard is released again
+    whole = zero.full_param(model.layers[0].base.weight)
+    assert torch.equal(whole, seen["weight"]) and model.layers[0].base.weight.numel() == 0
+    # the adapter trained
+    assert not torch.equal(model.layers[0].lora_b.ds_tensor, torch.zeros_like(model.layers[0].lora_b.ds_tensor))
+
+    path = tmp_path / "adapter.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    quantization = saved["frozen_base"]["quantization"]
+    assert quantization["dtype"] == frozen_dtype
+    assert quantization["block_size"] == {"int8": 256, "nf4": 64}[frozen_dtype]
+    # the fingerprint is of the source weights: the unquantized base, in bf16 or fp32, verifies against it
+    source_frozen = [(n, p) for n, p in source.named_parameters() if not p.requires_grad]
+    assert saved["frozen_base"]["fingerprint"]["digest"] == frozen_base.fingerprint_base(source_frozen)["digest"]
+    reloaded = lightning_frozen.load_adapter(AdapterModel(width=WIDTH), path)
+    for name, value in saved["state_dict"].items():
+        torch.testing.assert_close(dict(reloaded.named_parameters())[name].detach(), value)
+    with pytest.raises(FrozenBaseMismatchError, match="tests/adapter-model"):
+        lightning_frozen.load_adapter(AdapterModel(width=WIDTH, seed=1), path)
+
+
+def test_resume_reproduces_the_quantized_base_exactly(tmp_path: Path, lightning_log: Any) -> None:
+    first, trainer, _ = _fit_quantized("nf4")
+    path = tmp_path / "one.ckpt"
+    trainer.save_checkpoint(path)
+    resumed, trainer, _ = _fit_quantized("nf4", max_epochs=2, resume=path)
+    assert trainer.global_step == 16
+    assert _codes_digest(resumed) == _codes_digest(first)
+    assert "trained on a frozen base stored as" not in lightning_log.text
+
+
+def test_resume_onto_another_storage_warns_and_verifies_the_same_base(tmp_path: Path) -> None:
+    _, trainer, _ = _fit_quantized("int8")
+    path = tmp_path / "int8.ckpt"
+    trainer.save_checkpoint(path)
+    with pytest.warns(UserWarning, match="stored as int8, this run stores it as nf4"):
+        _, trainer, _ = _fit_quantized("nf4", max_epochs=2, resume=path)
+    assert trainer.global_step == 16
+
+
+def test_sha256_fingerprint_is_of_the_source_bytes(tmp_path: Path) -> None:
+    source = AdapterModel(width=WIDTH).to(torch.bfloat16)
+    _, trainer, _ = _fit_quantized("int8", fingerprint="sha256")
+    path = tmp_path / "sha.ckpt"
+    trainer.save_checkpoint(path)
+    recorded = torch.load(path, weights_only=True)["frozen_base"]["fingerprint"]
+    source_frozen = [(n, p) for n, p in source.named_parameters() if not p.requires_grad]
+    assert recorded["digest"] == frozen_base.fingerprint_base(source_frozen, "sha256")["digest"]
+
+
+def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainable() -> None:
+    import deepspeed
+
+    model, _, _ = _fit_quantized("int8")
+    weight = model.layers[0].base.weight
+    before = zero.full_param(weight)
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        weight.data.mul_(-2)
+    expected = quant_codec.decode(
+        quant_codec.encode(before.float() * -2, "int8"), weight.ds_numel, "int8", torch.bfloat16
+    )
+    assert weight.ds_tensor.dtype == torch.uint8
+    assert torch.equal(zero.full_param(weight), expected.view(WIDTH, WIDTH))
+    assert getattr(weight, frozen_base.SOURCE_CHECKSUM) == frozen_base.values_checksum((before * -2).reshape(-1), 0)
+
+    weight.requires_grad_(True)
+    with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):
+        quant.quantize_frozen_shards(model, "int8")
+
+
+def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> None:
+    import warnings
+
+    import yaml
+
+    from lightning_frozen.cli import lightning_cli
+
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": "bf16-true",
+            "max_steps": 2,
+            "default_root_dir": str(tmp_path / "yaml"),
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "strategy": {
+                "class_path": "lightning_frozen.FrozenAwareDeepSpeedStrategy",
+                "init_args": {"frozen_dtype": "nf4"},
+            },
+        },
+        "model": {"class_path": "tests.cli_support.SavedHparamsAdapterModel", "init_args": {"width": WIDTH}},
+        "data": {"class_path": "tests.cli_support.RegressionData", "init_args": {"width": WIDTH}},
+    }
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        from_yaml = lightning_cli(["fit", "--config", str(path)])
+        assert from_yaml.trainer.strategy.frozen_dtype == "nf4"
+        assert from_yaml.model.layers[0].base.weight.ds_tensor.dtype == torch.uint8
+        overridden = lightning_cli(
+            [
+                "fit",
+                "--config",
+                str(path),
+                "--trainer.strategy.init_args.frozen_dtype=int8",
+                f"--trainer.default_root_dir={tmp_path / 'cli'}",
+            ]
+        )
+        assert overridden.trainer.strategy.frozen_dtype == "int8"
+        with pytest.raises(SystemExit):
+            lightning_cli(["fit", "--config", str(path), "--trainer.strategy.init_args.frozen_dtype=int4"])
+
+
+# ---------------------------------------------------------------------------------------------- 2 processes
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """nf4 and int8 fits on 2 ranks, each saved, then nf4 resumed on 2 ranks for a second epoch (one script run)."""
+    tmp = tmp_path_factory.mktemp("quant_two_ranks")
+    run_script("train_quantized.py", "--frozen-dtypes", "nf4", "int8", f"--out={tmp}")
+    return tmp
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_two_process_fit_holds_half_the_codes_per_rank(two_ranks: Path, frozen_dtype: str) -> None:
+    reports = read_reports(two_ranks / frozen_dtype)
+    assert [r["rank"] for r in reports] == [0, 1] and all(r["world_size"] == 2 for r in reports)
+    source = AdapterModel(width=WIDTH).to(torch.bfloat16)
+    expected = _expected_weight(source.layers[0].base.weight, frozen_dtype, 2).float()
+    for report in reports:
+        assert report["frozen_shard_dtypes"] == ["torch.uint8"]
+        bf16_per_rank = report["frozen_numel"] // 2 * 2
+        assert report["frozen_shard_bytes"] / bf16_per_rank <= RATIO_LIMIT[frozen_dtype]
+        # both ranks computed with the same dequantized weight, decoded from the two ranks' codes
+        assert report["seen_dtype"] == "torch.bfloat16"
+        assert torch.equal(torch.tensor(report["seen_weight"]), expected)
+
+
+def test_two_process_resume_reproduces_the_codes_and_records_the_quantization(two_ranks: Path) -> None:
+    first, resumed = read_reports(two_ranks / "nf4"), read_reports(two_ranks / "resumed")
+    assert [r["global_step"] for r in resumed] == [8, 8]
+    for before, after in zip(first, resumed):
+        assert after["codes_sha256"] == before["codes_sha256"]
+    assert first[0]["codes_sha256"] != first[1]["codes_sha256"]  # each rank holds its own half
+    saved = torch.load(two_ranks / "nf4.ckpt", weights_only=True)
+    assert saved["frozen_base"]["quantization"]["dtype"] == "nf4"
+    assert json.dumps(saved["frozen_base"]["quantization"])  # plain types only
