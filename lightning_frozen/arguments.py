@@ -13,6 +13,7 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
 from lightning_frozen.frozen_base import FINGERPRINT_MODES
+from lightning_frozen.quant_codec import check_frozen_dtype
 
 
 def check_strategy_arguments(
@@ -23,12 +24,14 @@ def check_strategy_arguments(
     fingerprint: Any,
     zero_optimization: bool,
     stage: Any,
+    frozen_dtype: Any = None,
 ) -> None:
     """Refuse strategy arguments of the wrong type or value; ``flags`` are the arguments that must be booleans.
 
     Raises:
         InvalidArgumentTypeError: an argument of the wrong type, named with what it must be.
         InvalidArgumentValueError: an unknown ``fingerprint`` mode, or a ZeRO stage other than 3.
+        FrozenDtypeError: a ``frozen_dtype`` other than None, ``"int8"`` or ``"nf4"``.
     """
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -56,6 +59,7 @@ def check_strategy_arguments(
             f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage={stage!r}`. Use"
             " Lightning's `DeepSpeedStrategy` for stages 1 and 2."
         )
+    check_frozen_dtype(frozen_dtype)
 
 
 def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[Accelerator]) -> None:

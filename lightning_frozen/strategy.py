@@ -54,6 +54,21 @@ from lightning_frozen.frozen_base import FingerprintCache, named_frozen, verify_
 # `freeze_before_training(module)` called by the strategy once `configure_model` has built the model.
 ZERO3_FINETUNING = "unfreezes_under_zero3"
 
+# the names `import lightning_frozen` registers: (name, description, strategy arguments)
+REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("frozen_deepspeed", "ZeRO-3, frozen params sharded and offloaded to CPU memory", {}),
+    (
+        "frozen_deepspeed_offload",
+        "ZeRO-3, frozen shards in CPU memory, optimizer stepped on the CPU (ZeRO-Offload)",
+        {"offload_optimizer": True},
+    ),
+    (
+        "frozen_deepspeed_no_offload",
+        "ZeRO-3, frozen params sharded and kept on the accelerator",
+        {"offload_frozen": False},
+    ),
+)
+
 if TYPE_CHECKING:
     import deepspeed
     import lightning.pytorch as pl
@@ -122,10 +137,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     ) -> None:
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
+        config = kwargs.get("config")
         check_strategy_arguments(
-            flags, frozen_base, timeout, kwargs.get("config"), fingerprint, zero_optimization, stage
+            flags, frozen_base, timeout, config, fingerprint, zero_optimization, stage, frozen_dtype
         )
-        quant.check_frozen_dtype(frozen_dtype)
         super().__init__(
             accelerator=accelerator,
             zero_optimization=zero_optimization,
@@ -146,7 +161,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.frozen_dtype = frozen_dtype
         self.pin_memory = bool(kwargs.get("pin_memory", False))
         # ZeRO-3 allocates its gradient reduce bucket whole up front; only trainable grads ever go in it
-        self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and kwargs.get("config") is None
+        self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and config is None
         # the params and their requires_grad when the optimizer was built: checked every training step
         self._watched_params: list[tuple[str, Any]] = []
         self._trainable_flags: tuple[bool, ...] = ()
@@ -160,21 +175,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        strategy_registry.register(
-            "frozen_deepspeed", cls, description="ZeRO-3, frozen params sharded and offloaded to CPU memory"
-        )
-        strategy_registry.register(
-            "frozen_deepspeed_offload",
-            cls,
-            description="ZeRO-3, frozen shards in CPU memory, optimizer stepped on the CPU (ZeRO-Offload)",
-            offload_optimizer=True,
-        )
-        strategy_registry.register(
-            "frozen_deepspeed_no_offload",
-            cls,
-            description="ZeRO-3, frozen params sharded and kept on the accelerator",
-            offload_frozen=False,
-        )
+        for name, description, arguments in REGISTERED_NAMES:
+            strategy_registry.register(name, cls, description=description, **arguments)
 
     # ------------------------------------------------------------------ one run's state
 

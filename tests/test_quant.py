@@ -91,7 +91,7 @@ def test_working_in_chunks_gives_the_same_bytes_and_values(frozen_dtype: str, mo
     values = _weights()
     whole = quant_codec.encode(values, frozen_dtype)
     decoded = quant_codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
-    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 1024)  # 16 chunks instead of one
+    monkeypatch.setattr(quant_codec, "_CHUNK_ELEMENTS", 1024)  # 16 chunks instead of one
     assert torch.equal(quant_codec.encode(values, frozen_dtype), whole)
     chunked = quant_codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
     assert torch.equal(chunked, decoded) and chunked.numel() == 2 * values.numel()
