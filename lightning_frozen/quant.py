@@ -28,6 +28,7 @@ from lightning_frozen import frozen_base
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.placement import compute_dtype
 from lightning_frozen.quant_codec import BlockFormat, block_format, decode, encode, split
+from lightning_frozen.zero import shard_range
 
 _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
 
@@ -202,13 +203,11 @@ def _install_gather(param: nn.Parameter) -> None:
 
 
 def _requantize_from_full(param: nn.Parameter) -> None:
-    import deepspeed.comm as dist
-
     frozen_dtype = frozen_dtype_of(param)
     assert frozen_dtype is not None
     shard_numel = int(param.ds_tensor.ds_numel)
-    start = shard_numel * dist.get_rank(group=param.ds_process_group)
-    piece = param.data.detach().reshape(-1)[start : start + shard_numel].to(param.ds_tensor.device)
+    start, count = shard_range(param)
+    piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
     setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.values_checksum(piece, start))
     _store(param, encode(piece, frozen_dtype, numel=shard_numel), block_format(frozen_dtype))
 
