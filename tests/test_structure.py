@@ -1,0 +1,73 @@
+"""The package's structure (issue 13): no import cycle between its modules, none hidden behind a function-level
+import, and no module reaching into another one's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lightning_frozen
+
+PACKAGE = Path(lightning_frozen.__file__).parent
+MODULES = sorted(path.stem for path in PACKAGE.glob("*.py"))
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.stmt, list[str], dict[str, str]]]:
+    """Each import of a package module: the statement, the modules it imports and the local names bound to them."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "lightning_frozen":
+            bound = {(a.asname or a.name): a.name for a in node.names if a.name in MODULES}
+            found.append((node, list(bound.values()), bound))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_frozen."):
+            found.append((node, [node.module.split(".")[1]], {}))
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("lightning_frozen.")]
+            if names:
+                found.append((node, names, {}))
+    return [item for item in found if item[1]]
+
+
+def _structure() -> tuple[dict[str, set[str]], list[str]]:
+    graph: dict[str, set[str]] = {}
+    problems: list[str] = []
+    for name in MODULES:
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        bound: dict[str, str] = {}
+        graph[name] = set()
+        for node, targets, names in _imports(tree):
+            if node.col_offset > 0:
+                problems.append(f"{name}.py:{node.lineno} imports {targets} inside a function or block")
+            if isinstance(node, ast.ImportFrom):
+                problems += [f"{name}.py:{node.lineno} imports `{a.name}`" for a in node.names if a.name[0] == "_"]
+            graph[name].update(t for t in targets if t != name)
+            bound.update(names)
+        for node in ast.walk(tree):
+            owner = node.value.id if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else None
+            if owner in bound and node.attr.startswith("_") and not node.attr.startswith("__"):
+                problems.append(f"{name}.py:{node.lineno} uses {bound[owner]}.{node.attr}")
+    return graph, problems
+
+
+def _cycle_through(start: str, graph: dict[str, set[str]]) -> list[str]:
+    stack = [[start]]
+    while stack:
+        path = stack.pop()
+        for dep in sorted(graph[path[-1]] - {"__init__"}):
+            if dep == start:
+                return [*path, dep]
+            if dep not in path:
+                stack.append([*path, dep])
+    return []
+
+
+def test_no_function_level_imports_and_no_private_names_across_modules() -> None:
+    _, problems = _structure()
+    assert problems == []
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph, _ = _structure()
+    cycles = [" -> ".join(cycle) for name in MODULES if name != "__init__" if (cycle := _cycle_through(name, graph))]
+    assert cycles == []
+    assert "finetuning" not in graph["strategy"] and "peft_export" not in graph["checkpoint"]
