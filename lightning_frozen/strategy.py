@@ -722,7 +722,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         return (
             f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
             f" on {self.world_size} rank(s). Per rank: frozen shards {memory.format_bytes(shard_bytes)}"
-            f" ({self.frozen_dtype or 'compute dtype'}) in {shard_device} memory, trainable weights"
+            f" ({self.frozen_dtype or _dtype_name(zero.compute_dtype(self.config) or torch.float32)}) in"
+            f" {shard_device} memory, trainable weights"
             f" {memory.format_bytes(estimate.trainable_weights)},"
             f" optimizer state (fp32 master + moments) {memory.format_bytes(estimate.optimizer_state)} on"
             f" {'host' if self.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
@@ -731,6 +732,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             f" per node ({estimate.ranks_per_node} rank(s), each with"
             f" {memory.format_bytes(estimate.load_in_flight)} in flight)."
         )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _names(names: list[str], limit: int = 5) -> str:
