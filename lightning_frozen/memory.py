@@ -260,6 +260,9 @@ def measured_frozen_shard_bytes(frozen: list[nn.Parameter]) -> tuple[int, str]:
     return total, ",".join(sorted(devices)) or "-"
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def run_summary(
     module: nn.Module,
     deepspeed_optimizer: Any,
@@ -270,9 +273,11 @@ def run_summary(
     offload_frozen: bool,
     offload_optimizer: bool,
     frozen_dtype: Optional[str] = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> str:
     """The per-rank memory summary logged at the start of ``fit``: the estimate for the module's trainable and frozen
-    params and its optimizer (sharded over the ranks under ZeRO-3), and the frozen shard bytes measured here."""
+    params and its optimizer (sharded over the ranks under ZeRO-3), and the frozen shard bytes measured here, stored
+    in ``frozen_dtype`` (int8/nf4) or else in ``compute_dtype``."""
     inner = getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
     trainable, frozen = optim.trainable_params(module), optim.frozen_params(module)
     estimate = estimate_from_counts(
@@ -291,7 +296,8 @@ def run_summary(
     return (
         f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
         f" on {world_size} rank(s). Per rank: frozen shards {format_bytes(shard_bytes)}"
-        f" ({frozen_dtype or 'compute dtype'}) in {shard_device} memory, trainable weights"
+        f" ({frozen_dtype or _DTYPE_NAMES.get(compute_dtype, str(compute_dtype))}) in {shard_device} memory,"
+        " trainable weights"
         f" {format_bytes(estimate.trainable_weights)},"
         f" optimizer state (fp32 master + moments) {format_bytes(estimate.optimizer_state)} on"
         f" {'host' if offload_optimizer else 'device'}; the `lr=0` workaround would have added"

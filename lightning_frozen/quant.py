@@ -222,16 +222,24 @@ class _Handles:
 
 
 class _DoneHandle:
-    """The gather already happened; ``wait`` marks the params available, as DeepSpeed's handles do."""
+    """The gather already happened; ``wait`` marks the params available, as DeepSpeed's handles do, once.
+
+    DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
+    handle shared by several params is waited on again after some of them were released, which must not mark those
+    available again (their data is freed)."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
+        self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        if self.complete:
+            return
         for param in self.params:
             param.ds_status = ZeroParamStatus.AVAILABLE
+        self.complete = True
 
 
 def _gather(params: list[nn.Parameter]) -> _DoneHandle:

@@ -505,4 +505,5 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             offload_frozen=self.offload_frozen,
             offload_optimizer=self.offload_optimizer,
             frozen_dtype=self.frozen_dtype,
+            compute_dtype=placement.compute_dtype(self.config or {}) or torch.float32,
         )

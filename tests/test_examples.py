@@ -72,7 +72,7 @@ def test_two_process_run_shards_the_base_and_reloads_in_one_process(tmp_path: Pa
     output = _run_example("two_process", tmp_path, *SHORT)
 
     assert "lightning-frozen: 37,634 trainable / 22,713,986 frozen params on 2 rank(s)" in output
-    assert "frozen shards 43.32 MiB in cpu memory" in output
+    assert "frozen shards 43.32 MiB (fp32) in cpu memory" in output
     assert "written by 2 ranks" in output
     one_process, two_ranks = map(
         float, re.search(r"accuracy: (\S+) in one process, (\S+) on two ranks", output).groups()
@@ -86,7 +86,7 @@ def test_causal_lm_lora_loads_in_configure_model_on_two_ranks_and_both_reloads_g
     assert (tmp_path / "base" / "model.safetensors").is_file()
     assert "loaded " + str(tmp_path / "base") + " into ZeRO-3 shards: 39 tensors, 6.3 of 6.3 MiB (100%)" in output
     assert "lightning-frozen: 156,160 trainable / 3,295,488 frozen params on 2 rank(s)" in output
-    assert "frozen shards 3.14 MiB in cpu memory" in output
+    assert "frozen shards 3.14 MiB (bf16) in cpu memory" in output
     assert "max |logit difference| between the two reloads: 0.00e+00" in output
     base_loss, adapter_loss = map(float, re.search(r"validation loss: base (\S+), adapter (\S+)", output).groups())
     assert adapter_loss < base_loss

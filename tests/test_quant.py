@@ -377,3 +377,25 @@ def test_two_process_resume_reproduces_the_codes_and_records_the_quantization(tw
     saved = torch.load(two_ranks / "nf4.ckpt", weights_only=True)
     assert saved["frozen_base"]["quantization"]["dtype"] == "nf4"
     assert json.dumps(saved["frozen_base"]["quantization"])  # plain types only
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+def test_a_quantized_llama_from_configure_model_trains_and_validates(frozen_dtype: str, tmp_path: Path) -> None:
+    # a Hugging Face model makes DeepSpeed prefetch several quantized params in one gather (embedding and lm_head
+    # share a size); each param's handle is then waited on separately, after the others may have been released
+    from tests.pretrained_support import PretrainedLoRA, token_data, write_llama
+
+    folder = write_llama(tmp_path / "llama")
+    losses = {}
+    for storage in (None, frozen_dtype):
+        trainer = cpu_trainer(
+            FrozenAwareDeepSpeedStrategy(frozen_dtype=storage),
+            max_steps=4,
+            max_epochs=-1,
+            precision="bf16-mixed",
+            limit_val_batches=1,
+        )
+        trainer.fit(PretrainedLoRA(str(folder)), token_data(), token_data())
+        losses[storage] = float(trainer.callback_metrics["val_loss"])
+    assert math.isfinite(losses[frozen_dtype])
+    assert abs(losses[frozen_dtype] - losses[None]) < 0.1 * losses[None], losses
