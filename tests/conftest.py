@@ -45,3 +45,11 @@ def _cpu_deepspeed_accelerator() -> Iterator[None]:
 
     if get_accelerator()._name != "cpu":
         set_accelerator(CPU_Accelerator())
+
+
+# Files whose tests start several processes or run whole examples: last, so `pytest -x` reports the fast ones first.
+_SLOW_FILES = ("test_examples.py", "test_reliability.py", "test_distributed.py", "test_peft_tuners.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in _SLOW_FILES)  # a stable sort keeps each file's own order
