@@ -161,7 +161,7 @@ def _load_own_slices(
 ) -> tuple[list[str], set[str]]:
     """Copy each tensor's slice that this rank holds from its file; transformers' own path where that cannot work."""
     targets = model_to_load.state_dict(keep_vars=True)
-    keyed = _model_keys(model_to_load, list(state_dict), getattr(load_config, "weight_mapping", None) or [])
+    keyed = _model_keys(model_to_load, targets, list(state_dict), getattr(load_config, "weight_mapping", None) or [])
     if keyed is None or not all(hasattr(t, _SOURCE) for t in state_dict.values()):
         rank_zero_info(
             "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions or a"
@@ -174,25 +174,26 @@ def _load_own_slices(
     from safetensors import safe_open
 
     for name, key in keyed.items():
-        tensor = state_dict[key]
-        target = targets.get(name)
-        if target is not None:
-            # a handle per tensor: the file's pages a rank reads stay mapped, and counted as its own, until it closes
-            with safe_open(getattr(tensor, _SOURCE), framework="pt") as handle:
-                error = load_tensor(handle, key, target)
-            if error:
-                errors.append(f"size mismatch for {name}: {error}")
-            else:
-                target._is_hf_initialized = True  # transformers initialises only what stays unmarked
-                missing.discard(name)
+        tensor, target = state_dict[key], targets[name]
+        # a handle per tensor: the file's pages a rank reads stay mapped, and counted as its own, until it closes
+        with safe_open(getattr(tensor, _SOURCE), framework="pt") as handle:
+            error = load_tensor(handle, key, target)
+        if error:
+            errors.append(f"size mismatch for {name}: {error}")
+        else:
+            target._is_hf_initialized = True  # transformers initialises only what stays unmarked
+            missing.discard(name)
         progress.advance(math.prod(tensor.shape) * tensor.element_size())
     progress.done(_folder(state_dict))
     return errors, missing
 
 
-def _model_keys(model: nn.Module, keys: list[str], weight_mapping: list[Any]) -> Optional[dict[str, str]]:
-    """``{model key: checkpoint key}`` after transformers' renamings (legacy names, base-model prefix), or None when
-    a tensor needs one of its conversions (merging or splitting tensors), which only its own loader applies."""
+def _model_keys(
+    model: nn.Module, targets: dict[str, torch.Tensor], keys: list[str], weight_mapping: list[Any]
+) -> Optional[dict[str, str]]:
+    """``{model key: checkpoint key}`` for the checkpoint ``keys`` that name one of ``targets`` (the model's state
+    dict) after transformers' renamings (legacy names, base-model prefix), or None when a tensor needs one of its
+    conversions (merging or splitting tensors), which only its own loader applies."""
     try:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:
@@ -201,7 +202,7 @@ def _model_keys(model: nn.Module, keys: list[str], weight_mapping: list[Any]) ->
     converters = [entry for entry in weight_mapping if isinstance(entry, WeightConverter)]
     if len(renamings) + len(converters) != len(weight_mapping):
         return None
-    meta = {key: torch.empty(0, device="meta") for key in model.state_dict()}
+    meta = {key: torch.empty(0, device="meta") for key in targets}
     prefix = getattr(model, "base_model_prefix", None)
     keyed: dict[str, str] = {}
     for key in keys:

@@ -38,11 +38,6 @@ def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
     return getattr(param, _FROZEN_DTYPE_ATTR, None)
 
 
-def quantized_shard_bytes(params: Iterable[nn.Parameter]) -> int:
-    """Bytes this rank holds of the quantized shards among ``params`` (codes and scales)."""
-    return sum(p.ds_tensor.numel() for p in params if frozen_dtype_of(p) is not None)
-
-
 def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
     """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype.
 
