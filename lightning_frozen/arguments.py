@@ -1,4 +1,4 @@
-"""Checks of the strategy's arguments and DeepSpeed config, before anything is built.
+"""The strategy's registered names, and checks of its arguments and DeepSpeed config before anything is built.
 
 The CLI checks types from the signature; Python callers get the same refusals here, each naming the argument.
 """
@@ -14,6 +14,21 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
 from lightning_frozen.frozen_base import FINGERPRINT_MODES
 from lightning_frozen.quant_codec import check_frozen_dtype
+
+# the names `import lightning_frozen` registers: (name, description, strategy arguments)
+REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("frozen_deepspeed", "ZeRO-3, frozen params sharded and offloaded to CPU memory", {}),
+    (
+        "frozen_deepspeed_offload",
+        "ZeRO-3, frozen shards in CPU memory, optimizer stepped on the CPU (ZeRO-Offload)",
+        {"offload_optimizer": True},
+    ),
+    (
+        "frozen_deepspeed_no_offload",
+        "ZeRO-3, frozen params sharded and kept on the accelerator",
+        {"offload_frozen": False},
+    ),
+)
 
 
 def check_strategy_arguments(

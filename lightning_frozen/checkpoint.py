@@ -22,9 +22,10 @@ import pickle
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, TypeVar, Union
+from typing import IO, Any, Optional, TypeVar, Union
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -144,6 +145,41 @@ def write_atomic(checkpoint: dict, path: PathLike) -> None:
             " file path such as `last.ckpt`, or remove the directory."
         )
     write_file_atomic(location, lambda handle: torch.save(checkpoint, handle))
+
+
+def user_checkpoint_io(checkpoint_io: CheckpointIO, storage_options: Any = None) -> Optional[CheckpointIO]:
+    """The Trainer's ``CheckpointIO`` plugin when the user chose one (cloud storage, async saves), which then writes
+    and reads the file; None for Lightning's default, which this package replaces with its own atomic write.
+
+    Raises:
+        TypeError: ``storage_options`` given without a plugin to take them.
+    """
+    if type(checkpoint_io) is not TorchCheckpointIO:
+        return checkpoint_io
+    if storage_options is not None:
+        raise InvalidArgumentTypeError(
+            "`Trainer.save_checkpoint(..., storage_options=...)` needs a `CheckpointIO` plugin that takes them"
+            " (`Trainer(plugins=[...])`); lightning-frozen writes the file itself otherwise."
+        )
+    return None
+
+
+def save(checkpoint: dict, path: PathLike, checkpoint_io: Optional[CheckpointIO], storage_options: Any = None) -> None:
+    """Write ``checkpoint`` in plain types (:func:`to_plain`), with :func:`write_atomic` or ``checkpoint_io``."""
+    plain = to_plain(checkpoint)
+    if checkpoint_io is None:
+        write_atomic(plain, path)
+    else:
+        checkpoint_io.save_checkpoint(plain, path, storage_options=storage_options)
+
+
+def load(path: PathLike, checkpoint_io: Optional[CheckpointIO]) -> dict[str, Any]:
+    """:func:`read_checkpoint`, or the same layout checks on what ``checkpoint_io`` reads."""
+    if checkpoint_io is None:
+        return read_checkpoint(path)
+    loaded = checkpoint_io.load_checkpoint(path, weights_only=True)
+    validate_checkpoint(loaded, path)
+    return loaded
 
 
 def read_checkpoint(path: PathLike) -> dict[str, Any]:

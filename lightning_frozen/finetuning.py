@@ -67,7 +67,7 @@ class StagedOptimizer:
 class BaseFinetuning(lightning_finetuning.BaseFinetuning):
     """Lightning's ``BaseFinetuning``, working under ``frozen_deepspeed`` (and unchanged under other strategies)."""
 
-    # tells the strategy that this callback unfreezes through `reconfigure_trainable` (see strategy.ZERO3_FINETUNING)
+    # tells the strategy that this callback unfreezes through `reconfigure_trainable` (see unfreezing.ZERO3_FINETUNING)
     unfreezes_under_zero3 = True
 
     @override

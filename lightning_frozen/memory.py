@@ -25,7 +25,8 @@ from torch import nn
 
 from lightning_frozen import optim
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
-from lightning_frozen.placement import fitted_reduce_bucket
+from lightning_frozen.placement import Placement, fitted_reduce_bucket
+from lightning_frozen.quant import frozen_dtype_of
 from lightning_frozen.quant_codec import storage_bytes
 from lightning_frozen.zero import full_numel
 
@@ -252,55 +253,55 @@ def estimate_memory(
 def measured_frozen_shard_bytes(frozen: list[nn.Parameter]) -> tuple[int, str]:
     """Bytes this rank holds of the frozen params' ZeRO-3 shards, and the device type they live on."""
     total, devices = 0, set()
-    for param in frozen:
-        shard: Optional[torch.Tensor] = getattr(param, "ds_tensor", None)
-        tensor = param.data if shard is None else shard
+    for tensor in map(_stored, frozen):
         total += tensor.numel() * tensor.element_size()
         devices.add(tensor.device.type)
     return total, ",".join(sorted(devices)) or "-"
 
 
+def _stored(param: nn.Parameter) -> torch.Tensor:
+    shard: Optional[torch.Tensor] = getattr(param, "ds_tensor", None)
+    return param.data if shard is None else shard
+
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def stored_as(frozen: list[nn.Parameter]) -> str:
+    """How the frozen shards are stored: ``int8``/``nf4`` when quantized, else their dtype (``bf16``, ...)."""
+    names = {frozen_dtype_of(p) or _DTYPE_NAMES.get(_stored(p).dtype, str(_stored(p).dtype)) for p in frozen}
+    return ",".join(sorted(names)) or "-"
+
+
 def run_summary(
-    module: nn.Module,
-    deepspeed_optimizer: Any,
-    world_size: int,
-    ranks_per_node: int,
-    zero_stage_3: bool,
-    precision: str,
-    offload_frozen: bool,
-    offload_optimizer: bool,
-    frozen_dtype: Optional[str] = None,
-    compute_dtype: torch.dtype = torch.float32,
+    module: nn.Module, deepspeed_optimizer: Any, where: Placement, precision: str, world_size: int, ranks_per_node: int
 ) -> str:
     """The per-rank memory summary logged at the start of ``fit``: the estimate for the module's trainable and frozen
-    params and its optimizer (sharded over the ranks under ZeRO-3), and the frozen shard bytes measured here, stored
-    in ``frozen_dtype`` (int8/nf4) or else in ``compute_dtype``."""
+    params and its optimizer (sharded over the ranks under ZeRO-3) placed as ``where`` says, and the frozen shard
+    bytes measured here."""
     inner = getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
     trainable, frozen = optim.trainable_params(module), optim.frozen_params(module)
     estimate = estimate_from_counts(
         trainable_params=sum(full_numel(p) for p in trainable),
         frozen_params=sum(full_numel(p) for p in frozen),
-        world_size=world_size if zero_stage_3 else 1,
+        world_size=world_size if where.zero_stage_3 else 1,
         precision=precision,
-        offload_frozen=offload_frozen,
-        offload_optimizer=offload_optimizer,
+        offload_frozen=where.offload_frozen,
+        offload_optimizer=where.offload_optimizer,
         optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
         largest_module_params=largest_module_params(module),
-        ranks_per_node=ranks_per_node if zero_stage_3 else 1,
-        frozen_dtype=frozen_dtype,
+        ranks_per_node=ranks_per_node if where.zero_stage_3 else 1,
+        frozen_dtype=where.frozen_dtype,
     )
     shard_bytes, shard_device = measured_frozen_shard_bytes(frozen)
     return (
         f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
         f" on {world_size} rank(s). Per rank: frozen shards {format_bytes(shard_bytes)}"
-        f" ({frozen_dtype or _DTYPE_NAMES.get(compute_dtype, str(compute_dtype))}) in {shard_device} memory,"
+        f" ({stored_as(frozen)}) in {shard_device} memory,"
         " trainable weights"
         f" {format_bytes(estimate.trainable_weights)},"
         f" optimizer state (fp32 master + moments) {format_bytes(estimate.optimizer_state)} on"
-        f" {'host' if offload_optimizer else 'device'}; the `lr=0` workaround would have added"
+        f" {'host' if where.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
         f" {format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"
         f" base in `configure_model` needs about {format_bytes(estimate.host_load_bytes)} of host memory"
         f" per node ({estimate.ranks_per_node} rank(s), each with"

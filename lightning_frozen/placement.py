@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
+from lightning_frozen import quant
 from lightning_frozen.errors import UnsupportedConfigurationError
-from lightning_frozen.zero import is_partitioned
+from lightning_frozen.zero import compute_dtype, full_numel, is_partitioned
 
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
 
@@ -53,15 +55,6 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
-
-
-def compute_dtype(config: dict) -> Optional[torch.dtype]:
-    """The dtype DeepSpeed computes in for this config: bf16, fp16, or None for fp32."""
-    if (config.get("bf16") or {}).get("enabled"):
-        return torch.bfloat16
-    if (config.get("fp16") or {}).get("enabled"):
-        return torch.float16
-    return None
 
 
 # Lightning's DeepSpeedStrategy default `reduce_bucket_size`, in elements
@@ -106,27 +99,47 @@ def place_model(
     place_buffers(model, device)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the strategy keeps params and optimizer state, and how it stores the frozen shards."""
+
+    device: torch.device
+    device_rank: int  # what `deepspeed.initialize` takes as the device: the CUDA index, or the local rank on the CPU
+    zero_stage_3: bool = True
+    offload_frozen: bool = True
+    offload_optimizer: bool = False  # the optimizer steps on the CPU (the DeepSpeed config says so too)
+    pin_memory: bool = False
+    frozen_dtype: Optional[str] = None  # "int8"/"nf4": frozen shards stored quantized (see `quant.py`)
+    fingerprint: str = "checksum"  # the base's fingerprint mode, taken before the shards are quantized
+    fit_reduce_bucket: bool = False  # size the reduce bucket to the trainable params (the user set none)
+
+
 def initialize_engine(
     model: nn.Module,
     config: dict,
-    device: torch.device,
-    device_rank: int,
-    offload_frozen: bool,
-    pin_memory: bool,
-    zero_stage_3: bool,
+    where: Placement,
     optimizer: Any = None,
     lr_scheduler: Any = None,
     model_parameters: Optional[list[nn.Parameter]] = None,
 ) -> tuple[Any, Any]:
-    """Partition and place the model's params, then ``deepspeed.initialize`` over them; returns the engine and its
-    (ZeRO) optimizer. Frozen params stay 1/N shards afterwards (see :func:`release_frozen_persistence`)."""
+    """Partition and place the model's params, then ``deepspeed.initialize`` over them (a training engine when
+    ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen params stay 1/N shards
+    afterwards (see :func:`release_frozen_persistence`), quantized when ``where.frozen_dtype`` says so.
+
+    Raises:
+        FrozenDtypeError: ``where.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
+    """
     import deepspeed
 
-    if zero_stage_3:
-        partition_frozen_and_trainable(model, config, offload_frozen, pin_memory)
-    place_model(model, config, device, offload_frozen, zero_stage_3)
+    if model_parameters and where.fit_reduce_bucket and where.zero_stage_3:
+        fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
+    if where.frozen_dtype:
+        quant.check_config(where.frozen_dtype, config, where.device)
+    if where.zero_stage_3:
+        partition_frozen_and_trainable(model, config, where.offload_frozen, where.pin_memory)
+    place_model(model, config, where.device, where.offload_frozen, where.zero_stage_3)
     engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-        args=argparse.Namespace(device_rank=device_rank),
+        args=argparse.Namespace(device_rank=where.device_rank),
         config=config,
         model=model,
         model_parameters=model_parameters or [],
@@ -134,8 +147,10 @@ def initialize_engine(
         lr_scheduler=lr_scheduler,
         dist_init_required=False,
     )
-    if zero_stage_3:
+    if where.zero_stage_3:
         release_frozen_persistence(engine, model)
+    if where.frozen_dtype:
+        quant.quantize_frozen_shards(model, where.frozen_dtype, where.fingerprint)
     return engine, deepspeed_optimizer
 
 

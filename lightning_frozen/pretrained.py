@@ -50,6 +50,21 @@ _LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
 
 
 @contextmanager
+def sharded_model_creation(config: dict, zero_stage_3: bool, remote_device: Optional[str]) -> Iterator[None]:
+    """Where ``configure_model`` runs: under ZeRO-3, params are shards as they are created (on ``remote_device``),
+    ``from_pretrained`` loads each rank's slices into them (:func:`zero3_pretrained_loading`) and PEFT initialises
+    its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
+    import deepspeed
+
+    with deepspeed.zero.Init(enabled=zero_stage_3, remote_device=remote_device, config_dict_or_path=config):
+        if not zero_stage_3:
+            yield
+            return
+        with zero3_pretrained_loading(config), peft_adapters_outside_zero_init():
+            yield
+
+
+@contextmanager
 def peft_adapters_outside_zero_init() -> Iterator[None]:
     """While active, PEFT creates its adapters as ordinary tensors even inside ``deepspeed.zero.Init``.
 

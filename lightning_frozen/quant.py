@@ -26,9 +26,8 @@ from torch import nn
 
 from lightning_frozen import frozen_base
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.placement import compute_dtype
 from lightning_frozen.quant_codec import BlockFormat, block_format, decode, encode, split
-from lightning_frozen.zero import shard_range
+from lightning_frozen.zero import compute_dtype, shard_range
 
 _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
 

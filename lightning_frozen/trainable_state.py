@@ -18,7 +18,7 @@ from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.frozen_base import find_base_reference, find_peft_model
 from lightning_frozen.loading import check_keys
 from lightning_frozen.peft_export import peft_entry
-from lightning_frozen.quant import block_format
+from lightning_frozen.quant import block_format, frozen_dtype_of
 
 
 def optimizer_holding(name: str, deepspeed_optimizer: Any, ungrouped_names: Collection[str]) -> Any:
@@ -128,17 +128,13 @@ def frozen_base_entry(
 
 
 def checkpoint_entries(
-    module: nn.Module,
-    fingerprint: dict[str, Any],
-    explicit_reference: Optional[str],
-    world_size: int,
-    precision: str,
-    frozen_dtype: Optional[str] = None,
+    module: nn.Module, fingerprint: dict[str, Any], explicit_reference: Optional[str], **written_with: Any
 ) -> dict[str, Any]:
-    """What this package adds to Lightning's checkpoint dict: the ``frozen_base`` entry (with how a quantized base was
-    stored) and the format marker."""
+    """What this package adds to Lightning's checkpoint dict: the ``frozen_base`` entry (with how a quantized base is
+    stored) and the format marker, with ``written_with`` (world size, precision)."""
     trainable_names = [name for name, param in module.named_parameters() if param.requires_grad]
     entry = frozen_base_entry(module, fingerprint, explicit_reference, trainable_names)
-    if frozen_dtype:
-        entry["quantization"] = block_format(frozen_dtype).describe()
-    return {"frozen_base": entry, FORMAT_KEY: format_marker(world_size=world_size, precision=precision)}
+    stored = sorted({frozen_dtype_of(p) for p in module.parameters() if not p.requires_grad} - {None})
+    if stored:
+        entry["quantization"] = block_format(stored[0]).describe()
+    return {"frozen_base": entry, FORMAT_KEY: format_marker(**written_with)}

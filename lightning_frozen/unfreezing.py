@@ -5,21 +5,94 @@ engine and initialises a new one over the same (already partitioned) module. Aro
 out the new param groups (:func:`plan_change`), copies out the fp32 master weights and optimizer state of every param
 that keeps training (:func:`carry_state`) and writes them into the new optimizer (:func:`restore_state`). On resume,
 :func:`groups_from_checkpoint` makes trainable what was trainable when the checkpoint was saved.
+
+Between changes, :class:`OptimizedSet` holds what the optimizer was built for, and each training step checks that
+no ``requires_grad`` flipped behind the strategy's back. Our finetuning callbacks declare ``ZERO3_FINETUNING``; the
+strategy refuses Lightning's own (:func:`check_finetuning_callbacks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetuning
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_frozen import zero
-from lightning_frozen.errors import FrozenSetChangedError, format_names
+from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError, format_names
+from lightning_frozen.optim import leave_ungrouped_unstepped
 
 # what a DeepSpeed engine counts, carried from the destroyed engine to the new one
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+# A finetuning callback with this class attribute set to True unfreezes through the strategy's
+# `reconfigure_trainable`, and its `freeze_before_training(module)` runs once `configure_model` has built the model.
+ZERO3_FINETUNING = "unfreezes_under_zero3"
+
+
+def _callbacks(module: nn.Module) -> list[Any]:
+    trainer = getattr(module, "_trainer", None)  # `LightningModule.trainer` raises when none is attached
+    return list(trainer.callbacks) if trainer is not None else []
+
+
+def check_finetuning_callbacks(module: nn.Module) -> None:
+    """Refuse Lightning's own finetuning callbacks on ``module``'s Trainer: they raise for every DeepSpeed strategy.
+
+    Raises:
+        UnsupportedConfigurationError: naming the callback and ours to use instead.
+    """
+    for callback in _callbacks(module):
+        if isinstance(callback, LightningBaseFinetuning) and not getattr(callback, ZERO3_FINETUNING, False):
+            raise UnsupportedConfigurationError(
+                f"Lightning's `{type(callback).__name__}` refuses every DeepSpeed strategy. Import"
+                " `BaseFinetuning`/`BackboneFinetuning` from `lightning_frozen` instead (same names and"
+                " arguments): they unfreeze and freeze params under ZeRO-3 by rebuilding the optimizer."
+            )
+
+
+def freeze_for_finetuning_callbacks(module: nn.Module) -> None:
+    """Run our finetuning callbacks' freeze after ``configure_model`` built the (sharded) ``module``; Lightning's
+    freeze in their ``setup``, before it."""
+    for callback in _callbacks(module):
+        if getattr(callback, ZERO3_FINETUNING, False):
+            callback.freeze_before_training(module)
+
+
+@dataclass
+class OptimizedSet:
+    """What the ZeRO optimizer of a run was built over: its groups' param names, and every param's
+    ``requires_grad`` then (checked each training step); and the trainable params in no group, with the hooks that
+    drop their gradients."""
+
+    group_names: list[list[str]] = field(default_factory=list)
+    watched: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    flags: tuple[bool, ...] = ()
+    ungrouped_names: list[str] = field(default_factory=list)
+    ungrouped_hooks: list[Any] = field(default_factory=list)
+
+    def record_groups(self, module: nn.Module, optimizer: Optimizer) -> None:
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    def record_flags(self, module: nn.Module, optimizer: Optional[Optimizer]) -> None:
+        """As an engine is built over ``module`` and ``optimizer``: the flags to hold, and the ungrouped params."""
+        if optimizer is not None:
+            self.ungrouped_names, self.ungrouped_hooks = leave_ungrouped_unstepped(
+                module, optimizer, self.ungrouped_names, self.ungrouped_hooks
+            )
+        self.watched = list(module.named_parameters())
+        self.flags = tuple(p.requires_grad for _, p in self.watched)
+
+    def forget_groups(self) -> None:
+        """For a run on another module (the ungrouped params' hooks go when the next engine is built)."""
+        self.group_names, self.watched, self.flags = [], [], ()
+
+    def check_unchanged(self) -> None:
+        """See :func:`check_trainable_set_unchanged`."""
+        check_trainable_set_unchanged(self.watched, self.flags)
 
 
 @dataclass
@@ -67,34 +140,39 @@ def plan_change(
 
 @dataclass
 class CarriedState:
-    """Whole fp32 weights and optimizer states by param name, taken from one ZeRO optimizer for another."""
+    """Whole fp32 weights and optimizer states by param name, and the engine's step counters, taken from one
+    DeepSpeed engine for another."""
 
     weights: dict[str, Any]
     states: dict[str, dict[str, Any]]
+    counters: dict[str, Any]
 
 
-def carry_state(deepspeed_optimizer: Any, module: nn.Module, names: Sequence[str]) -> CarriedState:
-    """Copy out the named params' fp32 master weights and optimizer state. Collective."""
+def carry_state(engine: Any, module: nn.Module, names: Sequence[str]) -> CarriedState:
+    """Copy out the named params' fp32 master weights and optimizer state, and ``engine``'s counters. Collective."""
     params = dict(module.named_parameters())
     return CarriedState(
-        weights={n: zero.full_param(params[n], deepspeed_optimizer) for n in names},
-        states={n: zero.optimizer_state_of(deepspeed_optimizer, params[n]) for n in names},
+        weights={n: zero.full_param(params[n], engine.optimizer) for n in names},
+        states={n: zero.optimizer_state_of(engine.optimizer, params[n]) for n in names},
+        counters={key: getattr(engine, key) for key in ENGINE_COUNTERS},
     )
 
 
-def restore_state(deepspeed_optimizer: Any, module: nn.Module, carried: CarriedState) -> int:
-    """Write carried weights and optimizer states into a new ZeRO optimizer; returns how many params had state.
+def restore_state(engine: Any, module: nn.Module, carried: CarriedState) -> int:
+    """Write carried state into a new engine and its ZeRO optimizer; returns how many params had optimizer state.
 
     Only the sub-groups of params with carried state get their lazily made state created, so a group of newly
     trainable params starts fresh at its first real step. Collective.
     """
+    for key, value in carried.counters.items():
+        setattr(engine, key, value)
     params = dict(module.named_parameters())
     for name, weight in carried.weights.items():
-        zero.set_full_param(params[name], weight, deepspeed_optimizer)
+        zero.set_full_param(params[name], weight, engine.optimizer)
     with_state = [n for n, state in carried.states.items() if state]
-    zero.ensure_optimizer_state(deepspeed_optimizer, [params[n] for n in with_state])
+    zero.ensure_optimizer_state(engine.optimizer, [params[n] for n in with_state])
     for name in with_state:
-        zero.set_optimizer_state(deepspeed_optimizer, params[name], carried.states[name])
+        zero.set_optimizer_state(engine.optimizer, params[name], carried.states[name])
     return len(with_state)
 
 

@@ -1,5 +1,5 @@
 """Whole tensors under ZeRO-3: reading and writing a param's full value, its fp32 master copy and its optimizer
-state through the shards of any number of ranks, and the loss scaler.
+state through the shards of any number of ranks, and the loss scaler; and the dtype a DeepSpeed config computes in.
 
 A ZeRO-3 partition is a contiguous range of the flattened tensor, padded at the end (:func:`shard_range`). Where the
 shards live is ``placement.py``'s concern.
@@ -13,6 +13,15 @@ import torch
 from torch import nn
 
 from lightning_frozen.errors import NoTrainableParametersError
+
+
+def compute_dtype(config: dict) -> Optional[torch.dtype]:
+    """The dtype DeepSpeed computes in for this config: bf16, fp16, or None for fp32."""
+    if (config.get("bf16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return None
 
 
 def check_has_trainable(module: nn.Module) -> None:

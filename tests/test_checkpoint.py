@@ -347,3 +347,24 @@ def test_a_checkpoint_io_plugin_writes_and_reads_the_file(tmp_path: Path) -> Non
         AdapterModel(), regression_data(), ckpt_path=tmp_path / "io.ckpt"
     )
     assert RecordingIO.calls == ["save io.ckpt {'tag': 1}", "load io.ckpt weights_only=True"]
+
+
+def test_storage_options_need_a_checkpoint_io_plugin_and_a_plugin_writes_and_reads(tmp_path: Path) -> None:
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    class PluginIO(TorchCheckpointIO):
+        pass
+
+    assert ckpt_module.user_checkpoint_io(TorchCheckpointIO()) is None  # Lightning's default: our atomic write
+    with pytest.raises(lightning_frozen.InvalidArgumentTypeError, match="needs a `CheckpointIO` plugin"):
+        ckpt_module.user_checkpoint_io(TorchCheckpointIO(), storage_options={"tag": 1})
+    plugin = PluginIO()
+    assert ckpt_module.user_checkpoint_io(plugin, storage_options={"tag": 1}) is plugin
+    marked = {"state_dict": {"w": torch.ones(2)}, "frozen_base": {}, "lightning_frozen": ckpt_module.format_marker()}
+    for name, io in (("atomic.ckpt", None), ("plugin.ckpt", plugin)):
+        ckpt_module.save({**marked, "folder": tmp_path}, tmp_path / name, io)
+        loaded = ckpt_module.load(tmp_path / name, io)
+        assert torch.equal(loaded["state_dict"]["w"], torch.ones(2)) and loaded["folder"] == str(tmp_path)
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    with pytest.raises(CheckpointFormatError, match="plain.ckpt is not a lightning-frozen checkpoint"):
+        ckpt_module.load(tmp_path / "plain.ckpt", plugin)

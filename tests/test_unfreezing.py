@@ -1,12 +1,22 @@
-"""The trainable-set change behind ``reconfigure_trainable``, worked out without a Trainer or DeepSpeed."""
+"""The trainable-set change behind ``reconfigure_trainable``, the optimized set a run checks, and the finetuning
+callbacks' checks, worked out without fitting or DeepSpeed."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
+import torch
 from torch import nn
 
-from lightning_frozen.errors import FrozenSetChangedError
-from lightning_frozen.unfreezing import check_trainable_set_unchanged, groups_from_checkpoint, plan_change
+from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError
+from lightning_frozen.unfreezing import (
+    OptimizedSet,
+    check_finetuning_callbacks,
+    check_trainable_set_unchanged,
+    freeze_for_finetuning_callbacks,
+    groups_from_checkpoint,
+    plan_change,
+)
 
 
 def _model() -> nn.Sequential:
@@ -66,3 +76,46 @@ def test_a_flag_flipped_mid_run_is_refused_with_the_names() -> None:
     model[1].bias.requires_grad_(False)
     with pytest.raises(FrozenSetChangedError, match=r"unfrozen `0.weight`; frozen `1.bias`;.*BaseFinetuning"):
         check_trainable_set_unchanged(watched, flags)
+
+
+def test_the_optimized_set_records_flags_and_ungrouped_params_and_forgets_groups() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD([model[1].weight], lr=0.1)  # `1.bias` trains but is in no group
+    optimized = OptimizedSet()
+    optimized.record_groups(model, optimizer)
+    optimized.record_flags(model, optimizer)
+    assert optimized.group_names == [["1.weight"]] and optimized.ungrouped_names == ["1.bias"]
+    model(torch.ones(1, 3)).sum().backward()
+    assert model[1].bias.grad is None and model[1].weight.grad is not None  # plain torch would never step it
+    optimized.check_unchanged()
+    model[0].bias.requires_grad_(True)
+    with pytest.raises(FrozenSetChangedError, match="unfrozen `0.bias`"):
+        optimized.check_unchanged()
+    optimized.forget_groups()
+    assert optimized.group_names == [] and optimized.watched == []
+    optimized.check_unchanged()  # nothing watched: a new run records again
+
+
+def test_lightning_finetuning_callbacks_are_refused_and_ours_freeze_after_the_model_is_built() -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning as LightningBackboneFinetuning
+
+    import lightning_frozen
+    from tests.models import AdapterModel
+
+    module = AdapterModel()
+    module.trainer = L.Trainer(callbacks=[LightningBackboneFinetuning(unfreeze_backbone_at_epoch=1)], logger=False)
+    with pytest.raises(UnsupportedConfigurationError, match="Import `BaseFinetuning`/`BackboneFinetuning` from"):
+        check_finetuning_callbacks(module)
+
+    class FreezeLayers(lightning_frozen.BaseFinetuning):
+        def freeze_before_training(self, pl_module: nn.Module) -> None:
+            self.freeze(pl_module.layers)
+
+        def finetune_function(self, *args: object) -> None: ...
+
+    module.trainer = L.Trainer(callbacks=[FreezeLayers()], logger=False)
+    check_finetuning_callbacks(module)
+    assert any(p.requires_grad for p in module.layers.parameters())
+    freeze_for_finetuning_callbacks(module)
+    assert not any(p.requires_grad for p in module.layers.parameters())
+    check_finetuning_callbacks(nn.Linear(2, 2))  # no Trainer attached: nothing to check
