@@ -85,16 +85,16 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
+def llama_config(sizes: dict[str, int]) -> dict[str, Any]:
+    """The ``LlamaConfig`` arguments of a model of ``sizes``: full multi-head attention, untied embeddings."""
+    return dict(**sizes, num_key_value_heads=sizes["num_attention_heads"], tie_word_embeddings=False)
+
+
 def write_base(folder: Path, sizes: dict[str, int]) -> int:
     """Save a random-weight bf16 ``LlamaForCausalLM`` of ``sizes`` to ``folder``; return its parameter count."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from examples.causal_lm_lora.make_base import write_random_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**sizes, num_key_value_heads=sizes["num_attention_heads"], tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in write_random_llama(folder, llama_config(sizes)).parameters())
 
 
 # --------------------------------------------------------------------------------------------------- the worker
@@ -349,9 +349,8 @@ def estimate_load(sizes: dict[str, int], devices: int) -> dict:
 
     import lightning_frozen
 
-    config = LlamaConfig(**sizes, num_key_value_heads=sizes["num_attention_heads"], tie_word_embeddings=False)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(LlamaConfig(**llama_config(sizes)))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     return lightning_frozen.estimate_memory(model, num_devices=devices, print_table=False).as_dict()
 

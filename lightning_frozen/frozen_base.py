@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional
 
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
+from lightning_frozen.progress import Progress
 from lightning_frozen.zero import is_partitioned, shard_range
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,6 @@ _MODULUS = (1 << 61) - 1  # a Mersenne prime: per-rank sums add up exactly in Py
 _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
 # elements per step: float64 sums of 2**20 products of a signed 16-bit pattern and a weight stay below 2**53, exact
 _CHUNK = 1 << 20
-_PROGRESS_SECONDS = 5.0
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
 # Set by quant.py on a param whose shard no longer holds its source values (a quantized frozen base): this rank's
 # checksum sums, and (sha256 mode) the whole tensor's hash, of the values before quantization.
@@ -187,18 +186,15 @@ def param_sha256(param: torch.Tensor) -> str:
 
 def _progress(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors, logging how far it got every few seconds when the base is large."""
-    total = sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named)
-    done, last = 0, time.monotonic()
+    progress = Progress(sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named))
     for name, param in named:
         yield name, param
-        done += int(getattr(param, "ds_numel", param.numel()))
-        if time.monotonic() - last > _PROGRESS_SECONDS:
+        if progress.advance(int(getattr(param, "ds_numel", param.numel()))):
             log.warning(
                 "lightning-frozen: fingerprinting the frozen base: %.0f%% of %s elements",
-                100 * done / total,
-                f"{total:,}",
+                progress.percent,
+                f"{progress.total:,}",
             )
-            last = time.monotonic()
 
 
 def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum") -> dict[str, Any]:

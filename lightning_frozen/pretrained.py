@@ -18,7 +18,6 @@ import importlib.util
 import inspect
 import math
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -27,11 +26,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen.progress import Progress
 from lightning_frozen.zero import is_partitioned, shard_range
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"
-_PROGRESS_SECONDS = 5.0
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -185,7 +184,7 @@ def _load_own_slices(
         return original(model_to_load, _materialize_on_rank_zero(state_dict), load_config)
     missing = set(targets) - set(keyed)
     errors: list[str] = []
-    progress = LoadProgress(sum(math.prod(t.shape) * t.element_size() for t in state_dict.values()))
+    progress = Progress(sum(math.prod(t.shape) * t.element_size() for t in state_dict.values()))
     from safetensors import safe_open
 
     for name, key in keyed.items():
@@ -198,8 +197,9 @@ def _load_own_slices(
         else:
             target._is_hf_initialized = True  # transformers initialises only what stays unmarked
             missing.discard(name)
-        progress.advance(math.prod(tensor.shape) * tensor.element_size())
-    progress.done(_folder(state_dict))
+        if progress.advance(math.prod(tensor.shape) * tensor.element_size()):
+            rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
+    rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
     return errors, missing
 
 
@@ -289,30 +289,10 @@ def _rank() -> int:
     return torch.distributed.get_rank() if distributed else 0
 
 
-class LoadProgress:
-    """Logs on rank 0, every few seconds, how much of a checkpoint has been loaded and how fast; and a last line."""
-
-    def __init__(self, total_bytes: int) -> None:
-        self.total_bytes = total_bytes
-        self.done_bytes = 0
-        self.tensors = 0
-        self.started = self.last = time.monotonic()
-
-    def advance(self, nbytes: int) -> None:
-        self.done_bytes += nbytes
-        self.tensors += 1
-        now = time.monotonic()
-        if now - self.last > _PROGRESS_SECONDS:
-            self.last = now
-            rank_zero_info(f"lightning-frozen: loading the frozen base: {self._status(now)}")
-
-    def done(self, source: str) -> None:
-        rank_zero_info(f"lightning-frozen: loaded {source} into ZeRO-3 shards: {self._status(time.monotonic())}")
-
-    def _status(self, now: float) -> str:
-        seconds = max(now - self.started, 1e-9)
-        return (
-            f"{self.tensors} tensors, {self.done_bytes / 2**20:,.1f} of {self.total_bytes / 2**20:,.1f} MiB"
-            f" ({100 * self.done_bytes / max(self.total_bytes, 1):.0f}%) in {seconds:.1f} s,"
-            f" {self.done_bytes / 2**20 / seconds:,.1f} MiB/s"
-        )
+def _load_status(progress: Progress) -> str:
+    """The tensors and MiB loaded so far, out of how many MiB, in how long and how fast."""
+    mib, seconds = progress.done / 2**20, progress.seconds
+    return (
+        f"{progress.items} tensors, {mib:,.1f} of {progress.total / 2**20:,.1f} MiB ({progress.percent:.0f}%)"
+        f" in {seconds:.1f} s, {mib / seconds:,.1f} MiB/s"
+    )

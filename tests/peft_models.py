@@ -19,6 +19,7 @@ import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.models import minilm_path
+from examples.causal_lm_lora.make_base import write_random_llama
 
 SENTENCES = [
     ("a wonderful, warm film", 1),
@@ -71,18 +72,19 @@ def minilm_classifier(folder: str | None = None) -> torch.nn.Module:
     )
 
 
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+
+
 def save_tiny_llama(folder: Path) -> Path:
-    """Write a tiny random ``LlamaForCausalLM`` (0.1M params) with ``save_pretrained``; returns ``folder``."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    """Write a tiny random fp32 ``LlamaForCausalLM`` (0.1M params) with ``save_pretrained``; returns ``folder``."""
+    write_random_llama(folder, TINY_LLAMA, torch.float32)
     return folder
 
 

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_frozen  # noqa: F401  (registers the strategy names)
+from examples.causal_lm_lora.make_base import write_random_llama
 
 VOCAB = 256
 TINY_LLAMA = dict(
@@ -26,11 +27,7 @@ TINY_LLAMA = dict(
 
 def write_llama(folder: Path, dtype: torch.dtype = torch.bfloat16, safe_serialization: bool = True) -> Path:
     """A randomly initialised Llama saved like a hub checkpoint (config.json + model.safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(dtype)
-    model.save_pretrained(folder)
+    write_random_llama(folder, TINY_LLAMA, dtype)
     if not safe_serialization:  # transformers 5 writes safetensors only; older hub checkpoints are torch.save files
         torch.save(folder_tensors(folder), folder / "pytorch_model.bin")
         (folder / "model.safetensors").unlink()

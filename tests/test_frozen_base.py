@@ -122,9 +122,9 @@ def test_sha256_mode_hashes_exact_bytes_and_none_checks_nothing() -> None:
 
 
 def test_fingerprinting_a_large_base_reports_progress(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    from lightning_frozen import frozen_base
+    from lightning_frozen import progress
 
-    monkeypatch.setattr(frozen_base, "_PROGRESS_SECONDS", 0.0)  # a large base would take seconds per tensor
+    monkeypatch.setattr(progress, "INTERVAL_SECONDS", 0.0)  # a large base would take seconds per tensor
     with caplog.at_level("WARNING", logger="lightning_frozen.frozen_base"):
         fingerprint_base(_frozen(AdapterModel()))
     lines = [r.getMessage() for r in caplog.records if "fingerprinting the frozen base" in r.getMessage()]

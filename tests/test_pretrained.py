@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_frozen
-from lightning_frozen import placement, pretrained
+from lightning_frozen import placement, pretrained, progress
 from tests.distributed import read_reports, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data, write_llama
@@ -27,7 +27,7 @@ def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_configure_model_loads_the_folder_bit_for_bit_into_shards(
     llama_folder: Path, precision: str, shard_dtype: str, lightning_log: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pretrained, "_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "INTERVAL_SECONDS", 0.0)
     model = PretrainedLoRA(str(llama_folder))
     trainer = cpu_trainer(max_steps=2, precision=precision)
     trainer.fit(model, token_data())
