@@ -22,12 +22,10 @@ CONFIGS: dict[str, Config] = {
     c.key: c
     for c in (
         Config("frozen", "(a) frozen_deepspeed", lr_zero=False, cpu_adam=False, estimated=True),
-        Config("frozen_offload", "(a') frozen_deepspeed_offload", lr_zero=False, cpu_adam=False,
-               estimated=True),
+        Config("frozen_offload", "(a') frozen_deepspeed_offload", lr_zero=False, cpu_adam=False, estimated=True),
         Config("stock", "(b) stock ZeRO-3 + offload", lr_zero=False, cpu_adam=True, estimated=False),
         Config("stock_lr0", "(c) lr=0 under (b)", lr_zero=True, cpu_adam=True, estimated=False),
-        Config("frozen_lr0", "(c) lr=0 under frozen_deepspeed", lr_zero=True, cpu_adam=False,
-               estimated=True),
+        Config("frozen_lr0", "(c) lr=0 under frozen_deepspeed", lr_zero=True, cpu_adam=False, estimated=True),
         Config("plain", "(d) plain Lightning", lr_zero=False, cpu_adam=False, estimated=False),
     )
 }

@@ -1,6 +1,6 @@
 """Turn the raw figures of ``results.json`` into ``results.md`` (tables and goals) and ``results.png``.
 
-    python benchmarks/report.py [RESULTS_DIR]    # redraw from RESULTS_DIR/results.json (default benchmarks/results)
+python benchmarks/report.py [RESULTS_DIR]    # redraw from RESULTS_DIR/results.json (default benchmarks/results)
 """
 
 from __future__ import annotations
@@ -103,27 +103,39 @@ def goal_rows(grouped: dict[tuple[str, int], dict[str, dict[str, Any]]]) -> list
             continue
 
         def check(goal: str, value: Optional[float], bound: float, text: str, where: str = where) -> None:
-            out.append((goal, where, text if value is not None else "not measured",
-                        None if value is None else value <= bound))
+            out.append(
+                (goal, where, text if value is not None else "not measured", None if value is None else value <= bound)
+            )
 
         # on a GPU the memory goals are about device memory, against the estimate's device bytes
         if "device_memory_bytes" in a:
             memory_key, limit_key, what_memory, what_limit = (
-                "device_memory_bytes", "device_estimate_bytes", "device memory", "estimate"
+                "device_memory_bytes",
+                "device_estimate_bytes",
+                "device memory",
+                "estimate",
             )
         else:
             memory_key, limit_key, what_memory, what_limit = "memory_bytes", "limit_bytes", "memory", "limit"
         mem_b = ratio(a, b, memory_key)
         check(f"{what_memory} (a) ≤ (b)", mem_b, 1.0, f"{_num(mem_b)}× (b)")
         mem_limit = ratio(a, a, memory_key, limit_key)
-        check(f"{what_memory} (a) ≤ {MEMORY_VS_LIMIT_GOAL}× {what_limit}", mem_limit, MEMORY_VS_LIMIT_GOAL,
-              f"{_num(mem_limit)}× {what_limit}")
+        check(
+            f"{what_memory} (a) ≤ {MEMORY_VS_LIMIT_GOAL}× {what_limit}",
+            mem_limit,
+            MEMORY_VS_LIMIT_GOAL,
+            f"{_num(mem_limit)}× {what_limit}",
+        )
         for key, what in ((memory_key, what_memory), ("step_s", "step time"), ("checkpoint_bytes", "checkpoint")):
             value = ratio(c, a, key) if c is not None else None
             check(f"(c) under ours: {what} within 10% of (a)", value, LR_ZERO_VS_FROZEN_GOAL, f"{_num(value)}× (a)")
         ckpt_floor = ratio(a, a, "checkpoint_bytes", "checkpoint_floor_bytes")
-        check(f"checkpoint (a) ≤ {CHECKPOINT_VS_FLOOR_GOAL}× floor", ckpt_floor, CHECKPOINT_VS_FLOOR_GOAL,
-              f"{_num(ckpt_floor)}× floor")
+        check(
+            f"checkpoint (a) ≤ {CHECKPOINT_VS_FLOOR_GOAL}× floor",
+            ckpt_floor,
+            CHECKPOINT_VS_FLOOR_GOAL,
+            f"{_num(ckpt_floor)}× floor",
+        )
         step_b = ratio(a, b, "step_s")
         check("step time (a) ≤ (b)", step_b, 1.0, f"{_num(step_b)}× (b)")
     return out
@@ -177,26 +189,46 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         ]
         for key, row in by_config.items():
             lines.append(
-                "| " + " | ".join([
-                    CONFIGS[key].label + (" (DDP)" if key == PLAIN and devices > 1 else ""),
-                    _cell(row.get("memory_bytes"), ratio(row, a, "memory_bytes"),
-                          ratio(row, row, "memory_bytes", "limit_bytes"), unit=MiB),
-                    _mib(row.get("heap_malloc_memory_bytes")),
-                    _mib(row.get("setup_memory_bytes")),
-                    _cell(row.get("checkpoint_bytes"), ratio(row, a, "checkpoint_bytes"),
-                          ratio(row, row, "checkpoint_bytes", "checkpoint_floor_bytes"), digits=2, unit=MiB),
-                    _cell(row.get("save_s"), ratio(row, a, "save_s"), digits=2),
-                    _cell(row.get("next_save_s"), ratio(row, a, "next_save_s"), digits=2),
-                    _cell(row.get("resume_s"), ratio(row, a, "resume_s"), digits=2),
-                    {True: "yes", False: "**no**", None: "—"}[row.get("resumed_exactly")],
-                    _cell(row.get("step_s"), ratio(row, a, "step_s"), ratio(row, d, "step_s"), digits=3),
-                    f"{row['estimate_error']:+.0%}" if "estimate_error" in row else "—",
-                    *(
-                        [_cell(row.get("device_memory_bytes"), ratio(row, a, "device_memory_bytes"),
-                               ratio(row, row, "device_memory_bytes", "device_estimate_bytes"), unit=MiB)]
-                        if device else []
-                    ),
-                ]) + " |"
+                "| "
+                + " | ".join(
+                    [
+                        CONFIGS[key].label + (" (DDP)" if key == PLAIN and devices > 1 else ""),
+                        _cell(
+                            row.get("memory_bytes"),
+                            ratio(row, a, "memory_bytes"),
+                            ratio(row, row, "memory_bytes", "limit_bytes"),
+                            unit=MiB,
+                        ),
+                        _mib(row.get("heap_malloc_memory_bytes")),
+                        _mib(row.get("setup_memory_bytes")),
+                        _cell(
+                            row.get("checkpoint_bytes"),
+                            ratio(row, a, "checkpoint_bytes"),
+                            ratio(row, row, "checkpoint_bytes", "checkpoint_floor_bytes"),
+                            digits=2,
+                            unit=MiB,
+                        ),
+                        _cell(row.get("save_s"), ratio(row, a, "save_s"), digits=2),
+                        _cell(row.get("next_save_s"), ratio(row, a, "next_save_s"), digits=2),
+                        _cell(row.get("resume_s"), ratio(row, a, "resume_s"), digits=2),
+                        {True: "yes", False: "**no**", None: "—"}[row.get("resumed_exactly")],
+                        _cell(row.get("step_s"), ratio(row, a, "step_s"), ratio(row, d, "step_s"), digits=3),
+                        f"{row['estimate_error']:+.0%}" if "estimate_error" in row else "—",
+                        *(
+                            [
+                                _cell(
+                                    row.get("device_memory_bytes"),
+                                    ratio(row, a, "device_memory_bytes"),
+                                    ratio(row, row, "device_memory_bytes", "device_estimate_bytes"),
+                                    unit=MiB,
+                                )
+                            ]
+                            if device
+                            else []
+                        ),
+                    ]
+                )
+                + " |"
             )
         failures = [(key, phase, text) for key, row in by_config.items() for phase, text in row["errors"].items()]
         for key, phase, text in failures:
@@ -218,9 +250,16 @@ def chart(rows: list[dict[str, Any]], path: Path, setting: str) -> None:
     panels = [
         ("memory_bytes", MiB, "peak RSS above the floor, per rank (MiB); dashed: physical limit", "limit_bytes"),
         *(
-            [("device_memory_bytes", MiB, "peak device memory per rank (MiB); dashed: estimate",
-              "device_estimate_bytes")]
-            if any("device_memory_bytes" in row for row in rows) else []
+            [
+                (
+                    "device_memory_bytes",
+                    MiB,
+                    "peak device memory per rank (MiB); dashed: estimate",
+                    "device_estimate_bytes",
+                )
+            ]
+            if any("device_memory_bytes" in row for row in rows)
+            else []
         ),
         ("checkpoint_bytes", MiB, "checkpoint size (MiB); dashed: 12 B per trainable param", "checkpoint_floor_bytes"),
         ("step_s", 1, "time per training step (s)", None),
@@ -241,8 +280,16 @@ def chart(rows: list[dict[str, Any]], path: Path, setting: str) -> None:
                 if row.get(key):
                     axis.bar(x, row[key] / unit, width, color=colors[config])
                 else:
-                    axis.text(x, 0.02, "failed", rotation=90, ha="center", va="bottom", fontsize=7,
-                              transform=axis.get_xaxis_transform())
+                    axis.text(
+                        x,
+                        0.02,
+                        "failed",
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        transform=axis.get_xaxis_transform(),
+                    )
         for group_index, by_config in enumerate(grouped.values()):
             limit = next(iter(by_config.values())).get(limit_key) if limit_key else None
             if limit:
@@ -254,7 +301,7 @@ def chart(rows: list[dict[str, Any]], path: Path, setting: str) -> None:
         axis.set_title(title, fontsize=10)
         axis.set_xticks(range(len(names)), names)
         axis.grid(axis="y", which="both", alpha=0.3)
-    for axis in axes.flat[len(panels):]:
+    for axis in axes.flat[len(panels) :]:
         axis.set_visible(False)
     handles = [Patch(color=colors[key], label=CONFIGS[key].label) for key in configs]
     figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
