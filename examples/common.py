@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -11,8 +12,9 @@ from lightning_frozen.cli import lightning_cli
 
 
 def say(example: str, message: str) -> None:
-    """Print a progress line of ``example``."""
-    print(f"\n[{example}] {message}", flush=True)
+    """Print a progress line of ``example``, once: not from the ranks Lightning starts by re-running the script."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"\n[{example}] {message}", flush=True)
 
 
 def fit_with_cli(example: str, config: Path, out: Path, overrides: list[str], step: str = "fit") -> LightningCLI:

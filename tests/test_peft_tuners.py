@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import lightning_frozen
 from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.frozen_base import fingerprint_base
 from lightning_frozen.peft_export import peft_entry, prompt_embeddings
 from tests.distributed import run_script
 from tests.models import cpu_trainer
@@ -105,6 +106,37 @@ def test_export_loads_in_peft_to_the_logits_of_load_adapter(trained: dict) -> No
     torch.testing.assert_close(_logits(theirs, tuner), expected, rtol=1e-5, atol=1e-5)
     untrained = _logits(PeftModule(tuner, trained["llama"]).model, tuner)
     assert not torch.allclose(untrained, expected, atol=1e-4)  # training moved the logits: the match means something
+
+
+def test_a_head_made_at_random_by_from_pretrained_does_not_fail_base_verification(trained: dict) -> None:
+    # `from_pretrained(..., num_labels=2)` creates the classifier at random, so every load of the base differs there;
+    # SEQ_CLS trains a copy of it (`modules_to_save`), and the adapted model never computes with the original
+    tuner = trained["tuner"]
+    if TUNERS[tuner][1]:
+        pytest.skip("the causal Llama has no head made at random")
+    recorded = torch.load(trained["two"], weights_only=True)["frozen_base"]["fingerprint"]["tensors"]
+    assert not [name for name in recorded if ".original_module." in name]
+    expected = _logits(lightning_frozen.load_adapter(PeftModule(tuner), trained["two"]).model, tuner)
+    reloaded = PeftModule(tuner)
+    originals = [p for name, p in reloaded.named_parameters() if ".original_module." in name]
+    assert originals  # the classifier's original, at least
+    with torch.no_grad():
+        for param in originals:
+            param.normal_()  # another random head, as a load without the tests' fixed seed gives
+    lightning_frozen.load_adapter(reloaded, trained["two"])
+    torch.testing.assert_close(_logits(reloaded.model, tuner), expected, rtol=0, atol=0)
+    # 0.1.0 and `convert` recorded the originals too: they are left out when verifying
+    legacy = torch.load(trained["two"], weights_only=True)
+    every_frozen = sorted((n, p) for n, p in PeftModule(tuner).named_parameters() if not p.requires_grad)
+    legacy["frozen_base"]["fingerprint"] = fingerprint_base(every_frozen)
+    assert set(legacy["frozen_base"]["fingerprint"]["tensors"]) >= {n for n, _ in every_frozen if "original_mod" in n}
+    torch.save(legacy, trained["tmp"] / "legacy.ckpt")
+    lightning_frozen.load_adapter(reloaded, trained["tmp"] / "legacy.ckpt")
+    embeddings = next(p for name, p in reloaded.named_parameters() if name.endswith("word_embeddings.weight"))
+    with torch.no_grad():
+        embeddings[0, 0] += 1  # a frozen weight the adapted model computes with is still verified
+    with pytest.raises(lightning_frozen.FrozenBaseMismatchError, match="word_embeddings.weight` holds different"):
+        lightning_frozen.load_adapter(reloaded, trained["two"])
 
 
 def test_export_holds_what_peft_save_pretrained_writes(trained: dict) -> None:
