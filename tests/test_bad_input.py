@@ -67,6 +67,7 @@ def unreadable(tmp_path: Path) -> Path:
         (dict(timeout=60), r"`timeout` must be a `datetime.timedelta`, e.g. `timedelta\(minutes=10\)`, got 60"),
         (dict(frozen_base=7), "`frozen_base` must be the base's path or hub id, got 7"),
         (dict(config=3), "`config` must be a DeepSpeed config dict or the path of its JSON file, got 3"),
+        (dict(stage="3"), r"`stage` must be the int 3 \(ZeRO stage 3 shards frozen params\), got '3'"),
     ],
 )
 def test_strategy_options_of_the_wrong_type_are_named(option: dict[str, Any], message: str) -> None:
@@ -75,8 +76,8 @@ def test_strategy_options_of_the_wrong_type_are_named(option: dict[str, Any], me
 
 
 def test_strategy_option_values_are_named_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"got `stage='3'`.*DeepSpeedStrategy"):
-        FrozenAwareDeepSpeedStrategy(stage="3")
+    with pytest.raises(ValueError, match=r"got `stage=2`.*DeepSpeedStrategy"):
+        FrozenAwareDeepSpeedStrategy(stage=2)
     with pytest.raises(ValueError, match="`fingerprint='md5'` is not one of"):
         FrozenAwareDeepSpeedStrategy(fingerprint="md5")
     FrozenAwareDeepSpeedStrategy(frozen_base=Path("bases/bert"), timeout=timedelta(seconds=30), config={})
