@@ -28,8 +28,8 @@ from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regress
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An adapter checkpoint, a stock DeepSpeed directory, a plain Lightning file and other files that are no
-    checkpoints."""
+    """An adapter checkpoint, a stock DeepSpeed directory, a plain Lightning file, other files that are no
+    checkpoints, a logs folder (``runs``) and a folder of checkpoints (``checkpoints``)."""
     tmp = tmp_path_factory.mktemp("inputs")
     trainer = cpu_trainer(max_steps=2)
     trainer.fit(AdapterModel(), regression_data())
@@ -41,6 +41,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (tmp / "empty.ckpt").write_bytes(b"")
     (tmp / "notes.ckpt").write_text("hello")
     torch.save(torch.zeros(3), tmp / "tensor.ckpt")
+    (tmp / "runs" / "lightning_logs" / "version_0").mkdir(parents=True)
+    (tmp / "runs" / "lightning_logs" / "version_0" / "hparams.yaml").write_text("width: 32\n")
+    (tmp / "checkpoints").mkdir()
+    (tmp / "checkpoints" / "epoch=0-step=2.ckpt").write_bytes((tmp / "adapter.ckpt").read_bytes())
     return {path.stem: path for path in tmp.iterdir()}
 
 
@@ -145,6 +149,11 @@ def test_every_load_path_names_what_is_wrong_with_the_file(call: Any, files: dic
         call(files["adapter"].parent / "missing.ckpt")
     with pytest.raises(CheckpointFormatError, match=r"stock.ckpt is a directory.*lightning-frozen convert"):
         call(files["stock"])
+    with pytest.raises(CheckpointFormatError, match=r"runs is a directory, not a checkpoint file\. Pass") as refused:
+        call(files["runs"])
+    assert "convert" not in str(refused.value) and "holds" not in str(refused.value)
+    with pytest.raises(CheckpointFormatError, match=r"checkpoints is a directory.*It holds `epoch=0-step=2\.ckpt`"):
+        call(files["checkpoints"])
     shard = next(files["stock"].glob("checkpoint/*model_states.pt"))
     with pytest.raises(CheckpointFormatError, match="model_states.pt is not a lightning-frozen checkpoint"):
         call(shard)
