@@ -16,6 +16,7 @@ lives in ``trainable_state.py``, loading it without DeepSpeed in ``loading.py``.
 """
 
 import enum
+import inspect
 import io
 import os
 import pickle
@@ -24,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Optional, TypeVar, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -268,6 +270,26 @@ def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
     tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
     folder = directory / tag
     return folder if folder.is_dir() and any(folder.glob("*_model_states.pt")) else None
+
+
+_TRAINER_RUN = pl.Trainer._run.__code__
+
+
+def require_restore_path(trainer: pl.Trainer) -> None:
+    """Refuse, before anything is built, a ``ckpt_path`` of the Trainer's running ``fit``/``validate``/``test``/
+    ``predict`` where :func:`read_checkpoint` would find no file (see :func:`require_file`).
+
+    Lightning has resolved ``"last"``, ``"best"`` and ``"hpc"`` by the time the strategy is set up, but holds the
+    result only as the ``ckpt_path`` argument of ``Trainer._run`` until it restores (``trainer.ckpt_path`` is still the
+    previous run's then), so it is read from that call on the stack; when none is found nothing is checked here.
+    """
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code is _TRAINER_RUN and frame.f_locals.get("self") is trainer):
+        frame = frame.f_back
+    path = frame.f_locals.get("ckpt_path") if frame is not None else None
+    if path:
+        given_as = f" (the `ckpt_path` of `{trainer.state.fn.value}`)" if trainer.state.fn else ""
+        require_file(checked_location(path, "ckpt_path", "Trainer"), given_as)
 
 
 def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:

@@ -4,6 +4,7 @@ fault and the fix, and nothing on disk is lost."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -12,12 +13,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from torch import nn
 
 import lightning_frozen
 from lightning_frozen import (
     CheckpointFormatError,
     CheckpointKeysError,
+    CheckpointNotFoundError,
     FrozenAwareDeepSpeedStrategy,
     FrozenBaseMismatchError,
     NoTrainableParametersError,
@@ -210,6 +213,68 @@ def test_resuming_from_a_foreign_checkpoint_says_what_to_do(files: dict[str, Pat
         trainer = cpu_trainer(max_steps=1)
         with pytest.raises(CheckpointFormatError, match=f"{source}.ckpt.*{fix}"):
             getattr(trainer, run)(AdapterModel(), regression_data(), ckpt_path=files[source])
+
+
+class SetupRecorder(AdapterModel):
+    """Records the stages of its ``setup`` hook, which Lightning calls after the strategy's ``setup_environment``
+    and before ``configure_model`` and DeepSpeed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages: list[str] = []
+
+    def setup(self, stage: str) -> None:
+        self.stages.append(stage)
+
+
+def test_a_wrong_ckpt_path_is_refused_before_anything_is_set_up(files: dict[str, Path]) -> None:
+    missing = files["adapter"].parent / "typo.ckpt"
+    for run in ("fit", "validate"):
+        model = SetupRecorder()
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=re.escape(f"No checkpoint at {missing} (the `ckpt_path` of `{run}`): check the path."),
+        ):
+            getattr(cpu_trainer(max_steps=1), run)(model, regression_data(), ckpt_path=missing)
+        assert model.stages == []
+    model = SetupRecorder()
+    with pytest.raises(
+        CheckpointNotFoundError, match=rf"No checkpoint at typo.ckpt .*relative paths start at {re.escape(os.getcwd())}"
+    ):
+        cpu_trainer().validate(model, regression_data(), ckpt_path="typo.ckpt")
+    with pytest.raises(CheckpointFormatError, match=r"stock.ckpt is a directory.*lightning-frozen convert"):
+        cpu_trainer().validate(model, regression_data(), ckpt_path=files["stock"])
+    with pytest.raises(CheckpointFormatError, match=r"runs is a directory, not a checkpoint file \(the `ckpt_path`"):
+        cpu_trainer().validate(model, regression_data(), ckpt_path=files["runs"])
+    assert model.stages == []
+
+
+def test_the_ckpt_path_check_follows_lightnings_choice_and_leaves_plugins_alone(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    with pytest.warns(UserWarning, match=r'ckpt_path="last"\) is set, but there is no last checkpoint'):
+        cpu_trainer(max_steps=1).fit(AdapterModel(), regression_data(), ckpt_path="last")
+    # `trainer.ckpt_path` still names the previous run's file, since removed: this run restores none
+    kept = tmp_path / "kept.ckpt"
+    kept.write_bytes(files["adapter"].read_bytes())
+    trainer = cpu_trainer()
+    trainer.validate(AdapterModel(), regression_data(), ckpt_path=kept)
+    kept.unlink()
+    assert trainer.ckpt_path == kept
+    trainer.validate(AdapterModel(), regression_data())
+
+    class ByName(TorchCheckpointIO):
+        """Reads a checkpoint by its name from another place, as a cloud storage plugin does."""
+
+        read: list[str] = []
+
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
+            self.read.append(str(path))
+            where = files["adapter"].parent / Path(path).name
+            return super().load_checkpoint(where, map_location=map_location, weights_only=weights_only)
+
+    cpu_trainer(plugins=[ByName()]).validate(AdapterModel(), regression_data(), ckpt_path="bucket/adapter.ckpt")
+    assert ByName.read == ["bucket/adapter.ckpt"]
 
 
 # ---------------------------------------------------------------------------------------------- writing
