@@ -67,6 +67,11 @@ def check_strategy_arguments(
             f"FrozenAwareDeepSpeedStrategy: `config` must be a DeepSpeed config dict or the path of its JSON file,"
             f" got {config!r}."
         )
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise InvalidArgumentTypeError(
+            f"FrozenAwareDeepSpeedStrategy: `stage` must be the int 3 (ZeRO stage 3 shards frozen params), got"
+            f" {stage!r}."
+        )
     if fingerprint not in FINGERPRINT_MODES:
         raise InvalidArgumentValueError(f"`fingerprint={fingerprint!r}` is not one of {FINGERPRINT_MODES}.")
     if zero_optimization and stage != 3:

@@ -16,6 +16,7 @@ lives in ``trainable_state.py``, loading it without DeepSpeed in ``loading.py``.
 """
 
 import enum
+import inspect
 import io
 import os
 import pickle
@@ -24,8 +25,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Optional, TypeVar, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -35,6 +38,7 @@ from lightning_frozen.errors import (
     CheckpointNotFoundError,
     InvalidArgumentTypeError,
     UnsupportedConfigurationError,
+    format_names,
 )
 
 FORMAT_KEY = "lightning_frozen"
@@ -216,25 +220,76 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
 
 
 def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:
-    """The local file, or a URL's bytes; refuses what is missing and directories (stock DeepSpeed checkpoints)."""
+    """The local file, or a URL's bytes; refuses what is missing and directories (see :func:`require_file`)."""
+    require_file(location)
     if isinstance(location, str):
-        from lightning.fabric.utilities.cloud_io import get_filesystem
-
-        fs = get_filesystem(location)
-        _refuse_missing_or_directory(location, fs.exists(location), fs.isdir(location))
-        return io.BytesIO(fs.cat_file(location))
-    _refuse_missing_or_directory(location, location.exists(), location.is_dir())
+        return io.BytesIO(get_filesystem(location).cat_file(location))
     return location
 
 
-def _refuse_missing_or_directory(location: Union[Path, str], exists: bool, is_dir: bool) -> None:
+def require_file(location: Union[Path, str], given_as: str = "") -> None:
+    """Refuse a ``location`` (a local ``Path`` or a URL) that :func:`read_checkpoint` cannot open as a file.
+
+    ``given_as`` says where the path came from, for the message (``" (the `ckpt_path` of `fit`)"``).
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``location``.
+        CheckpointFormatError: a directory; the message says to convert it when it is a stock DeepSpeed checkpoint.
+    """
+    if isinstance(location, str):
+        fs = get_filesystem(location)
+        exists, is_dir = fs.exists(location), fs.isdir(location)
+    else:
+        exists, is_dir = location.exists(), location.is_dir()
     if not exists:
-        raise CheckpointNotFoundError(f"No checkpoint at {location}.")
-    if is_dir:
+        relative = (
+            "" if isinstance(location, str) or location.is_absolute() else f" (relative paths start at {Path.cwd()})"
+        )
+        raise CheckpointNotFoundError(f"No checkpoint at {location}{given_as}: check the path{relative}.")
+    if not is_dir:
+        return
+    if isinstance(location, Path) and deepspeed_shard_folder(location) is not None:
         raise CheckpointFormatError(
             f"{location} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
             f" `lightning-frozen convert {location} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
         )
+    inside = sorted(p.name for p in location.glob("*.ckpt")) if isinstance(location, Path) else []
+    holds = f" It holds {format_names(inside)}." if inside else ""
+    raise CheckpointFormatError(
+        f"{location} is a directory, not a checkpoint file{given_as}. Pass the path of the `.ckpt` file itself (a"
+        f" ModelCheckpoint writes them in its `dirpath`, by default `<default_root_dir>/lightning_logs/version_<n>/"
+        f"checkpoints/`).{holds}"
+    )
+
+
+def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
+    """The folder of a stock DeepSpeed checkpoint ``directory`` that holds its ``*_model_states.pt`` shard files: the
+    tag its ``latest`` file names, else ``checkpoint`` (Lightning's tag); None when ``directory`` is no such checkpoint.
+    """
+    latest = directory / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    folder = directory / tag
+    return folder if folder.is_dir() and any(folder.glob("*_model_states.pt")) else None
+
+
+_TRAINER_RUN = pl.Trainer._run.__code__
+
+
+def require_restore_path(trainer: pl.Trainer) -> None:
+    """Refuse, before anything is built, a ``ckpt_path`` of the Trainer's running ``fit``/``validate``/``test``/
+    ``predict`` where :func:`read_checkpoint` would find no file (see :func:`require_file`).
+
+    Lightning has resolved ``"last"``, ``"best"`` and ``"hpc"`` by the time the strategy is set up, but holds the
+    result only as the ``ckpt_path`` argument of ``Trainer._run`` until it restores (``trainer.ckpt_path`` is still the
+    previous run's then), so it is read from that call on the stack; when none is found nothing is checked here.
+    """
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code is _TRAINER_RUN and frame.f_locals.get("self") is trainer):
+        frame = frame.f_back
+    path = frame.f_locals.get("ckpt_path") if frame is not None else None
+    if path:
+        given_as = f" (the `ckpt_path` of `{trainer.state.fn.value}`)" if trainer.state.fn else ""
+        require_file(checked_location(path, "ckpt_path", "Trainer"), given_as)
 
 
 def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:

@@ -12,10 +12,13 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
+from typing_extensions import override
 
 import lightning_frozen
 from lightning_frozen.errors import FrozenTrainingError
@@ -33,12 +36,50 @@ FrozenAwareDeepSpeedStrategy` lists the options. Also: `{PROG} convert SRC_DIR D
 Lightning DeepSpeed checkpoint directory (`{PROG} convert --help`)."""
 
 
+class _FrozenCLI(LightningCLI):
+    """LightningCLI that reports a :class:`~lightning_frozen.FrozenTrainingError` raised while it builds the classes
+    (a strategy argument refused) as one line and exit status 2, as jsonargparse reports a type error, instead of
+    chained tracebacks ending in the whole parsed config."""
+
+    @override
+    def instantiate_classes(self) -> None:
+        refused: list[FrozenTrainingError] = []
+        # a class in a union (the Trainer's `strategy: str | Strategy`) fails chained to the first subtype's error,
+        # not to ours, so ours are recorded as they are raised
+        self.parser.add_instantiator(partial(_instantiate_recording, refused), object)
+        try:
+            super().instantiate_classes()
+        except Exception as error:
+            ours = [cause for cause in _chain(error) if isinstance(cause, FrozenTrainingError)] + refused
+            if not ours:
+                raise  # anything else (a bug in the user's class) keeps its traceback
+            self.parser.exit(2, f"{PROG}: error: {ours[0]}\n")
+
+
+def _instantiate_recording(refused: list[FrozenTrainingError], class_type: type, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return class_type(*args, **kwargs)
+    except FrozenTrainingError as error:
+        refused.append(error)
+        raise
+
+
+def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from or while handling, innermost last."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
     """Build (and by default run) the ``lightning-frozen`` LightningCLI and return it.
 
     ``args`` are parsed as LightningCLI parses them (``None`` reads ``sys.argv``). ``kwargs`` go to
     :class:`~lightning.pytorch.cli.LightningCLI` and override this command's defaults: subclass mode for model
-    and data, ``trainer.strategy="frozen_deepspeed"``.
+    and data, ``trainer.strategy="frozen_deepspeed"``. A :class:`~lightning_frozen.FrozenTrainingError` raised while
+    the classes are built (a refused strategy argument) prints as one line and exits with status 2.
     """
     options: dict[str, Any] = {
         "model_class": None,
@@ -50,7 +91,7 @@ def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
         "args": args,
     }
     options.update(kwargs)
-    return LightningCLI(**options)
+    return _FrozenCLI(**options)
 
 
 def _convert_parser() -> argparse.ArgumentParser:

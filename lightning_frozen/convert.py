@@ -93,12 +93,11 @@ def _checkpoint_folder(source: Path) -> Path:
             f"{source} is a file; a stock DeepSpeed checkpoint is a directory (with `latest` and a `checkpoint/`"
             " folder). A lightning-frozen file needs no conversion."
         )
-    latest = source / "latest"
-    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
-    folder = source / tag
-    if not folder.is_dir() or not list(folder.glob("*_model_states.pt")):
+    folder = checkpoint.deepspeed_shard_folder(source)
+    if folder is None:
         raise CheckpointFormatError(
-            f"{source} does not look like a DeepSpeed checkpoint: no `{tag}/*_model_states.pt` files."
+            f"{source} does not look like a DeepSpeed checkpoint: no `*_model_states.pt` files in the folder its"
+            " `latest` file names, or in `checkpoint/`."
         )
     return folder
 

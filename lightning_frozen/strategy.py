@@ -166,6 +166,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if checkpoint.user_checkpoint_io(self.checkpoint_io) is None:  # a user's CheckpointIO may read from anywhere
+            checkpoint.require_restore_path(self._module.trainer)  # a wrong `ckpt_path` fails before DeepSpeed starts
         # DeepSpeed 0.19 and Lightning 2.6 call torch APIs that torch 2.13 deprecates, every step; not the user's to fix
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")

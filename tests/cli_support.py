@@ -1,6 +1,6 @@
 """What the CLI and example tests share: classes they name by ``class_path`` (the regression data as a
-LightningDataModule, an adapter model that saves its hyper-parameters as a LightningCLI user's module would) and
-the environment for commands they run in subprocesses."""
+LightningDataModule, an adapter model that saves its hyper-parameters as a LightningCLI user's module would, and
+modules whose ``__init__`` fails) and the environment for commands they run in subprocesses."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import lightning as L
 from torch.utils.data import DataLoader
 
+import lightning_frozen
 from tests.models import AdapterModel, regression_data
 
 
@@ -34,6 +35,22 @@ class SavedHparamsAdapterModel(AdapterModel):
     def __init__(self, width: int = 32, depth: int = 2, rank: int = 4, lr: float = 1e-2, seed: int = 0) -> None:
         super().__init__(width=width, depth=depth, rank=rank, lr=lr, seed=seed)
         self.save_hyperparameters()
+
+
+class AdapterFromFile(SavedHparamsAdapterModel):
+    """Starts from the trained adapter in the file ``adapter``, loaded in ``__init__``."""
+
+    def __init__(self, adapter: str, width: int = 32) -> None:
+        super().__init__(width=width)
+        lightning_frozen.load_adapter(self, adapter)
+
+
+class BuggyAdapterModel(SavedHparamsAdapterModel):
+    """A module with a bug of its own in ``__init__``."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__(width=width)
+        self.sizes = {"width": width}["depth"]
 
 
 def command_env() -> dict[str, str]:

@@ -4,6 +4,7 @@ fault and the fix, and nothing on disk is lost."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -12,12 +13,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from torch import nn
 
 import lightning_frozen
 from lightning_frozen import (
     CheckpointFormatError,
     CheckpointKeysError,
+    CheckpointNotFoundError,
     FrozenAwareDeepSpeedStrategy,
     FrozenBaseMismatchError,
     NoTrainableParametersError,
@@ -28,8 +31,8 @@ from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regress
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An adapter checkpoint, a stock DeepSpeed directory, a plain Lightning file and other files that are no
-    checkpoints."""
+    """An adapter checkpoint, a stock DeepSpeed directory, a plain Lightning file, other files that are no
+    checkpoints, a logs folder (``runs``) and a folder of checkpoints (``checkpoints``)."""
     tmp = tmp_path_factory.mktemp("inputs")
     trainer = cpu_trainer(max_steps=2)
     trainer.fit(AdapterModel(), regression_data())
@@ -41,6 +44,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (tmp / "empty.ckpt").write_bytes(b"")
     (tmp / "notes.ckpt").write_text("hello")
     torch.save(torch.zeros(3), tmp / "tensor.ckpt")
+    (tmp / "runs" / "lightning_logs" / "version_0").mkdir(parents=True)
+    (tmp / "runs" / "lightning_logs" / "version_0" / "hparams.yaml").write_text("width: 32\n")
+    (tmp / "checkpoints").mkdir()
+    (tmp / "checkpoints" / "epoch=0-step=2.ckpt").write_bytes((tmp / "adapter.ckpt").read_bytes())
     return {path.stem: path for path in tmp.iterdir()}
 
 
@@ -67,6 +74,7 @@ def unreadable(tmp_path: Path) -> Path:
         (dict(timeout=60), r"`timeout` must be a `datetime.timedelta`, e.g. `timedelta\(minutes=10\)`, got 60"),
         (dict(frozen_base=7), "`frozen_base` must be the base's path or hub id, got 7"),
         (dict(config=3), "`config` must be a DeepSpeed config dict or the path of its JSON file, got 3"),
+        (dict(stage="3"), r"`stage` must be the int 3 \(ZeRO stage 3 shards frozen params\), got '3'"),
     ],
 )
 def test_strategy_options_of_the_wrong_type_are_named(option: dict[str, Any], message: str) -> None:
@@ -75,8 +83,8 @@ def test_strategy_options_of_the_wrong_type_are_named(option: dict[str, Any], me
 
 
 def test_strategy_option_values_are_named_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"got `stage='3'`.*DeepSpeedStrategy"):
-        FrozenAwareDeepSpeedStrategy(stage="3")
+    with pytest.raises(ValueError, match=r"got `stage=2`.*DeepSpeedStrategy"):
+        FrozenAwareDeepSpeedStrategy(stage=2)
     with pytest.raises(ValueError, match="`fingerprint='md5'` is not one of"):
         FrozenAwareDeepSpeedStrategy(fingerprint="md5")
     FrozenAwareDeepSpeedStrategy(frozen_base=Path("bases/bert"), timeout=timedelta(seconds=30), config={})
@@ -144,6 +152,11 @@ def test_every_load_path_names_what_is_wrong_with_the_file(call: Any, files: dic
         call(files["adapter"].parent / "missing.ckpt")
     with pytest.raises(CheckpointFormatError, match=r"stock.ckpt is a directory.*lightning-frozen convert"):
         call(files["stock"])
+    with pytest.raises(CheckpointFormatError, match=r"runs is a directory, not a checkpoint file\. Pass") as refused:
+        call(files["runs"])
+    assert "convert" not in str(refused.value) and "holds" not in str(refused.value)
+    with pytest.raises(CheckpointFormatError, match=r"checkpoints is a directory.*It holds `epoch=0-step=2\.ckpt`"):
+        call(files["checkpoints"])
     shard = next(files["stock"].glob("checkpoint/*model_states.pt"))
     with pytest.raises(CheckpointFormatError, match="model_states.pt is not a lightning-frozen checkpoint"):
         call(shard)
@@ -200,6 +213,68 @@ def test_resuming_from_a_foreign_checkpoint_says_what_to_do(files: dict[str, Pat
         trainer = cpu_trainer(max_steps=1)
         with pytest.raises(CheckpointFormatError, match=f"{source}.ckpt.*{fix}"):
             getattr(trainer, run)(AdapterModel(), regression_data(), ckpt_path=files[source])
+
+
+class SetupRecorder(AdapterModel):
+    """Records the stages of its ``setup`` hook, which Lightning calls after the strategy's ``setup_environment``
+    and before ``configure_model`` and DeepSpeed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages: list[str] = []
+
+    def setup(self, stage: str) -> None:
+        self.stages.append(stage)
+
+
+def test_a_wrong_ckpt_path_is_refused_before_anything_is_set_up(files: dict[str, Path]) -> None:
+    missing = files["adapter"].parent / "typo.ckpt"
+    for run in ("fit", "validate"):
+        model = SetupRecorder()
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=re.escape(f"No checkpoint at {missing} (the `ckpt_path` of `{run}`): check the path."),
+        ):
+            getattr(cpu_trainer(max_steps=1), run)(model, regression_data(), ckpt_path=missing)
+        assert model.stages == []
+    model = SetupRecorder()
+    with pytest.raises(
+        CheckpointNotFoundError, match=rf"No checkpoint at typo.ckpt .*relative paths start at {re.escape(os.getcwd())}"
+    ):
+        cpu_trainer().validate(model, regression_data(), ckpt_path="typo.ckpt")
+    with pytest.raises(CheckpointFormatError, match=r"stock.ckpt is a directory.*lightning-frozen convert"):
+        cpu_trainer().validate(model, regression_data(), ckpt_path=files["stock"])
+    with pytest.raises(CheckpointFormatError, match=r"runs is a directory, not a checkpoint file \(the `ckpt_path`"):
+        cpu_trainer().validate(model, regression_data(), ckpt_path=files["runs"])
+    assert model.stages == []
+
+
+def test_the_ckpt_path_check_follows_lightnings_choice_and_leaves_plugins_alone(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    with pytest.warns(UserWarning, match=r'ckpt_path="last"\) is set, but there is no last checkpoint'):
+        cpu_trainer(max_steps=1).fit(AdapterModel(), regression_data(), ckpt_path="last")
+    # `trainer.ckpt_path` still names the previous run's file, since removed: this run restores none
+    kept = tmp_path / "kept.ckpt"
+    kept.write_bytes(files["adapter"].read_bytes())
+    trainer = cpu_trainer()
+    trainer.validate(AdapterModel(), regression_data(), ckpt_path=kept)
+    kept.unlink()
+    assert trainer.ckpt_path == kept
+    trainer.validate(AdapterModel(), regression_data())
+
+    class ByName(TorchCheckpointIO):
+        """Reads a checkpoint by its name from another place, as a cloud storage plugin does."""
+
+        read: list[str] = []
+
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
+            self.read.append(str(path))
+            where = files["adapter"].parent / Path(path).name
+            return super().load_checkpoint(where, map_location=map_location, weights_only=weights_only)
+
+    cpu_trainer(plugins=[ByName()]).validate(AdapterModel(), regression_data(), ckpt_path="bucket/adapter.ckpt")
+    assert ByName.read == ["bucket/adapter.ckpt"]
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -202,7 +202,10 @@ def test_bad_files_are_named_with_what_is_wrong(trained: dict[str, Path], tmp_pa
         lightning_frozen.load_adapter(AdapterModel(), plain)
 
     folder = tmp_path / "stock"
-    folder.mkdir()
+    (folder / "checkpoint").mkdir(parents=True)
+    with pytest.raises(CheckpointFormatError, match="stock is a directory, not a checkpoint file"):
+        lightning_frozen.load_adapter(AdapterModel(), folder)  # empty: no DeepSpeed shards to convert
+    (folder / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(CheckpointFormatError, match="directory.*lightning-frozen convert"):
         lightning_frozen.load_adapter(AdapterModel(), folder)
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):

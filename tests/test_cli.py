@@ -239,6 +239,47 @@ def test_the_console_script_fits_a_yaml_config_from_the_project_directory(tmp_pa
     assert written["trainer"]["strategy"] == "frozen_deepspeed_no_offload"
 
 
+def _refusal(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run the command for a config it refuses: check it exits with status 2 and prints no traceback and no parsed
+    config; return the last line it printed on stderr."""
+    with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        main(list(args))
+    printed = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in printed and "Namespace(" not in printed, printed
+    return printed.splitlines()[-1]
+
+
+def test_a_class_this_package_refuses_is_one_line_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stage_two = _config(tmp_path, {"class_path": CLASS_PATH, "init_args": {"stage": 2}})
+    assert _refusal(capsys, "fit", "--config", str(stage_two)) == (
+        "lightning-frozen: error: FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3; got `stage=2`."
+        " Use Lightning's `DeepSpeedStrategy` for stages 1 and 2."
+    )
+    missing = tmp_path / "missing.ckpt"
+    from_file = _config(tmp_path, "frozen_deepspeed", model="tests.cli_support.AdapterFromFile")
+    refusal = _refusal(capsys, "fit", "--config", str(from_file), f"--model.init_args.adapter={missing}")
+    assert refusal == f"lightning-frozen: error: No checkpoint at {missing}: check the path."
+
+
+def test_a_bug_in_the_users_class_keeps_its_traceback(tmp_path: Path) -> None:
+    buggy = _config(tmp_path, "frozen_deepspeed", model="tests.cli_support.BuggyAdapterModel")
+    with pytest.raises(Exception) as raised:
+        _cli("fit", "--config", str(buggy))
+    causes = [raised.value]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    assert isinstance(causes[-1], KeyError) and causes[-1].__traceback__ is not None
+
+
+def test_validate_with_a_wrong_ckpt_path_fails_before_deepspeed_starts(tmp_path: Path, lightning_log: Any) -> None:
+    config = _config(tmp_path, "frozen_deepspeed")
+    missing = tmp_path / "nope.ckpt"
+    with pytest.raises(lightning_frozen.CheckpointNotFoundError, match=r"nope.ckpt \(the `ckpt_path` of `validate`\)"):
+        _cli("validate", "--config", str(config), "--ckpt_path", str(missing))
+    assert "initializing deepspeed distributed" not in lightning_log.text
+
+
 @pytest.fixture(scope="module")
 def stock_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint directory written by Lightning's own DeepSpeedStrategy (ZeRO-3, on the CPU)."""
