@@ -272,18 +272,22 @@ def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
     return folder if folder.is_dir() and any(folder.glob("*_model_states.pt")) else None
 
 
-_TRAINER_RUN = pl.Trainer._run.__code__
+# Lightning holds the resolved `ckpt_path` only as this private method's argument until it restores
+_TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
 
 
-def require_restore_path(trainer: pl.Trainer) -> None:
+def require_restore_path(trainer: pl.Trainer, checkpoint_io: CheckpointIO) -> None:
     """Refuse, before anything is built, a ``ckpt_path`` of the Trainer's running ``fit``/``validate``/``test``/
-    ``predict`` where :func:`read_checkpoint` would find no file (see :func:`require_file`).
+    ``predict`` where :func:`read_checkpoint` would find no file (see :func:`require_file`). A user's
+    ``checkpoint_io`` plugin (see :func:`user_checkpoint_io`) may read from anywhere: its paths are left to it.
 
     Lightning has resolved ``"last"``, ``"best"`` and ``"hpc"`` by the time the strategy is set up, but holds the
     result only as the ``ckpt_path`` argument of ``Trainer._run`` until it restores (``trainer.ckpt_path`` is still the
     previous run's then), so it is read from that call on the stack; when none is found nothing is checked here.
     """
-    frame = inspect.currentframe()
+    if user_checkpoint_io(checkpoint_io) is not None:
+        return
+    frame = inspect.currentframe() if _TRAINER_RUN is not None else None
     while frame is not None and not (frame.f_code is _TRAINER_RUN and frame.f_locals.get("self") is trainer):
         frame = frame.f_back
     path = frame.f_locals.get("ckpt_path") if frame is not None else None

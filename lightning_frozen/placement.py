@@ -111,7 +111,8 @@ class Placement:
     pin_memory: bool = False
     frozen_dtype: Optional[str] = None  # "int8"/"nf4": frozen shards stored quantized (see `quant.py`)
     fingerprint: str = "checksum"  # the base's fingerprint mode, taken before the shards are quantized
-    fit_reduce_bucket: bool = False  # size the reduce bucket to the trainable params (the user set none)
+    # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
+    fit_reduce_bucket: bool = False  # (when the user set no size)
 
 
 def initialize_engine(

@@ -126,7 +126,6 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.fingerprint = fingerprint
         self.frozen_dtype = frozen_dtype
         self.pin_memory = bool(kwargs.get("pin_memory", False))
-        # ZeRO-3 allocates its gradient reduce bucket whole up front; only trainable grads ever go in it
         self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and config is None
         self._optimized = unfreezing.OptimizedSet()
         self._fingerprints = FingerprintCache()
@@ -166,8 +165,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if checkpoint.user_checkpoint_io(self.checkpoint_io) is None:  # a user's CheckpointIO may read from anywhere
-            checkpoint.require_restore_path(self._module.trainer)  # a wrong `ckpt_path` fails before DeepSpeed starts
+        # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
+        checkpoint.require_restore_path(self._module.trainer, self.checkpoint_io)
         # DeepSpeed 0.19 and Lightning 2.6 call torch APIs that torch 2.13 deprecates, every step; not the user's to fix
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -326,14 +325,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         given. Every rank must call it (the fingerprint is collective)."""
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
-        precision = str(self.precision_plugin.precision)
-        entries = trainable_state.checkpoint_entries(
-            self._module,
-            self.frozen_base_fingerprint(),
-            self.frozen_base,
-            world_size=self.world_size,
-            precision=precision,
-        )
+        written_with = {"world_size": self.world_size, "precision": str(self.precision_plugin.precision)}
+        fingerprint = self.frozen_base_fingerprint()
+        entries = trainable_state.checkpoint_entries(self._module, fingerprint, self.frozen_base, **written_with)
         if self.is_global_zero:
             checkpoint.save({**checkpoint_dict, **entries}, filepath, checkpoint_io, storage_options)
 
