@@ -11,12 +11,15 @@ later all-gather copies a shard to the accelerator from wherever it lives.
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
@@ -55,6 +58,22 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
+
+
+@functools.cache
+def destroy_gloo_group_at_exit() -> None:
+    """Destroy a gloo default process group when the interpreter exits, while Python is still whole.
+
+    Left to interpreter finalization, gloo's worker threads can abort a process whose run succeeded ("terminate
+    called without an active exception", status 134; pytorch/pytorch#190489, seen here on 2 CPU ranks). A group the
+    user destroyed, or an NCCL one, is left alone. Registered once per process.
+    """
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 # Lightning's DeepSpeedStrategy default `reduce_bucket_size`, in elements

@@ -182,8 +182,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             # CPU devices have no index, so DeepSpeedStrategy's device-index check does not apply.
             self.set_world_ranks()
             self._init_deepspeed_distributed()
-            return
-        super().setup_distributed()
+        else:
+            super().setup_distributed()
+        placement.destroy_gloo_group_at_exit()
 
     @property
     def _placement(self) -> placement.Placement:

@@ -1,9 +1,12 @@
-"""BackboneFinetuning under ``frozen_deepspeed`` on 2 CPU processes: unfreeze the backbone at epoch 1 of 3."""
+"""BackboneFinetuning under ``frozen_deepspeed`` on 2 CPU processes: unfreeze the backbone at epoch 1 of 3. Each rank
+also writes, as it exits, whether its gloo process group was destroyed before interpreter shutdown."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
     args = parser.parse_args()
+    # registered before the strategy's handler, so it runs after it (atexit runs last-in first-out)
+    atexit.register(_write_group_state_at_exit, Path(args.report))
     module = BackboneModel()
     initial = module.backbone[0].weight.detach().clone()
     finetuning = lightning_frozen.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.005)
@@ -35,6 +40,12 @@ def main() -> None:
     out = Path(args.report)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def _write_group_state_at_exit(out: Path) -> None:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else None
+    state = "alive" if torch.distributed.is_initialized() else "destroyed"
+    (out / f"exit{rank if rank is not None else os.environ.get('LOCAL_RANK', 0)}.txt").write_text(state)
 
 
 if __name__ == "__main__":
