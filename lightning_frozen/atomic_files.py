@@ -42,7 +42,7 @@ def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
     fs = get_filesystem(url)
     if fs.isdir(url):
         raise CheckpointFormatError(
-            f"{url} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a file"
+            f"{url} is a directory; lightning-frozen writes one file. Choose a file"
             " URL such as `.../last.ckpt`, or remove the directory."
         )
     parent, _, name = url.rstrip("/").rpartition("/")

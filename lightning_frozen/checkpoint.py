@@ -144,9 +144,10 @@ def write_atomic(checkpoint: dict, path: PathLike) -> None:
         write_url(location, lambda handle: torch.save(checkpoint, handle))
         return
     if location.is_dir():
+        stock = " (a stock DeepSpeed checkpoint)" if deepspeed_shard_folder(location) is not None else ""
         raise CheckpointFormatError(
-            f"{location} is a directory (a stock DeepSpeed checkpoint?); lightning-frozen writes one file. Choose a"
-            " file path such as `last.ckpt`, or remove the directory."
+            f"{location} is a directory{stock}; lightning-frozen writes one file. Choose a file path such as"
+            " `last.ckpt`, or remove the directory."
         )
     write_file_atomic(location, lambda handle: torch.save(checkpoint, handle))
 

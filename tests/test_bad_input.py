@@ -282,16 +282,19 @@ def test_the_ckpt_path_check_follows_lightnings_choice_and_leaves_plugins_alone(
 
 def test_saving_onto_a_directory_is_refused_and_the_directory_kept(tmp_path: Path, files: dict[str, Path]) -> None:
     target = tmp_path / "last.ckpt"
-    (target / "checkpoint").mkdir(parents=True)
-    (target / "checkpoint" / "shard.pt").write_bytes(b"a stock shard")
+    shard = target / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"a stock shard")
     trainer = cpu_trainer(max_steps=1)
     trainer.fit(AdapterModel(), regression_data())
-    with pytest.raises(CheckpointFormatError, match=r"last.ckpt is a directory.*Choose a file path"):
+    with pytest.raises(CheckpointFormatError, match=r"last.ckpt is a directory \(a stock DeepSpeed checkpoint\)"):
         trainer.save_checkpoint(target)
-    assert (target / "checkpoint" / "shard.pt").read_bytes() == b"a stock shard"
+    assert shard.read_bytes() == b"a stock shard"
     with pytest.raises(CheckpointFormatError, match="is a directory"):
         lightning_frozen.convert_deepspeed_checkpoint(files["stock"], target)
-    assert (target / "checkpoint" / "shard.pt").read_bytes() == b"a stock shard"
+    assert shard.read_bytes() == b"a stock shard"
+    with pytest.raises(CheckpointFormatError, match=r"logs is a directory; lightning-frozen writes one file"):
+        trainer.save_checkpoint(files["runs"] / "lightning_logs")
 
 
 def test_convert_names_bad_arguments_and_keeps_what_is_there(tmp_path: Path, files: dict[str, Path]) -> None:
