@@ -52,19 +52,12 @@ def _count_gathered_bytes(counter: dict[str, int]) -> None:
     deepspeed.comm.all_gather_into_tensor = counting
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} is not in /proc/self/status")
-
-
 def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
 
+    from benchmarks.worker import proc_status_bytes
     from examples.minilm_lora.task import LoRASentimentClassifier, SentimentData
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
 
@@ -80,7 +73,7 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
             self.setup_peak_rss = 0
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            self.setup_peak_rss = _status_bytes("VmHWM")
+            self.setup_peak_rss = proc_status_bytes("VmHWM")
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             self.started, self.bytes_before = time.perf_counter(), gathered["bytes"]
@@ -110,7 +103,7 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
         callbacks=[measure],
     )
     trainer.fit(model, data)
-    rss_after_fit = _status_bytes("VmRSS")
+    rss_after_fit = proc_status_bytes("VmRSS")
     metrics = trainer.validate(model, data, verbose=False)[0]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     report = {

@@ -41,5 +41,11 @@ def run_script(
     return result
 
 
+def write_report(folder: Path, rank: int, report: dict[str, Any]) -> None:
+    """A script's findings on one rank, for :func:`read_reports` in the test that ran it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
 def read_reports(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 import lightning_frozen  # noqa: E402
+from tests.distributed import write_report  # noqa: E402
 from tests.models import BackboneModel, cpu_trainer, regression_data  # noqa: E402
 
 
@@ -37,9 +37,7 @@ def main() -> None:
         "backbone_changed": changed,
         "global_step": trainer.global_step,
     }
-    out = Path(args.report)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    write_report(Path(args.report), trainer.global_rank, report)
 
 
 def _write_group_state_at_exit(out: Path) -> None:

@@ -5,7 +5,6 @@ at epoch 1."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_frozen  # noqa: E402
+from tests.distributed import write_report  # noqa: E402
 from tests.models import cpu_trainer, regression_data  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     )
     trainer.fit(BatchNormBackbone(), regression_data(width=16))
     report = {"groups": snapshots.groups, "bn_weight": snapshots.bn_weight, "global_step": trainer.global_step}
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    write_report(out, trainer.global_rank, report)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ processes; each rank writes ``<report>/rank<R>.json`` with what it held at the s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from tests.distributed import write_report  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
 
@@ -38,9 +38,7 @@ def main() -> None:
         "val_loss": metrics[0]["val_loss"],
         **model.seen_at_start,
     }
-    out = Path(args.report)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+    write_report(Path(args.report), trainer.global_rank, report)
     torch.distributed.barrier()
 
 

@@ -7,7 +7,6 @@ Lightning's launcher starts the other ranks by running this file again. Each ran
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from tests.distributed import write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
 
@@ -68,9 +68,7 @@ def main() -> None:
             for name, param in model.named_parameters()
         },
     }
-    out = Path(args.report)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+    write_report(Path(args.report), trainer.global_rank, report)
     torch.distributed.barrier()
 
 

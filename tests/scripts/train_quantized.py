@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from tests.distributed import write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
 WIDTH = 128
@@ -53,8 +53,7 @@ def fit(frozen_dtype: str, devices: int, out: Path, run: str, max_epochs: int, r
         "seen_dtype": str(seen["weight"].dtype),
         "seen_weight": seen["weight"].float().tolist(),
     }
-    (out / run).mkdir(parents=True, exist_ok=True)
-    (out / run / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    write_report(out / run, trainer.global_rank, report)
     torch.distributed.barrier()
 
 
