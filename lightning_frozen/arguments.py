@@ -6,6 +6,7 @@ The CLI checks types from the signature; Python callers get the same refusals he
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -13,6 +14,7 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
 from lightning_frozen.frozen_base import FINGERPRINT_MODES
+from lightning_frozen.placement import LIGHTNING_REDUCE_BUCKET_SIZE
 from lightning_frozen.quant_codec import check_frozen_dtype
 
 # the names `import lightning_frozen` registers: (name, description, strategy arguments)
@@ -96,3 +98,56 @@ def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[A
             " pass `frozen_dtype='int8'` (or `'nf4'`) to the strategy, which runs on the CPU too, or train with"
             " `accelerator='gpu'`."
         )
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What the DeepSpeed config that runs says about ZeRO, whether the strategy's arguments built it or ``config=``
+    gave it (a dict, or the path of its JSON file)."""
+
+    stage: int
+    offload_optimizer: bool  # the optimizer steps on the CPU (or NVMe)
+    offload_param: bool  # DeepSpeed offloads every param itself
+    pin_memory: bool  # offloaded tensors in page-locked memory
+    # no `reduce_bucket_size`, or Lightning's default: the strategy sizes the bucket to the trainable params
+    fit_reduce_bucket: bool
+
+
+def zero_settings(config: dict, pin_memory: bool = False) -> ZeroSettings:
+    """Read :class:`ZeroSettings` from a resolved DeepSpeed config, with DeepSpeed's defaults for the keys it treats as
+    optional (no ``zero_optimization``: stage 0; the legacy boolean ``zero_optimization``: stage 1 or 0; the legacy
+    ``cpu_offload`` flags). ``pin_memory`` pins the frozen shards this package offloads when no offload section says."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        zero = {"stage": 1 if zero else 0}
+    sections = {
+        key: zero.get(key) if isinstance(zero.get(key), dict) else {} for key in ("offload_optimizer", "offload_param")
+    }
+    offloaded = {key: section.get("device", "none") not in (None, "none") for key, section in sections.items()}
+    pinned = [bool(section.get("pin_memory")) for key, section in sections.items() if offloaded[key]]
+    return ZeroSettings(
+        stage=int(zero.get("stage", 0)),
+        offload_optimizer=offloaded["offload_optimizer"] or bool(zero.get("cpu_offload")),
+        offload_param=offloaded["offload_param"] or bool(zero.get("cpu_offload_param")),
+        pin_memory=any(pinned) if pinned else pin_memory,
+        fit_reduce_bucket=zero.get("reduce_bucket_size", LIGHTNING_REDUCE_BUCKET_SIZE) == LIGHTNING_REDUCE_BUCKET_SIZE,
+    )
+
+
+def resolved_zero_settings(config: dict, config_given: bool, pin_memory: bool = False) -> ZeroSettings:
+    """:func:`zero_settings` of the strategy's resolved DeepSpeed config, refused unless its ZeRO stage is 3.
+    ``config_given``: the user passed ``config=`` (else the strategy's arguments built it, with ``pin_memory``).
+
+    Raises:
+        InvalidArgumentValueError: another stage, or ZeRO off; the message names where it was set and the fix.
+    """
+    settings = zero_settings(config, pin_memory=pin_memory and not config_given)
+    if settings.stage == 3:
+        return settings
+    where = "the DeepSpeed config (`config=`)" if config_given else "the strategy's arguments"
+    found = f"ZeRO stage {settings.stage}" if settings.stage else "ZeRO switched off (`zero_optimization`)"
+    raise InvalidArgumentValueError(
+        f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3, but {where} sets {found}. Set"
+        ' `"zero_optimization": {"stage": 3, ...}` in the config (or leave `stage=3`, `zero_optimization=True`),'
+        " or use Lightning's `DeepSpeedStrategy` for stages 0 to 2."
+    )

@@ -29,6 +29,8 @@ _TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>
 # A temp file nobody has written to for this long is stale whoever wrote it (another machine or container, or a
 # reused pid).
 STALE_TEMP_SECONDS = 3600.0
+# the temp files this process is writing now, for a process that must exit at once (see preemption.py)
+_BEING_WRITTEN: set[Path] = set()
 
 
 def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
@@ -71,6 +73,7 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    _BEING_WRITTEN.add(tmp)
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
@@ -80,7 +83,22 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        _BEING_WRITTEN.discard(tmp)
     _fsync_dir(path.parent)
+
+
+def remove_temp_files_being_written() -> list[Path]:
+    """Delete the temp files :func:`write_file_atomic` is writing in this process now, and return them: for a process
+    about to exit at once (``os._exit``), which leaves every target file as it was. Safe in a signal handler."""
+    removed = []
+    for tmp in _BEING_WRITTEN.copy():  # one C call under the GIL: the main thread cannot change it meanwhile
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            continue  # renamed over its target a moment ago: that file is whole
+    return removed
 
 
 def remove_stale_temp_files(folder: Path) -> list[Path]:

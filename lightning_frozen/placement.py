@@ -103,8 +103,11 @@ def inference_config(config: dict, zero_stage_3: bool) -> dict[str, Any]:
         if key in config:
             inference[key] = config[key]
     if zero_stage_3:
-        inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
+        # keys DeepSpeed treats as optional may be missing from a user's config; an engine without optimizer needs
+        # `zero_allow_untested_optimizer` only to read as the training run did
         inference["zero_optimization"] = config["zero_optimization"]
+        if "zero_allow_untested_optimizer" in config:
+            inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
     return inference
 
 
