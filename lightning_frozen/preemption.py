@@ -102,6 +102,13 @@ class Preemption:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
+    def end_run(self, launcher: Any, exception: BaseException) -> None:
+        """After ``fit`` raised ``exception`` on this rank: end the ranks ``launcher`` started (after an agreed stop,
+        once they have ended by themselves, within ``grace``), then drop the deadline of this process."""
+        end_launched_ranks(launcher, self.grace if is_stop(exception) else 0.0)
+        if self._deadline is not None:
+            self._deadline.cancel()
+
     def exit_now(self, signum: int, why: str) -> None:
         """End this process at once with :func:`exit_status`: remove the temporary file of a checkpoint being
         written (the previous file stays whole) and end the ranks this process launched."""

@@ -267,8 +267,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        # after an agreed stop the other ranks end by themselves; after a failure they may hang in a collective
-        preemption.end_launched_ranks(self.launcher, self._preemption.grace if preemption.is_stop(exception) else 0.0)
+        self._preemption.end_run(self.launcher, exception)
 
     # ------------------------------------------------------------------ changing what trains
 
