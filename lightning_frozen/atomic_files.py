@@ -12,9 +12,12 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,9 +67,10 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
 
     The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
-    through an existing file or link). A process killed mid-write (SIGKILL, out of memory, power loss) leaves it
-    behind: every write first removes such files in its folder when they are stale (see
-    :func:`remove_stale_temp_files`), so they do not pile up across restarts.
+    through an existing file or link). A SIGTERM or SIGHUP nobody handles removes it before it ends the process; a
+    process killed mid-write (SIGKILL, out of memory, power loss) leaves it behind: every write first removes such
+    files in its folder when they are stale (see :func:`remove_stale_temp_files`), so they do not pile up across
+    restarts.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
@@ -75,7 +79,7 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     _BEING_WRITTEN.add(tmp)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with _removed_on_terminating_signal(tmp), os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -86,6 +90,33 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     finally:
         _BEING_WRITTEN.discard(tmp)
     _fsync_dir(path.parent)
+
+
+# signals whose default action ends the process; a handler of anyone else's is left alone
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # SIGINT raises KeyboardInterrupt, which removes it too
+
+
+@contextmanager
+def _removed_on_terminating_signal(tmp: Path) -> Iterator[None]:
+    """While ``tmp`` is written: a terminating signal that no one handles removes it, then ends the process as that
+    signal would have (SIGKILL cannot be caught: its temp file is removed by a later write, see above)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    unhandled = [s for s in _TERMINATING if signal.getsignal(s) == signal.SIG_DFL]
+
+    def end(signum: int, frame: Any) -> None:
+        tmp.unlink(missing_ok=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for signum in unhandled:
+        signal.signal(signum, end)
+    try:
+        yield
+    finally:
+        for signum in unhandled:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def remove_temp_files_being_written() -> list[Path]:

@@ -69,7 +69,7 @@ class Preemption:
             trainer.callbacks.append(StopAtStepBoundary(self))
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set there; Lightning's stay
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = getattr(trainer.strategy, "cluster_environment", None)
         requeues = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         self._requeue_signum = int(environment.requeue_signal) if requeues and environment.requeue_signal else None
         for signum in (signal.SIGTERM, self._requeue_signum):
