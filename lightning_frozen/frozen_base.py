@@ -50,11 +50,12 @@ SOURCE_SHA256 = "lf_source_sha256"
 
 
 def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Optional[str]:
-    """Where the frozen base came from: ``explicit``, else the first of :func:`find_base_references`, else a
-    ``frozen_base_reference`` attribute of ``module``; None if none is known."""
+    """Where the frozen base came from: ``explicit``, else that of the PEFT model, else the first of
+    :func:`find_base_references`, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
     if explicit:
         return str(explicit)
-    reference = next(iter(find_base_references(module).values()), None)
+    bases, peft = find_base_references(module), find_peft_model(module)
+    reference = (bases.get(peft[0]) if peft else None) or next(iter(bases.values()), None)
     reference = reference or getattr(module, "frozen_base_reference", None)
     return str(reference) if reference else None
 

@@ -34,7 +34,7 @@ from lightning_frozen.atomic_files import remove_temp_files_being_written
 
 log = logging.getLogger(__name__)
 
-# the file a SIGTERM stop writes, in the ModelCheckpoint's folder (so `ckpt_path="last"` finds it) or the root dir
+# the file a SIGTERM stop writes without a ModelCheckpoint (or one whose last name has format fields)
 STOP_CHECKPOINT_NAME = "last.ckpt"
 DEFAULT_GRACE_SECONDS = 20.0
 
@@ -161,11 +161,14 @@ class StopAtStepBoundary(Callback):
 
 
 def stop_checkpoint_path(trainer: pl.Trainer) -> str:
-    """Where a SIGTERM stop saves: ``last.ckpt`` in the folder of the Trainer's ``ModelCheckpoint`` (so that
-    ``fit(ckpt_path="last")`` resumes from it), else in ``default_root_dir``."""
+    """Where a SIGTERM stop saves: the ``last`` file of the Trainer's ``ModelCheckpoint`` in its folder (so that
+    ``fit(ckpt_path="last")`` resumes from it), else ``last.ckpt`` in ``default_root_dir``."""
     callback = trainer.checkpoint_callback
-    folder = callback.dirpath if isinstance(callback, ModelCheckpoint) and callback.dirpath else None
-    return os.path.join(folder or trainer.default_root_dir, STOP_CHECKPOINT_NAME)
+    if not (isinstance(callback, ModelCheckpoint) and callback.dirpath):
+        return os.path.join(trainer.default_root_dir, STOP_CHECKPOINT_NAME)
+    # its own last name when it has no format fields (`ckpt_path="last"` looks for files named so)
+    name = callback.CHECKPOINT_NAME_LAST
+    return os.path.join(callback.dirpath, STOP_CHECKPOINT_NAME if "{" in name else name + callback.FILE_EXTENSION)
 
 
 def is_stop(exception: BaseException) -> bool:

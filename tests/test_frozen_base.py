@@ -171,7 +171,7 @@ def test_each_of_two_bases_is_recorded_and_a_mismatch_names_the_base_it_is_in(tm
     trainer.fit(_VisionAndLanguage(**folders), DataLoader(TensorDataset(ids), batch_size=4))
     trainer.save_checkpoint(tmp_path / "adapter.ckpt")
     entry = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["frozen_base"]
-    assert entry["bases"] == folders and entry["reference"] == folders["vision"]
+    assert entry["bases"] == folders and entry["reference"] == folders["language"]  # the PEFT model's, as with one
 
     for changed in ("vision.layers.1.mlp.up_proj.weight", "language.base_model.model.model.embed_tokens.weight"):
         module = _VisionAndLanguage(**folders)

@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=60.0)
     args = parser.parse_args()
 
-    periodic = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=1, save_top_k=int(os.environ.get("KEEP", "1")))
+    periodic = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=1, save_top_k=1)
     trainer = cpu_trainer(
         FrozenAwareDeepSpeedStrategy(preemption_grace=args.grace),
         devices=2,
