@@ -14,7 +14,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, InvalidArgumentValueError
-from lightning_frozen.arguments import zero_settings
+from lightning_frozen.zero_config import zero_settings
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 # what a user writes: no `zero_allow_untested_optimizer`, no bucket sizes
@@ -112,7 +112,8 @@ def test_offloads_pinning_and_bucket_sizing_are_read_from_the_config(tmp_path: P
     # the arguments say otherwise, the config decides
     strategy = FrozenAwareDeepSpeedStrategy(offload_optimizer=True, pin_memory=True, config=USER_CONFIG)
     assert not strategy.offload_optimizer and not strategy.pin_memory
-    assert zero_settings({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}) == zero_settings(
-        {"zero_optimization": {"stage": 3}}
-    )
+    switched_off = {"offload_optimizer": {"device": "none"}, "offload_param": {"device": "none", "pin_memory": True}}
+    no_offload = zero_settings({"zero_optimization": {"stage": 3, **switched_off}})
+    assert no_offload == zero_settings({"zero_optimization": {"stage": 3}})
+    assert not no_offload.offload_param and not no_offload.pin_memory
     assert FrozenAwareDeepSpeedStrategy(pin_memory=True).pin_memory  # frozen shards: the package's own offload
