@@ -14,6 +14,7 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
 from lightning_frozen.frozen_base import FINGERPRINT_MODES
 from lightning_frozen.quant_codec import check_frozen_dtype
+from lightning_frozen.zero_config import ZeroSettings, zero_settings
 
 # the names `import lightning_frozen` registers: (name, description, strategy arguments)
 REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -96,3 +97,22 @@ def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[A
             " pass `frozen_dtype='int8'` (or `'nf4'`) to the strategy, which runs on the CPU too, or train with"
             " `accelerator='gpu'`."
         )
+
+
+def resolved_zero_settings(config: dict, config_given: bool, pin_memory: bool = False) -> ZeroSettings:
+    """:func:`zero_settings` of the strategy's resolved DeepSpeed config, refused unless its ZeRO stage is 3.
+    ``config_given``: the user passed ``config=`` (else the strategy's arguments built it, with ``pin_memory``).
+
+    Raises:
+        InvalidArgumentValueError: another stage, or ZeRO off; the message names where it was set and the fix.
+    """
+    settings = zero_settings(config, pin_memory=pin_memory and not config_given)
+    if settings.stage == 3:
+        return settings
+    where = "the DeepSpeed config (`config=`)" if config_given else "the strategy's arguments"
+    found = f"ZeRO stage {settings.stage}" if settings.stage else "ZeRO switched off (`zero_optimization`)"
+    raise InvalidArgumentValueError(
+        f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3, but {where} sets {found}. Set"
+        ' `"zero_optimization": {"stage": 3, ...}` in the config (or leave `stage=3`, `zero_optimization=True`),'
+        " or use Lightning's `DeepSpeedStrategy` for stages 0 to 2."
+    )

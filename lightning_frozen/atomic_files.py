@@ -12,9 +12,12 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,6 +32,8 @@ _TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>
 # A temp file nobody has written to for this long is stale whoever wrote it (another machine or container, or a
 # reused pid).
 STALE_TEMP_SECONDS = 3600.0
+# the temp files this process is writing now, for a process that must exit at once (see preemption.py)
+_BEING_WRITTEN: set[Path] = set()
 
 
 def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
@@ -62,17 +67,19 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
 
     The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
-    through an existing file or link). A process killed mid-write (SIGKILL, out of memory, power loss) leaves it
-    behind: every write first removes such files in its folder when they are stale (see
-    :func:`remove_stale_temp_files`), so they do not pile up across restarts.
+    through an existing file or link). A SIGTERM or SIGHUP nobody handles removes it before it ends the process; a
+    process killed mid-write (SIGKILL, out of memory, power loss) leaves it behind: every write first removes such
+    files in its folder when they are stale (see :func:`remove_stale_temp_files`), so they do not pile up across
+    restarts.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
     tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    _BEING_WRITTEN.add(tmp)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with _removed_on_terminating_signal(tmp), os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -80,7 +87,49 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        _BEING_WRITTEN.discard(tmp)
     _fsync_dir(path.parent)
+
+
+# signals whose default action ends the process; a handler of anyone else's is left alone
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # SIGINT raises KeyboardInterrupt, which removes it too
+
+
+@contextmanager
+def _removed_on_terminating_signal(tmp: Path) -> Iterator[None]:
+    """While ``tmp`` is written: a terminating signal that no one handles removes it, then ends the process as that
+    signal would have (SIGKILL cannot be caught: its temp file is removed by a later write, see above)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    unhandled = [s for s in _TERMINATING if signal.getsignal(s) == signal.SIG_DFL]
+
+    def end(signum: int, frame: Any) -> None:
+        tmp.unlink(missing_ok=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for signum in unhandled:
+        signal.signal(signum, end)
+    try:
+        yield
+    finally:
+        for signum in unhandled:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def remove_temp_files_being_written() -> list[Path]:
+    """Delete the temp files :func:`write_file_atomic` is writing in this process now, and return them: for a process
+    about to exit at once (``os._exit``), which leaves every target file as it was. Safe in a signal handler."""
+    removed = []
+    for tmp in _BEING_WRITTEN.copy():  # one C call under the GIL: the main thread cannot change it meanwhile
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            continue  # renamed over its target a moment ago: that file is whole
+    return removed
 
 
 def remove_stale_temp_files(folder: Path) -> list[Path]:

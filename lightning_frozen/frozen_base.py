@@ -50,21 +50,37 @@ SOURCE_SHA256 = "lf_source_sha256"
 
 
 def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Optional[str]:
-    """Where the frozen base came from: ``explicit``, else PEFT's ``base_model_name_or_path``, else a Hugging Face
-    ``config._name_or_path``, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
+    """Where the frozen base came from: ``explicit``, else that of the PEFT model, else the first of
+    :func:`find_base_references`, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
     if explicit:
         return str(explicit)
-    peft = find_peft_model(module)
-    if peft is not None:
-        config = peft[1].peft_config.get(peft[1].active_adapter)
-        if config is not None and getattr(config, "base_model_name_or_path", None):
-            return str(config.base_model_name_or_path)
-    for submodule in module.modules():
-        name = getattr(getattr(submodule, "config", None), "_name_or_path", None)
-        if isinstance(name, str) and name:
-            return name
-    reference = getattr(module, "frozen_base_reference", None)
+    bases, peft = find_base_references(module), find_peft_model(module)
+    reference = (bases.get(peft[0]) if peft else None) or next(iter(bases.values()), None)
+    reference = reference or getattr(module, "frozen_base_reference", None)
     return str(reference) if reference else None
+
+
+def find_base_references(module: nn.Module) -> dict[str, str]:
+    """Each frozen base inside ``module`` by its module path: the outermost PEFT models (their
+    ``base_model_name_or_path``) and Hugging Face models (``config._name_or_path``), e.g. ``{"vision": "org/clip",
+    "language": "org/llama"}`` for a vision tower and a language model; empty when none names its source."""
+    found: dict[str, str] = {}
+    for name, submodule in module.named_modules():
+        if any(not outer or name.startswith(f"{outer}.") for outer in found):
+            continue  # inside a base already found
+        peft_config, active = getattr(submodule, "peft_config", None), getattr(submodule, "active_adapter", None)
+        adapter = peft_config.get(active) if isinstance(peft_config, dict) and isinstance(active, str) else None
+        reference = getattr(adapter, "base_model_name_or_path", None)
+        reference = reference or getattr(getattr(submodule, "config", None), "_name_or_path", None)
+        if isinstance(reference, str) and reference:
+            found[name] = reference
+    return found
+
+
+def base_of(tensor_name: str, bases: Mapping[str, str]) -> Optional[str]:
+    """The reference of the base (of :func:`find_base_references`) that holds ``tensor_name``, or None."""
+    owners = [path for path in bases if not path or tensor_name.startswith(f"{path}.")]
+    return bases[max(owners, key=len)] if owners else None
 
 
 def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
@@ -282,14 +298,16 @@ def verify_base(
     reference: Optional[str],
     source: str,
     fingerprint: Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]] = fingerprint_base,
+    bases: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
 
-    ``fingerprint`` computes the current one (the strategy passes a cached :func:`fingerprint_base`).
+    ``fingerprint`` computes the current one (the strategy passes a cached :func:`fingerprint_base`). ``bases``: the
+    recorded references by module path, when the module holds several bases (see :func:`find_base_references`).
 
     Raises:
-        FrozenBaseMismatchError: names, shapes or values differ; the message names the reference and the first
-            differing tensors.
+        FrozenBaseMismatchError: names, shapes or values differ; the message names the reference (of the base each
+            tensor belongs to, with several) and the first differing tensors.
     """
     mode = recorded.get("mode", "none")
     if mode == "none":
@@ -298,27 +316,36 @@ def verify_base(
     if current["digest"] == recorded.get("digest"):
         return
     expected, found = recorded.get("tensors", {}), current["tensors"]
-    problems = [f"`{n}` missing from the module" for n in sorted(set(expected) - set(found))]
+    several = bases if bases and len(bases) > 1 else {}
+
+    def of(name: str) -> str:  # with several bases, the one the tensor belongs to
+        owner = base_of(name, several)
+        return f"`{name}` (of {owner!r})" if owner else f"`{name}`"
+
+    problems = [f"{of(n)} missing from the module" for n in sorted(set(expected) - set(found))]
     problems += [
-        f"`{n}` is frozen in the module but was not in the trained base" for n in sorted(set(found) - set(expected))
+        f"{of(n)} is frozen in the module but was not in the trained base" for n in sorted(set(found) - set(expected))
     ]
     for name in sorted(set(expected) & set(found)):
         want, have = expected[name], found[name]
         if want["shape"] != have["shape"]:
-            problems.append(f"`{name}` has shape {have['shape']}, the checkpoint's base had {want['shape']}")
+            problems.append(f"{of(name)} has shape {have['shape']}, the checkpoint's base had {want['shape']}")
         elif (key := comparable_value(want, have)) is None:
             problems.append(
-                f"`{name}` is held in {have['dtype']} here and was in {want['dtype']} when trained, two roundings of"
+                f"{of(name)} is held in {have['dtype']} here and was in {want['dtype']} when trained, two roundings of"
                 " the base that no checksum compares exactly: load the base in float32 or in the dtype it was trained"
                 " in to verify it"
             )
         elif want.get(key) != have.get(key):
-            problems.append(f"`{name}` holds different values ({have['dtype']} here, {want['dtype']} when trained)")
+            problems.append(f"{of(name)} holds different values ({have['dtype']} here, {want['dtype']} when trained)")
     if not problems:
         return  # same names, shapes and values; only the dtype the base is held in differs
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    trained_on = f"the frozen base {reference or '<no reference recorded>'!r}"
+    if several:
+        trained_on = "the frozen bases " + ", ".join(f"{ref!r} (`{path}`)" for path, ref in sorted(several.items()))
     raise FrozenBaseMismatchError(
-        f"{source} was trained on the frozen base {reference or '<no reference recorded>'!r}, but the module's frozen"
+        f"{source} was trained on {trained_on}, but the module's frozen"
         f" parameters differ from it ({mode} fingerprint): {shown}. Load the base the adapter was"
         " trained on; if the difference is intended, pass `verify_base=False` to `load_adapter` or"
         " `load_from_checkpoint`, or `fingerprint='none'` to the strategy."
@@ -344,4 +371,5 @@ def verify_checkpoint_base(
         tensors = {n: v for n, v in recorded["tensors"].items() if n not in skipped}
         recorded = {**recorded, "tensors": tensors, "digest": None}
     named = named_frozen(module, recorded, checkpoint["state_dict"])
-    verify_base(recorded, named, entry.get("reference"), source, fingerprint=fingerprint or fingerprint_base)
+    fingerprint = fingerprint or fingerprint_base
+    verify_base(recorded, named, entry.get("reference"), source, fingerprint=fingerprint, bases=entry.get("bases"))

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_frozen import quant
 from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.zero import compute_dtype, full_numel, is_partitioned
+from lightning_frozen.zero_config import LIGHTNING_REDUCE_BUCKET_SIZE, zero_settings
 
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
 
@@ -76,10 +77,6 @@ def _destroy_gloo_group() -> None:
         dist.destroy_process_group()
 
 
-# Lightning's DeepSpeedStrategy default `reduce_bucket_size`, in elements
-LIGHTNING_REDUCE_BUCKET_SIZE = 200_000_000
-
-
 def fit_reduce_bucket(config: dict, trainable_numel: int) -> None:
     """Size ZeRO-3's gradient reduce bucket to the trainable elements when they are fewer than the default.
 
@@ -103,8 +100,10 @@ def inference_config(config: dict, zero_stage_3: bool) -> dict[str, Any]:
         if key in config:
             inference[key] = config[key]
     if zero_stage_3:
-        inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
+        # a user's config may leave out what DeepSpeed treats as optional (this engine has no optimizer anyway)
         inference["zero_optimization"] = config["zero_optimization"]
+        if "zero_allow_untested_optimizer" in config:
+            inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
     return inference
 
 
@@ -112,8 +111,7 @@ def place_model(
     model: nn.Module, config: Optional[dict], device: torch.device, offload_frozen: bool, zero_stage_3: bool
 ) -> None:
     """Shards and buffers where they belong, also for a model built under ``zero.Init`` in ``configure_model``."""
-    offload_param = ((config or {}).get("zero_optimization") or {}).get("offload_param")
-    if zero_stage_3 and not offload_param:
+    if zero_stage_3 and not zero_settings(config or {}).offload_param:
         place_shards(model, device, offload_frozen, compute_dtype(config or {}) or torch.float32)
     place_buffers(model, device)
 
@@ -223,7 +221,7 @@ def partition_frozen_and_trainable(model: nn.Module, config: dict, offload_froze
     """
     import deepspeed
 
-    if not offload_frozen or (config.get("zero_optimization") or {}).get("offload_param"):
+    if not offload_frozen or zero_settings(config).offload_param:
         return
     pending = [p for p in model.parameters() if not is_partitioned(p)]
     if not pending:

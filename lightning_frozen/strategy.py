@@ -22,18 +22,18 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_frozen import (
+    arguments,
     checkpoint,
     memory,
     optim,
     placement,
+    preemption,
     pretrained,
     quant,
     schedulers,
@@ -41,7 +41,6 @@ from lightning_frozen import (
     unfreezing,
     zero,
 )
-from lightning_frozen.arguments import REGISTERED_NAMES, check_config_for_accelerator, check_strategy_arguments
 from lightning_frozen.frozen_base import FingerprintCache, named_frozen, verify_checkpoint_base
 
 if TYPE_CHECKING:
@@ -71,6 +70,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise
             absmax, 256 weights per fp32 scale) or ``"nf4"`` (4-bit NormalFloat, 64 weights per fp16 scale);
             dequantized to the compute dtype when a layer is computed (see ``lightning_frozen.quant``).
+        preemption_grace: seconds a rank may take, from a SIGTERM, to stop at the next step boundary, save and exit;
+            after that, or on a second signal, it exits at once (see ``lightning_frozen.preemption``).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
@@ -94,6 +95,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         frozen_base: Optional[str] = None,
         fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
         frozen_dtype: Optional[Literal["int8", "nf4"]] = None,
+        preemption_grace: float = preemption.DEFAULT_GRACE_SECONDS,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision_plugin: Optional[Precision] = None,
@@ -104,7 +106,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         config = kwargs.get("config")
-        check_strategy_arguments(
+        arguments.check_strategy_arguments(
             flags, frozen_base, timeout, config, fingerprint, zero_optimization, stage, frozen_dtype
         )
         super().__init__(
@@ -119,14 +121,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             timeout=timeout,
             **kwargs,
         )
-        self.offload_frozen = offload_frozen
-        self.offload_optimizer = offload_optimizer
-        self.convert_lr_zero_groups = convert_lr_zero_groups
-        self.frozen_base = frozen_base
-        self.fingerprint = fingerprint
-        self.frozen_dtype = frozen_dtype
-        self.pin_memory = bool(kwargs.get("pin_memory", False))
-        self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and config is None
+        # the config that runs decides, whether the arguments built it or `config=` gave it
+        self._zero = arguments.resolved_zero_settings(self.config, config is not None, kwargs.get("pin_memory", False))
+        self.offload_frozen, self.convert_lr_zero_groups = offload_frozen, convert_lr_zero_groups
+        self.offload_optimizer, self.pin_memory = self._zero.offload_optimizer, self._zero.pin_memory
+        self.frozen_base, self.fingerprint, self.frozen_dtype = frozen_base, fingerprint, frozen_dtype
+        self._preemption = preemption.Preemption(preemption_grace)
         self._optimized = unfreezing.OptimizedSet()
         self._fingerprints = FingerprintCache()
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
@@ -134,8 +134,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        for name, description, arguments in REGISTERED_NAMES:
-            strategy_registry.register(name, cls, description=description, **arguments)
+        for name, description, options in arguments.REGISTERED_NAMES:
+            strategy_registry.register(name, cls, description=description, **options)
 
     # ------------------------------------------------------------------ one run's state
 
@@ -171,7 +171,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
         placement.align_deepspeed_accelerator(self.accelerator)
-        check_config_for_accelerator(self.config, self.accelerator)
+        arguments.check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
         DDPStrategy.setup_environment(self)
@@ -199,7 +199,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             pin_memory=self.pin_memory,
             frozen_dtype=self.frozen_dtype,
             fingerprint=self.fingerprint,
-            fit_reduce_bucket=self._fit_reduce_bucket,
+            fit_reduce_bucket=self._zero.fit_reduce_bucket,
         )
 
     # ------------------------------------------------------------------ optimizer and engine
@@ -261,12 +261,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def on_train_start(self) -> None:
+        self._preemption.install(self._module.trainer, self.launcher)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        # Lightning kills the ranks its launcher started only on Ctrl+C: after any other failure here, a rank stuck
-        # in a hang of its own would outlive the run (one waiting in a collective fails when this process exits)
-        if isinstance(self.launcher, _SubprocessScriptLauncher):
-            self.launcher.kill(_get_sigkill_signal())
+        self._preemption.end_run(self.launcher, exception)
 
     # ------------------------------------------------------------------ changing what trains
 

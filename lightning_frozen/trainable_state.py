@@ -15,7 +15,7 @@ from torch import nn
 from lightning_frozen import zero
 from lightning_frozen.checkpoint import FORMAT_KEY, OPTIMIZER_LAYOUT, format_marker, persistent_buffers
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.frozen_base import find_base_reference, find_peft_model
+from lightning_frozen.frozen_base import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.loading import check_keys
 from lightning_frozen.peft_export import peft_entry
 from lightning_frozen.quant import block_format, frozen_dtype_of
@@ -116,11 +116,15 @@ def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, sa
 def frozen_base_entry(
     module: nn.Module, fingerprint: dict[str, Any], explicit_reference: Optional[str], trainable_names: list[str]
 ) -> dict[str, Any]:
-    """The ``frozen_base`` entry: reference, fingerprint and, for a PEFT model, what export needs."""
+    """The ``frozen_base`` entry: reference, fingerprint and, for a PEFT model, what export needs; with several bases
+    in the module (a vision tower and a language model), ``bases``: each one's reference by its module path."""
     entry: dict[str, Any] = {
         "reference": find_base_reference(module, explicit_reference),
         "fingerprint": fingerprint,
     }
+    bases = find_base_references(module)
+    if len(bases) > 1:
+        entry["bases"] = bases
     peft = find_peft_model(module)
     if peft is not None:
         entry["peft"] = peft_entry(peft[0], peft[1], trainable_names, list(persistent_buffers(module)))

@@ -20,9 +20,10 @@ def free_port() -> int:
 
 
 def run_script(
-    name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+    name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None, status: int = 0
 ) -> subprocess.CompletedProcess:
-    """Run ``tests/scripts/<name>`` with ``args``; fail with its output if it fails or exceeds ``timeout`` seconds."""
+    """Run ``tests/scripts/<name>`` with ``args``; fail with its output if it exits with another status than
+    ``status`` or exceeds ``timeout`` seconds."""
     environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
         if env is None or key not in env:
@@ -34,7 +35,7 @@ def run_script(
         text=True,
         timeout=timeout,
     )
-    if result.returncode != 0:
+    if result.returncode != status:
         raise AssertionError(
             f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )

@@ -87,7 +87,8 @@ def test_strategy_option_values_are_named_with_the_fix() -> None:
         FrozenAwareDeepSpeedStrategy(stage=2)
     with pytest.raises(ValueError, match="`fingerprint='md5'` is not one of"):
         FrozenAwareDeepSpeedStrategy(fingerprint="md5")
-    FrozenAwareDeepSpeedStrategy(frozen_base=Path("bases/bert"), timeout=timedelta(seconds=30), config={})
+    config = {"zero_optimization": {"stage": 3}}
+    FrozenAwareDeepSpeedStrategy(frozen_base=Path("bases/bert"), timeout=timedelta(seconds=30), config=config)
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -1,14 +1,23 @@
-"""The frozen-base reference and fingerprint, without a Trainer."""
+"""The frozen-base reference and fingerprint, without a Trainer; and a module with two bases, trained and verified."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from examples.causal_lm_lora.make_base import write_random_llama
+from lightning_frozen import load_adapter
 from lightning_frozen.errors import FrozenBaseMismatchError
 from lightning_frozen.frozen_base import find_base_reference, fingerprint_base, verify_base
-from tests.models import AdapterModel
+from tests.models import AdapterModel, cpu_trainer
+from tests.pretrained_support import TINY_LLAMA
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -129,3 +138,46 @@ def test_fingerprinting_a_large_base_reports_progress(monkeypatch: pytest.Monkey
         fingerprint_base(_frozen(AdapterModel()))
     lines = [r.getMessage() for r in caplog.records if "fingerprinting the frozen base" in r.getMessage()]
     assert lines and lines[-1].endswith("100% of 2,112 elements")
+
+
+class _VisionAndLanguage(L.LightningModule):
+    """A frozen "vision tower" and a LoRA-adapted language model, each from its own ``save_pretrained`` folder."""
+
+    def __init__(self, vision: str, language: str) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM, LlamaModel
+
+        self.vision = LlamaModel.from_pretrained(vision).requires_grad_(False)
+        self.language = get_peft_model(
+            LlamaForCausalLM.from_pretrained(language), LoraConfig(r=2, target_modules=["q_proj"])
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        features = self.vision(input_ids=ids).last_hidden_state
+        return self.language(inputs_embeds=features).logits.float().pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_each_of_two_bases_is_recorded_and_a_mismatch_names_the_base_it_is_in(tmp_path: Path) -> None:
+    folders = {name: str(tmp_path / name) for name in ("vision", "language")}
+    for seed, folder in enumerate(folders.values()):
+        write_random_llama(Path(folder), TINY_LLAMA, torch.float32, seed=seed)
+    trainer = cpu_trainer(max_steps=1)
+    ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
+    trainer.fit(_VisionAndLanguage(**folders), DataLoader(TensorDataset(ids), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "adapter.ckpt")
+    entry = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["frozen_base"]
+    assert entry["bases"] == folders and entry["reference"] == folders["language"]  # the PEFT model's, as with one
+
+    for changed in ("vision.layers.1.mlp.up_proj.weight", "language.base_model.model.model.embed_tokens.weight"):
+        module = _VisionAndLanguage(**folders)
+        with torch.no_grad():
+            module.get_parameter(changed)[0, 0] += 1
+        owner = folders[changed.split(".")[0]]
+        with pytest.raises(FrozenBaseMismatchError, match=rf"`{re.escape(changed)}` \(of '{re.escape(owner)}'\) holds"):
+            load_adapter(module, tmp_path / "adapter.ckpt")
+    load_adapter(_VisionAndLanguage(**folders), tmp_path / "adapter.ckpt")  # the bases it was trained on

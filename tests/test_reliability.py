@@ -460,3 +460,32 @@ def test_resident_memory_stays_flat_with_a_save_every_step(tmp_path: Path) -> No
         assert figures["saves_measured"] == 89, figures  # the changes between the 90 samples after warm-up
         assert figures["step_with_save_kib"] < 128, (rank, figures)
         assert figures["rss_end_mib"] - figures["rss_warm_mib"] < 16, (rank, figures)
+
+
+_SIGNALLED_WRITER = """
+import os, pathlib, signal, sys
+sys.path.insert(0, {repo!r})
+from lightning_frozen import atomic_files
+
+target = pathlib.Path({target!r})
+atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
+
+def write(handle):
+    handle.write(b"half of the next one")
+    handle.flush()
+    os.kill(os.getpid(), {signum})
+
+atomic_files.write_file_atomic(target, write)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_signal_mid_write_leaves_the_previous_file_whole_and_no_temp_file(tmp_path: Path, signum: int) -> None:
+    target = tmp_path / "last.ckpt"
+    script = _SIGNALLED_WRITER.format(repo=str(Path(__file__).parents[1]), target=str(target), signum=int(signum))
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == -signum
+    assert target.read_bytes() == b"the previous checkpoint"
+    if signum == signal.SIGKILL:  # nothing can run at SIGKILL: the next write into the folder removes what it left
+        assert len(_temp_files(tmp_path)) == 1
+        ckpt_module.write_atomic({"value": torch.arange(3)}, tmp_path / "other.ckpt")
+    assert not _temp_files(tmp_path)
