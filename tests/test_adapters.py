@@ -1,0 +1,72 @@
+"""Several LoRA adapters trained at once under ``frozen_deepspeed``: each ends exactly where it would alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_frozen import adapter_clipping
+from tests.adapter_models import CausalAdapters, adapter_weights, token_batches
+from tests.models import cpu_trainer
+from tests.peft_models import save_tiny_llama
+
+NAMES = ["x", "y", "z"]
+# small enough that every step clips, so a norm shared by the adapters would change every adapter's steps
+FIT = dict(max_epochs=2, gradient_clip_val=0.05, accumulate_grad_batches=2)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_llama(tmp_path_factory.mktemp("llama")))
+
+
+def fit_and_save(module: Any, path: Path, **kwargs: Any) -> dict[str, torch.Tensor]:
+    trainer = cpu_trainer(**{**FIT, **kwargs})
+    trainer.fit(module, token_batches())
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def alone(llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    """Each adapter trained in a run of its own, the plain PEFT way (DeepSpeed's own global-norm clipping)."""
+    folder = tmp_path_factory.mktemp("alone")
+    return {
+        name: adapter_weights(fit_and_save(CausalAdapters(llama, [name], together=False), folder / name), name)
+        for name in NAMES
+    }
+
+
+@pytest.fixture(scope="module")
+def together(llama: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("together") / "sweep.ckpt"
+    fit_and_save(CausalAdapters(llama, NAMES), path)
+    return path
+
+
+def test_each_adapter_trained_at_once_equals_its_run_alone(
+    together: Path, alone: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    state = torch.load(together, weights_only=True)["state_dict"]
+    for name in NAMES:
+        ours = adapter_weights(state, name)
+        assert ours.keys() == alone[name].keys() and ours
+        for key, value in ours.items():
+            assert not torch.equal(value, torch.zeros_like(value)) or "lora_A" in key  # B has moved off its zero init
+            torch.testing.assert_close(value, alone[name][key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_a_global_clipping_norm_would_couple_the_adapters(
+    llama: str, tmp_path: Path, alone: dict[str, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapter_clipping, "clip_per_adapter", lambda *args: None)
+    state = fit_and_save(CausalAdapters(llama, NAMES), tmp_path / "global.ckpt")
+    differ = [
+        name
+        for name in NAMES
+        if not all(torch.allclose(v, alone[name][k], rtol=1e-5) for k, v in adapter_weights(state, name).items())
+    ]
+    assert differ == NAMES
