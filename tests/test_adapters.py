@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+import lightning_frozen
 from lightning_frozen import adapter_clipping
 from tests.adapter_models import CausalAdapters, adapter_weights, token_batches
 from tests.models import cpu_trainer
@@ -70,3 +71,41 @@ def test_a_global_clipping_norm_would_couple_the_adapters(
         if not all(torch.allclose(v, alone[name][k], rtol=1e-5) for k, v in adapter_weights(state, name).items())
     ]
     assert differ == NAMES
+
+
+def _logits(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch[0], attention_mask=batch[1]).logits
+
+
+def test_one_adapter_exports_alone_and_peft_loads_it(llama: str, together: Path, tmp_path: Path) -> None:
+    import peft
+
+    from tests.peft_models import tiny_llama
+
+    folder = lightning_frozen.export_peft_adapter(together, tmp_path / "y", adapter="y")
+    exported = peft.PeftModel.from_pretrained(tiny_llama(llama), str(folder), adapter_name="y").eval()
+    lone = lightning_frozen.load_adapter(CausalAdapters(llama, ["y"], together=False), together, adapter="y")
+    state = torch.load(together, weights_only=True)["state_dict"]
+    for name, param in lone.named_parameters():
+        if name in state and ".y." in name:
+            torch.testing.assert_close(param.detach(), state[name], rtol=0, atol=0)
+    batch = next(iter(token_batches()))
+    torch.testing.assert_close(_logits(exported, batch), _logits(lone.model, batch), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_logits(exported, batch), _logits(tiny_llama(llama).eval(), batch), atol=1e-4)
+
+
+def test_load_from_checkpoint_takes_one_adapter_of_the_run(llama: str, together: Path) -> None:
+    module = lightning_frozen.load_from_checkpoint(CausalAdapters, together, adapter="z")
+    assert module.model.active_adapters == ["z"]
+    lone = lightning_frozen.load_adapter(CausalAdapters(llama, ["z"], together=False), together, adapter="z")
+    batch = next(iter(token_batches()))
+    torch.testing.assert_close(_logits(module.model, batch), _logits(lone.model.eval(), batch), rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_of_several_adapters_names_them_when_none_is_chosen(together: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"holds adapter\(s\) `x`, `y`, `z`. Pass `adapter=`"):
+        lightning_frozen.export_peft_adapter(together, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"`x`, `y`, `z`, not `w`"):
+        lightning_frozen.export_peft_adapter(together, tmp_path / "out", adapter="w")
+    assert not (tmp_path / "out").exists()
