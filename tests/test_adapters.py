@@ -5,14 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import peft
 import pytest
 import torch
 
 import lightning_frozen
 from lightning_frozen import adapter_clipping
-from tests.adapter_models import CausalAdapters, adapter_weights, token_batches
+from lightning_frozen import adapters as multi
+from lightning_frozen.errors import AdapterSetupError
+from tests.adapter_models import CausalAdapters, adapter_weights, peft_with_adapters, token_batches
 from tests.models import cpu_trainer
-from tests.peft_models import save_tiny_llama
+from tests.peft_models import save_tiny_llama, tiny_llama
 
 NAMES = ["x", "y", "z"]
 # small enough that every step clips, so a norm shared by the adapters would change every adapter's steps
@@ -79,10 +82,6 @@ def _logits(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def test_one_adapter_exports_alone_and_peft_loads_it(llama: str, together: Path, tmp_path: Path) -> None:
-    import peft
-
-    from tests.peft_models import tiny_llama
-
     folder = lightning_frozen.export_peft_adapter(together, tmp_path / "y", adapter="y")
     exported = peft.PeftModel.from_pretrained(tiny_llama(llama), str(folder), adapter_name="y").eval()
     lone = lightning_frozen.load_adapter(CausalAdapters(llama, ["y"], together=False), together, adapter="y")
@@ -109,3 +108,50 @@ def test_a_run_of_several_adapters_names_them_when_none_is_chosen(together: Path
     with pytest.raises(ValueError, match=r"`x`, `y`, `z`, not `w`"):
         lightning_frozen.export_peft_adapter(together, tmp_path / "out", adapter="w")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_name_the_model_lacks_is_refused_naming_the_fix(llama: str) -> None:
+    model = peft_with_adapters(llama, ["x", "y"])
+    with pytest.raises(AdapterSetupError, match=r"Adapters `w` are named.*holds `x`, `y`.*add_adapter\(name, config\)"):
+        multi.train_adapters(model, ["x", "w"])
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (lambda: peft.IA3Config(task_type="CAUSAL_LM", target_modules=["q_proj"], feedforward_modules=[]), "is IA3"),
+        (lambda: peft.LoraConfig(target_modules=["q_proj"], use_dora=True), "uses DoRA"),
+        (lambda: peft.LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), "uses `modules_to_save`"),
+    ],
+)
+def test_adapters_that_cannot_be_mixed_in_one_batch_are_refused(llama: str, config: Any, message: str) -> None:
+    model = peft.get_peft_model(tiny_llama(llama), config(), adapter_name="x")
+    model.add_adapter("y", config())
+    with pytest.raises(AdapterSetupError, match=rf"{message}.*Train it in a run of its own"):
+        multi.train_adapters(model, ["x", "y"])
+
+
+class OneGroup(CausalAdapters):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class SharedHead(CausalAdapters):
+    def _build(self) -> Any:
+        model = super()._build()
+        model.base_model.model.lm_head.requires_grad_(True)
+        return model
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (OneGroup, r"Optimizer param group 0 holds params of adapters `x`, `y`.*adapter_param_groups"),
+        (SharedHead, r"trainable params `model.base_model.model.lm_head.weight` belong to none of them"),
+    ],
+)
+def test_optimizer_groups_or_params_shared_by_adapters_are_refused_at_setup(
+    llama: str, module: type, message: str
+) -> None:
+    with pytest.raises(AdapterSetupError, match=message):
+        cpu_trainer(max_steps=1).fit(module(llama, ["x", "y"]), token_batches())
