@@ -4,9 +4,10 @@ A PEFT model holds several adapters (``get_peft_model(base, cfg, adapter_name="a
 :func:`train_adapters` makes the named ones trainable. Each batch carries a block of rows per adapter
 (:func:`sweep_batch` repeats one batch for every adapter, :func:`multitask_batch` joins one batch per adapter), and
 inside :func:`adapter_rows` every LoRA layer adds to each row its own adapter only: the frozen layer's matmul (and
-ZeRO-3's gather of its weight) runs once over the rows of all adapters. :func:`adapter_losses` gives each adapter the
-mean over its own rows; their sum gives every adapter exactly its own gradient, since the adapters' params are
-disjoint and each row's output depends on its own adapter only (a mean over all rows would scale each by 1/K).
+ZeRO-3's gather of its weight) runs once over the rows of all adapters, each adapter's LoRA matmuls over its block.
+:func:`adapter_losses` gives each adapter the mean over its own rows; their sum gives every adapter exactly its own
+gradient, since the adapters' params are disjoint and each row's output depends on its own adapter only (a mean over
+all rows would scale each by 1/K).
 
 Under ``frozen_deepspeed`` the strategy does the rest when two or more adapters train: each optimizer param group
 must hold one adapter's params (:func:`check_optimizer_groups`), gradients are clipped per adapter
@@ -47,10 +48,10 @@ def _peft_model(model: nn.Module) -> Any:
 
 
 def _mixable_layer_types() -> tuple[type, ...]:
-    # the LoRA layers whose `_mixed_batch_forward` (PEFT >= 0.12) computes each row with its own adapter
+    # the LoRA layers whose forward is `base_layer(x) + lora_B(lora_A(dropout(x))) * scaling` (PEFT 0.21)
     from peft.tuners.lora import layer
 
-    return (layer.Linear, layer.Embedding, layer._ConvNd)
+    return (layer.Linear, layer._ConvNd)
 
 
 def adapter_param_names(module: nn.Module) -> dict[str, list[str]]:
@@ -128,11 +129,12 @@ def _check_mixable(peft_model: Any, name: str) -> None:
         )
     mixable = _mixable_layer_types()
     for layer_name, layer in peft_model.named_modules():
-        if name in getattr(layer, "lora_A", {}) and not isinstance(layer, mixable):
+        adapted = name in getattr(layer, "lora_A", {}) or name in getattr(layer, "lora_embedding_A", {})
+        if adapted and (not isinstance(layer, mixable) or name in layer.lora_variant):
             raise AdapterSetupError(
-                f"Adapter `{name}` adapts `{layer_name}` with PEFT's `{type(layer).__name__}`, which cannot compute"
-                f" each row with its own adapter (only {', '.join(t.__name__ for t in mixable)} can). {fix} without"
-                " that target module."
+                f"Adapter `{name}` adapts `{layer_name}` with PEFT's `{type(layer).__name__}` (or a LoRA variant),"
+                f" which lightning-frozen cannot compute per row (plain LoRA on Linear and Conv layers only). {fix}"
+                " without that target module."
             )
 
 
@@ -220,14 +222,13 @@ def multitask_batch(batches: Mapping[str, Any]) -> tuple[Any, AdapterRows]:
 
 @contextmanager
 def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
-    """Within the context, every LoRA layer of ``model`` adds to each row the adapter ``rows`` names for it, in
-    training and in evaluation (PEFT's own ``adapter_names=`` works in evaluation only).
+    """Within the context, every LoRA layer of ``model`` adds to each row the adapter ``rows`` names for it (none
+    where that adapter does not adapt the layer), in training and in evaluation.
 
     Raises:
         AdapterSetupError: a layer's input has another number of rows than ``rows`` (a model that reshapes its batch
             dimension before a LoRA layer), or an adapter ``rows`` names is not in the model.
     """
-    names = rows.per_row()
     peft_model = _peft_model(model)
     unknown = [name for name in rows.adapters if name not in peft_model.peft_config]
     if unknown:
@@ -237,7 +238,7 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
         )
     layers = [layer for layer in peft_model.modules() if isinstance(layer, _mixable_layer_types())]
     for layer in layers:
-        layer.forward = partial(_row_forward, layer, names)  # an instance attribute shadows the class's forward
+        layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
     try:
         yield
     finally:
@@ -245,18 +246,30 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
             del layer.forward
 
 
-def _row_forward(layer: Any, names: list[str], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _row_forward(layer: Any, rows: AdapterRows, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # PEFT's vanilla LoRA forward (`result + lora_B(lora_A(dropout(x))) * scaling`) on each adapter's block of rows.
+    # Not PEFT's `_mixed_batch_forward`: it visits adapters in `set` order, which differs between processes, and
+    # ZeRO-3 needs every rank to run the same modules in the same order.
     if layer.merged or layer.disable_adapters:
         raise AdapterSetupError(
             f"A `{type(layer).__name__}` layer has merged or disabled adapters; unmerge (`unmerge_adapter()`) and"
             " enable them before training adapters at once."
         )
-    if len(x) != len(names):
+    if len(x) != rows.total:
         raise AdapterSetupError(
-            f"A `{type(layer).__name__}` LoRA layer got {len(x)} rows where the batch has {len(names)}: the model"
+            f"A `{type(layer).__name__}` LoRA layer got {len(x)} rows where the batch has {rows.total}: the model"
             " reshapes its batch dimension before this layer, so rows cannot be given their own adapters there."
         )
-    return layer._mixed_batch_forward(x, *args, adapter_names=names, **kwargs)
+    result = layer.base_layer(x, *args, **kwargs)  # the frozen weight's matmul, once over every adapter's rows
+    blocks = []
+    for name, block in rows.slices().items():
+        if name not in layer.lora_A:
+            blocks.append(result[block])
+            continue
+        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+        sub_batch = layer._cast_input_dtype(x[block], lora_A.weight.dtype)
+        blocks.append(result[block] + lora_B(lora_A(layer.lora_dropout[name](sub_batch))) * layer.scaling[name])
+    return torch.cat(blocks).to(result.dtype)
 
 
 def adapter_losses(

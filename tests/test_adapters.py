@@ -13,13 +13,12 @@ import lightning_frozen
 from lightning_frozen import adapter_clipping
 from lightning_frozen import adapters as multi
 from lightning_frozen.errors import AdapterSetupError
-from tests.adapter_models import CausalAdapters, adapter_weights, peft_with_adapters, token_batches
+from tests.adapter_models import FIT, SPECS, CausalAdapters, adapter_weights, peft_with_adapters, token_batches
+from tests.distributed import run_script
 from tests.models import cpu_trainer
 from tests.peft_models import save_tiny_llama, tiny_llama
 
 NAMES = ["x", "y", "z"]
-# small enough that every step clips, so a norm shared by the adapters would change every adapter's steps
-FIT = dict(max_epochs=2, gradient_clip_val=0.05, accumulate_grad_batches=2)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +154,35 @@ def test_optimizer_groups_or_params_shared_by_adapters_are_refused_at_setup(
 ) -> None:
     with pytest.raises(AdapterSetupError, match=message):
         cpu_trainer(max_steps=1).fit(module(llama, ["x", "y"]), token_batches())
+
+
+def _same_adapters(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], names: list[str]) -> None:
+    for name in names:
+        mine = adapter_weights(ours, name)
+        assert mine.keys() == adapter_weights(reference, name).keys() and mine
+        for key, value in mine.items():
+            torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_a_run_of_adapters_resumed_from_its_middle_ends_where_it_would_have(
+    llama: str, together: Path, tmp_path: Path
+) -> None:
+    fit_and_save(CausalAdapters(llama, NAMES), tmp_path / "half.ckpt", max_epochs=1)
+    trainer = cpu_trainer(**FIT)
+    trainer.fit(CausalAdapters(llama, NAMES), token_batches(), ckpt_path=tmp_path / "half.ckpt")
+    trainer.save_checkpoint(tmp_path / "resumed.ckpt")
+    resumed = torch.load(tmp_path / "resumed.ckpt", weights_only=True)["state_dict"]
+    _same_adapters(resumed, torch.load(together, weights_only=True)["state_dict"], NAMES)
+
+
+def test_two_ranks_train_each_adapter_as_alone_resume_exactly_and_resume_on_one(llama: str, tmp_path: Path) -> None:
+    run_script("train_adapters_together.py", "--llama", llama, "--out", str(tmp_path), timeout=900)
+    states = {path.stem: torch.load(path, weights_only=True)["state_dict"] for path in tmp_path.glob("*.ckpt")}
+    for name in NAMES:
+        _same_adapters(states["together"], states[f"alone_{name}"], [name])
+    _same_adapters(states["resumed"], states["together"], NAMES)
+    # the 2-rank run's middle resumes on 1 rank too (another data split, so not the same end)
+    trainer = cpu_trainer(**FIT)
+    trainer.fit(CausalAdapters(llama, NAMES), token_batches(), ckpt_path=tmp_path / "half.ckpt")
+    assert trainer.global_step == 1 + 2  # one step in the 2-rank first epoch, then two of 2 batches on one rank
+    assert [group["lr"] for group in trainer.optimizers[0].param_groups] == [SPECS[n]["lr"] for n in NAMES]
