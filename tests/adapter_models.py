@@ -77,12 +77,20 @@ class CausalAdapters(L.LightningModule):
         return F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")
 
     def _losses(self, batch: Any) -> dict[str, torch.Tensor]:
+        if isinstance(batch, dict):  # multi-task: one batch per adapter, from a CombinedLoader
+            return self._multitask_losses(batch)
         if not self.hparams.together:
             input_ids, attention_mask = batch
             mask = attention_mask[:, 1:].float()
             loss = (self._token_losses(input_ids, attention_mask) * mask).sum() / mask.sum()
             return {self.hparams.names[0]: loss}
         (input_ids, attention_mask), rows = multi.sweep_batch(batch, self.hparams.names)
+        with multi.adapter_rows(self.model, rows):
+            token_losses = self._token_losses(input_ids, attention_mask)
+        return multi.adapter_losses(token_losses, rows, attention_mask[:, 1:])
+
+    def _multitask_losses(self, batches: dict[str, Any]) -> dict[str, torch.Tensor]:
+        (input_ids, attention_mask), rows = multi.multitask_batch(batches)
         with multi.adapter_rows(self.model, rows):
             token_losses = self._token_losses(input_ids, attention_mask)
         return multi.adapter_losses(token_losses, rows, attention_mask[:, 1:])

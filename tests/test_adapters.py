@@ -186,3 +186,19 @@ def test_two_ranks_train_each_adapter_as_alone_resume_exactly_and_resume_on_one(
     trainer.fit(CausalAdapters(llama, NAMES), token_batches(), ckpt_path=tmp_path / "half.ckpt")
     assert trainer.global_step == 1 + 2  # one step in the 2-rank first epoch, then two of 2 batches on one rank
     assert [group["lr"] for group in trainer.optimizers[0].param_groups] == [SPECS[n]["lr"] for n in NAMES]
+
+
+def test_adapters_trained_at_once_on_their_own_data_equal_their_runs_alone(
+    llama: str, tmp_path: Path, alone: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    tasks = {"x": token_batches(), "y": token_batches(seed=4)}  # x's data is what `alone` trained x on
+    trainer = cpu_trainer(**FIT)
+    # a dict of DataLoaders: Lightning combines them (`max_size_cycle`), and gives one batch per adapter at each step
+    trainer.fit(CausalAdapters(llama, ["x", "y"]), tasks)
+    trainer.save_checkpoint(tmp_path / "tasks.ckpt")
+    state = torch.load(tmp_path / "tasks.ckpt", weights_only=True)["state_dict"]
+    trainer = cpu_trainer(**FIT)
+    trainer.fit(CausalAdapters(llama, ["y"], together=False), tasks["y"])
+    trainer.save_checkpoint(tmp_path / "y.ckpt")
+    _same_adapters(state, alone["x"], ["x"])
+    _same_adapters(state, torch.load(tmp_path / "y.ckpt", weights_only=True)["state_dict"], ["y"])
