@@ -51,7 +51,9 @@ class SentimentSweep(L.LightningModule):
         multi.train_adapters(self.model, self.names)
         self.accuracy = torch.nn.ModuleDict(
             {
-                stage: torch.nn.ModuleDict({name: MulticlassAccuracy(num_classes=len(LABELS)) for name in self.names})
+                f"{stage}_acc": torch.nn.ModuleDict(
+                    {name: MulticlassAccuracy(num_classes=len(LABELS)) for name in self.names}
+                )
                 for stage in ("train", "val")
             }
         )
@@ -65,7 +67,7 @@ class SentimentSweep(L.LightningModule):
             logits = self(input_ids, attention_mask)
         losses = multi.adapter_losses(F.cross_entropy(logits.float(), labels, reduction="none"), rows)
         for name, block in rows.slices().items():
-            accuracy = self.accuracy[stage][name]
+            accuracy = self.accuracy[f"{stage}_acc"][name]
             accuracy(logits[block], labels[block])
             self.log(f"{stage}_loss/{name}", losses[name], sync_dist=True)
             self.log(f"{stage}_acc/{name}", accuracy, on_epoch=True, on_step=False)
