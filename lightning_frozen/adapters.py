@@ -227,7 +227,8 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
 
     Raises:
         AdapterSetupError: a layer's input has another number of rows than ``rows`` (a model that reshapes its batch
-            dimension before a LoRA layer), or an adapter ``rows`` names is not in the model.
+            dimension before a LoRA layer), an adapter ``rows`` names is not in the model, or gradient checkpointing
+            is on while gradients are computed.
     """
     peft_model = _peft_model(model)
     unknown = [name for name in rows.adapters if name not in peft_model.peft_config]
@@ -235,6 +236,12 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
         raise AdapterSetupError(
             f"Rows for adapters {format_names(unknown)}, which the PEFT model does not hold (it holds"
             f" {format_names(list(peft_model.peft_config))})."
+        )
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise AdapterSetupError(
+            "Gradient checkpointing recomputes the forward during backward, after `adapter_rows` has ended, so the"
+            " recomputed rows would not see their adapters. Turn it off (`model.gradient_checkpointing_disable()`)"
+            " to train adapters at once."
         )
     layers = [layer for layer in peft_model.modules() if isinstance(layer, _mixable_layer_types())]
     for layer in layers:

@@ -202,3 +202,16 @@ def test_adapters_trained_at_once_on_their_own_data_equal_their_runs_alone(
     trainer.save_checkpoint(tmp_path / "y.ckpt")
     _same_adapters(state, alone["x"], ["x"])
     _same_adapters(state, torch.load(tmp_path / "y.ckpt", weights_only=True)["state_dict"], ["y"])
+
+
+def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(llama: str) -> None:
+    model = peft_with_adapters(llama, ["x", "y"])
+    multi.train_adapters(model, ["x", "y"])
+    (input_ids, attention_mask), rows = multi.sweep_batch(next(iter(token_batches())), ["x", "y"])
+    with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"):
+        with multi.adapter_rows(model, rows):
+            model(input_ids=input_ids[:4], attention_mask=attention_mask[:4])
+    model.gradient_checkpointing_enable()
+    with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"):
+        with multi.adapter_rows(model, rows):
+            pass
