@@ -208,10 +208,8 @@ def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(ll
     model = peft_with_adapters(llama, ["x", "y"])
     multi.train_adapters(model, ["x", "y"])
     (input_ids, attention_mask), rows = multi.sweep_batch(next(iter(token_batches())), ["x", "y"])
-    with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"):
-        with multi.adapter_rows(model, rows):
-            model(input_ids=input_ids[:4], attention_mask=attention_mask[:4])
+    with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"), multi.adapter_rows(model, rows):
+        model(input_ids=input_ids[:4], attention_mask=attention_mask[:4])
     model.gradient_checkpointing_enable()
-    with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"):
-        with multi.adapter_rows(model, rows):
-            pass
+    with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), multi.adapter_rows(model, rows):
+        pass
