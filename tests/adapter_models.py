@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import peft
@@ -126,6 +126,6 @@ def token_batches(samples: int = 16, length: int = 12, batch_size: int = 4, seed
     return DataLoader(TensorDataset(input_ids, attention_mask), batch_size=batch_size)
 
 
-def adapter_weights(state_dict: dict[str, torch.Tensor], name: str, prefix: Optional[str] = None) -> dict:
+def adapter_weights(state_dict: dict[str, torch.Tensor], name: str) -> dict:
     """The entries of a checkpoint's ``state_dict`` that belong to adapter ``name`` (LoRA A/B of that name)."""
     return {key: value for key, value in state_dict.items() if f".{name}." in key and "lora_" in key}
