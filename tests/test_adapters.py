@@ -101,7 +101,9 @@ def test_load_from_checkpoint_takes_one_adapter_of_the_run(llama: str, together:
     torch.testing.assert_close(_logits(module.model, batch), _logits(lone.model.eval(), batch), rtol=1e-5, atol=1e-6)
 
 
-def test_a_run_of_several_adapters_names_them_when_none_is_chosen(together: Path, tmp_path: Path) -> None:
+def test_a_run_of_several_adapters_names_them_when_none_is_chosen(llama: str, together: Path, tmp_path: Path) -> None:
+    with pytest.raises(AdapterSetupError, match=r"adapter `y` is not in `CausalAdapters`, which holds `x`"):
+        lightning_frozen.load_adapter(CausalAdapters(llama, ["x"], together=False), together, adapter="y")
     with pytest.raises(ValueError, match=r"holds adapter\(s\) `x`, `y`, `z`. Pass `adapter=`"):
         lightning_frozen.export_peft_adapter(together, tmp_path / "out")
     with pytest.raises(ValueError, match=r"`x`, `y`, `z`, not `w`"):
@@ -213,3 +215,11 @@ def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(ll
     model.gradient_checkpointing_enable()
     with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), multi.adapter_rows(model, rows):
         pass
+
+
+def test_lora_dropout_is_allowed_with_a_warning_that_runs_are_not_identical(llama: str) -> None:
+    model = peft.get_peft_model(tiny_llama(llama), peft.LoraConfig(target_modules=["q_proj"], lora_dropout=0.1))
+    model.add_adapter("y", peft.LoraConfig(target_modules=["q_proj"]))
+    with pytest.warns(UserWarning, match="set `lora_dropout=0`"):
+        multi.train_adapters(model, ["default", "y"])
+    assert multi.trained_adapters(model) == ["default", "y"]
