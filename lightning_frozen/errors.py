@@ -72,3 +72,8 @@ class SchedulerGroupsError(FrozenTrainingError, ValueError):
 
 class FrozenDtypeError(FrozenTrainingError, ValueError):
     """A ``frozen_dtype`` (quantized frozen storage) that is unknown, or cannot be used for this param or device."""
+
+
+class AdapterSetupError(FrozenTrainingError, ValueError):
+    """Several adapters trained at once cannot be set up as asked: an unknown name, a tuner that cannot be mixed in
+    one batch, or an optimizer group or a trainable param shared by several adapters."""

@@ -4,11 +4,12 @@ module built from the checkpoint's hyper-parameters, checking keys and shapes an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 from torch import nn
 
+from lightning_frozen.adapter_checkpoint import adapter_state, use_adapter
 from lightning_frozen.checkpoint import PathLike, checked_location, persistent_buffers, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
 from lightning_frozen.frozen_base import verify_checkpoint_base
@@ -37,16 +38,29 @@ def check_keys(
     )
 
 
-def load_into(module: nn.Module, checkpoint: Mapping[str, Any], source: str, strict: bool, verify: bool) -> None:
-    """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed)."""
+def load_into(
+    module: nn.Module,
+    checkpoint: Mapping[str, Any],
+    source: str,
+    strict: bool,
+    verify: bool,
+    adapter: Optional[str] = None,
+) -> None:
+    """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed); with
+    ``adapter``, only that adapter's, which becomes the module's active adapter."""
     frozen_base = checkpoint["frozen_base"]
     state_dict = checkpoint["state_dict"]
+    owned = None
+    if adapter is not None:
+        state_dict, owned = adapter_state(module, checkpoint, adapter, source)
     if verify:
         verify_checkpoint_base(checkpoint, module, source)
     params = dict(module.named_parameters())
     buffers = persistent_buffers(module)
     frozen_names = set((frozen_base.get("fingerprint") or {}).get("tensors", {}))
     trainable = {n: p for n, p in params.items() if n not in frozen_names and (p.requires_grad or n in state_dict)}
+    if owned is not None:
+        trainable = {name: param for name, param in trainable.items() if name in owned}
     if strict:
         check_keys(state_dict, trainable, buffers, source)
     targets = {name: params.get(name, buffers.get(name)) for name in state_dict}
@@ -62,13 +76,23 @@ def load_into(module: nn.Module, checkpoint: Mapping[str, Any], source: str, str
     with torch.no_grad():
         for target, value in pairs:
             target.copy_(value.to(device=target.device, dtype=target.dtype))
+    if adapter is not None:
+        use_adapter(module, adapter)
 
 
-def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True, verify_base: bool = True) -> ModuleT:
+def load_adapter(
+    module: ModuleT,
+    checkpoint_path: PathLike,
+    strict: bool = True,
+    verify_base: bool = True,
+    adapter: Optional[str] = None,
+) -> ModuleT:
     """Load a lightning-frozen checkpoint's trainable state into ``module``, which already holds its frozen base.
 
     Needs no DeepSpeed and no process group. The frozen base is verified against the checkpoint's fingerprint
-    first. Returns ``module``.
+    first. With ``adapter`` (one of several adapters trained at once, or the one adapter of a run), only that
+    adapter's weights are loaded, into the module's adapter of the same name, which becomes its active adapter.
+    Returns ``module``.
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module`` or ``checkpoint_path`` is not a path.
@@ -76,13 +100,15 @@ def load_adapter(module: ModuleT, checkpoint_path: PathLike, strict: bool = True
         FrozenBaseMismatchError: ``module``'s frozen parameters are not the base the checkpoint was trained on.
         CheckpointKeysError: trainable parameters missing from the checkpoint, or keys the module lacks; the module
             is left unchanged.
+        ValueError, AdapterSetupError: ``adapter`` is not in the checkpoint (or None where it holds several and
+            ``strict``), or not in ``module``.
     """
     if not isinstance(module, nn.Module):
         raise InvalidArgumentTypeError(
             f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
         )
     checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_adapter"))
-    load_into(module, checkpoint, str(checkpoint_path), strict, verify_base)
+    load_into(module, checkpoint, str(checkpoint_path), strict, verify_base, adapter)
     return module
 
 
@@ -92,7 +118,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     Builds ``cls(**hyper_parameters, **kwargs)`` and calls its ``configure_model`` as Lightning does (the module may
     build its frozen base in either), verifies the base, loads the trainable state, calls ``on_load_checkpoint`` and
     returns the module in eval mode.
-    Keyword arguments ``strict`` and ``verify_base`` are taken by this function, the rest go to ``cls``.
+    Keyword arguments ``strict``, ``verify_base`` and ``adapter`` (as :func:`load_adapter`) are taken by this
+    function, the rest go to ``cls``.
 
     Raises:
         TypeError: ``cls`` is not a ``torch.nn.Module`` class (an instance, say) or ``checkpoint_path`` is not a path.
@@ -107,6 +134,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
         )
     strict = bool(kwargs.pop("strict", True))
     verify = bool(kwargs.pop("verify_base", True))
+    adapter = kwargs.pop("adapter", None)
     checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
@@ -120,7 +148,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
         ) from error
     if callable(getattr(module, "configure_model", None)):
         module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
-    load_into(module, checkpoint, str(checkpoint_path), strict, verify)
+    load_into(module, checkpoint, str(checkpoint_path), strict, verify, adapter)
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)
     return module.eval()

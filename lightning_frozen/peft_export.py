@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -36,16 +36,21 @@ EXPORTABLE_PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")
 
 
 def peft_entry(
-    prefix: str, peft_model: Any, trainable_names: Sequence[str], buffer_names: Sequence[str] = ()
+    prefix: str,
+    peft_model: Any,
+    trainable_names: Sequence[str],
+    buffer_names: Sequence[str] = (),
+    adapter_name: Optional[str] = None,
 ) -> dict[str, Any]:
     """What the checkpoint keeps to export later, in plain types (``weights_only``-loadable).
 
     ``{"prefix", "adapter_name", "config", "keys": {our name: PEFT key}, "prompt_encoder": {encoder's own name: our
     name}, "not_in_adapter": [our names], "not_exportable": reason or None}``. ``trainable_names`` and
     ``buffer_names`` are the checkpoint's ``state_dict`` names (of the LightningModule); ``prefix`` is the PeftModel's
-    name in it. Runs no part of the model: under ZeRO-3 its weights are partitioned here.
+    name in it. ``adapter_name`` defaults to the active adapter. Runs no part of the model: under ZeRO-3 its weights
+    are partitioned here.
     """
-    adapter_name = peft_model.active_adapter
+    adapter_name = adapter_name or peft_model.active_adapter
     peft_config = peft_model.peft_config[adapter_name]
     lead = f"{prefix}." if prefix else ""
     ours = [name for name in trainable_names if name.startswith(lead)]
@@ -158,8 +163,36 @@ def _inside(folder: Path, name: str) -> Path:
     return target
 
 
-def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path:
+def peft_entry_of(frozen_base: Mapping[str, Any], adapter: Optional[str], source: PathLike) -> dict[str, Any]:
+    """The checkpoint's PEFT entry (see :func:`peft_entry`) for ``adapter``: of the adapters trained at once, the one
+    named (``frozen_base["peft_adapters"]``); else the one adapter, which ``adapter`` may name.
+
+    Raises:
+        CheckpointFormatError: the file holds no PEFT entry.
+        InvalidArgumentValueError: ``adapter`` names no adapter of the file, or is None where it holds several.
+    """
+    several = frozen_base.get("peft_adapters") or {}
+    single = frozen_base.get("peft")
+    if several and adapter in several:
+        return several[adapter]
+    if not several and single and adapter in (None, single["adapter_name"]):
+        return single
+    if not several and not single:
+        raise CheckpointFormatError(
+            f"{source} was not trained on a PEFT model (no `frozen_base['peft']` entry), so it has no PEFT"
+            " adapter to export. Load it with `lightning_frozen.load_adapter` instead."
+        )
+    held = list(several) or [single["adapter_name"]]
+    raise InvalidArgumentValueError(
+        f"{source} holds adapter(s) {', '.join(f'`{name}`' for name in held)}"
+        f"{'' if adapter is None else f', not `{adapter}`'}. Pass `adapter=` one of them."
+    )
+
+
+def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike, adapter: Optional[str] = None) -> Path:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained``.
+
+    Of a run that trained several adapters at once, ``adapter`` names the one to export (alone, as PEFT saves one).
 
     Only the two files are written, inside ``output_dir`` (created if needed), each atomically through a new
     temporary file: never through a link planted there. Trainable parameters that are not part of the PEFT adapter
@@ -167,10 +200,11 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
 
     Raises:
         TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.
-        CheckpointFormatError: the checkpoint was not trained on a PEFT model, is not a lightning-frozen file, or
-            holds a prompt learning method whose saved form export does not compute (multitask prompt tuning, CPT).
+        CheckpointFormatError: the checkpoint was not trained on a PEFT model, is not a lightning-frozen file,
+            or holds a prompt learning method whose saved form export does not compute (multitask prompt tuning, CPT).
         NotADirectoryError: ``output_dir`` exists and is a file.
-        ValueError: one of the two files in ``output_dir`` is a link to somewhere else.
+        ValueError: one of the two files in ``output_dir`` is a link to somewhere else; ``adapter`` names no adapter
+            of the checkpoint, or is None where it holds several.
     """
     from safetensors.torch import save
 
@@ -179,12 +213,7 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike) -> Path
     if folder.exists() and not folder.is_dir():
         raise OutputDirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
     checkpoint = read_checkpoint(checkpoint_path)
-    peft = checkpoint["frozen_base"].get("peft")
-    if not peft:
-        raise CheckpointFormatError(
-            f"{checkpoint_path} was not trained on a PEFT model (no `frozen_base['peft']` entry), so it has no PEFT"
-            " adapter to export. Load it with `lightning_frozen.load_adapter` instead."
-        )
+    peft = peft_entry_of(checkpoint["frozen_base"], adapter, checkpoint_path)
     if peft.get("not_exportable"):
         raise CheckpointFormatError(
             f"{checkpoint_path} cannot be exported to PEFT's format: {peft['not_exportable']}. Load it with"

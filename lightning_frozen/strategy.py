@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_frozen import (
+    adapters,
     arguments,
     checkpoint,
     memory,
@@ -214,6 +215,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         )
         if self.offload_optimizer:
             optimizer = optim.to_cpu_adam(optimizer, scheduler)
+        adapters.check_optimizer_groups(self._module, optimizer)
         self._optimized.record_groups(self._module, optimizer)
         return optimizer, scheduler_config
 
@@ -224,7 +226,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         zero.check_has_trainable(model)
         self._optimized.record_flags(model, optimizer)
         trainable = optim.trainable_params(model)
-        return placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
+        built = placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
+        adapters.clip_per_adapter(built[1], model, self._optimized.group_names)
+        return built
 
     @contextmanager
     @override

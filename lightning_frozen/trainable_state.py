@@ -13,11 +13,11 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_frozen import zero
+from lightning_frozen.adapter_checkpoint import peft_entries
 from lightning_frozen.checkpoint import FORMAT_KEY, OPTIMIZER_LAYOUT, format_marker, persistent_buffers
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.frozen_base import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.loading import check_keys
-from lightning_frozen.peft_export import peft_entry
 from lightning_frozen.quant import block_format, frozen_dtype_of
 
 
@@ -127,7 +127,7 @@ def frozen_base_entry(
         entry["bases"] = bases
     peft = find_peft_model(module)
     if peft is not None:
-        entry["peft"] = peft_entry(peft[0], peft[1], trainable_names, list(persistent_buffers(module)))
+        entry.update(peft_entries(module, *peft, trainable_names, list(persistent_buffers(module))))
     return entry
 
 

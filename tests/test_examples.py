@@ -110,3 +110,24 @@ def test_the_main_config_takes_strategy_options_from_the_command_line(capsys: py
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["init_args"]["offload_frozen"] is False
     assert printed["model"]["class_path"] == "examples.minilm_lora.task.LoRASentimentClassifier"
+
+
+def test_adapter_sweep_trains_three_adapters_at_once_and_exports_the_best_alone(tmp_path: Path) -> None:
+    output = _run_example("adapter_sweep", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
+
+    names = ["r4_lr1e-3", "r4_lr3e-3", "r8_lr3e-3"]
+    kept = {path.name.split("-epoch")[0]: path for path in tmp_path.glob("lightning_logs/version_0/checkpoints/*")}
+    assert sorted(kept) == names  # one ModelCheckpoint per adapter, by its own `val_acc/<name>`
+    for name in names:
+        assert re.search(rf"{re.escape(name)}: val_acc \d\.\d+", output)
+    winner = re.search(r"best adapter of the sweep: (\S+)", output).group(1)
+    saved = torch.load(kept[winner], weights_only=True)
+    assert sorted(saved["frozen_base"]["peft_adapters"]) == names
+    # per adapter: 6 layers x (query, value) x (A, B) + the classifier's A and B; nothing else trains
+    assert len(saved["state_dict"]) == 3 * 26
+    assert [group["initial_lr"] for group in saved["optimizer_states"][0]["param_groups"]] == [1e-3, 3e-3, 3e-3]
+    config = json.loads((tmp_path / "peft_adapter" / "adapter_config.json").read_text())
+    assert config["r"] == int(winner[1])
+    assert sorted(config["target_modules"]) == ["classifier", "query", "value"]
+    difference = float(re.search(r"max \|logit difference\| between the two reloads: (\S+)", output).group(1))
+    assert difference <= 1e-4

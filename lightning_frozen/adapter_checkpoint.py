@@ -1,0 +1,65 @@
+"""Adapters trained at once (``adapters.py``) in the run's one checkpoint, and one of them taken out alone.
+
+The file is the run's: every adapter's weights and optimizer state by name, so the whole run resumes on any world
+size as any run does. Its ``frozen_base`` entry holds one export entry per adapter (``peft_adapters``: name -> the
+entry ``peft_export.peft_entry`` writes for a lone adapter), so ``export_peft_adapter(..., adapter=name)``,
+``load_adapter(..., adapter=name)`` and ``load_from_checkpoint(..., adapter=name)`` take one adapter alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from lightning_frozen.adapters import adapter_param_names, trained_adapters
+from lightning_frozen.errors import AdapterSetupError, format_names
+from lightning_frozen.frozen_base import find_peft_model
+from lightning_frozen.peft_export import peft_entry, peft_entry_of
+
+
+def peft_entries(
+    module: nn.Module, prefix: str, peft_model: Any, trainable_names: Sequence[str], buffer_names: Sequence[str]
+) -> dict[str, Any]:
+    """The checkpoint's PEFT export entries: ``{"peft": entry}`` for one trained adapter (or a tuner whose adapter
+    params are not in tuner layers, prompt learning), ``{"peft_adapters": {name: entry}}`` for several."""
+    trained = trained_adapters(module)
+    if len(trained) < 2:
+        adapter = trained[0] if trained else None
+        return {"peft": peft_entry(prefix, peft_model, trainable_names, buffer_names, adapter_name=adapter)}
+    owned = adapter_param_names(module)
+    entries = {}
+    for name in trained:
+        own = set(owned[name])
+        names = [n for n in trainable_names if n in own]
+        entries[name] = peft_entry(prefix, peft_model, names, buffer_names, adapter_name=name)
+    return {"peft_adapters": entries}
+
+
+def adapter_state(
+    module: nn.Module, checkpoint: Mapping[str, Any], adapter: str, source: str
+) -> tuple[dict[str, Any], set[str]]:
+    """Adapter ``adapter``'s tensors in the checkpoint's ``state_dict``, and the names of its params in ``module``.
+
+    Raises:
+        CheckpointFormatError, InvalidArgumentValueError: as ``peft_export.peft_entry_of``.
+        AdapterSetupError: ``module`` holds no adapter of that name.
+    """
+    entry = peft_entry_of(checkpoint["frozen_base"], adapter, source)
+    names = set(entry["keys"]) | set(entry.get("prompt_encoder", {}).values())
+    owned = adapter_param_names(module).get(adapter)
+    if not owned:
+        raise AdapterSetupError(
+            f"{source}: adapter `{adapter}` is not in `{type(module).__name__}`, which holds"
+            f" {format_names(list(adapter_param_names(module)))}. Build the module with an adapter of that name"
+            f" (`get_peft_model(base, config, adapter_name='{adapter}')`)."
+        )
+    return {name: value for name, value in checkpoint["state_dict"].items() if name in names}, set(owned)
+
+
+def use_adapter(module: nn.Module, adapter: str) -> None:
+    """Make ``adapter`` the one active adapter of ``module``'s PEFT model, so a plain forward computes with it."""
+    found = find_peft_model(module)
+    if found is not None:
+        found[1].set_adapter(adapter)

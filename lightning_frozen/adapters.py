@@ -1,0 +1,363 @@
+"""Several PEFT LoRA adapters trained at once on one frozen base, each exactly as if it trained alone.
+
+A PEFT model holds several adapters (``get_peft_model(base, cfg, adapter_name="a")``, then ``add_adapter("b", cfg)``).
+:func:`train_adapters` makes the named ones trainable. Each batch carries a block of rows per adapter
+(:func:`sweep_batch` repeats one batch for every adapter, :func:`multitask_batch` joins one batch per adapter), and
+inside :func:`adapter_rows` every LoRA layer adds to each row its own adapter only: the frozen layer's matmul (and
+ZeRO-3's gather of its weight) runs once over the rows of all adapters, each adapter's LoRA matmuls over its block.
+:func:`adapter_losses` gives each adapter the mean over its own rows; their sum gives every adapter exactly its own
+gradient, since the adapters' params are disjoint and each row's output depends on its own adapter only (a mean over
+all rows would scale each by 1/K).
+
+Under ``frozen_deepspeed`` the strategy does the rest when two or more adapters train: each optimizer param group
+must hold one adapter's params (:func:`check_optimizer_groups`), gradients are clipped per adapter
+(``adapter_clipping.py``), and each adapter loads and exports alone from the run's checkpoint
+(``adapter_checkpoint.py``).
+
+Exact only where no random number or statistic depends on the other rows: ``lora_dropout=0`` and the base's own
+dropout off (K adapters' rows draw other random numbers than one adapter's alone), and no layer that mixes rows
+(BatchNorm in train mode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_frozen import adapter_clipping
+from lightning_frozen.errors import AdapterSetupError, format_names
+from lightning_frozen.frozen_base import find_peft_model
+
+
+def _peft_model(model: nn.Module) -> Any:
+    found = find_peft_model(model)
+    if found is None:
+        raise AdapterSetupError(
+            f"`{type(model).__name__}` holds no PEFT model, so it has no adapters to train at once. Build it with"
+            " `peft.get_peft_model(base, config, adapter_name=...)` and `add_adapter(name, config)`."
+        )
+    return found[1]
+
+
+def _mixable_layer_types() -> tuple[type, ...]:
+    # the LoRA layers whose forward is `base_layer(x) + lora_B(lora_A(dropout(x))) * scaling` (PEFT 0.21)
+    from peft.tuners.lora import layer
+
+    return (layer.Linear, layer._ConvNd)
+
+
+def adapter_param_names(module: nn.Module) -> dict[str, list[str]]:
+    """Each adapter's params, by their names in ``module``, for every adapter of the PEFT model inside it (in the
+    order of its ``peft_config``); empty without a PEFT model."""
+    found = find_peft_model(module)
+    if found is None:
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    owned: dict[str, list[str]] = {name: [] for name in found[1].peft_config}
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for attribute in layer.adapter_layer_names:
+            container = getattr(layer, attribute, None)
+            for adapter, held in container.items() if container is not None else []:
+                lead = f"{prefix}.{attribute}.{adapter}"
+                named = held.named_parameters() if isinstance(held, nn.Module) else [("", held)]
+                owned.setdefault(adapter, []).extend(f"{lead}.{n}" if n else lead for n, _ in named)
+    return owned
+
+
+def trained_adapters(module: nn.Module) -> list[str]:
+    """The adapters of ``module``'s PEFT model that have trainable params, in the order of its ``peft_config``."""
+    params = dict(module.named_parameters())
+    return [a for a, names in adapter_param_names(module).items() if any(params[n].requires_grad for n in names)]
+
+
+def train_adapters(model: nn.Module, names: Sequence[str]) -> None:
+    """Make exactly the adapters ``names`` of the PEFT model in ``model`` trainable and active, to train at once.
+
+    Raises:
+        AdapterSetupError: a name the PEFT model does not hold; an adapter that is not plain LoRA (another tuner,
+            DoRA, ``modules_to_save`` or trainable tokens, which PEFT cannot compute per row), or that adapts a layer
+            type PEFT cannot mix in one batch.
+    """
+    peft_model = _peft_model(model)
+    names = list(names)
+    unknown = [name for name in names if name not in peft_model.peft_config]
+    if not names or unknown:
+        raise AdapterSetupError(
+            f"{'Adapters ' + format_names(unknown) + ' are' if unknown else 'No adapter is'} named for training;"
+            f" the PEFT model holds {format_names(list(peft_model.peft_config))}. Name adapters it holds, or add"
+            " them first with `model.add_adapter(name, config)`."
+        )
+    for name in names:
+        _check_mixable(peft_model, name)
+    peft_model.base_model.set_adapter(names)  # PeftModel.set_adapter takes one name; the tuner takes a list
+    if any(float(peft_model.peft_config[name].lora_dropout or 0.0) for name in names):
+        rank_zero_warn(
+            "lightning-frozen: adapters trained at once with `lora_dropout > 0` draw other random numbers than each"
+            " would alone, so they train well but not identically to separate runs; set `lora_dropout=0` for that."
+        )
+
+
+def _check_mixable(peft_model: Any, name: str) -> None:
+    config = peft_model.peft_config[name]
+    peft_type = getattr(config.peft_type, "value", config.peft_type)
+    fix = "Train it in a run of its own, or use a plain LoRA config"
+    if peft_type != "LORA":
+        raise AdapterSetupError(
+            f"Adapter `{name}` is {peft_type}; only LoRA adapters can be trained at once (each row of a batch computed"
+            f" with its own adapter). {fix}."
+        )
+    reason = None
+    if getattr(config, "use_dora", False):
+        reason = "DoRA"
+    elif getattr(config, "modules_to_save", None) or getattr(config, "trainable_token_indices", None):
+        reason = "`modules_to_save` / `trainable_token_indices` (trained copies PEFT does not compute per row)"
+    if reason:
+        raise AdapterSetupError(
+            f"Adapter `{name}` uses {reason}, which PEFT cannot mix in one batch. {fix} (a head can be a LoRA target:"
+            " `target_modules=[..., 'classifier']`)."
+        )
+    mixable = _mixable_layer_types()
+    for layer_name, layer in peft_model.named_modules():
+        adapted = name in getattr(layer, "lora_A", {}) or name in getattr(layer, "lora_embedding_A", {})
+        if adapted and (not isinstance(layer, mixable) or name in layer.lora_variant):
+            raise AdapterSetupError(
+                f"Adapter `{name}` adapts `{layer_name}` with PEFT's `{type(layer).__name__}` (or a LoRA variant),"
+                f" which lightning-frozen cannot compute per row (plain LoRA on Linear and Conv layers only). {fix}"
+                " without that target module."
+            )
+
+
+@dataclass(frozen=True)
+class AdapterRows:
+    """Which adapter each row of a batch is for: consecutive blocks, ``(adapter, number of rows)`` in batch order."""
+
+    blocks: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.blocks]
+        if len(set(names)) != len(names):
+            raise AdapterSetupError(f"Adapter rows name an adapter twice ({names}); give each adapter one block.")
+
+    @property
+    def adapters(self) -> list[str]:
+        return [name for name, _ in self.blocks]
+
+    @property
+    def total(self) -> int:
+        return sum(size for _, size in self.blocks)
+
+    def slices(self) -> dict[str, slice]:
+        """Each adapter's rows as a slice of the batch."""
+        found, start = {}, 0
+        for name, size in self.blocks:
+            found[name] = slice(start, start + size)
+            start += size
+        return found
+
+    def per_row(self) -> list[str]:
+        return [name for name, size in self.blocks for _ in range(size)]
+
+
+def _rows_of(batch: Any) -> Optional[int]:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
+    return next((rows for rows in map(_rows_of, values) if rows is not None), None)
+
+
+def _join(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not first.dim():
+            return first
+        if any(part.shape[1:] != first.shape[1:] for part in parts):
+            raise AdapterSetupError(
+                f"The adapters' batches hold tensors of shapes {[tuple(p.shape) for p in parts]}, which cannot be"
+                " joined into one batch. Pad every task to the same length (e.g. `padding='max_length'`)."
+            )
+        return torch.cat(list(parts))
+    if isinstance(first, Mapping):
+        return type(first)({key: _join([part[key] for part in parts]) for key in first})
+    if isinstance(first, (list, tuple)) and not isinstance(first, str):
+        joined = [_join([part[i] for part in parts]) for i in range(len(first))]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    return first
+
+
+def sweep_batch(batch: Any, adapters: Sequence[str]) -> tuple[Any, AdapterRows]:
+    """A sweep's batch: every tensor of ``batch`` (nested in dicts, lists, tuples) repeated along dim 0, once per
+    adapter, so every adapter sees every row; returns it with its :class:`AdapterRows`. Other values stay as they are.
+    """
+    rows = _rows_of(batch)
+    if rows is None:
+        raise AdapterSetupError("The batch holds no tensor with a batch dimension, so it has no rows to give adapters.")
+    adapters = list(adapters)
+    return _join([batch] * len(adapters)), AdapterRows(tuple((name, rows) for name in adapters))
+
+
+def multitask_batch(batches: Mapping[str, Any]) -> tuple[Any, AdapterRows]:
+    """One batch from one batch per adapter (``{"a": batch_a, "b": batch_b}``, as Lightning's ``CombinedLoader``
+    gives for a dict of DataLoaders), joined along dim 0 in the dict's order, with its :class:`AdapterRows`.
+
+    Raises:
+        AdapterSetupError: the batches' tensors differ in shape beyond dim 0.
+    """
+    names = list(batches)
+    sizes = [_rows_of(batches[name]) for name in names]
+    if not names or None in sizes:
+        raise AdapterSetupError("Each adapter's batch must hold tensors with a batch dimension.")
+    return _join([batches[name] for name in names]), AdapterRows(tuple(zip(names, sizes)))  # type: ignore[arg-type]
+
+
+@contextmanager
+def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
+    """Within the context, every LoRA layer of ``model`` adds to each row the adapter ``rows`` names for it (none
+    where that adapter does not adapt the layer), in training and in evaluation.
+
+    Raises:
+        AdapterSetupError: a layer's input has another number of rows than ``rows`` (a model that reshapes its batch
+            dimension before a LoRA layer), an adapter ``rows`` names is not in the model, or gradient checkpointing
+            is on while gradients are computed.
+    """
+    peft_model = _peft_model(model)
+    unknown = [name for name in rows.adapters if name not in peft_model.peft_config]
+    if unknown:
+        raise AdapterSetupError(
+            f"Rows for adapters {format_names(unknown)}, which the PEFT model does not hold (it holds"
+            f" {format_names(list(peft_model.peft_config))})."
+        )
+    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise AdapterSetupError(
+            "Gradient checkpointing recomputes the forward during backward, after `adapter_rows` has ended, so the"
+            " recomputed rows would not see their adapters. Turn it off (`model.gradient_checkpointing_disable()`)"
+            " to train adapters at once."
+        )
+    layers = [layer for layer in peft_model.modules() if isinstance(layer, _mixable_layer_types())]
+    for layer in layers:
+        layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _row_forward(layer: Any, rows: AdapterRows, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # PEFT's vanilla LoRA forward (`result + lora_B(lora_A(dropout(x))) * scaling`) on each adapter's block of rows.
+    # Not PEFT's `_mixed_batch_forward`: it visits adapters in `set` order, which differs between processes, and
+    # ZeRO-3 needs every rank to run the same modules in the same order.
+    if layer.merged or layer.disable_adapters:
+        raise AdapterSetupError(
+            f"A `{type(layer).__name__}` layer has merged or disabled adapters; unmerge (`unmerge_adapter()`) and"
+            " enable them before training adapters at once."
+        )
+    if len(x) != rows.total:
+        raise AdapterSetupError(
+            f"A `{type(layer).__name__}` LoRA layer got {len(x)} rows where the batch has {rows.total}: the model"
+            " reshapes its batch dimension before this layer, so rows cannot be given their own adapters there."
+        )
+    result = layer.base_layer(x, *args, **kwargs)  # the frozen weight's matmul, once over every adapter's rows
+    blocks = []
+    for name, block in rows.slices().items():
+        if name not in layer.lora_A:
+            blocks.append(result[block])
+            continue
+        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+        sub_batch = layer._cast_input_dtype(x[block], lora_A.weight.dtype)
+        blocks.append(result[block] + lora_B(lora_A(layer.lora_dropout[name](sub_batch))) * layer.scaling[name])
+    return torch.cat(blocks).to(result.dtype)
+
+
+def adapter_losses(
+    values: torch.Tensor, rows: AdapterRows, weights: Optional[torch.Tensor] = None
+) -> dict[str, torch.Tensor]:
+    """Each adapter's loss: the mean of ``values`` (one per row, or per row and token) over its rows, or with
+    ``weights`` (e.g. a token mask, the shape of ``values``) the weighted mean. Return ``sum(losses.values())`` from
+    ``training_step``: each adapter then gets exactly the gradient of its own loss."""
+    losses = {}
+    for name, rows_of_adapter in rows.slices().items():
+        part = values[rows_of_adapter]
+        if weights is None:
+            losses[name] = part.mean()
+        else:
+            weight = weights[rows_of_adapter].to(part.dtype)
+            losses[name] = (part * weight).sum() / weight.sum()
+    return losses
+
+
+def adapter_param_groups(module: nn.Module, hyper_parameters: Mapping[str, Mapping[str, Any]]) -> list[dict]:
+    """One optimizer param group per adapter, in the order of ``hyper_parameters`` (``{"a": {"lr": 1e-3}, ...}``):
+    the adapter's trainable params with its own hyper-parameters. A ``LambdaLR`` with one lambda per adapter, in the
+    same order, gives each adapter its own schedule.
+
+    Raises:
+        AdapterSetupError: an adapter the module does not train.
+    """
+    params = dict(module.named_parameters())
+    owned = adapter_param_names(module)
+    groups = []
+    for name, hyper in hyper_parameters.items():
+        trainable = [params[n] for n in owned.get(name, []) if params[n].requires_grad]
+        if not trainable:
+            raise AdapterSetupError(
+                f"Adapter `{name}` has no trainable params in `{type(module).__name__}` (it trains"
+                f" {format_names(trained_adapters(module))}). Name it in `lightning_frozen.adapters.train_adapters`."
+            )
+        groups.append({"params": trainable, **hyper})
+    return groups
+
+
+def group_adapters(module: nn.Module, group_names: Sequence[Sequence[str]]) -> list[str]:
+    """The adapter each optimizer param group trains (groups given by param names), or ``[]`` when fewer than two
+    adapters train (nothing to keep apart).
+
+    Raises:
+        AdapterSetupError: a group holds params of several adapters, or a trainable param belongs to no adapter
+            (shared by all, it would couple them).
+    """
+    owned = adapter_param_names(module)
+    trained = trained_adapters(module)
+    if len(trained) < 2:
+        return []
+    owner = {name: adapter for adapter, names in owned.items() for name in names}
+    shared = [name for name, p in module.named_parameters() if p.requires_grad and name not in owner]
+    if shared:
+        raise AdapterSetupError(
+            f"Adapters {format_names(trained)} train at once, and trainable params {format_names(shared)} belong to"
+            " none of them, so every adapter's rows would train them together. Freeze them, or make them part of"
+            " each adapter (a LoRA target module)."
+        )
+    adapters = []
+    for index, names in enumerate(group_names):
+        found = list(dict.fromkeys(owner[name] for name in names))
+        if len(found) != 1:
+            raise AdapterSetupError(
+                f"Optimizer param group {index} holds params of adapters {format_names(found)}, which train at once:"
+                " each adapter needs its own group(s) for its own hyper-parameters, schedule and gradient clipping."
+                " Build the groups with `lightning_frozen.adapters.adapter_param_groups(self, {name: {...}})`."
+            )
+        adapters.append(found[0])
+    return adapters
+
+
+def check_optimizer_groups(module: nn.Module, optimizer: Optimizer) -> None:
+    """:func:`group_adapters` for a torch optimizer over ``module``'s params (raises as it does)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    group_adapters(module, [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+
+
+def clip_per_adapter(zero_optimizer: Any, module: nn.Module, group_names: Sequence[Sequence[str]]) -> None:
+    """With two or more adapters training, clip each one's gradients in ``zero_optimizer`` by its own norm
+    (``adapter_clipping.py``); raises as :func:`group_adapters` does."""
+    adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(module, group_names))

@@ -1,0 +1,225 @@
+"""Several LoRA adapters trained at once under ``frozen_deepspeed``: each ends exactly where it would alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import peft
+import pytest
+import torch
+
+import lightning_frozen
+from lightning_frozen import adapter_clipping
+from lightning_frozen import adapters as multi
+from lightning_frozen.errors import AdapterSetupError
+from tests.adapter_models import FIT, SPECS, CausalAdapters, adapter_weights, peft_with_adapters, token_batches
+from tests.distributed import run_script
+from tests.models import cpu_trainer
+from tests.peft_models import save_tiny_llama, tiny_llama
+
+NAMES = ["x", "y", "z"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_llama(tmp_path_factory.mktemp("llama")))
+
+
+def fit_and_save(module: Any, path: Path, **kwargs: Any) -> dict[str, torch.Tensor]:
+    trainer = cpu_trainer(**{**FIT, **kwargs})
+    trainer.fit(module, token_batches())
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def alone(llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    """Each adapter trained in a run of its own, the plain PEFT way (DeepSpeed's own global-norm clipping)."""
+    folder = tmp_path_factory.mktemp("alone")
+    return {
+        name: adapter_weights(fit_and_save(CausalAdapters(llama, [name], together=False), folder / name), name)
+        for name in NAMES
+    }
+
+
+@pytest.fixture(scope="module")
+def together(llama: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("together") / "sweep.ckpt"
+    fit_and_save(CausalAdapters(llama, NAMES), path)
+    return path
+
+
+def test_each_adapter_trained_at_once_equals_its_run_alone(
+    together: Path, alone: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    state = torch.load(together, weights_only=True)["state_dict"]
+    for name in NAMES:
+        ours = adapter_weights(state, name)
+        assert ours.keys() == alone[name].keys() and ours
+        for key, value in ours.items():
+            assert not torch.equal(value, torch.zeros_like(value)) or "lora_A" in key  # B has moved off its zero init
+            torch.testing.assert_close(value, alone[name][key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_a_global_clipping_norm_would_couple_the_adapters(
+    llama: str, tmp_path: Path, alone: dict[str, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapter_clipping, "clip_per_adapter", lambda *args: None)
+    state = fit_and_save(CausalAdapters(llama, NAMES), tmp_path / "global.ckpt")
+    differ = [
+        name
+        for name in NAMES
+        if not all(torch.allclose(v, alone[name][k], rtol=1e-5) for k, v in adapter_weights(state, name).items())
+    ]
+    assert differ == NAMES
+
+
+def _logits(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch[0], attention_mask=batch[1]).logits
+
+
+def test_one_adapter_exports_alone_and_peft_loads_it(llama: str, together: Path, tmp_path: Path) -> None:
+    folder = lightning_frozen.export_peft_adapter(together, tmp_path / "y", adapter="y")
+    exported = peft.PeftModel.from_pretrained(tiny_llama(llama), str(folder), adapter_name="y").eval()
+    lone = lightning_frozen.load_adapter(CausalAdapters(llama, ["y"], together=False), together, adapter="y")
+    state = torch.load(together, weights_only=True)["state_dict"]
+    for name, param in lone.named_parameters():
+        if name in state and ".y." in name:
+            torch.testing.assert_close(param.detach(), state[name], rtol=0, atol=0)
+    batch = next(iter(token_batches()))
+    torch.testing.assert_close(_logits(exported, batch), _logits(lone.model, batch), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_logits(exported, batch), _logits(tiny_llama(llama).eval(), batch), atol=1e-4)
+
+
+def test_load_from_checkpoint_takes_one_adapter_of_the_run(llama: str, together: Path) -> None:
+    module = lightning_frozen.load_from_checkpoint(CausalAdapters, together, adapter="z")
+    assert module.model.active_adapters == ["z"]
+    lone = lightning_frozen.load_adapter(CausalAdapters(llama, ["z"], together=False), together, adapter="z")
+    batch = next(iter(token_batches()))
+    torch.testing.assert_close(_logits(module.model, batch), _logits(lone.model.eval(), batch), rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_of_several_adapters_names_them_when_none_is_chosen(llama: str, together: Path, tmp_path: Path) -> None:
+    with pytest.raises(AdapterSetupError, match=r"adapter `y` is not in `CausalAdapters`, which holds `x`"):
+        lightning_frozen.load_adapter(CausalAdapters(llama, ["x"], together=False), together, adapter="y")
+    with pytest.raises(ValueError, match=r"holds adapter\(s\) `x`, `y`, `z`. Pass `adapter=`"):
+        lightning_frozen.export_peft_adapter(together, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"`x`, `y`, `z`, not `w`"):
+        lightning_frozen.export_peft_adapter(together, tmp_path / "out", adapter="w")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_name_the_model_lacks_is_refused_naming_the_fix(llama: str) -> None:
+    model = peft_with_adapters(llama, ["x", "y"])
+    with pytest.raises(AdapterSetupError, match=r"Adapters `w` are named.*holds `x`, `y`.*add_adapter\(name, config\)"):
+        multi.train_adapters(model, ["x", "w"])
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (lambda: peft.IA3Config(task_type="CAUSAL_LM", target_modules=["q_proj"], feedforward_modules=[]), "is IA3"),
+        (lambda: peft.LoraConfig(target_modules=["q_proj"], use_dora=True), "uses DoRA"),
+        (lambda: peft.LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), "uses `modules_to_save`"),
+    ],
+)
+def test_adapters_that_cannot_be_mixed_in_one_batch_are_refused(llama: str, config: Any, message: str) -> None:
+    model = peft.get_peft_model(tiny_llama(llama), config(), adapter_name="x")
+    model.add_adapter("y", config())
+    with pytest.raises(AdapterSetupError, match=rf"{message}.*Train it in a run of its own"):
+        multi.train_adapters(model, ["x", "y"])
+
+
+class OneGroup(CausalAdapters):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class SharedHead(CausalAdapters):
+    def _build(self) -> Any:
+        model = super()._build()
+        model.base_model.model.lm_head.requires_grad_(True)
+        return model
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (OneGroup, r"Optimizer param group 0 holds params of adapters `x`, `y`.*adapter_param_groups"),
+        (SharedHead, r"trainable params `model.base_model.model.lm_head.weight` belong to none of them"),
+    ],
+)
+def test_optimizer_groups_or_params_shared_by_adapters_are_refused_at_setup(
+    llama: str, module: type, message: str
+) -> None:
+    with pytest.raises(AdapterSetupError, match=message):
+        cpu_trainer(max_steps=1).fit(module(llama, ["x", "y"]), token_batches())
+
+
+def _same_adapters(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], names: list[str]) -> None:
+    for name in names:
+        mine = adapter_weights(ours, name)
+        assert mine.keys() == adapter_weights(reference, name).keys() and mine
+        for key, value in mine.items():
+            torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_a_run_of_adapters_resumed_from_its_middle_ends_where_it_would_have(
+    llama: str, together: Path, tmp_path: Path
+) -> None:
+    fit_and_save(CausalAdapters(llama, NAMES), tmp_path / "half.ckpt", max_epochs=1)
+    trainer = cpu_trainer(**FIT)
+    trainer.fit(CausalAdapters(llama, NAMES), token_batches(), ckpt_path=tmp_path / "half.ckpt")
+    trainer.save_checkpoint(tmp_path / "resumed.ckpt")
+    resumed = torch.load(tmp_path / "resumed.ckpt", weights_only=True)["state_dict"]
+    _same_adapters(resumed, torch.load(together, weights_only=True)["state_dict"], NAMES)
+
+
+def test_two_ranks_train_each_adapter_as_alone_resume_exactly_and_resume_on_one(llama: str, tmp_path: Path) -> None:
+    run_script("train_adapters_together.py", "--llama", llama, "--out", str(tmp_path), timeout=900)
+    states = {path.stem: torch.load(path, weights_only=True)["state_dict"] for path in tmp_path.glob("*.ckpt")}
+    for name in NAMES:
+        _same_adapters(states["together"], states[f"alone_{name}"], [name])
+    _same_adapters(states["resumed"], states["together"], NAMES)
+    # the 2-rank run's middle resumes on 1 rank too (another data split, so not the same end)
+    trainer = cpu_trainer(**FIT)
+    trainer.fit(CausalAdapters(llama, NAMES), token_batches(), ckpt_path=tmp_path / "half.ckpt")
+    assert trainer.global_step == 1 + 2  # one step in the 2-rank first epoch, then two of 2 batches on one rank
+    assert [group["lr"] for group in trainer.optimizers[0].param_groups] == [SPECS[n]["lr"] for n in NAMES]
+
+
+def test_adapters_trained_at_once_on_their_own_data_equal_their_runs_alone(
+    llama: str, tmp_path: Path, alone: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    tasks = {"x": token_batches(), "y": token_batches(seed=4)}  # x's data is what `alone` trained x on
+    trainer = cpu_trainer(**FIT)
+    # a dict of DataLoaders: Lightning combines them (`max_size_cycle`), and gives one batch per adapter at each step
+    trainer.fit(CausalAdapters(llama, ["x", "y"]), tasks)
+    trainer.save_checkpoint(tmp_path / "tasks.ckpt")
+    state = torch.load(tmp_path / "tasks.ckpt", weights_only=True)["state_dict"]
+    trainer = cpu_trainer(**FIT)
+    trainer.fit(CausalAdapters(llama, ["y"], together=False), tasks["y"])
+    trainer.save_checkpoint(tmp_path / "y.ckpt")
+    _same_adapters(state, alone["x"], ["x"])
+    _same_adapters(state, torch.load(tmp_path / "y.ckpt", weights_only=True)["state_dict"], ["y"])
+
+
+def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(llama: str) -> None:
+    model = peft_with_adapters(llama, ["x", "y"])
+    multi.train_adapters(model, ["x", "y"])
+    (input_ids, attention_mask), rows = multi.sweep_batch(next(iter(token_batches())), ["x", "y"])
+    with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"), multi.adapter_rows(model, rows):
+        model(input_ids=input_ids[:4], attention_mask=attention_mask[:4])
+    model.gradient_checkpointing_enable()
+    with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), multi.adapter_rows(model, rows):
+        pass
+
+
+def test_lora_dropout_is_allowed_with_a_warning_that_runs_are_not_identical(llama: str) -> None:
+    model = peft.get_peft_model(tiny_llama(llama), peft.LoraConfig(target_modules=["q_proj"], lora_dropout=0.1))
+    model.add_adapter("y", peft.LoraConfig(target_modules=["q_proj"]))
+    with pytest.warns(UserWarning, match="set `lora_dropout=0`"):
+        multi.train_adapters(model, ["default", "y"])
+    assert multi.trained_adapters(model) == ["default", "y"]
