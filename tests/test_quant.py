@@ -399,3 +399,35 @@ def test_a_quantized_llama_from_configure_model_trains_and_validates(frozen_dtyp
         losses[storage] = float(trainer.callback_metrics["val_loss"])
     assert math.isfinite(losses[frozen_dtype])
     assert abs(losses[frozen_dtype] - losses[None]) < 0.1 * losses[None], losses
+
+
+@pytest.fixture(scope="module")
+def prefetched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An NF4 fit on 2 ranks with the asynchronous quantized gather, then one whose gathers wait inside the call."""
+    tmp = tmp_path_factory.mktemp("quant_prefetch")
+    run_script("quantized_prefetch.py", f"--out={tmp}")
+    return tmp
+
+
+def test_prefetched_quantized_gathers_stay_in_flight_while_other_layers_compute(prefetched: Path) -> None:
+    for report in read_reports(prefetched / "async"):
+        codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]  # the quantized gathers' collectives
+        assert codes and all(g["async_op"] for g in codes)
+        assert all(g["waited_at"] is not None for g in codes)  # every collective's work is waited on, in `wait`
+        # the coordinator prefetched them: frozen layers' forwards ran between starting a gather and waiting on it
+        in_flight = [g["waited_at"] - g["started_at"] for g in codes]
+        assert sum(1 for n in in_flight if n > 0) >= len(codes) // 4, in_flight
+    for report in read_reports(prefetched / "sync"):
+        codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]
+        assert codes and all(g["waited_at"] == g["started_at"] for g in codes)  # the check can tell the two apart
+
+
+def test_the_asynchronous_gather_trains_exactly_as_the_synchronous_one(prefetched: Path) -> None:
+    asynchronous, synchronous = read_reports(prefetched / "async"), read_reports(prefetched / "sync")
+    source = AdapterModel(width=WIDTH, depth=4).to(torch.bfloat16)
+    expected = _expected_weight(source.layers[3].base.weight, "nf4", 2).float()
+    for fast, slow in zip(asynchronous, synchronous):
+        assert fast["global_step"] == slow["global_step"] == 4
+        assert fast["trainable"] == slow["trainable"]  # bit-identical adapters and head after 4 steps
+        assert torch.equal(torch.tensor(fast["seen_weight"]), expected)  # the last step's layer saw the decoded base
+    assert asynchronous[0]["trainable"] == asynchronous[1]["trainable"]
