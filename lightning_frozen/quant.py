@@ -1,5 +1,5 @@
-"""Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"`` or ``"nf4"``; the codecs are in
-``quant_codec.py``).
+"""Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"``, ``"nf4"``, or a ``"bf16"``/``"fp16"``
+cast under fp32 compute; the codecs are in ``quant_codec.py``).
 
 Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
 ``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
@@ -33,7 +33,7 @@ _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
 
 
 def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
-    """``"int8"``/``"nf4"`` when ``param``'s ZeRO-3 shard is stored quantized, else None."""
+    """The ``frozen_dtype`` (``"int8"``, ``"nf4"``, ...) ``param``'s ZeRO-3 shard is stored in, else None."""
     return getattr(param, _FROZEN_DTYPE_ATTR, None)
 
 
