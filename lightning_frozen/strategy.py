@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_frozen import (
     checkpoint,
+    host_memory,
     memory,
     optim,
     placement,
@@ -68,9 +69,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         frozen_base: the frozen base's path or hub id, stored in checkpoints; found from the module when not given.
         fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
-        frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise
-            absmax, 256 weights per fp32 scale) or ``"nf4"`` (4-bit NormalFloat, 64 weights per fp16 scale);
-            dequantized to the compute dtype when a layer is computed (see ``lightning_frozen.quant``).
+        frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise absmax,
+            1.016 B/weight), ``"nf4"`` (4-bit NormalFloat, 0.531 B/weight) or ``"bf16"``/``"fp16"`` (a cast, 2 B/weight,
+            for fp32 compute); decoded to the compute dtype for the layer computed (see ``lightning_frozen.quant``).
+        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``host_memory.py``).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
@@ -93,7 +95,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
         fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
-        frozen_dtype: Optional[Literal["int8", "nf4"]] = None,
+        frozen_dtype: Optional[Literal["int8", "nf4", "bf16", "fp16"]] = None,
+        return_freed_memory: bool = True,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision_plugin: Optional[Precision] = None,
@@ -103,6 +106,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     ) -> None:
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
+        flags["return_freed_memory"] = return_freed_memory
         config = kwargs.get("config")
         check_strategy_arguments(
             flags, frozen_base, timeout, config, fingerprint, zero_optimization, stage, frozen_dtype
@@ -125,6 +129,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.frozen_base = frozen_base
         self.fingerprint = fingerprint
         self.frozen_dtype = frozen_dtype
+        self.return_freed_memory = return_freed_memory
         self.pin_memory = bool(kwargs.get("pin_memory", False))
         self._fit_reduce_bucket = "reduce_bucket_size" not in kwargs and config is None
         self._optimized = unfreezing.OptimizedSet()
@@ -171,6 +176,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
         placement.align_deepspeed_accelerator(self.accelerator)
+        if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):
+            host_memory.return_freed_memory()  # before the base is loaded: gathers and activations are host memory
         check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
