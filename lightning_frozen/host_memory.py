@@ -22,8 +22,10 @@ from torch import nn
 from lightning_frozen.zero import full_numel
 
 # each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
-# module): prefetch about one module ahead, keep a module for reuse only across its neighbour, hold a few at once
-GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 1, "stage3_max_live_parameters": 3}
+# module): prefetch up to one such module ahead, hold no more than that gathered besides what runs, and gather a
+# module again rather than keep it for a later use (measured: 245M Llama, 2 ranks, whole fit 2.7x the frozen bytes
+# with 1/1/3, 1.98x with 1/0/1; benchmarks/load_memory.py)
+GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
 
@@ -33,15 +35,15 @@ def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
 
     Each key of :data:`GATHER_BOUNDS` that ``config["zero_optimization"]`` lacks (under its ``stage3_`` name or its
     bare one), i.e. that the user did not set, becomes its multiple of the most elements one module of ``model``
-    holds itself, so each rank holds a few modules gathered rather than most of the model. A key the user set is
+    holds itself, so each rank holds about two modules gathered rather than most of the model. A key the user set is
     left as it is: setting them all (DeepSpeed's defaults are 5e7 and 1e9) opts out.
     """
     zero_config = config.setdefault("zero_optimization", {})
-    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=1)
     applied = {}
     for key, multiple in GATHER_BOUNDS.items():
         if key not in zero_config and key.removeprefix("stage3_") not in zero_config:
-            zero_config[key] = applied[key] = max(1, multiple * largest)
+            zero_config[key] = applied[key] = multiple * max(largest, 1)
     return applied
 
 

@@ -22,8 +22,8 @@ def test_unset_bounds_become_multiples_of_the_largest_module_and_set_ones_stay()
     model = AdapterModel(width=WIDTH, depth=3)
     config: dict = {}
     applied = host_memory.bound_gathers_on_cpu(config, model)
-    expected = {"stage3_prefetch_bucket_size": LARGEST, "stage3_max_reuse_distance": LARGEST}
-    expected["stage3_max_live_parameters"] = 3 * LARGEST
+    expected = {"stage3_prefetch_bucket_size": LARGEST, "stage3_max_reuse_distance": 0}
+    expected["stage3_max_live_parameters"] = LARGEST
     assert applied == expected and config["zero_optimization"] == expected
     user = {"zero_optimization": {"stage3_max_live_parameters": 10**9, "max_reuse_distance": 10**9}}
     assert host_memory.bound_gathers_on_cpu(user, model) == {"stage3_prefetch_bucket_size": LARGEST}
@@ -41,8 +41,8 @@ def test_a_cpu_fit_bounds_the_gathers_unless_the_config_sets_them() -> None:
     trainer.fit(AdapterModel(width=WIDTH), regression_data(width=WIDTH))
     assert _engine_bounds(trainer) == {
         "prefetch_bucket_size": LARGEST,
-        "max_reuse_distance": LARGEST,
-        "max_live_parameters": 3 * LARGEST,
+        "max_reuse_distance": 0,
+        "max_live_parameters": LARGEST,
     }
     config = {
         "zero_optimization": {"stage": 3, **{f"stage3_{name}": 10**9 for name in BOUNDS}},
