@@ -10,12 +10,17 @@ training steps. The figure, per configuration:
     (node peak(large) - node peak(floor)) / frozen bf16 bytes(large)
     node peak = sum over ranks of each rank's peak USS
 
-1.0 is the base held once per node. Also recorded: the same with anonymous memory only (``RssAnon``: USS without
-the safetensors file's pages a rank has mapped), and the wall time of the load (``from_pretrained`` +
-``get_peft_model``, wherever it runs). glibc maps every buffer above 1 MiB (``MALLOC_MMAP_THRESHOLD_``, as
-``run.py`` does), so that freed buffers leave the process and the peaks follow live memory.
+1.0 is the base held once per node; "load" takes the peaks up to the first training step, "whole fit" to the end of
+training. Also recorded: the same with anonymous memory only (``RssAnon``: USS without the safetensors file's pages
+a rank has mapped), the wall time of the load (``from_pretrained`` + ``get_peft_model``, wherever it runs) and the
+median training step after the first. Each configuration runs with each ``--allocators`` entry: ``user`` as a user
+runs it (no allocator setting in the environment: what the package does itself is all there is), ``env`` with
+``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc maps every buffer above 1 MiB, so freed buffers leave the process and the
+peaks follow live memory). ``--package DIR`` runs the workers on another checkout of the package (an earlier
+commit, for before/after figures, written side by side under ``--label``).
 
-    python benchmarks/load_memory.py          # ~10 min on 2 shared cores; writes results/load_memory.{md,json}
+    python benchmarks/load_memory.py          # ~15 min on 2 shared cores; writes results/load_memory.{md,json}
+    python benchmarks/load_memory.py --only frozen:configure_model --package /tmp/before --label before
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +52,8 @@ MODELS = {
 # (strategy, where the model is built); stock's configure_model path is expected to fail, and is shown failing
 CONFIGS = (("frozen", "configure_model"), ("frozen", "init"), ("stock", "init"), ("stock", "configure_model"))
 SEQUENCE, BATCH, TOKENS = 32, 2, 1000
+# the environment each allocator setting adds; "user" removes the variable if the caller's environment has it
+ALLOCATORS = {"user": {}, "env": {"MALLOC_MMAP_THRESHOLD_": str(1024 * 1024)}}
 
 
 class PeakSampler(threading.Thread):
@@ -111,10 +119,17 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
 
     torch.set_num_threads(1)
     load_seconds: list[float] = []
+    step_seconds: list[float] = []
 
     class EndOfLoad(L.Callback):
         def on_train_start(self, *args: Any) -> None:
             sampler.end_of_load()
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            step_seconds.append(time.perf_counter() - self.started)
 
     class LoRACausalLM(L.LightningModule):
         def __init__(self) -> None:
@@ -176,6 +191,7 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
         "peak_anon": sampler.peak_anon,
         **sampler.load_peaks,
         "load_s": round(load_seconds[0], 2) if load_seconds else None,
+        "step_s": round(statistics.median(step_seconds[1:]), 3) if len(step_seconds) > 1 else None,
         "frozen_params": frozen,
         "steps": trainer.global_step,
         "error": error,
@@ -186,11 +202,17 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
 # --------------------------------------------------------------------------------------------------- the driver
 
 
-def run_one(model: str, strategy: str, where: str, base: Path, scratch: Path, steps: int, timeout_s: float) -> dict:
-    out = scratch / f"{model}-{strategy}-{where}"
+def run_one(model: str, config: tuple[str, str, str], base: Path, scratch: Path, args: argparse.Namespace) -> dict:
+    strategy, where, allocator = config
+    out = scratch / f"{args.label}-{model}-{strategy}-{where}-{allocator}"
     out.mkdir(parents=True)
-    command = [sys.executable, __file__, "--worker", strategy, where, str(base), str(out), "--steps", str(steps)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, __file__, "--worker", strategy, where, str(base), str(out), "--steps", str(args.steps)]
+    env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+    env.update(ALLOCATORS[allocator], OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if args.package:
+        command += ["--package", str(args.package)]
+        env["PYTHONPATH"] = str(args.package)
+    timeout_s = args.timeout
     started, load_before = time.perf_counter(), _load_average()
     with open(scratch / f"{out.name}.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -201,7 +223,8 @@ def run_one(model: str, strategy: str, where: str, base: Path, scratch: Path, st
             process.wait()
             returncode = "timeout"
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
-    record = dict(model=model, strategy=strategy, where=where, returncode=returncode, ranks=ranks)
+    record = dict(model=model, strategy=strategy, where=where, allocator=allocator, label=args.label)
+    record.update(returncode=returncode, ranks=ranks)
     record.update(wall_s=round(time.perf_counter() - started, 1), load_before=load_before)
     if len(ranks) < 2:
         record["log_tail"] = (scratch / f"{out.name}.log").read_text()[-2000:]
@@ -221,16 +244,21 @@ def node_peak(record: dict, key: str) -> Optional[int]:
     return sum(r[key] for r in ranks)
 
 
+def _key(run: dict) -> tuple[str, str, str, str]:
+    """(label, strategy, where, allocator); runs recorded before allocators were compared ran with ``env``."""
+    return run.get("label", "this"), run["strategy"], run["where"], run.get("allocator", "env")
+
+
 def summarize(runs: list[dict], params: dict[str, int]) -> list[dict]:
-    """One row per configuration: node peaks, the ratio to the frozen bytes, load time, or the error."""
+    """One row per configuration: node peaks, the ratio to the frozen bytes, load and step time, or the error."""
     frozen_bytes = params["large"] * 2
     rows = []
-    for strategy, where in CONFIGS:
+    for label, strategy, where, allocator in dict.fromkeys(_key(r) for r in runs):
         large, floor = (
-            next((r for r in runs if (r["model"], r["strategy"], r["where"]) == (m, strategy, where)), None)
+            next((r for r in runs if r["model"] == m and _key(r) == (label, strategy, where, allocator)), None)
             for m in ("large", "floor")
         )
-        row: dict[str, Any] = dict(strategy=strategy, where=where)
+        row: dict[str, Any] = dict(label=label, strategy=strategy, where=where, allocator=allocator)
         errors = {r["error"] for r in (large or {}).get("ranks", []) if r["error"]}
         if large is None:
             row["error"] = "not run"
@@ -246,6 +274,8 @@ def summarize(runs: list[dict], params: dict[str, int]) -> list[dict]:
             row[f"floor_{key}"] = base
             row[f"ratio_{key}"] = round((peak - base) / frozen_bytes, 2) if peak and base else None
         row["load_s"] = max(r["load_s"] for r in large["ranks"])
+        steps = [r.get("step_s") for r in large["ranks"]]
+        row["step_s"] = max(steps) if None not in steps else None
         row["wall_s"] = large["wall_s"]
         rows.append(row)
     return rows
@@ -272,29 +302,38 @@ def write_results(results: dict, out: Path) -> None:
         "Figure: (node peak − floor) / frozen bytes; node peak = sum over ranks of each rank's peak USS, sampled every"
         " 50 ms from process start; floor = the same run on the floor model. 1.0 = the base held once per node."
         " **Load**: peaks up to the first training step (model built and loaded, engine set up, base fingerprinted)."
-        " **+ steps**: peaks to the end of training; on the CPU the accelerator's memory is host memory too, so"
+        " **Whole fit**: peaks to the end of training; on the CPU the accelerator's memory is host memory too, so"
         " this adds what a GPU run holds on the GPU (ZeRO-3 gathers the running modules' params whole; DeepSpeed's"
-        " default `stage3_max_live_parameters` and `stage3_max_reuse_distance` of 1e9 let it keep up to 1e9 of them"
-        " gathered between uses). `anon`: the same with anonymous"
-        " memory only (USS also counts the pages of the safetensors file that a rank alone has mapped).",
+        " defaults, `stage3_max_live_parameters` and `stage3_max_reuse_distance` of 1e9, would let it keep up to 1e9"
+        " of them gathered between uses, which `frozen_deepspeed` bounds on the CPU). `anon`: the same with anonymous"
+        " memory only (USS also counts the pages of the safetensors file that a rank alone has mapped). **Allocator**:"
+        " `user` as a user runs it, `env` with `MALLOC_MMAP_THRESHOLD_=1048576`. **Code**: the package this run used"
+        " (`this`: the checkout the benchmark is in). **Step s**: median training step after the first, slower rank.",
         "",
-        "| strategy | model built in | load: node peak USS | floor | **load: (peak − floor) / frozen** | anon"
-        " | + steps: (peak − floor) / frozen | anon | load s | run s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| code | strategy | model built in | allocator | load: node peak USS | floor"
+        " | **load: (peak − floor) / frozen** | anon | **whole fit: (peak − floor) / frozen** | anon | step s | load s"
+        " | run s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         name = "`frozen_deepspeed`" if row["strategy"] == "frozen" else "stock `DeepSpeedStrategy` (stage 3)"
         where = f"`{row['where']}`" if row["where"] == "configure_model" else "`__init__`"
+        head = f"| {row.get('label', 'this')} | {name} | {where} | {row.get('allocator', 'env')}"
         if "error" in row:
-            lines.append(f"| {name} | {where} | fails: {row['error']} | | | | | | | |")
+            lines.append(f"{head} | fails: {row['error']} | | | | | | | | |")
             continue
         lines.append(
-            f"| {name} | {where} | {row['node_load_peak_uss'] / mib:,.0f} MiB"
+            f"{head} | {row['node_load_peak_uss'] / mib:,.0f} MiB"
             f" | {row['floor_load_peak_uss'] / mib:,.0f} MiB | **{row['ratio_load_peak_uss']}**"
-            f" | {row['ratio_load_peak_anon']} | {row['ratio_peak_uss']} | {row['ratio_peak_anon']} | {row['load_s']}"
-            f" | {row['wall_s']} |"
+            f" | {row['ratio_load_peak_anon']} | **{row['ratio_peak_uss']}** | {row['ratio_peak_anon']}"
+            f" | {row.get('step_s')} | {row['load_s']} | {row['wall_s']} |"
         )
-    lines += ["", "Goal for `configure_model` under `frozen_deepspeed`: at most 1.25.", ""]
+    lines += [
+        "",
+        "Goals for `configure_model` under `frozen_deepspeed`: load at most 1.25; whole fit as a user runs it at most"
+        " 2.0, with the step no more than 5% slower than before.",
+        "",
+    ]
     estimate = meta.get("estimate")
     if estimate:
         lines += [
@@ -311,7 +350,7 @@ def write_results(results: dict, out: Path) -> None:
 
 def scaling_notes(results: dict) -> list[str]:
     """How the measured figures carry over to more ranks, larger models, and 13B on one 8-GPU node."""
-    rows = {(r["strategy"], r["where"]): r for r in results["rows"]}
+    rows = {(r["strategy"], r["where"]): r for r in results["rows"] if r.get("label", "this") == "this"}
     sharded, whole = rows.get(("frozen", "configure_model"), {}), rows.get(("frozen", "init"), {})
     ratio, init_ratio = sharded.get("ratio_load_peak_uss"), whole.get("ratio_load_peak_uss")
     if ratio is None or init_ratio is None:
@@ -365,8 +404,11 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", metavar="STRATEGY:WHERE", help="rerun these configurations into load_memory.json"
     )
+    parser.add_argument("--allocators", nargs="+", choices=tuple(ALLOCATORS), default=list(ALLOCATORS))
+    parser.add_argument("--package", type=Path, help="the checkout of the package the workers import")
+    parser.add_argument("--label", default="this", help="the name of --package's code in the table")
     args = parser.parse_args()
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(args.package or HERE.parent))
     if args.worker:
         sampler = PeakSampler()
         sampler.start()
@@ -380,16 +422,17 @@ def main() -> None:
         print((args.out / "load_memory.md").read_text())
         return
 
-    configs = [tuple(config.split(":")) for config in args.only] if args.only else list(CONFIGS)
+    pairs = [tuple(config.split(":")) for config in args.only] if args.only else list(CONFIGS)
+    configs = [(strategy, where, allocator) for strategy, where in pairs for allocator in args.allocators]
     started, load_before = time.perf_counter(), _load_average()
     with tempfile.TemporaryDirectory(prefix="load_memory_") as scratch:
         scratch_path = Path(scratch)
         params = {name: write_base(scratch_path / name, sizes) for name, sizes in MODELS.items()}
         runs = [
-            run_one(model, strategy, where, scratch_path / model, scratch_path / "runs", args.steps, args.timeout)
-            for strategy, where in configs
+            run_one(model, config, scratch_path / model, scratch_path / "runs", args)
+            for config in configs
             for model in ("large", "floor")
-            if not (strategy == "stock" and where == "configure_model" and model == "floor")
+            if not (config[:2] == ("stock", "configure_model") and model == "floor")
         ]
     meta = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -404,8 +447,11 @@ def main() -> None:
     )
     if args.only:
         previous = json.loads((args.out / "load_memory.json").read_text())
-        runs = [r for r in previous["runs"] if (r["strategy"], r["where"]) not in configs] + runs
-        rerun = dict(configs=[":".join(c) for c in configs], date=meta["date"], load_before=load_before)
+        for run in previous["runs"]:  # a run recorded without a label ran on the code of its own date
+            run.setdefault("label", f"as of {previous['meta']['date']}")
+        keys = {(args.label, *config) for config in configs}
+        runs = [r for r in previous["runs"] if _key(r) not in keys] + runs
+        rerun = dict(configs=[":".join((args.label, *c)) for c in configs], date=meta["date"], load_before=load_before)
         meta = {**previous["meta"], "reruns": [*previous["meta"].get("reruns", []), rerun]}
     results = {"meta": meta, "rows": summarize(runs, params), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """The frozen base stored in bf16, int8 and NF4 (``frozen_dtype``), side by side on the MiniLM LoRA example task.
 
-    python benchmarks/quant.py [--devices 2] [--epochs 3] [--out benchmarks/results]
+    python benchmarks/quant.py [--devices 2] [--epochs 3] [--rounds 3] [--out benchmarks/results]
+    python benchmarks/quant.py --accelerator gpu --devices 1 --out benchmarks/results/gpu   # the CUDA version
 
 For each storage, a fresh process pair (Lightning's launcher re-runs this script for rank 1) fine-tunes the
 example's LoRA adapter on all-MiniLM-L6-v2 (``examples/minilm_lora/task.py``) in ``bf16-true`` with the same seed,
@@ -10,13 +11,16 @@ so only how the frozen base is stored differs, then validates. Each rank reports
 - **bytes gathered per step**: the output bytes of every all-gather ZeRO-3 and the quantized gather issue during
   the training steps (what crosses PCIe or the network), per step;
 - **step time**: median wall time of the training steps after the first epoch's first 3 (CPU, 1 torch thread per
-  rank): the dequantization cost on the CPU shows against bf16;
+  rank): the dequantization cost on the CPU shows against bf16. With ``--rounds N`` the storages run in turn N
+  times (bf16, int8, NF4, bf16, ...), so that a shared machine's load falls on all of them alike; each round's
+  step times are reported, and the table takes the median over rounds;
 - **quality**: validation accuracy and loss after training, and the training loss of the last epoch;
 - **memory**: each rank's RSS high-water mark up to ``on_train_start`` (model build, partitioning, quantizing) and
   its RSS after fit (``/proc/self/status``, Linux). The example builds MiniLM in ``__init__``, so every rank holds
   the whole fp32 model before ZeRO-3 shards it; quantizing must add nothing to that peak.
 
-Writes ``<out>/quant.json`` and ``<out>/quant.md``.
+On CUDA (``--accelerator gpu``) the frozen shards are in pinned host memory and each gather copies codes to the
+GPU; the worker takes the default torch threads. Writes ``<out>/quant.json`` and ``<out>/quant.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _count_gathered_bytes(counter: dict[str, int]) -> None:
     deepspeed.comm.all_gather_into_tensor = counting
 
 
-def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
+def worker(storage: str, devices: int, epochs: int, out: Path, accelerator: str = "cpu") -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -61,7 +65,8 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
     from examples.minilm_lora.task import LoRASentimentClassifier, SentimentData
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
 
-    torch.set_num_threads(1)
+    if accelerator == "cpu":
+        torch.set_num_threads(1)
     gathered = {"bytes": 0}
     _count_gathered_bytes(gathered)
 
@@ -88,9 +93,11 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
     model = LoRASentimentClassifier()
     data = SentimentData()
     measure = Measure()
-    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=None if storage == "bf16" else storage)
+    strategy = FrozenAwareDeepSpeedStrategy(
+        frozen_dtype=None if storage == "bf16" else storage, pin_memory=accelerator == "gpu"
+    )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         precision="bf16-true",
@@ -125,7 +132,12 @@ def worker(storage: str, devices: int, epochs: int, out: Path) -> None:
     (out / f"{storage}_rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
 
 
-def _table(results: dict[str, list[dict[str, Any]]]) -> str:
+def _step(reports: list[dict[str, Any]], rounds: list[dict[str, float]], storage: str) -> float:
+    """The storage's step time: its worst rank's median, or the median of that over rounds when there are several."""
+    return statistics.median(r[storage] for r in rounds) if rounds else max(r["step_seconds_median"] for r in reports)
+
+
+def _table(results: dict[str, list[dict[str, Any]]], rounds: list[dict[str, float]]) -> str:
     bf16 = results["bf16"]
     rows = [
         "| storage | frozen base, host bytes (all ranks) | vs bf16 | gathered per step (all ranks) | vs bf16 |"
@@ -135,11 +147,11 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     ]
     base_host = sum(r["frozen_host_bytes"] for r in bf16)
     base_gathered = sum(r["gathered_bytes_per_step"] for r in bf16)
-    base_step = max(r["step_seconds_median"] for r in bf16)
+    base_step = _step(bf16, rounds, "bf16")
     for storage, reports in results.items():
         host = sum(r["frozen_host_bytes"] for r in reports)
         gathered = sum(r["gathered_bytes_per_step"] for r in reports)
-        step = max(r["step_seconds_median"] for r in reports)
+        step = _step(reports, rounds, storage)
         rows.append(
             f"| {storage} | {host / 2**20:.2f} MiB | {host / base_host:.3f}x | {gathered / 2**20:.1f} MiB |"
             f" {gathered / base_gathered if base_gathered else float('nan'):.3f}x |"
@@ -148,6 +160,12 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
             f" {max(r['rss_after_fit'] for r in reports) / 2**20:.0f} MiB | {reports[0]['val_acc']:.3f} |"
             f" {reports[0]['val_loss']:.4f} | {statistics.mean(r['last_epoch_train_loss'] for r in reports):.4f} |"
         )
+    if len(rounds) > 1:
+        rows += ["", "| round | " + " | ".join(f"{storage} step" for storage in results) + " |"]
+        rows.append("|---|" + "---|" * len(results))
+        for number, steps in enumerate(rounds, 1):
+            cells = [f"{steps[s] * 1000:.0f} ms ({steps[s] / steps['bf16']:.2f}x)" for s in results]
+            rows.append(f"| {number} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -156,30 +174,41 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--rounds", type=int, default=1, help="run the storages in turn this many times")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--worker", choices=STORAGES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.devices, args.epochs, args.out / "tmp" / "quant")
+        worker(args.worker, args.devices, args.epochs, args.out / "tmp" / "quant", args.accelerator)
         return
     results: dict[str, list[dict[str, Any]]] = {}
-    for storage in STORAGES:
-        started = time.monotonic()
-        command = [sys.executable, __file__, f"--worker={storage}", f"--devices={args.devices}"]
-        command += [f"--epochs={args.epochs}", f"--out={args.out}"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        run = subprocess.run(command, env=env, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise SystemExit(f"{storage} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}")
-        results[storage] = [
-            json.loads((args.out / "tmp" / "quant" / f"{storage}_rank{rank}.json").read_text())
-            for rank in range(args.devices)
-        ]
-        print(f"{storage}: {time.monotonic() - started:.0f} s", flush=True)
-    (args.out / "quant.json").write_text(json.dumps(results, indent=1))
-    table = _table(results)
+    rounds: list[dict[str, float]] = []
+    for number in range(args.rounds):
+        steps = {}
+        for storage in STORAGES:
+            started = time.monotonic()
+            command = [sys.executable, __file__, f"--worker={storage}", f"--devices={args.devices}"]
+            command += [f"--epochs={args.epochs}", f"--out={args.out}", f"--accelerator={args.accelerator}"]
+            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+            if args.accelerator == "cpu":
+                env["OMP_NUM_THREADS"] = "1"
+            run = subprocess.run(command, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise SystemExit(f"{storage} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}")
+            results[storage] = [
+                json.loads((args.out / "tmp" / "quant" / f"{storage}_rank{rank}.json").read_text())
+                for rank in range(args.devices)
+            ]
+            steps[storage] = max(r["step_seconds_median"] for r in results[storage])
+            print(f"round {number + 1}, {storage}: {time.monotonic() - started:.0f} s", flush=True)
+        rounds.append(steps)
+    (args.out / "quant.json").write_text(json.dumps({**results, "rounds": rounds}, indent=1))
+    table = _table(results, rounds)
+    where = f"{args.devices} CPU ranks" if args.accelerator == "cpu" else f"{args.devices} CUDA GPU(s)"
     (args.out / "quant.md").write_text(
-        f"# Frozen base storage: bf16 / int8 / NF4\n\nMiniLM LoRA example task, {args.devices} CPU ranks,"
-        f" {args.epochs} epochs, bf16-true, seed 0. Written by `benchmarks/quant.py`.\n\n{table}\n"
+        f"# Frozen base storage: bf16 / int8 / NF4\n\nMiniLM LoRA example task, {where}, {args.epochs} epochs,"
+        f" bf16-true, seed 0, {args.rounds} round(s), load average {list(os.getloadavg())} at the end. Written by"
+        f" `benchmarks/quant.py`.\n\n{table}\n"
     )
     print(table)
 

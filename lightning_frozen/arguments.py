@@ -47,7 +47,7 @@ def check_strategy_arguments(
     Raises:
         InvalidArgumentTypeError: an argument of the wrong type, named with what it must be.
         InvalidArgumentValueError: an unknown ``fingerprint`` mode, or a ZeRO stage other than 3.
-        FrozenDtypeError: a ``frozen_dtype`` other than None, ``"int8"`` or ``"nf4"``.
+        FrozenDtypeError: a ``frozen_dtype`` other than None or one of ``quant_codec.FROZEN_DTYPES``.
     """
     for name, value in flags.items():
         if not isinstance(value, bool):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
-from lightning_frozen import quant
+from lightning_frozen import host_memory, quant
 from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.zero import compute_dtype, full_numel, is_partitioned
 from lightning_frozen.zero_config import LIGHTNING_REDUCE_BUCKET_SIZE, zero_settings
@@ -142,7 +142,8 @@ def initialize_engine(
 ) -> tuple[Any, Any]:
     """Partition and place the model's params, then ``deepspeed.initialize`` over them (a training engine when
     ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen params stay 1/N shards
-    afterwards (see :func:`release_frozen_persistence`), quantized when ``where.frozen_dtype`` says so.
+    afterwards (see :func:`release_frozen_persistence`), quantized when ``where.frozen_dtype`` says so. On the CPU,
+    ZeRO-3's gather bounds the user left unset get CPU defaults (:func:`host_memory.bound_gathers_on_cpu`).
 
     Raises:
         FrozenDtypeError: ``where.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -151,6 +152,8 @@ def initialize_engine(
 
     if model_parameters and where.fit_reduce_bucket and where.zero_stage_3:
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
+    if where.zero_stage_3 and where.device.type == "cpu":
+        host_memory.bound_gathers_on_cpu(config, model)  # there the gathered params are host memory, once per rank
     if where.frozen_dtype:
         quant.check_config(where.frozen_dtype, config, where.device)
     if where.zero_stage_3:

@@ -1,5 +1,5 @@
-"""Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"`` or ``"nf4"``; the codecs are in
-``quant_codec.py``).
+"""Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"``, ``"nf4"``, or a ``"bf16"``/``"fp16"``
+cast under fp32 compute; the codecs are in ``quant_codec.py``).
 
 Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
 ``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
@@ -33,7 +33,7 @@ _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
 
 
 def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
-    """``"int8"``/``"nf4"`` when ``param``'s ZeRO-3 shard is stored quantized, else None."""
+    """The ``frozen_dtype`` (``"int8"``, ``"nf4"``, ...) ``param``'s ZeRO-3 shard is stored in, else None."""
     return getattr(param, _FROZEN_DTYPE_ATTR, None)
 
 
@@ -215,15 +215,17 @@ class _Handles:
             handle.wait(handle_dependency=handle_dependency)
 
 
-class _DoneHandle:
-    """The gather already happened; ``wait`` marks the params available, as DeepSpeed's handles do, once.
+class _GatherHandle:
+    """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: the collectives were started
+    when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once.
 
     DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
-    handle shared by several params is waited on again after some of them were released, which must not mark those
-    available again (their data is freed)."""
+    handle shared by several params is waited on again after some of them were released, which must not decode or
+    mark those available again (their data is freed)."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
+    def __init__(self, groups: list[tuple[list[nn.Parameter], torch.Tensor, Any]], sent: list[torch.Tensor]) -> None:
+        self.groups = groups  # per process group: its params, the gathered rows, the collective's work (or None)
+        self.sent = sent  # the local codes each collective sends, alive until it is done
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
@@ -231,14 +233,27 @@ class _DoneHandle:
 
         if self.complete:
             return
-        for param in self.params:
-            param.ds_status = ZeroParamStatus.AVAILABLE
+        for params, rows, work in self.groups:
+            if work is not None:
+                work.wait()
+            offset = 0
+            for param in params:
+                size = param.ds_tensor.numel()
+                frozen_dtype = frozen_dtype_of(param)
+                assert frozen_dtype is not None
+                shard = rows[:, offset : offset + size]
+                values = decode(shard, int(param.ds_tensor.ds_numel), frozen_dtype, param.dtype)
+                param.data = values[: param.ds_numel].view(param.ds_shape)
+                param.ds_status = ZeroParamStatus.AVAILABLE
+                offset += size
+        self.groups, self.sent = [], []  # the codes are garbage once decoded
         self.complete = True
 
 
-def _gather(params: list[nn.Parameter]) -> _DoneHandle:
-    """All-gather the encoded shards of ``params`` (one collective per process group) and decode each param whole,
-    in its compute dtype, on the accelerator. Every rank passes the same params (sorted here by ``ds_id``)."""
+def _gather(params: list[nn.Parameter]) -> _GatherHandle:
+    """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
+    return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
+    passes the same params (sorted here by ``ds_id``)."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -250,25 +265,19 @@ def _gather(params: list[nn.Parameter]) -> _DoneHandle:
         assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, f"expected a released param, got {param.ds_summary()}"
         param.ds_status = ZeroParamStatus.INFLIGHT
         by_group.setdefault(id(param.ds_process_group), []).append(param)
+    groups, sent = [], []
     for group_params in by_group.values():
         group = group_params[0].ds_process_group
         world_size = dist.get_world_size(group=group)
         local = torch.cat([p.ds_tensor.data.to(device, non_blocking=True) for p in group_params])
+        work = None
+        gathered = local
         if world_size > 1:
             gathered = torch.empty(local.numel() * world_size, dtype=torch.uint8, device=device)
-            dist.all_gather_into_tensor(gathered, local, group=group)
-        else:
-            gathered = local
-        rows = gathered.view(world_size, -1)
-        offset = 0
-        for param in group_params:
-            size = param.ds_tensor.numel()
-            frozen_dtype = frozen_dtype_of(param)
-            assert frozen_dtype is not None
-            values = decode(rows[:, offset : offset + size], int(param.ds_tensor.ds_numel), frozen_dtype, param.dtype)
-            param.data = values[: param.ds_numel].view(param.ds_shape)
-            offset += size
-    return _DoneHandle(params)
+            work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+        groups.append((group_params, gathered.view(world_size, -1), work))
+        sent.append(local)
+    return _GatherHandle(groups, sent)
 
 
 def warn_if_stored_otherwise(checkpoint: Mapping[str, Any], frozen_dtype: Optional[str], source: Any) -> None:

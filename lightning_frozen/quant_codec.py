@@ -1,12 +1,15 @@
-"""Block-wise quantization of frozen weights: int8 absmax and 4-bit NormalFloat (NF4), encoded into and decoded from
-one ``uint8`` tensor (the codes, then the scales' bytes). Plain tensor functions; ``quant.py`` stores ZeRO-3 shards
-with them.
+"""Frozen weights stored below the compute dtype, encoded into and decoded from one ``uint8`` tensor (the codes, then
+the scales' bytes): block-wise int8 absmax and 4-bit NormalFloat (NF4), and plain bf16/fp16 casts. Plain tensor
+functions; ``quant.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``.
 
 - ``int8``: symmetric absmax, 256 weights per block, an fp32 scale each: 1.016 bytes per weight (0.51x bf16);
   a weight's error is at most ``absmax / 254`` of its block.
 - ``nf4``: QLoRA's 16 NormalFloat code values (exact zero included), 64 weights per block, two codes per byte and
   an fp16 scale each (the block's absmax rounded up, so no weight leaves [-1, 1]): 0.531 bytes per weight (0.27x
   bf16; an fp32 scale would be 0.28125x). Error at most half the largest gap between code values times the scale.
+- ``bf16`` / ``fp16``: each weight cast to that dtype (round to nearest even), no scale: 2 bytes per weight, decoded
+  by a cast to the compute dtype. For fp32 compute over a base half the size of fp32 (CPUs without fast bf16
+  matmuls).
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ from typing import Any, Optional
 import torch
 
 from lightning_frozen.errors import FrozenDtypeError
-
-FROZEN_DTYPES = ("int8", "nf4")
 
 # QLoRA's NF4 code values (Dettmers et al. 2023, as bitsandbytes ships them): quantiles of N(0, 1) scaled to [-1, 1]
 NF4_VALUES = (
@@ -46,20 +47,24 @@ _CHUNK_ELEMENTS = 1 << 20  # weights encoded or decoded at a time: a multiple of
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """How one frozen dtype lays out a shard: ``block_size`` weights per block, codes then one scale per block."""
+    """How one frozen dtype lays out a shard: ``block_size`` weights per block, codes then one scale per block.
+
+    A cast format (``cast_dtype`` set) has no scale: each code is the weight in ``cast_dtype``."""
 
     name: str
     block_size: int
-    codes_per_byte: int
-    scale_dtype: torch.dtype
+    code_bits: int
+    scale_dtype: Optional[torch.dtype]
+    cast_dtype: Optional[torch.dtype] = None
+    bytes_note: str = ""  # what the error message offering the formats says of it
 
     @property
     def code_bytes_per_block(self) -> int:
-        return self.block_size // self.codes_per_byte
+        return self.block_size * self.code_bits // 8
 
     @property
     def scale_bytes(self) -> int:
-        return torch.empty(0, dtype=self.scale_dtype).element_size()
+        return 0 if self.scale_dtype is None else torch.empty(0, dtype=self.scale_dtype).element_size()
 
     def blocks(self, numel: int) -> int:
         return math.ceil(numel / self.block_size)
@@ -73,39 +78,45 @@ class BlockFormat:
         entry: dict[str, Any] = {
             "dtype": self.name,
             "block_size": self.block_size,
-            "scale_dtype": str(self.scale_dtype).replace("torch.", ""),
+            "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype).replace("torch.", ""),
             "bytes_per_weight": self.stored_bytes(self.block_size) / self.block_size,
         }
         if self.name == "nf4":
             entry["code_values"] = list(NF4_VALUES)
             entry["scale"] = "block absmax rounded up to fp16"
+        elif self.cast_dtype is not None:
+            entry["scale"] = f"none; code = weight cast to {self.name}"
         else:
             entry["scale"] = "block absmax (fp32); code = round(127 * weight / scale)"
         return entry
 
 
 FORMATS = {
-    "int8": BlockFormat("int8", block_size=256, codes_per_byte=1, scale_dtype=torch.float32),
-    "nf4": BlockFormat("nf4", block_size=64, codes_per_byte=2, scale_dtype=torch.float16),
+    "int8": BlockFormat("int8", 256, code_bits=8, scale_dtype=torch.float32, bytes_note="block-wise absmax, 1.016"),
+    "nf4": BlockFormat("nf4", 64, code_bits=4, scale_dtype=torch.float16, bytes_note="4-bit NormalFloat, 0.531"),
+    "bf16": BlockFormat("bf16", 1, 16, None, cast_dtype=torch.bfloat16, bytes_note="a cast, 2"),
+    "fp16": BlockFormat("fp16", 1, 16, None, cast_dtype=torch.float16, bytes_note="a cast, 2"),
 }
+FROZEN_DTYPES = tuple(FORMATS)
 
 
 def block_format(frozen_dtype: str) -> BlockFormat:
     """The :class:`BlockFormat` of ``frozen_dtype``.
 
     Raises:
-        FrozenDtypeError: ``frozen_dtype`` is not ``"int8"`` or ``"nf4"``.
+        FrozenDtypeError: ``frozen_dtype`` is not one of ``FROZEN_DTYPES``.
     """
     check_frozen_dtype(frozen_dtype)
     return FORMATS[frozen_dtype]
 
 
 def check_frozen_dtype(frozen_dtype: Any) -> None:
-    """Raise :class:`FrozenDtypeError` unless ``frozen_dtype`` is None, ``"int8"`` or ``"nf4"``."""
+    """Raise :class:`FrozenDtypeError` unless ``frozen_dtype`` is None or one of ``FROZEN_DTYPES``."""
     if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
+        offered = ", ".join(f"`{fmt.name!r}` ({fmt.bytes_note} bytes per weight)" for fmt in FORMATS.values())
         raise FrozenDtypeError(
-            f"`frozen_dtype={frozen_dtype!r}` is not a frozen storage dtype: pass `'int8'` (block-wise absmax, 1.016"
-            " bytes per weight), `'nf4'` (4-bit NormalFloat, 0.531 bytes per weight) or None (the compute dtype)."
+            f"`frozen_dtype={frozen_dtype!r}` is not a frozen storage dtype: pass {offered} or None (the compute"
+            " dtype)."
         )
 
 
@@ -150,6 +161,17 @@ def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None)
     fmt = block_format(frozen_dtype)
     flat = values.detach().reshape(-1)
     blocks = fmt.blocks(max(flat.numel(), numel or 0))
+    if fmt.cast_dtype is not None:
+        if fmt.cast_dtype == torch.float16 and flat.numel():
+            low, high = torch.aminmax(flat)  # no full-size temporary, unlike abs()
+            if max(-float(low), float(high)) > _FP16_MAX:
+                raise FrozenDtypeError(
+                    f"This tensor holds a weight of magnitude {max(-float(low), float(high)):.3g}, beyond fp16's"
+                    " range. Store this base with `frozen_dtype='bf16'`."
+                )
+        cast = torch.zeros(blocks, dtype=fmt.cast_dtype, device=flat.device)
+        cast[: flat.numel()] = flat
+        return cast.view(torch.uint8)
     code_bytes = blocks * fmt.code_bytes_per_block
     stored = torch.empty(code_bytes + blocks * fmt.scale_bytes, dtype=torch.uint8, device=flat.device)
     codes, scales = stored[:code_bytes], stored[code_bytes:].view(fmt.scale_dtype)
@@ -192,6 +214,8 @@ def split(stored: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.
     blocks = stored.shape[-1] // per_block
     code_bytes = blocks * fmt.code_bytes_per_block
     codes = stored[..., :code_bytes]
+    if fmt.scale_dtype is None:
+        return codes, stored[..., code_bytes:]  # a cast format: no scales, an empty tensor
     scales = stored[..., code_bytes:].contiguous().view(fmt.scale_dtype)
     return codes, scales
 
@@ -205,8 +229,12 @@ def decode(stored: torch.Tensor, numel: int, frozen_dtype: str, dtype: torch.dty
     """
     fmt = block_format(frozen_dtype)
     rows = stored.reshape(-1, stored.shape[-1])
-    codes, scales = split(rows, frozen_dtype)
     out = torch.empty(rows.shape[0], numel, dtype=dtype, device=stored.device)
+    if fmt.cast_dtype is not None:
+        for row in range(rows.shape[0]):  # a row of a gather's 2-D result is contiguous on its own
+            out[row] = rows[row].view(fmt.cast_dtype)[:numel]
+        return out.view(-1)
+    codes, scales = split(rows, frozen_dtype)
     per_chunk = _CHUNK_ELEMENTS // fmt.block_size
     pairs = _nf4_pairs(stored.device) if fmt.name == "nf4" else None
     for row in range(rows.shape[0]):

@@ -31,6 +31,7 @@ from lightning_frozen import (
     adapters,
     arguments,
     checkpoint,
+    host_memory,
     memory,
     optim,
     placement,
@@ -58,8 +59,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     Args:
         accelerator: the Lightning accelerator, normally from the Trainer's ``accelerator=``; DeepSpeed's matches it.
-        zero_optimization: use ZeRO; it must stay on, frozen params are sharded by ZeRO stage 3.
-        stage: ZeRO stage; 3 shards frozen params across ranks.
+        zero_optimization, stage: ZeRO must stay on at stage 3, which shards frozen params across ranks.
         offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
             unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
         offload_optimizer: step the optimizer on the CPU (ZeRO-Offload); a torch ``Adam``/``AdamW`` becomes
@@ -68,19 +68,16 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         frozen_base: the frozen base's path or hub id, stored in checkpoints; found from the module when not given.
         fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
-        frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise
-            absmax, 256 weights per fp32 scale) or ``"nf4"`` (4-bit NormalFloat, 64 weights per fp16 scale);
-            dequantized to the compute dtype when a layer is computed (see ``lightning_frozen.quant``).
-        preemption_grace: seconds a rank may take, from a SIGTERM, to stop at the next step boundary, save and exit;
-            after that, or on a second signal, it exits at once (see ``lightning_frozen.preemption``).
-        parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
-        cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
-        precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
-        process_group_backend: the torch.distributed backend; ``nccl`` on CUDA and ``gloo`` on the CPU by default.
-        timeout: how long collectives wait for the other ranks before failing.
-        **kwargs: any other argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
-            ``exclude_frozen_parameters`` and ``load_full_weights`` have no effect here: checkpoints are always one
-            adapter file without frozen weights.
+        frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise absmax,
+            1.016 B/weight), ``"nf4"`` (4-bit NormalFloat, 0.531 B/weight) or ``"bf16"``/``"fp16"`` (a cast, 2 B/weight,
+            for fp32 compute); decoded to the compute dtype for the layer computed (see ``lightning_frozen.quant``).
+        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``host_memory.py``).
+        preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
+            then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
+        parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout: as for
+            ``DeepSpeedStrategy``, normally set by the Trainer (``devices=``, ``precision=``; gloo on the CPU).
+        **kwargs: any other argument of ``DeepSpeedStrategy``; ``exclude_frozen_parameters`` and
+            ``load_full_weights`` have no effect (a checkpoint is always one adapter file without frozen weights).
     """
 
     strategy_name = "frozen_deepspeed"
@@ -95,7 +92,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
         fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
-        frozen_dtype: Optional[Literal["int8", "nf4"]] = None,
+        frozen_dtype: Optional[Literal["int8", "nf4", "bf16", "fp16"]] = None,
+        return_freed_memory: bool = True,
         preemption_grace: float = preemption.DEFAULT_GRACE_SECONDS,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -106,6 +104,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     ) -> None:
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
+        flags["return_freed_memory"] = return_freed_memory
         config = kwargs.get("config")
         arguments.check_strategy_arguments(
             flags, frozen_base, timeout, config, fingerprint, zero_optimization, stage, frozen_dtype
@@ -127,6 +126,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.offload_frozen, self.convert_lr_zero_groups = offload_frozen, convert_lr_zero_groups
         self.offload_optimizer, self.pin_memory = self._zero.offload_optimizer, self._zero.pin_memory
         self.frozen_base, self.fingerprint, self.frozen_dtype = frozen_base, fingerprint, frozen_dtype
+        self.return_freed_memory = return_freed_memory
         self._preemption = preemption.Preemption(preemption_grace)
         self._optimized = unfreezing.OptimizedSet()
         self._fingerprints = FingerprintCache()
@@ -172,6 +172,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
         placement.align_deepspeed_accelerator(self.accelerator)
+        if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
+            host_memory.return_freed_memory()
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.

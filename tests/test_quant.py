@@ -76,7 +76,7 @@ def test_nf4_has_sixteen_code_values_with_exact_zero_and_decodes_them_exactly() 
     assert torch.equal(quant_codec.decode(quant_codec.encode(values, "nf4"), 128, "nf4"), values)
 
 
-@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4", "bf16", "fp16"])
 def test_codes_round_trip_exactly_and_encoding_is_deterministic(frozen_dtype: str) -> None:
     values = _weights()
     stored = quant_codec.encode(values, frozen_dtype)
@@ -113,6 +113,7 @@ def test_stored_bytes_are_within_the_issue_ratios_of_bf16() -> None:
     for frozen_dtype, limit in RATIO_LIMIT.items():
         assert quant_codec.encode(torch.randn(numel // 64), frozen_dtype).numel() <= limit * 2 * numel // 64
     assert quant_codec.storage_bytes(100, None, 2) == 200
+    assert quant_codec.storage_bytes(100, "bf16", 4) == quant_codec.storage_bytes(100, "fp16", 4) == 200
 
 
 def test_estimate_memory_counts_quantized_frozen_shards() -> None:
@@ -135,7 +136,7 @@ def test_estimate_memory_counts_quantized_frozen_shards() -> None:
 
 
 def test_unknown_frozen_dtype_is_refused_at_construction() -> None:
-    with pytest.raises(FrozenDtypeError, match=r"`frozen_dtype='int4'`.*'int8'.*'nf4'.*None") as raised:
+    with pytest.raises(FrozenDtypeError, match=r"`frozen_dtype='int4'`.*'int8'.*'nf4'.*'bf16'.*'fp16'.*None") as raised:
         FrozenAwareDeepSpeedStrategy(frozen_dtype="int4")
     assert isinstance(raised.value, FrozenTrainingError) and isinstance(raised.value, ValueError)
 
@@ -342,6 +343,42 @@ def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> No
             lightning_cli(["fit", "--config", str(path), "--trainer.strategy.init_args.frozen_dtype=int4"])
 
 
+@pytest.mark.parametrize("frozen_dtype", ["bf16", "fp16"])
+def test_fp32_training_over_a_half_precision_base_is_fp32_training_over_the_rounded_base(frozen_dtype: str) -> None:
+    cast = quant_codec.FORMATS[frozen_dtype].cast_dtype
+    runs = {}
+    for storage in (frozen_dtype, None):
+        model = AdapterModel(width=WIDTH)
+        if storage is None:  # the reference: an fp32 base whose values were rounded to the half dtype
+            for param in model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(cast).float()
+        seen: dict[str, torch.Tensor] = {}
+
+        def keep_weight(module: torch.nn.Module, inputs: tuple, seen: dict = seen) -> None:
+            seen.setdefault("weight", module.weight.detach().clone())
+
+        model.layers[1].base.register_forward_pre_hook(keep_weight)
+        trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype=storage), precision="32-true")
+        trainer.fit(model, regression_data(width=WIDTH))
+        runs[storage] = (model, seen["weight"])
+    stored, reference = runs[frozen_dtype][0], runs[None][0]
+    frozen = [p for p in stored.parameters() if not p.requires_grad]
+    assert {p.ds_tensor.dtype for p in frozen} == {torch.uint8}
+    assert all(p.ds_tensor.numel() * p.ds_tensor.element_size() == 2 * p.ds_numel for p in frozen)  # 2 B a weight
+    assert runs[frozen_dtype][1].dtype == torch.float32  # decoded to the compute dtype for the layer
+    assert torch.equal(runs[frozen_dtype][1], runs[None][1])
+    trained = [(n, p) for n, p in stored.named_parameters() if p.requires_grad]
+    for (name, param), expected in zip(trained, (p for p in reference.parameters() if p.requires_grad)):
+        assert torch.equal(zero.full_param(param), zero.full_param(expected)), name
+    assert not torch.equal(zero.full_param(stored.layers[0].lora_b), torch.zeros(WIDTH, 4))
+
+
+def test_fp16_storage_refuses_weights_beyond_its_range() -> None:
+    with pytest.raises(FrozenDtypeError, match=r"magnitude 7e\+04, beyond fp16's range.*`frozen_dtype='bf16'`"):
+        quant_codec.encode(torch.tensor([1.0, -70000.0]), "fp16")
+
+
 # ---------------------------------------------------------------------------------------------- 2 processes
 
 
@@ -379,10 +416,15 @@ def test_two_process_resume_reproduces_the_codes_and_records_the_quantization(tw
     assert json.dumps(saved["frozen_base"]["quantization"])  # plain types only
 
 
-@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
-def test_a_quantized_llama_from_configure_model_trains_and_validates(frozen_dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("frozen_dtype", "precision"), [("int8", "bf16-mixed"), ("nf4", "bf16-mixed"), ("bf16", "32-true")]
+)
+def test_a_quantized_llama_from_configure_model_trains_and_validates(
+    frozen_dtype: str, precision: str, tmp_path: Path
+) -> None:
     # a Hugging Face model makes DeepSpeed prefetch several quantized params in one gather (embedding and lm_head
-    # share a size); each param's handle is then waited on separately, after the others may have been released
+    # share a size); each param's handle is then waited on separately, after the others may have been released.
+    # bf16 storage under fp32 compute: the bf16 checkpoint's values, decoded to fp32, are what an fp32 base holds
     from tests.pretrained_support import PretrainedLoRA, token_data, write_llama
 
     folder = write_llama(tmp_path / "llama")
@@ -392,10 +434,49 @@ def test_a_quantized_llama_from_configure_model_trains_and_validates(frozen_dtyp
             FrozenAwareDeepSpeedStrategy(frozen_dtype=storage),
             max_steps=4,
             max_epochs=-1,
-            precision="bf16-mixed",
+            precision=precision,
             limit_val_batches=1,
         )
-        trainer.fit(PretrainedLoRA(str(folder)), token_data(), token_data())
+        torch.manual_seed(0)  # the same LoRA initialisation in both runs
+        module = PretrainedLoRA(str(folder))
+        trainer.fit(module, token_data(), token_data())
         losses[storage] = float(trainer.callback_metrics["val_loss"])
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        stored_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in frozen)
     assert math.isfinite(losses[frozen_dtype])
     assert abs(losses[frozen_dtype] - losses[None]) < 0.1 * losses[None], losses
+    if frozen_dtype == "bf16":
+        assert losses[frozen_dtype] == losses[None]
+        assert stored_bytes == 2 * sum(int(p.ds_numel) for p in frozen)
+
+
+@pytest.fixture(scope="module")
+def prefetched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An NF4 fit on 2 ranks with the asynchronous quantized gather, then one whose gathers wait inside the call."""
+    tmp = tmp_path_factory.mktemp("quant_prefetch")
+    run_script("quantized_prefetch.py", f"--out={tmp}")
+    return tmp
+
+
+def test_prefetched_quantized_gathers_stay_in_flight_while_other_layers_compute(prefetched: Path) -> None:
+    for report in read_reports(prefetched / "async"):
+        codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]  # the quantized gathers' collectives
+        assert codes and all(g["async_op"] for g in codes)
+        assert all(g["waited_at"] is not None for g in codes)  # every collective's work is waited on, in `wait`
+        # the coordinator prefetched them: frozen layers' forwards ran between starting a gather and waiting on it
+        in_flight = [g["waited_at"] - g["started_at"] for g in codes]
+        assert sum(1 for n in in_flight if n > 0) >= len(codes) // 4, in_flight
+    for report in read_reports(prefetched / "sync"):
+        codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]
+        assert codes and all(g["waited_at"] == g["started_at"] for g in codes)  # the check can tell the two apart
+
+
+def test_the_asynchronous_gather_trains_exactly_as_the_synchronous_one(prefetched: Path) -> None:
+    asynchronous, synchronous = read_reports(prefetched / "async"), read_reports(prefetched / "sync")
+    source = AdapterModel(width=WIDTH, depth=4).to(torch.bfloat16)
+    expected = _expected_weight(source.layers[3].base.weight, "nf4", 2).float()
+    for fast, slow in zip(asynchronous, synchronous):
+        assert fast["global_step"] == slow["global_step"] == 4
+        assert fast["trainable"] == slow["trainable"]  # bit-identical adapters and head after 4 steps
+        assert torch.equal(torch.tensor(fast["seen_weight"]), expected)  # the last step's layer saw the decoded base
+    assert asynchronous[0]["trainable"] == asynchronous[1]["trainable"]
