@@ -80,6 +80,8 @@ SETS: dict[str, list[tuple[str, str, str, int]]] = {
         for devices in (1, 2)
     ],
 }
+# minutes per process group (training phase, then resume); 13B's fingerprint and bf16 steps take tens of minutes here
+TIMEOUT_MIN = {"tiny": 15, "7b": 60, "13b": 90}
 GUARD_SAMPLE_S = 0.2
 ERROR_GRACE_S = 60  # after a rank reported an error, the others get this long to finish before the group is killed
 SHM_LOCKS = Path.home() / ".cache" / "torch_extensions"
@@ -188,7 +190,9 @@ def _rank_errors(run_dir: Path) -> list[str]:
     return errors
 
 
-def guarded_run(command: list[str], env: dict[str, str], run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def guarded_run(
+    command: list[str], env: dict[str, str], run_dir: Path, args: argparse.Namespace, timeout_min: float
+) -> dict[str, Any]:
     """Run ``command`` in its own process group; kill the group on timeout, on the memory guard, or when a rank has
     reported an error and the group is still there ``ERROR_GRACE_S`` later. Returns the outcome and the node's
     simultaneous peaks (sum over the group's processes, sampled every ``GUARD_SAMPLE_S``)."""
@@ -225,8 +229,8 @@ def guarded_run(command: list[str], env: dict[str, str], run_dir: Path, args: ar
                     f"the machine's available memory fell below {args.min_available_gib} GiB"
                     f" (the run held {held / 2**30:.2f} GiB)",
                 )
-            elif elapsed > args.timeout_min * 60:
-                reason = ("timeout", f"still running after {args.timeout_min} min (--timeout-min)")
+            elif elapsed > timeout_min * 60:
+                reason = ("timeout", f"still running after {timeout_min} min (--timeout-min)")
             elif error_seen is None and polls % 10 == 0 and _rank_errors(run_dir):
                 error_seen = elapsed
             elif error_seen is not None and elapsed - error_seen > ERROR_GRACE_S:
@@ -304,6 +308,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
             warmup=args.warmup,
             steps=args.steps,
             allocator=args.allocator,
+            resume=not args.no_resume,
         ),
     }
     try:
@@ -321,6 +326,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
     run_dir.mkdir(parents=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // devices)
     spec = dict(
+        size=size,
         folder=str(folder),
         devices=devices,
         precision=precision,
@@ -332,7 +338,6 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         threads=threads,
         sample_s=args.sample_s,
     )
-    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -342,17 +347,50 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
     }
     if args.allocator == "mmap1m":
         env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # glibc returns every freed buffer above 1 MiB at once
-    record["outcome"] = guarded_run(
-        [sys.executable, __file__, "--worker", str(run_dir / "spec.json")], env, run_dir, args
+    files_of_run = dict(
+        checkpoint=str(run_dir / "adapter.ckpt"),
+        trained_adapter=str(run_dir / "trained_adapter.pt"),
+        saved_step_file=str(run_dir / "saved_step.json"),
     )
-    record["ranks"] = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
+    record["outcome"] = _phase(dict(spec, phase="train", **files_of_run), run_dir, env, args)
+    record["ranks"] = _rank_reports(run_dir)
+    if args.no_resume:
+        pass
+    elif record["outcome"]["status"] == "ok" and Path(files_of_run["saved_step_file"]).exists():
+        # a fresh process, as a resumed job is: a second Trainer in this one would keep the first one's base
+        resume_dir = run_dir / "resume"
+        record["resume_outcome"] = _phase(dict(spec, phase="resume", **files_of_run), resume_dir, env, args)
+        resumed = {r["rank"]: r for r in _rank_reports(resume_dir)}
+        for rank in record["ranks"]:
+            extra = resumed.get(rank["rank"], {})
+            rank["errors"].update(extra.get("errors", {}))
+            rank.update({k: v for k, v in extra.items() if k.startswith(("resume", "saved_step"))})
+    else:
+        record["resume_outcome"] = {"status": "not run", "reason": "the training phase did not save a checkpoint"}
     record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     record["run_dir"] = str(run_dir)
-    if record["outcome"]["status"] != "ok" or any(r.get("errors") for r in record["ranks"]):
-        record["log_tail"] = (run_dir / "worker.log").read_text(errors="replace")[-3000:]
+    failed = [o for o in (record["outcome"], record.get("resume_outcome", {})) if o.get("status", "ok") != "ok"]
+    if failed or any(r.get("errors") for r in record["ranks"]):
+        record["log_tail"] = "".join(
+            (d / "worker.log").read_text(errors="replace")[-3000:]
+            for d in (run_dir, run_dir / "resume")
+            if (d / "worker.log").exists()
+        )
     record["summary"] = report.summarize(record)
     print(report.one_line(record), flush=True)
     return record
+
+
+def _phase(spec: dict[str, Any], run_dir: Path, env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    """One guarded worker process group running ``spec``, from ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    command = [sys.executable, __file__, "--worker", str(run_dir / "spec.json")]
+    return guarded_run(command, env, run_dir, args, args.timeout_min or TIMEOUT_MIN[spec["size"]])
+
+
+def _rank_reports(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, int]:
@@ -380,7 +418,12 @@ def run(args: argparse.Namespace) -> None:
     if args.dry_run:
         for size, frozen_dtype, precision, devices in planned:
             key = config_key(size, _overrides(args), frozen_dtype, precision, devices, args)
-            print(f"{key}{'  (done, skipped)' if key in done else ''}")
+            folder = args.data_dir / f"llama-{size_key(size, _overrides(args))}"
+            written = complete(folder, llama_config(size, _overrides(args)), shard_bytes_for(size))
+            print(
+                f"{key}{'  (done, skipped)' if key in done else ''}: {folder} {'complete' if written else 'to write'},"
+                f" timeout {args.timeout_min or TIMEOUT_MIN[size]} min per process group"
+            )
         print("\n" + report.arithmetic_markdown(report.arithmetic()))
         return
     for size, frozen_dtype, precision, devices in planned:
@@ -421,7 +464,11 @@ def main() -> None:
     run_parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     run_parser.add_argument("--steps", type=int, default=2, help="timed steps")
     run_parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / devices)")
-    run_parser.add_argument("--timeout-min", type=float, default=40, help="wall-clock limit per configuration")
+    run_parser.add_argument(
+        "--timeout-min",
+        type=float,
+        help=f"wall-clock limit of each process group (train, resume): default {TIMEOUT_MIN}",
+    )
     run_parser.add_argument(
         "--memory-limit-gib",
         type=float,
@@ -447,6 +494,7 @@ def main() -> None:
         help="glibc as a user runs it, or MALLOC_MMAP_THRESHOLD_=1MiB (RSS follows live memory)",
     )
     run_parser.add_argument("--sample-s", type=float, default=0.1, help="each rank's memory sampling interval")
+    run_parser.add_argument("--no-resume", action="store_true", help="stop after the save (no second load)")
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")
     args = parser.parse_args()

@@ -51,11 +51,14 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         for r in ranks
         for phase, text in r.get("errors", {}).items()
     }
-    status = record.get("outcome", {}).get("status", "not run")
+    outcome, resumed = record.get("outcome", {}), record.get("resume_outcome", {"status": "ok"})
+    status, reason = outcome.get("status", "not run"), outcome.get("reason")
+    if status == "ok" and resumed["status"] != "ok":
+        status, reason = f"resume {resumed['status']}", resumed.get("reason")
     complete = len(ranks) == config["devices"]
     if status == "ok" and (errors or not complete):
         status = "error"
-    summary: dict[str, Any] = {"status": status, "errors": errors, "reason": record.get("outcome", {}).get("reason")}
+    summary: dict[str, Any] = {"status": status, "errors": errors, "reason": reason}
     frozen_params = rank0.get("frozen_params")
     storage = (
         sum(r["frozen_shard_bytes"] for r in ranks)
@@ -111,6 +114,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         if complete and all("resumed_exactly" in r for r in ranks)
         else None
     )
+    if summary["status"] == "ok" and summary["resumed_exactly"] is False:
+        summary["status"] = "resume differs"
     summary["resumed_from_step"] = rank0.get("resumed_from_step")
     summary["resume_first_step_at_s"] = rank0.get("resume_first_step_at")
     return summary

@@ -18,7 +18,6 @@ Memory is sampled by a thread every ``sample_s``: USS, anonymous memory (``RssAn
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -214,12 +213,16 @@ def random_tokens(spec: dict[str, Any], vocab: int) -> DataLoader:
 
 
 def run(spec_path: Path) -> None:
-    """Run the configuration of ``spec_path`` (written by the driver); this rank's figures go to ``rank<R>.json``."""
+    """Run the phase of ``spec_path`` (written by the driver): ``train`` (fit, then save the checkpoint and the
+    trained adapter weights) or ``resume`` (a fresh process fitting one more step from that checkpoint). This
+    rank's figures go to ``rank<R>.json`` next to the spec; a resume's keys start with ``resume_``."""
     spec = json.loads(spec_path.read_text())
+    resume = spec["phase"] == "resume"
+    prefix = "resume_" if resume else ""
     torch.set_num_threads(spec["threads"])
     report = Report(spec_path.parent)
     sampler = PhaseSampler(spec["sample_s"])
-    report.update(floor=memory_now(), pid=os.getpid(), threads=torch.get_num_threads())
+    report.update(**{f"{prefix}floor": memory_now(), f"{prefix}pid": os.getpid(), "threads": torch.get_num_threads()})
     sampler.start()
     clock: dict[str, float] = {}
     log_lines = LogLines(clock)
@@ -229,62 +232,74 @@ def run(spec_path: Path) -> None:
     try:
         strategy = make_strategy(spec, fingerprint_s)
     except Exception:  # e.g. a frozen_dtype this branch refuses: recorded, the next configuration goes on
-        report.error("strategy")
+        report.error(f"{prefix}strategy")
         return
-    probe = Probe("", sampler, report, clock)
+    probe = Probe(prefix, sampler, report, clock)
     module = LoRACausalLM(spec["folder"], times, clock)
-    trainer = make_trainer(spec, strategy, spec["warmup"] + spec["steps"], probe)
+    checkpoint, adapter = Path(spec["checkpoint"]), Path(spec["trained_adapter"])
+    if resume:
+        trained = torch.load(adapter, weights_only=True)
+        probe.snapshot_names = sorted(trained)
+        saved_step = json.loads(Path(spec["saved_step_file"]).read_text())["global_step"]
+    trainer = make_trainer(spec, strategy, saved_step + 1 if resume else spec["warmup"] + spec["steps"], probe)
     clock["fit"] = time.perf_counter()
     try:
-        trainer.fit(module, random_tokens(spec, vocab))
+        trainer.fit(module, random_tokens(spec, vocab), ckpt_path=checkpoint if resume else None)
     except Exception:
-        report.update(times=times, fingerprint_s=fingerprint_s, log=log_lines.lines)
-        report.error("fit")
+        report.update(
+            **{f"{prefix}times": times, f"{prefix}fingerprint_s": fingerprint_s, f"{prefix}log": log_lines.lines}
+        )
+        report.error(f"{prefix}fit")
         return
+    report.update(
+        **{
+            f"{prefix}times": times,
+            f"{prefix}fingerprint_s": fingerprint_s,
+            f"{prefix}global_step": trainer.global_step,
+            f"{prefix}log": log_lines.lines,
+        }
+    )
+    if resume:
+        equal = [torch.equal(probe.start_snapshot[name], trained[name]) for name in sorted(trained)]
+        report.update(
+            resumed_from_step=probe.first_global_step,
+            saved_step=saved_step,
+            resumed_weights_equal=bool(equal) and all(equal),
+            resumed_exactly=probe.first_global_step == saved_step
+            and bool(equal)
+            and all(equal)
+            and trainer.global_step == saved_step + 1,
+        )
+    else:
+        save(trainer, module, checkpoint, adapter, Path(spec["saved_step_file"]), report, sampler)
+    sampler.stop()
+
+
+def save(
+    trainer: L.Trainer,
+    module: LoRACausalLM,
+    checkpoint: Path,
+    adapter: Path,
+    step_file: Path,
+    report: Report,
+    sampler: PhaseSampler,
+) -> None:
+    """Time ``trainer.save_checkpoint``; rank 0 also writes the adapter weights gathered from their shards and the
+    global step, for the resume to compare with."""
     names = [name for name, p in module.named_parameters() if p.requires_grad]
     trained = snapshot(module, names)
-    report.update(times=times, fingerprint_s=fingerprint_s, global_step=trainer.global_step, log=log_lines.lines)
-
-    path = spec_path.parent / "adapter.ckpt"
     try:
         trainer.strategy.barrier()
         started = time.perf_counter()
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(checkpoint)
         report.update(
             save_s=round(time.perf_counter() - started, 3),
-            checkpoint_bytes=tree_bytes(path),
+            checkpoint_bytes=tree_bytes(checkpoint),
             save_peaks=sampler.end_phase(),
         )
     except Exception:
         report.error("save")
         return
-    saved_step = trainer.global_step
-    del trainer, module, strategy
-    gc.collect()
-
-    resume_times: dict[str, Any] = {}
-    resume_fingerprint_s: list[float] = []
-    try:
-        probe = Probe("resume_", sampler, report, clock)
-        probe.snapshot_names = names
-        module = LoRACausalLM(spec["folder"], resume_times, clock)
-        trainer = make_trainer(spec, make_strategy(spec, resume_fingerprint_s), saved_step + 1, probe)
-        clock["fit"] = time.perf_counter()
-        trainer.fit(module, random_tokens(spec, vocab), ckpt_path=path)
-        equal = [torch.equal(probe.start_snapshot[name], trained[name]) for name in names]
-        report.update(
-            resume_times=resume_times,
-            resume_fingerprint_s=resume_fingerprint_s,
-            resumed_from_step=probe.first_global_step,
-            saved_step=saved_step,
-            resume_final_step=trainer.global_step,
-            resumed_weights_equal=all(equal) and len(equal) > 0,
-            resumed_exactly=probe.first_global_step == saved_step
-            and all(equal)
-            and trainer.global_step == saved_step + 1,
-            log=log_lines.lines,
-        )
-    except Exception:
-        report.update(resume_times=resume_times, log=log_lines.lines)
-        report.error("resume")
-    sampler.stop()
+    if trainer.is_global_zero:
+        torch.save(trained, adapter)
+        step_file.write_text(json.dumps({"global_step": trainer.global_step}))
