@@ -53,11 +53,11 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     }
     outcome, resumed = record.get("outcome", {}), record.get("resume_outcome", {"status": "ok"})
     status, reason = outcome.get("status", "not run"), outcome.get("reason")
-    if status == "ok" and resumed["status"] != "ok":
-        status, reason = f"resume {resumed['status']}", resumed.get("reason")
     complete = len(ranks) == config["devices"]
     if status == "ok" and (errors or not complete):
         status = "error"
+    if status == "ok" and resumed["status"] != "ok":
+        status, reason = f"resume {resumed['status']}", resumed.get("reason")
     summary: dict[str, Any] = {"status": status, "errors": errors, "reason": reason}
     frozen_params = rank0.get("frozen_params")
     storage = (
@@ -210,8 +210,12 @@ def _goals(record: dict[str, Any]) -> list[str]:
 
 
 def write_markdown(out: Path) -> None:
-    """``big_model.md``: memory, time and goals of the latest record per configuration, then the arithmetic."""
+    """``big_model.md``: memory, time and goals of the latest record per configuration, then the arithmetic; the
+    records' summaries in ``big_model.json`` are recomputed first."""
     data = json.loads((out / "big_model.json").read_text())
+    for record in data["records"]:  # the summaries derive from the raw figures: recomputed with this code
+        record["summary"] = summarize(record)
+    (out / "big_model.json").write_text(json.dumps(data, indent=1) + "\n")
     shown = _shown(data["records"])
     lines = [
         "# LoRA on a Llama-2-shaped hub checkpoint, end to end on the CPU",
