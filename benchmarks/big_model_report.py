@@ -76,7 +76,10 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     for kind in ("uss", "anon", "rss"):
         floor = _node(ranks, "floor", kind) if complete else None
         summary[f"floor_{kind}"] = floor
+        # the resume runs in fresh processes with their own floor (older records: in the same process)
+        resume_floor = (_node(ranks, "resume_floor", kind) if complete else None) or floor
         for phase in ("load", "train", "resume_load", "resume_train"):
+            floor = resume_floor if phase.startswith("resume") else summary[f"floor_{kind}"]
             peak = _node(ranks, f"{phase}_peaks", kind) if complete else None
             summary[f"{phase}_peak_{kind}"] = peak
             summary[f"{phase}_{kind}_over_storage"] = _ratio(peak, floor, storage)
