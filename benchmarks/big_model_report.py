@@ -84,6 +84,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             summary[f"{phase}_peak_{kind}"] = peak
             summary[f"{phase}_{kind}_over_storage"] = _ratio(peak, floor, storage)
             summary[f"{phase}_{kind}_over_bf16"] = _ratio(peak, floor, bf16)
+    for kind in ("uss", "anon"):  # the phase a stopped run was in: its ranks' peaks so far
+        running = [r.get("resume_running_peaks", r.get("running_peaks", {})).get(kind) for r in ranks]
+        summary[f"last_phase_peak_{kind}"] = sum(running) if running and all(running) else None
     read = record.get("cache", {}).get("plain_read", {})
     summary["plain_read_s"], summary["plain_read_mib_s"] = read.get("s"), read.get("mib_s")
     loads = [r.get("times", {}).get("from_pretrained_s") for r in ranks]
@@ -269,13 +272,15 @@ def write_markdown(out: Path) -> None:
         s = record["summary"]
         cache = record.get("cache", {})
         resumed = {True: "exact", False: "NOT exact", None: ""}[s.get("resumed_exactly")]
+        v = {key: "" if value is None else value for key, value in s.items()}
+        read = f"{v['plain_read_s']} ({v['plain_read_mib_s']})" if s.get("plain_read_s") else ""
+        load = f"{v['from_pretrained_s']} ({v['load_mib_s']})" if s.get("from_pretrained_s") else ""
         lines.append(
             f"| {record['key']} | {record['date']}, {record['commit']} | {record['load_average_at_start'][0]}"
-            f" | {cache.get('mode', '')} | {s.get('plain_read_s', '')} ({s.get('plain_read_mib_s', '')})"
-            f" | {s.get('from_pretrained_s', '')} ({s.get('load_mib_s', '')}) | {s.get('fingerprint_s', '')}"
-            f" | {s.get('first_step_at_s', '')} | {s.get('first_step_over_read', '')}"
-            f" | {s.get('load_to_first_step_over_read', '')} | {s.get('step_s', '')}"
-            f" | {s.get('tokens_per_s', '')} | {_mib(s.get('checkpoint_bytes'))} | {s.get('save_s', '')} | {resumed} |"
+            f" | {_cache(cache)} | {read} | {load} | {v['fingerprint_s']} | {v['first_step_at_s']}"
+            f" | {v.get('first_step_over_read', '')} | {v.get('load_to_first_step_over_read', '')}"
+            f" | {v.get('step_s', '')} | {v.get('tokens_per_s', '')} | {_mib(s.get('checkpoint_bytes'))}"
+            f" | {v['save_s']} | {resumed} |"
         )
     failures = [(r["key"], r["summary"]) for r in shown if r["summary"]["status"] != "ok"]
     goals = [(r["key"], g) for r in shown if r["summary"]["status"] == "ok" for g in _goals(r)]
@@ -284,10 +289,25 @@ def write_markdown(out: Path) -> None:
         lines += ["", "## Failed or stopped", ""]
         lines += [
             f"- {key}: {s['status']}; {s.get('reason') or ''} {'; '.join(f'{k}: {v}' for k, v in s['errors'].items())}"
+            + (
+                " (peak of the phase it was in, summed over the ranks that reported:"
+                f" {_gib(s['last_phase_peak_uss'])} GiB USS,"
+                f" {_gib(s['last_phase_peak_anon'])} GiB anon)"
+                if s.get("last_phase_peak_uss")
+                else ""
+            )
             for key, s in failures
         ]
     lines += ["", arithmetic_markdown(data.get("arithmetic") or arithmetic())]
     (out / "big_model.md").write_text("\n".join(lines) + "\n")
+
+
+def _cache(cache: dict[str, Any]) -> str:
+    """The page-cache mode and how much of the files was cached when the run started."""
+    resident, total = cache.get("resident_before_run"), cache.get("files_bytes")
+    return cache.get("mode", "") + (
+        f", {resident / total:.0%} cached at start" if resident is not None and total else ""
+    )
 
 
 def _mib(value: Optional[int]) -> str:

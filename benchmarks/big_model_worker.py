@@ -40,6 +40,7 @@ from lightning_frozen.zero import full_numel
 
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 LOG_LINES_KEPT = 60
+WRITE_EVERY_S = 2.0
 
 
 def memory_now() -> dict[str, int]:
@@ -49,11 +50,14 @@ def memory_now() -> dict[str, int]:
 
 
 class PhaseSampler(PeakSampler):
-    """``load_memory.PeakSampler`` with RSS too, a sampling interval, and the peaks of each phase."""
+    """``load_memory.PeakSampler`` with RSS too, a sampling interval, and the peaks of each phase. Every
+    ``WRITE_EVERY_S`` it also replaces ``running_file`` with the current phase's peaks so far, so that a run the
+    driver kills mid-phase (timeout, memory guard) still says how much each rank held."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, running_file: Path) -> None:
         super().__init__()
         self.interval_s = interval_s
+        self.running_file = running_file
         self.peak_rss = 0
         self.lock = threading.RLock()
 
@@ -63,8 +67,16 @@ class PhaseSampler(PeakSampler):
             self.peak_rss = max(self.peak_rss, proc_status_bytes("VmRSS"))
 
     def run(self) -> None:
+        written = time.monotonic()
         while not self.stopped.wait(self.interval_s):
             self.sample()
+            if time.monotonic() - written > WRITE_EVERY_S:
+                written = time.monotonic()
+                with self.lock:
+                    peaks = {"uss": self.peak_uss, "anon": self.peak_anon, "rss": self.peak_rss, "at": time.time()}
+                partial = self.running_file.with_suffix(".partial")
+                partial.write_text(json.dumps(peaks))
+                os.replace(partial, self.running_file)
 
     def end_phase(self) -> dict[str, int]:
         """The peaks since the last call (or the start); the next phase's peaks start from what is held now."""
@@ -221,7 +233,8 @@ def run(spec_path: Path) -> None:
     prefix = "resume_" if resume else ""
     torch.set_num_threads(spec["threads"])
     report = Report(spec_path.parent)
-    sampler = PhaseSampler(spec["sample_s"])
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    sampler = PhaseSampler(spec["sample_s"], spec_path.parent / f"running{rank}.json")
     report.update(**{f"{prefix}floor": memory_now(), f"{prefix}pid": os.getpid(), "threads": torch.get_num_threads()})
     sampler.start()
     clock: dict[str, float] = {}
