@@ -1,0 +1,318 @@
+"""One configuration of ``big_model.py``, in this process: LoRA fit on the folder's base, save, resume.
+
+Started by the driver as ``python benchmarks/big_model.py --worker SPEC.json``; with 2 devices Lightning's launcher
+re-runs that command for rank 1. Each rank writes ``rank<R>.json`` next to the spec after every phase (through
+``benchmarks.worker.Report``), so a run killed by the driver's timeout or memory guard still leaves the figures of
+the phases it finished.
+
+Phases and what each records (times in seconds from rank 0's ``trainer.fit`` call, per rank):
+- **floor**: this process's memory after every import, before the model is built;
+- **load**: ``configure_model`` (``from_pretrained`` + ``get_peft_model``), DeepSpeed's engine setup and the
+  fingerprint of the frozen base (timed around ``strategy.frozen_base_fingerprint``), to ``on_train_start``;
+- **train**: warm-up and timed steps (wall time of each, ``on_train_batch_start`` to ``on_train_batch_end``);
+- **save**: ``trainer.save_checkpoint`` (time and bytes);
+- **resume**: a new module and ``Trainer`` fitting one more step from the checkpoint; the global step it starts
+  from and whether its adapter weights at ``on_train_start`` equal those saved.
+Memory is sampled by a thread every ``sample_s``: USS, anonymous memory (``RssAnon``) and RSS, peak per phase.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import psutil
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.load_memory import PeakSampler
+from benchmarks.worker import Report, proc_status_bytes, snapshot, tree_bytes
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
+from lightning_frozen.zero import full_numel
+
+LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+LOG_LINES_KEPT = 60
+WRITE_EVERY_S = 2.0
+
+
+def memory_now() -> dict[str, int]:
+    """This process's USS, anonymous resident memory and RSS, in bytes."""
+    uss = psutil.Process().memory_full_info().uss
+    return {"uss": uss, "anon": proc_status_bytes("RssAnon"), "rss": proc_status_bytes("VmRSS")}
+
+
+class PhaseSampler(PeakSampler):
+    """``load_memory.PeakSampler`` with RSS too, a sampling interval, and the peaks of each phase. Every
+    ``WRITE_EVERY_S`` it also replaces ``running_file`` with the current phase's peaks so far, so that a run the
+    driver kills mid-phase (timeout, memory guard) still says how much each rank held."""
+
+    def __init__(self, interval_s: float, running_file: Path) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self.running_file = running_file
+        self.peak_rss = 0
+        self.lock = threading.RLock()
+
+    def sample(self) -> None:
+        with self.lock:
+            super().sample()
+            self.peak_rss = max(self.peak_rss, proc_status_bytes("VmRSS"))
+
+    def run(self) -> None:
+        written = time.monotonic()
+        while not self.stopped.wait(self.interval_s):
+            self.sample()
+            if time.monotonic() - written > WRITE_EVERY_S:
+                written = time.monotonic()
+                with self.lock:
+                    peaks = {"uss": self.peak_uss, "anon": self.peak_anon, "rss": self.peak_rss, "at": time.time()}
+                partial = self.running_file.with_suffix(".partial")
+                partial.write_text(json.dumps(peaks))
+                os.replace(partial, self.running_file)
+
+    def end_phase(self) -> dict[str, int]:
+        """The peaks since the last call (or the start); the next phase's peaks start from what is held now."""
+        with self.lock:
+            self.sample()
+            peaks = {"uss": self.peak_uss, "anon": self.peak_anon, "rss": self.peak_rss}
+            self.peak_uss = self.peak_anon = self.peak_rss = 0
+            self.sample()
+        return peaks
+
+
+class LogLines(logging.Handler):
+    """Keeps the package's log lines (``lightning-frozen: ...``) with the time they came, from ``clock``."""
+
+    def __init__(self, clock: dict[str, float]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.lines: list[str] = []
+        for name in ("lightning_frozen", "lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "lightning-frozen" in message:
+            elapsed = time.perf_counter() - self.clock.get("fit", time.perf_counter())
+            self.lines = [*self.lines, f"{elapsed:8.1f} s  {message[:400]}"][-LOG_LINES_KEPT:]
+
+
+class LoRACausalLM(L.LightningModule):
+    """``from_pretrained`` + PEFT LoRA in ``configure_model``, as a user writes it; timings into ``times``."""
+
+    def __init__(self, folder: str, times: dict[str, float], clock: dict[str, float]) -> None:
+        super().__init__()
+        self.folder, self.times, self.clock = folder, times, clock
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        started = time.perf_counter()
+        self.times["configure_model_at"] = started - self.clock["fit"]
+        base = AutoModelForCausalLM.from_pretrained(self.folder)
+        loaded = time.perf_counter()
+        self.model = get_peft_model(base, LoraConfig(**LORA))
+        self.times["from_pretrained_s"] = loaded - started
+        self.times["get_peft_model_s"] = time.perf_counter() - loaded
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        loss = self.model(input_ids=input_ids, labels=input_ids).loss
+        self.losses.append(float(loss.detach().float()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # every param, as users write it: the strategy leaves the frozen ones out
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class Probe(Callback):
+    """Phase boundaries, step times and the frozen shards held; on a resume, the adapter weights at the start."""
+
+    def __init__(self, prefix: str, sampler: PhaseSampler, report: Report, clock: dict[str, float]) -> None:
+        self.prefix, self.sampler, self.report, self.clock = prefix, sampler, report, clock
+        self.snapshot_names: Optional[list[str]] = None
+        self.start_snapshot: dict[str, torch.Tensor] = {}
+        self.first_global_step: Optional[int] = None
+        self.step_s: list[float] = []
+        self._started = 0.0
+
+    def _at(self) -> float:
+        return round(time.perf_counter() - self.clock["fit"], 3)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        shard_bytes, device = measured_frozen_shard_bytes(frozen)
+        self.report.update(
+            **{
+                f"{self.prefix}train_start_at": self._at(),
+                f"{self.prefix}load_peaks": self.sampler.end_phase(),
+                f"{self.prefix}held_at_train_start": memory_now(),
+                "frozen_params": sum(full_numel(p) for p in frozen),
+                "trainable_params": sum(full_numel(p) for p in module.parameters() if p.requires_grad),
+                "frozen_shard_bytes": shard_bytes,
+                "frozen_stored_as": f"{stored_as(frozen)} on {device}",
+                "world_size": trainer.world_size,
+            }
+        )
+        if self.snapshot_names is not None:
+            self.start_snapshot = snapshot(module, self.snapshot_names)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._started = time.perf_counter()
+        if self.first_global_step is None:
+            self.first_global_step = trainer.global_step
+            self.report.update(**{f"{self.prefix}first_step_at": self._at()})
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.step_s.append(round(time.perf_counter() - self._started, 3))
+        self.report.update(**{f"{self.prefix}step_s": self.step_s, f"{self.prefix}losses": module.losses})
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.report.update(**{f"{self.prefix}train_peaks": self.sampler.end_phase()})
+
+
+def make_strategy(spec: dict[str, Any], fingerprint_s: list[float]) -> FrozenAwareDeepSpeedStrategy:
+    """The strategy of ``spec``, its fingerprint timed (the first call does the pass; later ones are cached)."""
+    frozen_dtype = None if spec["frozen_dtype"] == "none" else spec["frozen_dtype"]
+    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)
+    if hasattr(strategy, "frozen_base_fingerprint"):
+        original = strategy.frozen_base_fingerprint
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            fingerprint_s.append(round(time.perf_counter() - started, 3))
+            return result
+
+        strategy.frozen_base_fingerprint = timed  # type: ignore[method-assign]
+    return strategy
+
+
+def make_trainer(spec: dict[str, Any], strategy: Any, max_steps: int, probe: Probe) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=spec["devices"],
+        strategy=strategy,
+        precision=spec["precision"],
+        max_steps=max_steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[probe],
+    )
+
+
+def random_tokens(spec: dict[str, Any], vocab: int) -> DataLoader:
+    rows = spec["batch"] * spec["devices"] * (spec["warmup"] + spec["steps"] + 2)
+    tokens = torch.randint(0, vocab, (rows, spec["sequence"]), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens), batch_size=spec["batch"])
+
+
+def run(spec_path: Path) -> None:
+    """Run the phase of ``spec_path`` (written by the driver): ``train`` (fit, then save the checkpoint and the
+    trained adapter weights) or ``resume`` (a fresh process fitting one more step from that checkpoint). This
+    rank's figures go to ``rank<R>.json`` next to the spec; a resume's keys start with ``resume_``."""
+    spec = json.loads(spec_path.read_text())
+    resume = spec["phase"] == "resume"
+    prefix = "resume_" if resume else ""
+    torch.set_num_threads(spec["threads"])
+    report = Report(spec_path.parent)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    sampler = PhaseSampler(spec["sample_s"], spec_path.parent / f"running{rank}.json")
+    report.update(**{f"{prefix}floor": memory_now(), f"{prefix}pid": os.getpid(), "threads": torch.get_num_threads()})
+    sampler.start()
+    clock: dict[str, float] = {}
+    log_lines = LogLines(clock)
+    times: dict[str, Any] = {}
+    fingerprint_s: list[float] = []
+    vocab = json.loads((Path(spec["folder"]) / "config.json").read_text())["vocab_size"]
+    try:
+        strategy = make_strategy(spec, fingerprint_s)
+    except Exception:  # e.g. a frozen_dtype this branch refuses: recorded, the next configuration goes on
+        report.error(f"{prefix}strategy")
+        return
+    probe = Probe(prefix, sampler, report, clock)
+    module = LoRACausalLM(spec["folder"], times, clock)
+    checkpoint, adapter = Path(spec["checkpoint"]), Path(spec["trained_adapter"])
+    if resume:
+        trained = torch.load(adapter, weights_only=True)
+        probe.snapshot_names = sorted(trained)
+        saved_step = json.loads(Path(spec["saved_step_file"]).read_text())["global_step"]
+    trainer = make_trainer(spec, strategy, saved_step + 1 if resume else spec["warmup"] + spec["steps"], probe)
+    clock["fit"] = time.perf_counter()
+    try:
+        trainer.fit(module, random_tokens(spec, vocab), ckpt_path=checkpoint if resume else None)
+    except Exception:
+        report.update(
+            **{f"{prefix}times": times, f"{prefix}fingerprint_s": fingerprint_s, f"{prefix}log": log_lines.lines}
+        )
+        report.error(f"{prefix}fit")
+        return
+    report.update(
+        **{
+            f"{prefix}times": times,
+            f"{prefix}fingerprint_s": fingerprint_s,
+            f"{prefix}global_step": trainer.global_step,
+            f"{prefix}log": log_lines.lines,
+        }
+    )
+    if resume:
+        equal = [torch.equal(probe.start_snapshot[name], trained[name]) for name in sorted(trained)]
+        report.update(
+            resumed_from_step=probe.first_global_step,
+            saved_step=saved_step,
+            resumed_weights_equal=bool(equal) and all(equal),
+            resumed_exactly=probe.first_global_step == saved_step
+            and bool(equal)
+            and all(equal)
+            and trainer.global_step == saved_step + 1,
+        )
+    else:
+        save(trainer, module, checkpoint, adapter, Path(spec["saved_step_file"]), report, sampler)
+    sampler.stop()
+
+
+def save(
+    trainer: L.Trainer,
+    module: LoRACausalLM,
+    checkpoint: Path,
+    adapter: Path,
+    step_file: Path,
+    report: Report,
+    sampler: PhaseSampler,
+) -> None:
+    """Time ``trainer.save_checkpoint``; rank 0 also writes the adapter weights gathered from their shards and the
+    global step, for the resume to compare with."""
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    trained = snapshot(module, names)
+    try:
+        trainer.strategy.barrier()
+        started = time.perf_counter()
+        trainer.save_checkpoint(checkpoint)
+        report.update(
+            save_s=round(time.perf_counter() - started, 3),
+            checkpoint_bytes=tree_bytes(checkpoint),
+            save_peaks=sampler.end_phase(),
+        )
+    except Exception:
+        report.error("save")
+        return
+    if trainer.is_global_zero:
+        torch.save(trained, adapter)
+        step_file.write_text(json.dumps({"global_step": trainer.global_step}))
