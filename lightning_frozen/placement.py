@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_frozen import quant
 from lightning_frozen.errors import UnsupportedConfigurationError
+from lightning_frozen.loaded_base import LoadedBase
 from lightning_frozen.zero import compute_dtype, full_numel, is_partitioned
 
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
@@ -132,6 +133,7 @@ class Placement:
     fingerprint: str = "checksum"  # the base's fingerprint mode, taken before the shards are quantized
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     fit_reduce_bucket: bool = False  # (when the user set no size)
+    loaded: Optional[LoadedBase] = None  # what the sliced loader stored: quantized while loading, settled at setup
 
 
 def initialize_engine(
@@ -155,6 +157,8 @@ def initialize_engine(
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
     if where.frozen_dtype:
         quant.check_config(where.frozen_dtype, config, where.device)
+    if where.loaded is not None:
+        where.loaded.settle(model)
     if where.zero_stage_3:
         partition_frozen_and_trainable(model, config, where.offload_frozen, where.pin_memory)
     place_model(model, config, where.device, where.offload_frozen, where.zero_stage_3)
