@@ -81,6 +81,11 @@ class LoadedBase:
         found = self._entries.get(id(param))
         return found[1] if found is not None and found[0]() is param else None
 
+    def stored_while_loading(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s shard was stored as codes as the loader read it."""
+        entry = self.entry(param)
+        return entry is not None and entry.originals is not None
+
     # ------------------------------------------------------------------ read by the fingerprint
 
     def checksum(self, param: nn.Parameter) -> Optional[list[int]]:

@@ -6,6 +6,7 @@ codes bit for bit, the same fingerprint, trainable params holding the file's exa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,11 @@ from tests.pretrained_support import write_llama
 
 
 def _run(folder: Path, report: Path, *args: str) -> list[dict[str, Any]]:
-    run_script("load_quantized.py", "--folder", str(folder), "--report", str(report), *args, timeout=600)
-    return read_reports(report)
+    result = run_script("load_quantized.py", "--folder", str(folder), "--report", str(report), *args, timeout=600)
+    reports = read_reports(report)
+    for each in reports:
+        each["output"] = result.stdout + result.stderr
+    return reports
 
 
 @pytest.mark.parametrize(("devices", "frozen_dtype"), [(1, "int8"), (2, "nf4")])
@@ -26,7 +30,7 @@ def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_
     devices: int, frozen_dtype: str, tmp_path: Path
 ) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = ("--devices", str(devices))
+    common = ("--devices", str(devices), "--log-every", "-1")  # a progress line for every tensor
     at_load = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype)
     after = _run(folder, tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after")
     unquantized = _run(folder, tmp_path / "bf16", *common)
@@ -35,6 +39,8 @@ def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_
         assert loaded["quantized_at_load"] > 0 and quantized_later["quantized_at_load"] == 0
         assert {dtype for dtype, _ in loaded["codes"].values()} == {"torch.uint8"}
         assert loaded["codes"] == quantized_later["codes"]  # bit for bit, param by param, on every rank
+        assert f"The frozen base was stored as {frozen_dtype} as it was read." in loaded["output"]
+        assert "only at setup: until then the node held them in the compute dtype" in quantized_later["output"]
         # the fingerprint is of the source values, whichever way the base was loaded and stored
         assert loaded["fingerprint"] == quantized_later["fingerprint"] == plain["fingerprint"]
         assert plain["fingerprint"] == plain["fingerprint_by_a_pass"]
@@ -42,6 +48,20 @@ def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_
         assert loaded["trainable_exact"] and all(loaded["trainable_exact"].values()), loaded["trainable_exact"]
         assert any("modules_to_save" in name for name in loaded["trainable_exact"])
         assert any(name.endswith("model.norm.weight") for name in loaded["trainable_exact"])
+    # progress from rank 0 only, in order: one line per tensor however many ranks read it
+    assert _percents(at_load[0]["output"], "lightning-frozen: loading the frozen base") == sorted(
+        _percents(at_load[0]["output"], "lightning-frozen: loading the frozen base")
+    )
+    assert len(_percents(at_load[0]["output"], "lightning-frozen: loading the frozen base")) == 21
+    fingerprinted = _percents(unquantized[0]["output"], "lightning-frozen: fingerprinting the frozen base")
+    assert len(fingerprinted) == unquantized[0]["fingerprinted"] and fingerprinted == sorted(fingerprinted)
+    assert fingerprinted[-1] == 100
+
+
+def _percents(output: str, prefix: str) -> list[int]:
+    lines = [line[line.index(prefix) :] for line in output.splitlines() if prefix in line]
+    assert all("/s" in line for line in lines), lines
+    return [int(re.search(r"\((\d+)%\)", line).group(1)) for line in lines]  # type: ignore[union-attr]
 
 
 def test_a_bf16_file_loaded_into_fp32_records_the_fingerprint_of_a_separate_pass(tmp_path: Path) -> None:

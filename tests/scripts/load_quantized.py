@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, frozen_base, pretrained  # noqa: E402
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, frozen_base, pretrained, progress  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data  # noqa: E402
@@ -69,6 +69,7 @@ def held(module: Any) -> dict[str, Any]:
         "quantized_at_load": strategy._loaded_base.quantized_at_load,
         # a pass over the shards, without the loader's record (only meaningful when they hold values, not codes)
         "fingerprint_by_a_pass": frozen_base.fingerprint_base(named, strategy.fingerprint)["digest"],
+        "fingerprinted": len(named),
     }
 
 
@@ -83,7 +84,10 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--save")
     parser.add_argument("--report", required=True)
+    parser.add_argument("--log-every", type=float, help="seconds between progress lines (default: the package's)")
     args = parser.parse_args()
+    if args.log_every is not None:
+        progress.INTERVAL_SECONDS = args.log_every
 
     if args.after:  # the loader stores compute-dtype shards; setup quantizes them (the path of bases loaded otherwise)
         creation = pretrained.sharded_model_creation
