@@ -21,6 +21,7 @@ the safetensors file's pages a rank has mapped), and the wall time of the load (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -145,8 +146,20 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
 
     tokens = torch.randint(0, TOKENS, (BATCH * args.steps * 2, SEQUENCE), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens), batch_size=BATCH)
+    # "frozen-nf4" quantizes while loading; "frozen-nf4-late" loads bf16 shards and quantizes them at setup, as a
+    # base that arrives another way (a `.bin` file, converted keys) is
+    frozen_dtype = args.strategy.split("-")[1] if args.strategy.startswith("frozen-") else None
+    if args.strategy.endswith("-late"):
+        creation = lightning_frozen.pretrained.sharded_model_creation
+
+        def quantized_late(config: dict, stage_3: bool, remote_device: Any, plan: Any) -> Any:
+            return creation(config, stage_3, remote_device, dataclasses.replace(plan, frozen_dtype=None))
+
+        lightning_frozen.pretrained.sharded_model_creation = quantized_late
     strategy = (
-        lightning_frozen.FrozenAwareDeepSpeedStrategy() if args.strategy == "frozen" else CPUDeepSpeedStrategy(stage=3)
+        lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)
+        if args.strategy.startswith("frozen")
+        else CPUDeepSpeedStrategy(stage=3)
     )
     module = LoRACausalLM()
     trainer = L.Trainer(
@@ -283,7 +296,10 @@ def write_results(results: dict, out: Path) -> None:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
-        name = "`frozen_deepspeed`" if row["strategy"] == "frozen" else "stock `DeepSpeedStrategy` (stage 3)"
+        name = "stock `DeepSpeedStrategy` (stage 3)"
+        if row["strategy"].startswith("frozen"):
+            suffix = row["strategy"].removeprefix("frozen").replace("-late", ", quantized at setup").lstrip("-")
+            name = "`frozen_deepspeed`" + (f" {suffix}" if suffix else "")
         where = f"`{row['where']}`" if row["where"] == "configure_model" else "`__init__`"
         if "error" in row:
             lines.append(f"| {name} | {where} | fails: {row['error']} | | | | | | | |")

@@ -72,6 +72,16 @@ def test_a_bf16_file_loaded_into_fp32_records_the_fingerprint_of_a_separate_pass
     assert report["fingerprint"] == report["fingerprint_by_a_pass"]
 
 
+def test_a_sha256_fingerprint_taken_while_loading_is_that_of_the_source_bytes(tmp_path: Path) -> None:
+    folder = write_llama(tmp_path / "llama")
+    common = ("--devices", "1", "--fingerprint", "sha256")
+    (at_load,) = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", "nf4")
+    (after,) = _run(folder, tmp_path / "after", *common, "--frozen-dtype", "nf4", "--after")
+    (plain,) = _run(folder, tmp_path / "bf16", *common)
+    assert at_load["quantized_at_load"] > 0
+    assert at_load["fingerprint"] == after["fingerprint"] == plain["fingerprint"] == plain["fingerprint_by_a_pass"]
+
+
 def test_a_run_quantized_while_loading_resumes_exactly(tmp_path: Path) -> None:
     folder = write_llama(tmp_path / "llama")
     common = ("--devices", "1", "--frozen-dtype", "nf4")

@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--frozen-dtype")
     parser.add_argument("--after", action="store_true")
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--fingerprint", default="checksum")
     parser.add_argument("--max-steps", type=int, default=2)
     parser.add_argument("--resume")
     parser.add_argument("--save")
@@ -96,8 +97,9 @@ def main() -> None:
             return creation(config, stage_3, remote_device, dataclasses.replace(plan, frozen_dtype=None))
 
         pretrained.sharded_model_creation = without_quantizing
+    torch.manual_seed(0)  # LoRA A starts random: the same in every run
     model = LoRAWithTrainedHead(args.folder)
-    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=args.frozen_dtype)
+    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=args.frozen_dtype, fingerprint=args.fingerprint)
     trainer = cpu_trainer(
         strategy, devices=args.devices, max_steps=args.max_steps, max_epochs=-1, precision=args.precision
     )
