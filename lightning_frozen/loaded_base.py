@@ -50,7 +50,6 @@ class LoadedBase:
     def __init__(self) -> None:
         # by id, with a weak reference to tell a reused id apart (tensors compare elementwise, so no WeakKeyDictionary)
         self._entries: dict[int, tuple[weakref.ref, _Entry]] = {}
-        self.sliced = 0  # params loaded slice by slice
         self.quantized_at_load = 0
 
     # ------------------------------------------------------------------ filled by the loader
@@ -64,7 +63,6 @@ class LoadedBase:
         entry = _Entry(values.dtype, checksum(values, start), sha256, shard=(shard.data_ptr(), shard._version))
         self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # forget params gone
         self._entries[id(param)] = (weakref.ref(param), entry)
-        self.sliced += 1
 
     def quantized(self, param: nn.Parameter, source: tuple[str, str]) -> None:
         """``param``'s shard now holds codes (``quant.store_codes``); ``source`` is the (file, key) of its exact
@@ -164,14 +162,12 @@ def _install_exact_gather(param: nn.Parameter, loaded: LoadedBase) -> None:
         return [] if async_op else None
 
     def all_gather_coalesced(params: Any, safe_mode: bool = False, quantize: bool = False) -> Any:
-        from lightning_frozen.quant import _DoneHandle
-
         params = list(params)
         others = [p for p in params if lossless(p) is None]
         all_gather([p for p in params if lossless(p) is not None])
         if others:
             return others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize)
-        return _DoneHandle([])
+        return _Done()
 
     def partition(
         param_list: Optional[list] = None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True
@@ -211,12 +207,22 @@ def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
 def _read_slice(param: nn.Parameter, path: str, key: str) -> torch.Tensor:
     from safetensors import safe_open
 
-    from lightning_frozen.pretrained import read_flat_range
-
     start, count = shard_range(param)
     with safe_open(path, framework="pt") as handle:
         piece = handle.get_slice(key)
         return read_flat_range(piece, tuple(piece.get_shape()), start, count).to(param.dtype)
+
+
+def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start + count)`` of the flattened tensor behind a safetensors slice, reading whole rows
+    of its first dimension (at most two rows more than asked for)."""
+    if len(shape) == 0:
+        return piece[:].reshape(-1)[start : start + count]
+    row = math.prod(shape[1:])
+    first, last = start // row, (start + count - 1) // row + 1
+    rows = piece[first:last].reshape(-1)
+    offset = start - first * row
+    return rows[offset : offset + count]
 
 
 def tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:
@@ -232,3 +238,10 @@ def tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str
         values = piece[first : first + rows].to(dtype).contiguous().reshape(-1)
         digest.update(values.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+class _Done:
+    """The handle of a gather that already happened (the file was read)."""
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        return None

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_frozen import placeholders, quant
 from lightning_frozen.frozen_base import Checksummer
-from lightning_frozen.loaded_base import LoadedBase, tensor_sha256
+from lightning_frozen.loaded_base import LoadedBase, read_flat_range, tensor_sha256
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import is_partitioned, shard_range
 
@@ -320,18 +320,6 @@ def load_tensor(
                 quant.store_codes(target, values, plan.frozen_dtype)
                 plan.loaded.quantized(target, (path, key))
     return None
-
-
-def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
-    """Elements ``[start, start + count)`` of the flattened tensor behind a safetensors slice, reading whole rows
-    of its first dimension (at most two rows more than asked for)."""
-    if len(shape) == 0:
-        return piece[:].reshape(-1)[start : start + count]
-    row = math.prod(shape[1:])
-    first, last = start // row, (start + count - 1) // row + 1
-    rows = piece[first:last].reshape(-1)
-    offset = start - first * row
-    return rows[offset : offset + count]
 
 
 def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
