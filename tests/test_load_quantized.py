@@ -85,23 +85,16 @@ def test_a_sha256_fingerprint_taken_while_loading_is_that_of_the_source_bytes(tm
 def test_a_run_quantized_while_loading_resumes_exactly(tmp_path: Path) -> None:
     folder = write_llama(tmp_path / "llama")
     common = ("--devices", "1", "--frozen-dtype", "nf4")
-    _run(folder, tmp_path / "half", *common, "--max-steps", "2", "--save", str(tmp_path / "half.ckpt"))
-    _run(
-        folder,
-        tmp_path / "resumed",
-        *common,
-        "--max-steps",
-        "4",
-        "--resume",
-        str(tmp_path / "half.ckpt"),
-        "--save",
-        str(tmp_path / "resumed.ckpt"),
-    )
-    _run(folder, tmp_path / "straight", *common, "--max-steps", "4", "--save", str(tmp_path / "straight.ckpt"))
+    _run(folder, tmp_path / "half", *common, "--max-epochs", "1", "--save", str(tmp_path / "half.ckpt"))
+    resume = ("--resume", str(tmp_path / "half.ckpt"))
+    _run(folder, tmp_path / "resumed", *common, "--max-epochs", "2", *resume, "--save", str(tmp_path / "resumed.ckpt"))
+    _run(folder, tmp_path / "straight", *common, "--max-epochs", "2", "--save", str(tmp_path / "straight.ckpt"))
     resumed = torch.load(tmp_path / "resumed.ckpt", weights_only=True)
     straight = torch.load(tmp_path / "straight.ckpt", weights_only=True)
     assert resumed["global_step"] == straight["global_step"] == 4
     assert resumed["state_dict"].keys() == straight["state_dict"].keys()
-    for name, value in straight["state_dict"].items():
+    for name, value in straight["state_dict"].items():  # LoRA, the lm_head copy and the norm
         assert torch.equal(resumed["state_dict"][name], value), name
+        for key, state in straight["optimizer_states"][0]["state"][name].items():
+            assert torch.equal(resumed["optimizer_states"][0]["state"][name][key], state), (name, key)
     assert resumed["frozen_base"]["fingerprint"] == straight["frozen_base"]["fingerprint"]

@@ -30,9 +30,12 @@ class LoRAWithTrainedHead(PretrainedLoRA):
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(self.hparams.folder)
-        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+        trained_base = not self.hparams.get("lora_only")
+        modules_to_save = ["lm_head"] if trained_base else None
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
         self.model = get_peft_model(base, config)
-        self.model.base_model.model.model.norm.weight.requires_grad_(True)  # a base param the user keeps training
+        if trained_base:
+            self.model.base_model.model.model.norm.weight.requires_grad_(True)  # a base param the user trains
 
     def on_train_start(self) -> None:
         self.seen_at_start = held(self)
@@ -67,8 +70,10 @@ def held(module: Any) -> dict[str, Any]:
         "trainable_exact": exact,
         "fingerprint": strategy.frozen_base_fingerprint()["digest"],
         "quantized_at_load": strategy._loaded_base.quantized_at_load,
-        # a pass over the shards, without the loader's record (only meaningful when they hold values, not codes)
-        "fingerprint_by_a_pass": frozen_base.fingerprint_base(named, strategy.fingerprint)["digest"],
+        # a pass over the shards, without the loader's record (when they hold values, not codes)
+        "fingerprint_by_a_pass": None
+        if strategy.frozen_dtype
+        else frozen_base.fingerprint_base(named, strategy.fingerprint)["digest"],
         "fingerprinted": len(named),
     }
 
@@ -81,7 +86,11 @@ def main() -> None:
     parser.add_argument("--after", action="store_true")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--fingerprint", default="checksum")
+    parser.add_argument("--lora-only", action="store_true", help="no modules_to_save, no trainable norm")
     parser.add_argument("--max-steps", type=int, default=2)
+    parser.add_argument(
+        "--max-epochs", type=int, help="instead of --max-steps (a resume continues from an epoch's end)"
+    )
     parser.add_argument("--resume")
     parser.add_argument("--save")
     parser.add_argument("--report", required=True)
@@ -99,9 +108,14 @@ def main() -> None:
         pretrained.sharded_model_creation = without_quantizing
     torch.manual_seed(0)  # LoRA A starts random: the same in every run
     model = LoRAWithTrainedHead(args.folder)
+    model.hparams["lora_only"] = args.lora_only
     strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=args.frozen_dtype, fingerprint=args.fingerprint)
     trainer = cpu_trainer(
-        strategy, devices=args.devices, max_steps=args.max_steps, max_epochs=-1, precision=args.precision
+        strategy,
+        devices=args.devices,
+        max_steps=-1 if args.max_epochs else args.max_steps,
+        max_epochs=args.max_epochs or -1,
+        precision=args.precision,
     )
     trainer.fit(model, token_data(), ckpt_path=args.resume)
     if args.save:
