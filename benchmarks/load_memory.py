@@ -238,7 +238,7 @@ def summarize(runs: list[dict], params: dict[str, int]) -> list[dict]:
     """One row per configuration: node peaks, the ratio to the frozen bytes, load time, or the error."""
     frozen_bytes = params["large"] * 2
     rows = []
-    for strategy, where in CONFIGS:
+    for strategy, where in dict.fromkeys([*CONFIGS, *((r["strategy"], r["where"]) for r in runs)]):
         large, floor = (
             next((r for r in runs if (r["model"], r["strategy"], r["where"]) == (m, strategy, where)), None)
             for m in ("large", "floor")
@@ -392,6 +392,7 @@ def main() -> None:
     if args.report:
         results = json.loads((args.out / "load_memory.json").read_text())
         results["meta"]["estimate"] = estimate_load(MODELS["large"], devices=2)
+        results["rows"] = summarize(results["runs"], results["meta"]["params"])
         write_results(results, args.out)
         print((args.out / "load_memory.md").read_text())
         return
