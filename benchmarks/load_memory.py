@@ -26,6 +26,7 @@ commit, for before/after figures, written side by side under ``--label``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -160,8 +161,20 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
 
     tokens = torch.randint(0, TOKENS, (BATCH * args.steps * 2, SEQUENCE), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens), batch_size=BATCH)
+    # "frozen-nf4" quantizes while loading; "frozen-nf4-late" loads bf16 shards and quantizes them at setup, as a
+    # base that arrives another way (a `.bin` file, converted keys) is
+    frozen_dtype = args.strategy.split("-")[1] if args.strategy.startswith("frozen-") else None
+    if args.strategy.endswith("-late"):
+        creation = lightning_frozen.pretrained.sharded_model_creation
+
+        def quantized_late(config: dict, stage_3: bool, remote_device: Any, plan: Any) -> Any:
+            return creation(config, stage_3, remote_device, dataclasses.replace(plan, frozen_dtype=None))
+
+        lightning_frozen.pretrained.sharded_model_creation = quantized_late
     strategy = (
-        lightning_frozen.FrozenAwareDeepSpeedStrategy() if args.strategy == "frozen" else CPUDeepSpeedStrategy(stage=3)
+        lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)
+        if args.strategy.startswith("frozen")
+        else CPUDeepSpeedStrategy(stage=3)
     )
     module = LoRACausalLM()
     trainer = L.Trainer(
@@ -316,7 +329,10 @@ def write_results(results: dict, out: Path) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
-        name = "`frozen_deepspeed`" if row["strategy"] == "frozen" else "stock `DeepSpeedStrategy` (stage 3)"
+        name = "stock `DeepSpeedStrategy` (stage 3)"
+        if row["strategy"].startswith("frozen"):
+            suffix = row["strategy"].removeprefix("frozen").replace("-late", ", quantized at setup").lstrip("-")
+            name = "`frozen_deepspeed`" + (f" {suffix}" if suffix else "")
         where = f"`{row['where']}`" if row["where"] == "configure_model" else "`__init__`"
         head = f"| {row.get('label', 'this')} | {name} | {where} | {row.get('allocator', 'env')}"
         if "error" in row:
@@ -418,6 +434,7 @@ def main() -> None:
     if args.report:
         results = json.loads((args.out / "load_memory.json").read_text())
         results["meta"]["estimate"] = estimate_load(MODELS["large"], devices=2)
+        results["rows"] = summarize(results["runs"], results["meta"]["params"])
         write_results(results, args.out)
         print((args.out / "load_memory.md").read_text())
         return

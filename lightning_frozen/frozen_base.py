@@ -18,22 +18,28 @@ fp16 therefore cannot be verified against the same base held in bf16: that pair 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import is_partitioned, shard_range
 
-log = logging.getLogger(__name__)
+
+class LoadedSums(Protocol):
+    """What the fingerprint reads of the sliced loader's record (``loaded_base.LoadedBase``)."""
+
+    def checksum(self, param: torch.Tensor) -> Optional[list[int]]: ...
+
+    def sha256(self, param: torch.Tensor) -> Optional[str]: ...
+
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: per-rank sums add up exactly in Python ints
 _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
@@ -133,12 +139,6 @@ def local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return param.ds_tensor.detach().reshape(-1)[:count], start
 
 
-@functools.lru_cache(maxsize=1)
-def _position_weights() -> torch.Tensor:
-    """Weights 1..PERIOD repeated, long enough for any chunk starting at any phase."""
-    return (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).to(torch.float64)
-
-
 # the casts a tensor is checksummed in, by the fingerprint key each one is stored under
 _CASTS = {"value": torch.bfloat16, "value_fp16": torch.float16}
 # a narrow tensor is checksummed in its own cast only: its other one would match no other dtype
@@ -152,18 +152,22 @@ def checksum_keys(dtype: torch.dtype) -> list[str]:
     return _OWN_CAST.get(dtype, list(_CASTS))
 
 
-class _Checksummer:
-    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime,
-    with buffers reused across chunks."""
+class Checksummer:
+    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime.
+
+    Its buffers and position weights (about 29 MB) are reused across the chunks and tensors of one pass and freed
+    with it: keep one for a pass, not for the process."""
 
     def __init__(self) -> None:
         self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
         self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
+        # weights 1..PERIOD repeated, long enough for any chunk starting at any phase
+        self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
 
     def __call__(self, values: torch.Tensor, start: int) -> list[int]:
         """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order."""
         keys = checksum_keys(values.dtype)
-        weights = _position_weights()
+        weights = self._weights
         sums = [0] * (2 * len(keys))
         for offset in range(0, values.numel(), _CHUNK):
             chunk = values[offset : offset + _CHUNK]
@@ -187,7 +191,7 @@ class _Checksummer:
 
 def values_checksum(values: torch.Tensor, start: int) -> list[int]:
     """This rank's part of the checksum fingerprint of ``values``, the elements of a tensor from index ``start``."""
-    return _Checksummer()(values, start)
+    return Checksummer()(values, start)
 
 
 def shard_checksum(param: torch.Tensor) -> list[int]:
@@ -207,31 +211,37 @@ def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
 
 
 def param_sha256(param: torch.Tensor) -> str:
+    """The sha256 of ``param``'s bytes, whole (a ZeRO-3 param is gathered; collective then)."""
     if is_partitioned(param):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            data = param.detach().cpu().contiguous()
-    else:
-        data = param.detach().cpu().contiguous()
+            return tensor_sha256(param.data)
+    return tensor_sha256(param.data)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """The sha256 of a whole tensor's bytes, in its dtype."""
+    data = tensor.detach().cpu().contiguous()
     return hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _progress(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors, logging how far it got every few seconds when the base is large."""
+def _progress(named: list[tuple[str, torch.Tensor]], mode: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors; rank 0 logs how far it got every few seconds when the base is large."""
     progress = Progress(sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named))
     for name, param in named:
         yield name, param
         if progress.advance(int(getattr(param, "ds_numel", param.numel()))):
-            log.warning(
-                "lightning-frozen: fingerprinting the frozen base: %.0f%% of %s elements",
-                progress.percent,
-                f"{progress.total:,}",
-            )
+            rank_zero_info(f"lightning-frozen: fingerprinting the frozen base ({mode}): {progress.status('elements')}")
 
 
-def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum") -> dict[str, Any]:
+def fingerprint_base(
+    named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum", loaded: Optional[LoadedSums] = None
+) -> dict[str, Any]:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
+
+    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it: those tensors are
+    not read again. A quantized shard's sums were kept when it was quantized (``SOURCE_CHECKSUM``).
 
     Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}``; in
     ``checksum`` mode ``value`` is the checksum of the values cast to bf16 and ``value_fp16`` cast to fp16 (an fp32
@@ -246,29 +256,36 @@ def fingerprint_base(named_frozen: list[tuple[str, torch.Tensor]], mode: str = "
     for name, param in named:
         shape = list(getattr(param, "ds_shape", param.shape))
         tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
+    known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":
-        checksum = _Checksummer()
-        # a quantized shard no longer holds its source values: their checksum was kept before quantizing
-        sums = [
-            getattr(param, SOURCE_CHECKSUM, None) or checksum(*local_values(param)) for _, param in _progress(named)
-        ]
+        checksum = Checksummer()
+        pending = [(n, p) for n, p in named if getattr(p, SOURCE_CHECKSUM, None) is None and known(p) is None]
+        computed = {name: checksum(*local_values(param)) for name, param in _progress(pending, mode)}
+        del checksum  # its buffers are not needed after the pass
+        sums = [getattr(p, SOURCE_CHECKSUM, None) or known(p) or computed[n] for n, p in named]
         for (name, param), world in zip(named, _world_sum(sums, distributed)):
             for index, key in enumerate(checksum_keys(param.dtype)):
                 tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
     elif mode == "sha256":
-        for name, param in _progress(named):
-            tensors[name]["value"] = getattr(param, SOURCE_SHA256, None) or param_sha256(param)
+        hashed = (lambda _: None) if loaded is None else loaded.sha256
+        # every rank takes the same branch for a tensor (the loader recorded it on all of them): gathers stay paired
+        pending = [(n, p) for n, p in named if getattr(p, SOURCE_SHA256, None) is None and hashed(p) is None]
+        computed = {name: param_sha256(param) for name, param in _progress(pending, mode)}
+        for name, param in named:
+            tensors[name]["value"] = getattr(param, SOURCE_SHA256, None) or hashed(param) or computed[name]
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return {"mode": mode, "digest": digest, "tensors": tensors}
 
 
 class FingerprintCache:
     """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
-    a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards."""
+    a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
+    what ``loaded``, the strategy's record of the sliced loader, already summed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loaded: Optional[LoadedSums] = None) -> None:
         self._key: Optional[tuple[str, ...]] = None
         self._value: dict[str, Any] = {}
+        self.loaded = loaded
 
     def clear(self) -> None:
         """Forget the cached fingerprint (the frozen base may have changed between runs)."""
@@ -278,7 +295,7 @@ class FingerprintCache:
         """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
         key = (mode, *(name for name, _ in named_frozen))
         if self._key != key:
-            self._value, self._key = fingerprint_base(named_frozen, mode), key
+            self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded), key
         return self._value
 
 

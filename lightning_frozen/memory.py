@@ -60,7 +60,9 @@ class MemoryEstimate:
     gradient_bucket: int = 0
     ranks_per_node: int = 1
     load_in_flight: int = 0
-    loaded_shards: int = 0  # a rank's frozen shards while loading: in the compute dtype, quantized only after
+    # a rank's frozen shards while loading: quantized as they are read when the sliced loader reads them (a
+    # `frozen_dtype` base arriving another way is held in the compute dtype until setup: `frozen_params` x its bytes)
+    loaded_shards: int = 0
 
     @property
     def limit_bytes(self) -> int:
@@ -183,7 +185,7 @@ def estimate_from_counts(
         gradient_bucket=reduce_bucket_size * weight_bytes if trainable_params else 0,
         ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
         load_in_flight=load_in_flight,
-        loaded_shards=frozen_shard * weight_bytes,
+        loaded_shards=storage_bytes(frozen_shard, frozen_dtype, weight_bytes),
     )
 
 
@@ -305,5 +307,21 @@ def run_summary(
         f" {format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"
         f" base in `configure_model` needs about {format_bytes(estimate.host_load_bytes)} of host memory"
         f" per node ({estimate.ranks_per_node} rank(s), each with"
-        f" {format_bytes(estimate.load_in_flight)} in flight)."
+        f" {format_bytes(estimate.load_in_flight)} in flight)." + _quantized_late(frozen, where)
+    )
+
+
+def _quantized_late(frozen: list[nn.Parameter], where: Placement) -> str:
+    """What frozen params that were not quantized while loading cost: the compute dtype until setup, per node."""
+    if not where.frozen_dtype:
+        return ""
+    late = [p for p in frozen if where.loaded is None or not where.loaded.stored_while_loading(p)]
+    if not late:
+        return f" The frozen base was stored as {where.frozen_dtype} as it was read."
+    held = sum(full_numel(p) * (2 if p.dtype in (torch.bfloat16, torch.float16) else 4) for p in late)
+    return (
+        f" {len(late)} of {len(frozen)} frozen params arrived another way (built in `__init__`, a `.bin` file, or"
+        f" keys transformers converts) and were stored as {where.frozen_dtype} only at setup: until then the node"
+        f" held them in the compute dtype, {format_bytes(held)}. `from_pretrained` of safetensors files in"
+        " `configure_model` stores them as they are read."
     )

@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_frozen import host_memory, quant
 from lightning_frozen.errors import UnsupportedConfigurationError
+from lightning_frozen.loaded_base import LoadedBase
 from lightning_frozen.zero import compute_dtype, full_numel, is_partitioned
 from lightning_frozen.zero_config import LIGHTNING_REDUCE_BUCKET_SIZE, zero_settings
 
@@ -130,6 +131,7 @@ class Placement:
     fingerprint: str = "checksum"  # the base's fingerprint mode, taken before the shards are quantized
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     fit_reduce_bucket: bool = False  # (when the user set no size)
+    loaded: Optional[LoadedBase] = None  # what the sliced loader stored: quantized while loading, settled at setup
 
 
 def initialize_engine(
@@ -156,6 +158,8 @@ def initialize_engine(
         host_memory.bound_gathers_on_cpu(config, model)  # there the gathered params are host memory, once per rank
     if where.frozen_dtype:
         quant.check_config(where.frozen_dtype, config, where.device)
+    if where.loaded is not None:
+        where.loaded.settle(model)
     if where.zero_stage_3:
         partition_frozen_and_trainable(model, config, where.offload_frozen, where.pin_memory)
     place_model(model, config, where.device, where.offload_frozen, where.zero_stage_3)

@@ -20,12 +20,16 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen import placeholders, quant
+from lightning_frozen.frozen_base import Checksummer
+from lightning_frozen.loaded_base import LoadedBase, read_flat_range, tensor_sha256
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import is_partitioned, shard_range
 
@@ -48,18 +52,31 @@ _LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "d
 _LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """How the sliced loader stores and records what it reads: ``frozen_dtype`` (None, ``"int8"``, ``"nf4"``)
+    encodes each floating-point slice as it is read; ``fingerprint`` is the strategy's mode (``"sha256"`` also
+    hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum and source."""
+
+    loaded: LoadedBase
+    frozen_dtype: Optional[str] = None
+    fingerprint: str = "checksum"
+
+
 @contextmanager
-def sharded_model_creation(config: dict, zero_stage_3: bool, remote_device: Optional[str]) -> Iterator[None]:
+def sharded_model_creation(
+    config: dict, zero_stage_3: bool, remote_device: Optional[str], plan: Optional[LoadPlan] = None
+) -> Iterator[None]:
     """Where ``configure_model`` runs: under ZeRO-3, params are shards as they are created (on ``remote_device``),
-    ``from_pretrained`` loads each rank's slices into them (:func:`zero3_pretrained_loading`) and PEFT initialises
-    its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
+    ``from_pretrained`` loads each rank's slices into them as ``plan`` says (:func:`zero3_pretrained_loading`) and
+    PEFT initialises its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
     import deepspeed
 
     with deepspeed.zero.Init(enabled=zero_stage_3, remote_device=remote_device, config_dict_or_path=config):
         if not zero_stage_3:
             yield
             return
-        with zero3_pretrained_loading(config), peft_adapters_outside_zero_init():
+        with zero3_pretrained_loading(config, plan), peft_adapters_outside_zero_init():
             yield
 
 
@@ -108,11 +125,12 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
 
 
 @contextmanager
-def zero3_pretrained_loading(config: dict) -> Iterator[None]:
+def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> Iterator[None]:
     """While active, ``PreTrainedModel.from_pretrained`` builds ZeRO-3 params and each rank loads its own slices.
 
-    ``config`` is the DeepSpeed config the strategy trains with. Without transformers installed this does nothing.
-    A ``HfDeepSpeedConfig`` the caller made before is restored on exit.
+    ``config`` is the DeepSpeed config the strategy trains with; ``plan`` how slices are stored and recorded (default:
+    in the compute dtype, recorded nowhere). Without transformers installed this does nothing. A ``HfDeepSpeedConfig``
+    the caller made before is restored on exit.
     """
     if importlib.util.find_spec("transformers") is None:
         yield
@@ -120,15 +138,17 @@ def zero3_pretrained_loading(config: dict) -> Iterator[None]:
     from transformers import modeling_utils
     from transformers.integrations import deepspeed as hf_deepspeed
 
+    plan = plan or LoadPlan(LoadedBase())
     previous = hf_deepspeed._hf_deepspeed_config_weak_ref
     hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
     patched = _patchable(modeling_utils)
     if patched:
         originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
         modeling_utils.load_state_dict = functools.partial(_shapes_only, originals[0])
-        modeling_utils._load_state_dict_into_zero3_model = functools.partial(_load_own_slices, originals[1])
+        modeling_utils._load_state_dict_into_zero3_model = functools.partial(_load_own_slices, originals[1], plan)
     try:
-        yield
+        with placeholders.untouched_while_loading(modeling_utils, enabled=patched and plan.frozen_dtype is not None):
+            yield
     finally:
         if patched:
             modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
@@ -169,29 +189,61 @@ def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any
 
 def _load_own_slices(
     original: Callable[..., tuple[list[str], set[str]]],
+    plan: LoadPlan,
     model_to_load: nn.Module,
     state_dict: dict[str, torch.Tensor],
     load_config: Any = None,
 ) -> tuple[list[str], set[str]]:
-    """Copy each tensor's slice that this rank holds from its file; transformers' own path where that cannot work."""
+    """Copy (or encode, see :class:`LoadPlan`) each tensor's slice that this rank holds from its file; transformers'
+    own path where that cannot work."""
     targets = model_to_load.state_dict(keep_vars=True)
     keyed = _model_keys(model_to_load, targets, list(state_dict), getattr(load_config, "weight_mapping", None) or [])
     if keyed is None or not all(hasattr(t, _SOURCE) for t in state_dict.values()):
         rank_zero_info(
             "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions or a"
-            " non-safetensors file): rank 0 reads each tensor and broadcasts it."
+            " non-safetensors file): rank 0 reads each tensor and broadcasts it"
+            + (
+                f", and the frozen shards are stored as {plan.frozen_dtype} only at setup, so each node holds the base"
+                " in the compute dtype until then."
+                if plan.frozen_dtype
+                else "."
+            )
         )
         return original(model_to_load, _materialize_on_rank_zero(state_dict), load_config)
+    with _outside_zero_init():  # its tensor constructors would make the checksum's and codec's tensors bf16
+        return _load_slices(plan, targets, keyed, state_dict)
+
+
+@contextmanager
+def _outside_zero_init() -> Iterator[None]:
+    from deepspeed.runtime.zero import partition_parameters
+
+    context = partition_parameters.top_level_context
+    patched = context is not None and context.patched
+    if patched:
+        partition_parameters.shutdown_init_context()
+    try:
+        yield
+    finally:
+        if patched:
+            partition_parameters.restore_init_context()
+
+
+def _load_slices(
+    plan: LoadPlan, targets: dict[str, torch.Tensor], keyed: dict[str, str], state_dict: dict[str, torch.Tensor]
+) -> tuple[list[str], set[str]]:
     missing = set(targets) - set(keyed)
     errors: list[str] = []
-    progress = Progress(sum(math.prod(t.shape) * t.element_size() for t in state_dict.values()))
+    # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower)
+    progress = Progress(sum(math.prod(state_dict[k].shape) * state_dict[k].element_size() for k in keyed.values()))
+    checksum = Checksummer()
     from safetensors import safe_open
 
     for name, key in keyed.items():
         tensor, target = state_dict[key], targets[name]
         # a handle per tensor: the file's pages a rank reads stay mapped, and counted as its own, until it closes
         with safe_open(getattr(tensor, _SOURCE), framework="pt") as handle:
-            error = load_tensor(handle, key, target)
+            error = load_tensor(handle, key, target, plan, checksum, getattr(tensor, _SOURCE))
         if error:
             errors.append(f"size mismatch for {name}: {error}")
         else:
@@ -231,8 +283,16 @@ def _model_keys(
     return keyed
 
 
-def load_tensor(handle: Any, key: str, target: torch.Tensor) -> Optional[str]:
-    """Copy tensor ``key`` of an open safetensors file into ``target``: only this rank's shard of a ZeRO-3 param.
+def load_tensor(
+    handle: Any,
+    key: str,
+    target: torch.Tensor,
+    plan: Optional[LoadPlan] = None,
+    checksum: Optional[Checksummer] = None,
+    path: str = "",
+) -> Optional[str]:
+    """Copy tensor ``key`` of an open safetensors file (at ``path``) into ``target``: only this rank's shard of a
+    ZeRO-3 param, recorded in ``plan.loaded`` (with ``checksum``) and, with ``plan.frozen_dtype``, stored as codes.
 
     Returns an error text on a shape mismatch (nothing copied), else None.
     """
@@ -242,26 +302,24 @@ def load_tensor(handle: Any, key: str, target: torch.Tensor) -> Optional[str]:
     if shape != wanted:
         return f"copying a param with shape {shape} from checkpoint, the shape in current model is {wanted}."
     with torch.no_grad():
-        if is_partitioned(target):
-            start, count = shard_range(target)
-            if count > 0:
-                shard = target.ds_tensor.narrow(0, 0, count)
-                shard.copy_(read_flat_range(piece, shape, start, count))
-        else:
+        if not is_partitioned(target):
             target.copy_(handle.get_tensor(key).reshape(target.shape))
+            return None
+        start, count = shard_range(target)
+        # the values as the param holds them: its fingerprint and codes are those of its shard after loading
+        dtype = target.ds_tensor.dtype
+        values = read_flat_range(piece, shape, start, count).to(dtype) if count else torch.empty(0, dtype=dtype)
+        quantize = plan is not None and plan.frozen_dtype is not None and values.is_floating_point()
+        if not quantize and count > 0:
+            target.ds_tensor.narrow(0, 0, count).copy_(values)
+        if plan is not None:
+            sha256 = tensor_sha256(piece, shape, target.dtype) if plan.fingerprint == "sha256" else None
+            plan.loaded.record(target, values, start, checksum or Checksummer(), sha256)
+            if quantize:
+                assert plan.frozen_dtype is not None
+                quant.store_codes(target, values, plan.frozen_dtype)
+                plan.loaded.quantized(target, (path, key))
     return None
-
-
-def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
-    """Elements ``[start, start + count)`` of the flattened tensor behind a safetensors slice, reading whole rows
-    of its first dimension (at most two rows more than asked for)."""
-    if len(shape) == 0:
-        return piece[:].reshape(-1)[start : start + count]
-    row = math.prod(shape[1:])
-    first, last = start // row, (start + count - 1) // row + 1
-    rows = piece[first:last].reshape(-1)
-    offset = start - first * row
-    return rows[offset : offset + count]
 
 
 def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -290,9 +348,5 @@ def _rank() -> int:
 
 
 def _load_status(progress: Progress) -> str:
-    """The tensors and MiB loaded so far, out of how many MiB, in how long and how fast."""
-    mib, seconds = progress.done / 2**20, progress.seconds
-    return (
-        f"{progress.items} tensors, {mib:,.1f} of {progress.total / 2**20:,.1f} MiB ({progress.percent:.0f}%)"
-        f" in {seconds:.1f} s, {mib / seconds:,.1f} MiB/s"
-    )
+    """The tensors and MiB loaded so far, out of how many MiB, in how long, how fast and how long still to go."""
+    return f"{progress.items} tensors, {progress.status('MiB', 2**20)}"

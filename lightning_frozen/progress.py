@@ -18,7 +18,8 @@ class Progress:
         self.started = self.last_due = time.monotonic()
 
     def advance(self, amount: int) -> bool:
-        """Count one item of ``amount`` units; True when ``INTERVAL_SECONDS`` have passed since the last True."""
+        """Count one item of ``amount`` units; True when ``INTERVAL_SECONDS`` (read at each call, so a test can
+        patch it) have passed since the last True."""
         self.done += amount
         self.items += 1
         now = time.monotonic()
@@ -30,6 +31,18 @@ class Progress:
     @property
     def percent(self) -> float:
         return 100 * self.done / max(self.total, 1)
+
+    def status(self, unit: str, scale: int = 1) -> str:
+        """``"<done> of <total> <unit> (<percent>) in <s>, <rate> <unit>/s, about <s> left"``; amounts divided by
+        ``scale`` (``2**20`` for MiB)."""
+        done, total, seconds = self.done / scale, self.total / scale, self.seconds
+        rate = done / seconds
+        digits = 1 if scale > 1 else 0
+        line = f"{done:,.{digits}f} of {total:,.{digits}f} {unit} ({self.percent:.0f}%)"
+        line += f" in {seconds:.1f} s, {rate:,.1f} {unit}/s"
+        if done < total:
+            line += f", about {(total - done) / rate:,.0f} s left" if rate > 0 else ""
+        return line
 
     @property
     def seconds(self) -> float:

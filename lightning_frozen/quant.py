@@ -130,12 +130,33 @@ def quantize_param_shard(param: nn.Parameter, frozen_dtype: str, fingerprint_mod
             f" {frozen_dtype}: only frozen params (`requires_grad=False`) are quantized. Freeze it first"
             " (`requires_grad_(False)`) or leave it out of the frozen base."
         )
-    fmt = block_format(frozen_dtype)
     setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.shard_checksum(param))
     if fingerprint_mode == "sha256":
         setattr(param, frozen_base.SOURCE_SHA256, frozen_base.param_sha256(param))
-    values, _ = frozen_base.local_values(param)
+    store_codes(param, frozen_base.local_values(param)[0], frozen_dtype)
+    _install_gather(param)
+
+
+def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) -> None:
+    """Put the codes of ``values`` (this rank's elements of ``param``, in its dtype) in place of its ZeRO-3 shard,
+    padded as the shard is, so that blocks align with the shard: encoding a slice as it is read gives the codes of
+    encoding the shard it was read into."""
+    fmt = block_format(frozen_dtype)
     _store(param, encode(values, fmt.name, numel=int(param.ds_tensor.ds_numel)), fmt)
+
+
+def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
+    """Put this rank's exact ``values`` of ``param`` (in its dtype) back in place of its codes, as an ordinary shard."""
+    shard = param.ds_tensor
+    full = torch.zeros(int(shard.ds_numel), dtype=param.dtype, device=shard.device)
+    full[: values.numel()] = values.to(full.device)
+    shard.data = full
+    del shard.ds_quant_scale
+    delattr(param, _FROZEN_DTYPE_ATTR)
+
+
+def install_quantized_gather(param: nn.Parameter) -> None:
+    """Gather and partition ``param`` (its shard already holds codes) through the quantized gather."""
     _install_gather(param)
 
 
@@ -203,6 +224,7 @@ def _requantize_from_full(param: nn.Parameter) -> None:
     start, count = shard_range(param)
     piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
     setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.values_checksum(piece, start))
+    setattr(param, frozen_base.SOURCE_SHA256, frozen_base.tensor_sha256(param.data))
     _store(param, encode(piece, frozen_dtype, numel=shard_numel), block_format(frozen_dtype))
 
 

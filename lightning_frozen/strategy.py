@@ -44,6 +44,7 @@ from lightning_frozen import (
     zero,
 )
 from lightning_frozen.frozen_base import FingerprintCache, named_frozen, verify_checkpoint_base
+from lightning_frozen.loaded_base import LoadedBase
 
 if TYPE_CHECKING:
     import deepspeed
@@ -129,7 +130,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.return_freed_memory = return_freed_memory
         self._preemption = preemption.Preemption(preemption_grace)
         self._optimized = unfreezing.OptimizedSet()
-        self._fingerprints = FingerprintCache()
+        self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
+        self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
 
     @classmethod
@@ -203,6 +205,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             frozen_dtype=self.frozen_dtype,
             fingerprint=self.fingerprint,
             fit_reduce_bucket=self._zero.fit_reduce_bucket,
+            loaded=self._loaded_base,
         )
 
     # ------------------------------------------------------------------ optimizer and engine
@@ -240,7 +243,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         rank's slice of every tensor straight into its shard."""
         self._init_config_if_needed()
         remote_device = self.remote_device or ("cpu" if self.offload_frozen and self.zero_stage_3 else None)
-        with pretrained.sharded_model_creation(self.config, self.zero_stage_3, remote_device):
+        plan = pretrained.LoadPlan(self._loaded_base, self.frozen_dtype, self.fingerprint)
+        with pretrained.sharded_model_creation(self.config, self.zero_stage_3, remote_device, plan):
             yield
 
     @override

@@ -130,14 +130,32 @@ def test_sha256_mode_hashes_exact_bytes_and_none_checks_nothing() -> None:
         fingerprint_base(_frozen(AdapterModel()), mode="md5")
 
 
-def test_fingerprinting_a_large_base_reports_progress(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+def test_fingerprint_progress_lines_go_forward_with_rate_and_time_left(
+    lightning_log: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from lightning_frozen import progress
 
-    monkeypatch.setattr(progress, "INTERVAL_SECONDS", 0.0)  # a large base would take seconds per tensor
-    with caplog.at_level("WARNING", logger="lightning_frozen.frozen_base"):
-        fingerprint_base(_frozen(AdapterModel()))
-    lines = [r.getMessage() for r in caplog.records if "fingerprinting the frozen base" in r.getMessage()]
-    assert lines and lines[-1].endswith("100% of 2,112 elements")
+    monkeypatch.setattr(progress, "INTERVAL_SECONDS", -1.0)  # a line for every tensor
+    fingerprint_base([(f"t{i}", torch.full((1000 * (i + 1),), float(i))) for i in range(5)])
+    lines = [line for line in lightning_log.lines if "fingerprinting the frozen base" in line]  # type: ignore[attr-defined]
+    percents = [int(re.search(r"\((\d+)%\)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+    assert percents == [7, 20, 40, 67, 100]
+    assert all("elements/s" in line for line in lines) and "s left" in lines[0] and "left" not in lines[-1]
+
+
+def test_the_checksum_frees_its_buffers_after_a_pass() -> None:
+    import gc
+    import weakref
+
+    from lightning_frozen import frozen_base
+
+    checksummer = frozen_base.Checksummer()
+    buffers = [weakref.ref(checksummer._wide), weakref.ref(checksummer._weights)]
+    expected = checksummer(torch.arange(3000.0), 5)
+    del checksummer
+    gc.collect()
+    assert all(ref() is None for ref in buffers)  # nothing cached for the life of the process
+    assert frozen_base.values_checksum(torch.arange(3000.0), 5) == expected
 
 
 class _VisionAndLanguage(L.LightningModule):

@@ -136,3 +136,30 @@ def test_place_buffers_moves_buffers_and_metric_states_but_no_param() -> None:
     assert {b.device.type for b in model.buffers()} == {"meta"}
     assert model.metric.tp.device.type == "meta"
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def test_progress_counts_only_what_is_loaded_and_never_goes_backwards(
+    tmp_path: Path, lightning_log: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    folder = write_llama(tmp_path / "with_extra")
+    # a folder holding more than the model uses (a CLIP folder of which only the vision tower is built)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["text_model.unused.weight"] = torch.ones(512, 512)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setattr(progress, "INTERVAL_SECONDS", -1.0)  # a line for every tensor
+    cpu_trainer(max_steps=1, precision="bf16-mixed").fit(PretrainedLoRA(str(folder)), token_data())
+
+    def percents(prefix: str) -> list[int]:
+        lines = [line for line in lightning_log.lines if line.startswith(prefix)]  # type: ignore[attr-defined]
+        assert all("/s" in line for line in lines), lines
+        assert all("left" in line for line in lines if "(100%)" not in line), lines
+        return [int(re.search(r"\((\d+)%\)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+
+    loading = percents("lightning-frozen: loading the frozen base") + percents("lightning-frozen: loaded ")
+    assert len(loading) == 22 and loading == sorted(loading) and loading[-1] == 100
+    # the fingerprint came from the values as they were read: no second pass over the base
+    assert "fingerprinting the frozen base" not in lightning_log.text  # type: ignore[attr-defined]

@@ -222,6 +222,10 @@ def test_one_process_fit_stores_codes_and_computes_with_dequantized_bf16(
     assert f"frozen shards {lightning_frozen.memory.format_bytes(stored)} ({frozen_dtype}) in cpu memory" in (
         lightning_log.text
     )
+    # built in `__init__`: quantized only at setup, and the summary says what that cost
+    assert f"stored as {frozen_dtype} only at setup: until then the node held them in the compute dtype" in (
+        lightning_log.text
+    )
     # the layer's forward saw the dequantized weight, whole and in the compute dtype
     assert seen["weight"].dtype == torch.bfloat16 and seen["weight"].shape == (WIDTH, WIDTH)
     assert torch.equal(seen["weight"], _expected_weight(source.layers[0].base.weight, frozen_dtype, 1))
@@ -290,6 +294,8 @@ def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainabl
     assert weight.ds_tensor.dtype == torch.uint8
     assert torch.equal(zero.full_param(weight), expected.view(WIDTH, WIDTH))
     assert getattr(weight, frozen_base.SOURCE_CHECKSUM) == frozen_base.values_checksum((before * -2).reshape(-1), 0)
+    # and the sha256 of the new values (it kept the old one's before: a sha256 checkpoint then named the old base)
+    assert getattr(weight, frozen_base.SOURCE_SHA256) == frozen_base.tensor_sha256(before * -2)
 
     weight.requires_grad_(True)
     with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):

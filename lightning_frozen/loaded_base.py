@@ -1,0 +1,247 @@
+"""What the sliced loader learnt about the frozen base as it read it, for the fingerprint and for setup.
+
+``pretrained.py`` reads each rank's flat slice of every tensor once. While the values are at hand it takes their
+checksum (and, in ``sha256`` mode, the whole tensor's hash) and, with ``frozen_dtype`` set, stores the slice's codes
+in place of the shard, so the compute-dtype base is never whole on any node and nothing passes over it again.
+A :class:`LoadedBase` (one per strategy) keeps what was learnt, keyed weakly by param; the fingerprint reads it,
+and only params that arrived another way are read again.
+
+At load time nobody knows yet which params will train (PEFT freezes afterwards, ``modules_to_save`` copies modules,
+a user may keep a norm trainable), so a param quantized while loading keeps its file and key. Until setup a gather
+of it reads the exact values from that file (a ``modules_to_save`` copy is exact); at setup a frozen one gets the
+quantized gather and a trainable one its exact slice back (:meth:`LoadedBase.settle`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_frozen import quant
+from lightning_frozen.errors import FrozenDtypeError
+from lightning_frozen.frozen_base import Checksummer
+from lightning_frozen.zero import shard_range
+
+_GATHER_METHODS = ("all_gather", "all_gather_coalesced", "partition")
+_HASH_ELEMENTS = 1 << 22  # elements per piece when hashing a whole tensor from its file
+
+
+@dataclass
+class _Entry:
+    dtype: torch.dtype  # the values were checksummed as the param holds them, in this dtype
+    checksum: list[int]  # this rank's sums (see `frozen_base.Checksummer`)
+    sha256: Optional[str] = None
+    source: Optional[tuple[str, str]] = None  # (file, key): the exact values of a param quantized while loading
+    shard: Optional[tuple[int, int]] = None  # (data_ptr, version) of an unquantized shard as it was read
+    originals: Optional[dict[str, Any]] = None  # DeepSpeed's gather methods, put back at setup
+    settled: bool = False
+
+
+class LoadedBase:
+    """Per-param checksums (and sha256) taken from the values as the loader read them; the sources of the params it
+    stored quantized. Filled by the loader, read by the fingerprint and by setup."""
+
+    def __init__(self) -> None:
+        # by id, with a weak reference to tell a reused id apart (tensors compare elementwise, so no WeakKeyDictionary)
+        self._entries: dict[int, tuple[weakref.ref, _Entry]] = {}
+        self.quantized_at_load = 0
+
+    # ------------------------------------------------------------------ filled by the loader
+
+    def record(
+        self, param: nn.Parameter, values: torch.Tensor, start: int, checksum: Checksummer, sha256: Optional[str]
+    ) -> None:
+        """Keep this rank's checksum of ``values`` (its shard's elements from flat index ``start``, in the param's
+        dtype) and the tensor's ``sha256`` if given; for an unquantized shard, which storage it was read into."""
+        shard = param.ds_tensor
+        entry = _Entry(values.dtype, checksum(values, start), sha256, shard=(shard.data_ptr(), shard._version))
+        self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # forget params gone
+        self._entries[id(param)] = (weakref.ref(param), entry)
+
+    def quantized(self, param: nn.Parameter, source: tuple[str, str]) -> None:
+        """``param``'s shard now holds codes (``quant.store_codes``); ``source`` is the (file, key) of its exact
+        values. Until setup its gathers read them (see the module docstring)."""
+        entry = self.entry(param)
+        assert entry is not None
+        entry.source, entry.shard = source, None
+        entry.originals = {name: getattr(param, name) for name in _GATHER_METHODS}
+        _install_exact_gather(param, self)
+        self.quantized_at_load += 1
+
+    def entry(self, param: nn.Parameter) -> Optional[_Entry]:
+        """What was recorded for ``param``, if anything."""
+        found = self._entries.get(id(param))
+        return found[1] if found is not None and found[0]() is param else None
+
+    def stored_while_loading(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s shard was stored as codes as the loader read it."""
+        entry = self.entry(param)
+        return entry is not None and entry.originals is not None
+
+    # ------------------------------------------------------------------ read by the fingerprint
+
+    def checksum(self, param: nn.Parameter) -> Optional[list[int]]:
+        """This rank's checksum of ``param`` as loaded, or None when it must be taken from the shard (not loaded here,
+        written since, or cast to another dtype)."""
+        entry = self.entry(param)
+        if entry is None or entry.dtype != param.dtype:
+            return None
+        if entry.shard is not None and entry.shard != (param.ds_tensor.data_ptr(), param.ds_tensor._version):
+            return None
+        return entry.checksum
+
+    def sha256(self, param: nn.Parameter) -> Optional[str]:
+        """The whole tensor's sha256 as loaded (``sha256`` fingerprint mode), or None (see :meth:`checksum`)."""
+        entry = self.entry(param)
+        return entry.sha256 if entry is not None and self.checksum(param) is not None else None
+
+    # ------------------------------------------------------------------ setup
+
+    def settle(self, model: nn.Module) -> None:
+        """Before the engine is built: each param quantized while loading that is frozen now computes through the
+        quantized gather; each trainable one gets its exact values back from its file, in the compute dtype.
+
+        Raises:
+            FrozenDtypeError: a trainable param's exact values are gone (it was written under
+                ``GatheredParameters`` while loading); the message names it and the fix.
+        """
+        for name, param in model.named_parameters():
+            entry = self.entry(param)
+            if entry is None or entry.originals is None:
+                continue
+            if param.requires_grad:
+                if entry.source is None:
+                    raise FrozenDtypeError(
+                        f"`{name}` trains, but it was stored as {quant.frozen_dtype_of(param)} while loading and then"
+                        " written, so its exact values are gone. Keep it frozen, or pass `frozen_dtype=None`."
+                    )
+                for method, original in entry.originals.items():
+                    setattr(param, method, original)
+                quant.restore_values(param, _read_slice(param, *entry.source))
+                del self._entries[id(param)]
+            elif not entry.settled:
+                self.settle_one(param, entry)
+
+    @staticmethod
+    def settle_one(param: nn.Parameter, entry: _Entry) -> None:
+        """``param`` computes through the quantized gather from now on."""
+        assert entry.originals is not None
+        for method, original in entry.originals.items():
+            setattr(param, method, original)
+        quant.install_quantized_gather(param)
+        entry.settled = True
+
+
+def _install_exact_gather(param: nn.Parameter, loaded: LoadedBase) -> None:
+    """Until setup, gathering ``param`` reads its exact values from its file; partitioning it after a write under
+    ``GatheredParameters(modifier_rank=...)`` encodes the new values (and forgets the file)."""
+
+    def lossless(p: nn.Parameter) -> Optional[_Entry]:
+        entry = loaded.entry(p)
+        exact = entry is not None and entry.originals is not None and entry.source is not None
+        return entry if exact and not entry.settled else None
+
+    def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = [param] if param_list is None else list(param_list)
+        others = [p for p in params if lossless(p) is None]
+        for p in params:
+            entry = lossless(p)
+            if entry is not None and p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                p.data = _read_whole(p, entry)
+                p.ds_status = ZeroParamStatus.AVAILABLE
+        if others:
+            return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
+        return [] if async_op else None
+
+    def all_gather_coalesced(params: Any, safe_mode: bool = False, quantize: bool = False) -> Any:
+        params = list(params)
+        others = [p for p in params if lossless(p) is None]
+        all_gather([p for p in params if lossless(p) is not None])
+        if others:
+            return others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize)
+        return _Done()
+
+    def partition(
+        param_list: Optional[list] = None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True
+    ) -> None:
+        params = [param] if param_list is None else list(param_list)
+        ours = [p for p in params if lossless(p) is not None]
+        others = [p for p in params if lossless(p) is None]
+        for p in ours:
+            entry = lossless(p)
+            assert entry is not None and entry.originals is not None
+            if has_been_updated:  # written while loading: its file no longer holds its values, its codes will
+                start, count = shard_range(p)
+                values = p.data.detach().reshape(-1)[start : start + count]
+                entry.checksum, entry.sha256, entry.source = Checksummer()(values, start), None, None
+                quant.store_codes(p, values, quant.frozen_dtype_of(p))
+                loaded.settle_one(p, entry)
+                p.partition(param_list=[p], hierarchy=hierarchy, free_data=free_data)
+            else:
+                entry.originals["partition"](param_list=[p], hierarchy=hierarchy, free_data=free_data)
+        if others:
+            others[0].partition(
+                param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
+            )
+
+    param.all_gather, param.all_gather_coalesced, param.partition = all_gather, all_gather_coalesced, partition
+
+
+def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
+    from safetensors import safe_open
+
+    assert entry.source is not None
+    path, key = entry.source
+    with safe_open(path, framework="pt") as handle:
+        return handle.get_tensor(key).to(param.dtype).reshape(param.ds_shape)
+
+
+def _read_slice(param: nn.Parameter, path: str, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    start, count = shard_range(param)
+    with safe_open(path, framework="pt") as handle:
+        piece = handle.get_slice(key)
+        return read_flat_range(piece, tuple(piece.get_shape()), start, count).to(param.dtype)
+
+
+def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start + count)`` of the flattened tensor behind a safetensors slice, reading whole rows
+    of its first dimension (at most two rows more than asked for)."""
+    if len(shape) == 0:
+        return piece[:].reshape(-1)[start : start + count]
+    row = math.prod(shape[1:])
+    first, last = start // row, (start + count - 1) // row + 1
+    rows = piece[first:last].reshape(-1)
+    offset = start - first * row
+    return rows[offset : offset + count]
+
+
+def tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    """The sha256 of a whole safetensors tensor's bytes as a param of ``dtype`` holds them (``frozen_base``'s
+    ``sha256`` mode), read a few MiB at a time."""
+    digest = hashlib.sha256()
+    numel = math.prod(shape)
+    row = math.prod(shape[1:]) if shape else 1
+    rows = max(1, _HASH_ELEMENTS // max(row, 1))
+    if not shape:
+        digest.update(piece[:].to(dtype).reshape(-1).view(torch.uint8).numpy().tobytes())
+    for first in range(0, shape[0] if shape and numel else 0, rows):
+        values = piece[first : first + rows].to(dtype).contiguous().reshape(-1)
+        digest.update(values.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class _Done:
+    """The handle of a gather that already happened (the file was read)."""
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        return None

@@ -1,0 +1,100 @@
+"""``frozen_dtype`` with ``from_pretrained`` in ``configure_model``: each rank encodes its slices as it reads them.
+
+Checked against quantizing after loading (the path of bases that arrive another way), on 1 and 2 CPU processes with
+a Llama written by ``save_pretrained`` and PEFT LoRA with ``modules_to_save`` and a trainable base norm: the same
+codes bit for bit, the same fingerprint, trainable params holding the file's exact values, and an exact resume."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed import read_reports, run_script
+from tests.pretrained_support import write_llama
+
+
+def _run(folder: Path, report: Path, *args: str) -> list[dict[str, Any]]:
+    result = run_script("load_quantized.py", "--folder", str(folder), "--report", str(report), *args, timeout=600)
+    reports = read_reports(report)
+    for each in reports:
+        each["output"] = result.stdout + result.stderr
+    return reports
+
+
+@pytest.mark.parametrize(("devices", "frozen_dtype"), [(1, "int8"), (2, "nf4")])
+def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_after(
+    devices: int, frozen_dtype: str, tmp_path: Path
+) -> None:
+    folder = write_llama(tmp_path / "llama")
+    common = ("--devices", str(devices), "--log-every", "-1")  # a progress line for every tensor
+    at_load = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype)
+    after = _run(folder, tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after")
+    unquantized = _run(folder, tmp_path / "bf16", *common)
+    assert len(at_load) == devices
+    for loaded, quantized_later, plain in zip(at_load, after, unquantized):
+        assert loaded["quantized_at_load"] > 0 and quantized_later["quantized_at_load"] == 0
+        assert {dtype for dtype, _ in loaded["codes"].values()} == {"torch.uint8"}
+        assert loaded["codes"] == quantized_later["codes"]  # bit for bit, param by param, on every rank
+        assert f"The frozen base was stored as {frozen_dtype} as it was read." in loaded["output"]
+        assert "only at setup: until then the node held them in the compute dtype" in quantized_later["output"]
+        # the fingerprint is of the source values, whichever way the base was loaded and stored
+        assert loaded["fingerprint"] == quantized_later["fingerprint"] == plain["fingerprint"]
+        assert plain["fingerprint"] == plain["fingerprint_by_a_pass"]
+        # the lm_head copy (`modules_to_save`) and the norm train from the file's exact values, not from codes
+        assert loaded["trainable_exact"] and all(loaded["trainable_exact"].values()), loaded["trainable_exact"]
+        assert any("modules_to_save" in name for name in loaded["trainable_exact"])
+        assert any(name.endswith("model.norm.weight") for name in loaded["trainable_exact"])
+    # progress from rank 0 only, in order: one line per tensor however many ranks read it
+    assert _percents(at_load[0]["output"], "lightning-frozen: loading the frozen base") == sorted(
+        _percents(at_load[0]["output"], "lightning-frozen: loading the frozen base")
+    )
+    assert len(_percents(at_load[0]["output"], "lightning-frozen: loading the frozen base")) == 21
+    fingerprinted = _percents(unquantized[0]["output"], "lightning-frozen: fingerprinting the frozen base")
+    assert len(fingerprinted) == unquantized[0]["fingerprinted"] and fingerprinted == sorted(fingerprinted)
+    assert fingerprinted[-1] == 100
+
+
+def _percents(output: str, prefix: str) -> list[int]:
+    lines = [line[line.index(prefix) :] for line in output.splitlines() if prefix in line]
+    assert all("/s" in line for line in lines), lines
+    return [int(re.search(r"\((\d+)%\)", line).group(1)) for line in lines]  # type: ignore[union-attr]
+
+
+def test_a_bf16_file_loaded_into_fp32_records_the_fingerprint_of_a_separate_pass(tmp_path: Path) -> None:
+    folder = write_llama(tmp_path / "llama")
+    (report,) = _run(folder, tmp_path / "fp32", "--devices", "1", "--precision", "32-true")
+    assert report["quantized_at_load"] == 0
+    assert {dtype for dtype, _ in report["codes"].values()} == {"torch.float32"}
+    assert report["fingerprint"] == report["fingerprint_by_a_pass"]
+
+
+def test_a_sha256_fingerprint_taken_while_loading_is_that_of_the_source_bytes(tmp_path: Path) -> None:
+    folder = write_llama(tmp_path / "llama")
+    common = ("--devices", "1", "--fingerprint", "sha256")
+    (at_load,) = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", "nf4")
+    (after,) = _run(folder, tmp_path / "after", *common, "--frozen-dtype", "nf4", "--after")
+    (plain,) = _run(folder, tmp_path / "bf16", *common)
+    assert at_load["quantized_at_load"] > 0
+    assert at_load["fingerprint"] == after["fingerprint"] == plain["fingerprint"] == plain["fingerprint_by_a_pass"]
+
+
+def test_a_run_quantized_while_loading_resumes_exactly(tmp_path: Path) -> None:
+    folder = write_llama(tmp_path / "llama")
+    common = ("--devices", "1", "--frozen-dtype", "nf4")
+    _run(folder, tmp_path / "half", *common, "--max-epochs", "1", "--save", str(tmp_path / "half.ckpt"))
+    resume = ("--resume", str(tmp_path / "half.ckpt"))
+    _run(folder, tmp_path / "resumed", *common, "--max-epochs", "2", *resume, "--save", str(tmp_path / "resumed.ckpt"))
+    _run(folder, tmp_path / "straight", *common, "--max-epochs", "2", "--save", str(tmp_path / "straight.ckpt"))
+    resumed = torch.load(tmp_path / "resumed.ckpt", weights_only=True)
+    straight = torch.load(tmp_path / "straight.ckpt", weights_only=True)
+    assert resumed["global_step"] == straight["global_step"] == 4
+    assert resumed["state_dict"].keys() == straight["state_dict"].keys()
+    for name, value in straight["state_dict"].items():  # LoRA, the lm_head copy and the norm
+        assert torch.equal(resumed["state_dict"][name], value), name
+        for key, state in straight["optimizer_states"][0]["state"][name].items():
+            assert torch.equal(resumed["optimizer_states"][0]["state"][name][key], state), (name, key)
+    assert resumed["frozen_base"]["fingerprint"] == straight["frozen_base"]["fingerprint"]
