@@ -282,12 +282,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ changing what trains
 
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
-        """Rebuild the ZeRO optimizer for new param groups after params were unfrozen or frozen mid-run.
-
-        ``param_groups`` is the whole new structure (params and hyper-parameters per group); ``origins[i]`` is the
-        index of the current group that group ``i`` continues, or None for a new group (new groups come last).
-        Params that stay trainable keep their fp32 master weight and optimizer state, frozen ones release theirs,
-        newly trainable ones start fresh (see ``unfreezing.py``). Collective: every rank calls it with the same groups.
+        """Rebuild the ZeRO optimizer for new ``param_groups`` (the whole new structure) after params were unfrozen or
+        frozen mid-run; ``origins[i]`` is the current group that group ``i`` continues, None for a new one (new groups
+        come last). State carries over as ``unfreezing.py`` says. Collective: every rank calls it with the same groups.
         """
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
@@ -314,8 +311,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def frozen_base_fingerprint(
         self, named: Optional[list[tuple[str, Any]]] = None, mode: Optional[str] = None
     ) -> dict[str, Any]:
-        """The fingerprint of the module's frozen params (default: all of them, in this strategy's mode). Collective;
-        computed once per run, names and mode (see ``frozen_base.FingerprintCache``)."""
+        """The fingerprint of the module's frozen params (default: all, in this strategy's mode); collective, cached."""
         named = named_frozen(self._module) if named is None else named
         return self._fingerprints(named, mode or self.fingerprint)
 

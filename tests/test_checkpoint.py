@@ -241,9 +241,9 @@ def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_pa
     calls: list[int] = []
     real = frozen_base.fingerprint_base
 
-    def counting(named: Any, mode: str = "checksum") -> dict:
+    def counting(named: Any, mode: str = "checksum", loaded: Any = None) -> dict:
         calls.append(len(named))
-        return real(named, mode)
+        return real(named, mode, loaded)
 
     monkeypatch.setattr(frozen_base, "fingerprint_base", counting)
     trainer = cpu_trainer(max_epochs=2)
