@@ -33,8 +33,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_frozen import adapter_clipping
+from lightning_frozen.base_reference import find_peft_model
 from lightning_frozen.errors import AdapterSetupError, format_names
-from lightning_frozen.frozen_base import find_peft_model
 
 
 def _peft_model(model: nn.Module) -> Any:

@@ -1,4 +1,4 @@
-"""The frozen base: its reference (where it came from) and its fingerprint (what it holds).
+"""The frozen base's fingerprint (what it holds; its reference is ``base_reference.py``'s), and verifying it.
 
 The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
 each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen.base_reference import base_of
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import is_partitioned, shard_range
@@ -50,55 +51,6 @@ FINGERPRINT_MODES = ("checksum", "sha256", "none")
 # checksum sums, and (sha256 mode) the whole tensor's hash, of the values before quantization.
 SOURCE_CHECKSUM = "lf_source_checksum"
 SOURCE_SHA256 = "lf_source_sha256"
-
-
-# ---------------------------------------------------------------------------------------------- reference
-
-
-def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Optional[str]:
-    """Where the frozen base came from: ``explicit``, else that of the PEFT model, else the first of
-    :func:`find_base_references`, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
-    if explicit:
-        return str(explicit)
-    bases, peft = find_base_references(module), find_peft_model(module)
-    reference = (bases.get(peft[0]) if peft else None) or next(iter(bases.values()), None)
-    reference = reference or getattr(module, "frozen_base_reference", None)
-    return str(reference) if reference else None
-
-
-def find_base_references(module: nn.Module) -> dict[str, str]:
-    """Each frozen base inside ``module`` by its module path: the outermost PEFT models (their
-    ``base_model_name_or_path``) and Hugging Face models (``config._name_or_path``), e.g. ``{"vision": "org/clip",
-    "language": "org/llama"}`` for a vision tower and a language model; empty when none names its source."""
-    found: dict[str, str] = {}
-    for name, submodule in module.named_modules():
-        if any(not outer or name.startswith(f"{outer}.") for outer in found):
-            continue  # inside a base already found
-        peft_config, active = getattr(submodule, "peft_config", None), getattr(submodule, "active_adapter", None)
-        adapter = peft_config.get(active) if isinstance(peft_config, dict) and isinstance(active, str) else None
-        reference = getattr(adapter, "base_model_name_or_path", None)
-        reference = reference or getattr(getattr(submodule, "config", None), "_name_or_path", None)
-        if isinstance(reference, str) and reference:
-            found[name] = reference
-    return found
-
-
-def base_of(tensor_name: str, bases: Mapping[str, str]) -> Optional[str]:
-    """The reference of the base (of :func:`find_base_references`) that holds ``tensor_name``, or None."""
-    owners = [path for path in bases if not path or tensor_name.startswith(f"{path}.")]
-    return bases[max(owners, key=len)] if owners else None
-
-
-def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
-    """The first ``peft.PeftModel`` inside ``module`` as ``(name, model)``; name is "" for the module itself."""
-    if "peft" not in sys.modules:
-        return None  # a module cannot hold a PeftModel unless peft was imported; importing it costs ~20 MiB
-    from peft import PeftModel
-
-    for name, submodule in module.named_modules():
-        if isinstance(submodule, PeftModel):
-            return name, submodule
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint

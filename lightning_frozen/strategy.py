@@ -60,7 +60,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     Args:
         accelerator: the Lightning accelerator, normally from the Trainer's ``accelerator=``; DeepSpeed's matches it.
-        zero_optimization, stage: ZeRO must stay on at stage 3, which shards frozen params across ranks.
+        zero_optimization: use ZeRO; it must stay on, frozen params are sharded by ZeRO stage 3.
+        stage: ZeRO stage; 3 shards frozen params across ranks.
         offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
             unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
         offload_optimizer: step the optimizer on the CPU (ZeRO-Offload); a torch ``Adam``/``AdamW`` becomes
@@ -75,8 +76,11 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
-        parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout: as for
-            ``DeepSpeedStrategy``, normally set by the Trainer (``devices=``, ``precision=``; gloo on the CPU).
+        parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
+        cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
+        precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
+        process_group_backend: the torch.distributed backend; ``nccl`` on CUDA and ``gloo`` on the CPU by default.
+        timeout: how long collectives wait for the other ranks before failing.
         **kwargs: any other argument of ``DeepSpeedStrategy``; ``exclude_frozen_parameters`` and
             ``load_full_weights`` have no effect (a checkpoint is always one adapter file without frozen weights).
     """
@@ -144,8 +148,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        # at every fit/validate/test/predict: the base may have changed, so it is fingerprinted again; another module
-        # must not meet this one's optimizer and param names (a save after `fit` or `validate` of the same one does)
+        # each run fingerprints the base again; another module must not meet this one's optimizer and param names
         self._fingerprints.clear()
         if self._connected is None or self._connected() is not model:
             self.optimizers, self.lr_scheduler_configs = [], []
@@ -160,9 +163,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @property
     def _module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        assert module is not None
-        return module
+        assert self.lightning_module is not None
+        return self.lightning_module
 
     # ------------------------------------------------------------------ environment
 
@@ -212,16 +214,17 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
-        unfreezing.freeze_for_finetuning_callbacks(self._module)
+        module = self._module
+        unfreezing.freeze_for_finetuning_callbacks(module)
         optimizer, scheduler_config = super()._init_optimizers()
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
         optimizer = optim.prepare_for_zero(
-            self._module, optimizer, scheduler, self.convert_lr_zero_groups, type(self).__name__
+            module, optimizer, scheduler, self.convert_lr_zero_groups, type(self).__name__
         )
         if self.offload_optimizer:
             optimizer = optim.to_cpu_adam(optimizer, scheduler)
-        adapters.check_optimizer_groups(self._module, optimizer)
-        self._optimized.record_groups(self._module, optimizer)
+        adapters.check_optimizer_groups(module, optimizer)
+        self._optimized.record_groups(module, optimizer)
         return optimizer, scheduler_config
 
     @override
@@ -238,9 +241,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` runs here: params are ZeRO-3 shards as they are created (in CPU memory when frozen
-        shards are offloaded; trainable ones move to the accelerator at setup), and ``from_pretrained`` loads each
-        rank's slice of every tensor straight into its shard."""
+        """``configure_model`` runs here: params are ZeRO-3 shards as they are created (frozen ones in CPU memory when
+        offloaded), and ``from_pretrained`` loads each rank's slice of every tensor straight into its shard."""
         self._init_config_if_needed()
         remote_device = self.remote_device or ("cpu" if self.offload_frozen and self.zero_stage_3 else None)
         plan = pretrained.LoadPlan(self._loaded_base, self.frozen_dtype, self.fingerprint)
@@ -284,8 +286,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
         """Rebuild the ZeRO optimizer for new ``param_groups`` (the whole new structure) after params were unfrozen or
         frozen mid-run; ``origins[i]`` is the current group that group ``i`` continues, None for a new one (new groups
-        come last). State carries over as ``unfreezing.py`` says. Collective: every rank calls it with the same groups.
-        """
+        come last). State carries over as ``unfreezing.py`` says. Collective: every rank passes the same groups."""
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
@@ -328,9 +329,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0:
-        atomically to a local path or an fsspec URL, or through the Trainer's ``CheckpointIO`` plugin when one was
-        given. Every rank must call it (the fingerprint is collective)."""
+        """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0,
+        atomically (a local path, an fsspec URL, or the Trainer's ``CheckpointIO`` plugin). Collective."""
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
         written_with = {"world_size": self.world_size, "precision": str(self.precision_plugin.precision)}
@@ -358,8 +358,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
         module = self._module
         if module.trainer.training and self._deepspeed_optimizer:
-            # a finetuning callback may have unfrozen or frozen params since `configure_optimizers`: on resume, what
-            # was trainable when the checkpoint was saved trains again, in the checkpoint's groups
+            # what was trainable when the checkpoint was saved trains again, in its groups (a finetuning callback)
             regrouped = unfreezing.groups_from_checkpoint(module, checkpoint_dict, len(self._optimized.group_names))
             if regrouped is not None:
                 self.reconfigure_trainable(*regrouped)

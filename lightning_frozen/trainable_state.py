@@ -14,9 +14,9 @@ from torch import nn
 
 from lightning_frozen import zero
 from lightning_frozen.adapter_checkpoint import peft_entries
+from lightning_frozen.base_reference import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.checkpoint import FORMAT_KEY, OPTIMIZER_LAYOUT, format_marker, persistent_buffers
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.frozen_base import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.loading import check_keys
 from lightning_frozen.quant import block_format, frozen_dtype_of
 

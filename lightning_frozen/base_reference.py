@@ -1,0 +1,56 @@
+"""The frozen base's reference: where each frozen base inside a module came from (a hub id or folder), found from
+PEFT's ``base_model_name_or_path`` or a Hugging Face ``config._name_or_path``, as checkpoints record it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from torch import nn
+
+
+def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Optional[str]:
+    """Where the frozen base came from: ``explicit``, else that of the PEFT model, else the first of
+    :func:`find_base_references`, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
+    if explicit:
+        return str(explicit)
+    bases, peft = find_base_references(module), find_peft_model(module)
+    reference = (bases.get(peft[0]) if peft else None) or next(iter(bases.values()), None)
+    reference = reference or getattr(module, "frozen_base_reference", None)
+    return str(reference) if reference else None
+
+
+def find_base_references(module: nn.Module) -> dict[str, str]:
+    """Each frozen base inside ``module`` by its module path: the outermost PEFT models (their
+    ``base_model_name_or_path``) and Hugging Face models (``config._name_or_path``), e.g. ``{"vision": "org/clip",
+    "language": "org/llama"}`` for a vision tower and a language model; empty when none names its source."""
+    found: dict[str, str] = {}
+    for name, submodule in module.named_modules():
+        if any(not outer or name.startswith(f"{outer}.") for outer in found):
+            continue  # inside a base already found
+        peft_config, active = getattr(submodule, "peft_config", None), getattr(submodule, "active_adapter", None)
+        adapter = peft_config.get(active) if isinstance(peft_config, dict) and isinstance(active, str) else None
+        reference = getattr(adapter, "base_model_name_or_path", None)
+        reference = reference or getattr(getattr(submodule, "config", None), "_name_or_path", None)
+        if isinstance(reference, str) and reference:
+            found[name] = reference
+    return found
+
+
+def base_of(tensor_name: str, bases: Mapping[str, str]) -> Optional[str]:
+    """The reference of the base (of :func:`find_base_references`) that holds ``tensor_name``, or None."""
+    owners = [path for path in bases if not path or tensor_name.startswith(f"{path}.")]
+    return bases[max(owners, key=len)] if owners else None
+
+
+def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
+    """The first ``peft.PeftModel`` inside ``module`` as ``(name, model)``; name is "" for the module itself."""
+    if "peft" not in sys.modules:
+        return None  # a module cannot hold a PeftModel unless peft was imported; importing it costs ~20 MiB
+    from peft import PeftModel
+
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, PeftModel):
+            return name, submodule
+    return None
