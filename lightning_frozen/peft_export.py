@@ -175,7 +175,7 @@ def peft_entry_of(frozen_base: Mapping[str, Any], adapter: Optional[str], source
     single = frozen_base.get("peft")
     if several and adapter in several:
         return several[adapter]
-    if not several and single and adapter in (None, single["adapter_name"]):
+    if not several and single and adapter in (None, single.get("adapter_name")):  # older files name none
         return single
     if not several and not single:
         raise CheckpointFormatError(
