@@ -36,7 +36,7 @@ from benchmarks.load_memory import PeakSampler
 from benchmarks.worker import Report, proc_status_bytes, snapshot, tree_bytes
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
-from lightning_frozen.zero import full_numel
+from lightning_frozen.zero.params import full_numel
 
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 LOG_LINES_KEPT = 60

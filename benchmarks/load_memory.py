@@ -165,12 +165,12 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
     # base that arrives another way (a `.bin` file, converted keys) is
     frozen_dtype = args.strategy.split("-")[1] if args.strategy.startswith("frozen-") else None
     if args.strategy.endswith("-late"):
-        creation = lightning_frozen.pretrained.sharded_model_creation
+        creation = lightning_frozen.base.pretrained.sharded_model_creation
 
         def quantized_late(config: dict, stage_3: bool, remote_device: Any, plan: Any) -> Any:
             return creation(config, stage_3, remote_device, dataclasses.replace(plan, frozen_dtype=None))
 
-        lightning_frozen.pretrained.sharded_model_creation = quantized_late
+        lightning_frozen.base.pretrained.sharded_model_creation = quantized_late
     strategy = (
         lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)
         if args.strategy.startswith("frozen")

@@ -5,8 +5,10 @@ Importing the package registers the strategy names (``frozen_deepspeed`` and fri
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_frozen.checkpoint import read_checkpoint
-from lightning_frozen.convert import convert_deepspeed_checkpoint
+from lightning_frozen.checkpoint.convert import convert_deepspeed_checkpoint
+from lightning_frozen.checkpoint.file import read_checkpoint
+from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoint
+from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
     CheckpointFormatError,
     CheckpointKeysError,
@@ -24,10 +26,8 @@ from lightning_frozen.errors import (
     UnsupportedConfigurationError,
     UnsupportedOffloadOptimizerError,
 )
-from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
-from lightning_frozen.loading import load_adapter, load_from_checkpoint
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
-from lightning_frozen.peft_export import export_peft_adapter
+from lightning_frozen.optim.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
 
 __version__ = "0.1.0"

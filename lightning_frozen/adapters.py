@@ -11,8 +11,8 @@ all rows would scale each by 1/K).
 
 Under ``frozen_deepspeed`` the strategy does the rest when two or more adapters train: each optimizer param group
 must hold one adapter's params (:func:`check_optimizer_groups`), gradients are clipped per adapter
-(``adapter_clipping.py``), and each adapter loads and exports alone from the run's checkpoint
-(``adapter_checkpoint.py``).
+(``zero/adapter_clipping.py``), and each adapter loads and exports alone from the run's checkpoint
+(``checkpoint/adapters.py``).
 
 Exact only where no random number or statistic depends on the other rows: ``lora_dropout=0`` and the base's own
 dropout off (K adapters' rows draw other random numbers than one adapter's alone), and no layer that mixes rows
@@ -32,9 +32,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_frozen import adapter_clipping
-from lightning_frozen.base_reference import find_peft_model
+from lightning_frozen.base.reference import find_peft_model
 from lightning_frozen.errors import AdapterSetupError, format_names
+from lightning_frozen.zero import adapter_clipping
 
 
 def _peft_model(model: nn.Module) -> Any:
@@ -359,5 +359,5 @@ def check_optimizer_groups(module: nn.Module, optimizer: Optimizer) -> None:
 
 def clip_per_adapter(zero_optimizer: Any, module: nn.Module, group_names: Sequence[Sequence[str]]) -> None:
     """With two or more adapters training, clip each one's gradients in ``zero_optimizer`` by its own norm
-    (``adapter_clipping.py``); raises as :func:`group_adapters` does."""
+    (``zero/adapter_clipping.py``); raises as :func:`group_adapters` does."""
     adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(module, group_names))

@@ -11,10 +11,10 @@ from typing import Any, Optional
 
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 
+from lightning_frozen.base.codec import check_frozen_dtype
+from lightning_frozen.base.fingerprint import FINGERPRINT_MODES
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
-from lightning_frozen.frozen_base import FINGERPRINT_MODES
-from lightning_frozen.quant_codec import check_frozen_dtype
-from lightning_frozen.zero_config import ZeroSettings, zero_settings
+from lightning_frozen.zero.config import ZeroSettings, zero_settings
 
 # the names `import lightning_frozen` registers: (name, description, strategy arguments)
 REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (

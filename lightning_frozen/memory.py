@@ -23,12 +23,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen import optim
+from lightning_frozen.base.codec import storage_bytes
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
-from lightning_frozen.placement import Placement, fitted_reduce_bucket
-from lightning_frozen.quant import frozen_dtype_of
-from lightning_frozen.quant_codec import storage_bytes
-from lightning_frozen.zero import full_numel
+from lightning_frozen.optim import filtering as optim
+from lightning_frozen.zero.engine import Placement, fitted_reduce_bucket
+from lightning_frozen.zero.params import full_numel
+from lightning_frozen.zero.quantized import frozen_dtype_of
 
 _PRECISION_BYTES = {
     "32": 4,

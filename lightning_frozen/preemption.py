@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal, _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_frozen.atomic_files import remove_temp_files_being_written
+from lightning_frozen.checkpoint.atomic_files import remove_temp_files_being_written
 
 log = logging.getLogger(__name__)
 

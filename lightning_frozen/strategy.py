@@ -27,24 +27,18 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import (
-    adapters,
-    arguments,
-    checkpoint,
-    host_memory,
-    memory,
-    optim,
-    placement,
-    preemption,
-    pretrained,
-    quant,
-    schedulers,
-    trainable_state,
-    unfreezing,
-    zero,
-)
-from lightning_frozen.frozen_base import FingerprintCache, named_frozen, verify_checkpoint_base
-from lightning_frozen.loaded_base import LoadedBase
+from lightning_frozen import adapters, arguments, memory, preemption
+from lightning_frozen.base import pretrained
+from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
+from lightning_frozen.base.loaded import LoadedBase
+from lightning_frozen.checkpoint import file as checkpoint
+from lightning_frozen.checkpoint import trainable_state
+from lightning_frozen.optim import filtering as optim
+from lightning_frozen.optim import schedulers, unfreezing
+from lightning_frozen.zero import engine as placement
+from lightning_frozen.zero import host_memory
+from lightning_frozen.zero import params as zero
+from lightning_frozen.zero import quantized as quant
 
 if TYPE_CHECKING:
     import deepspeed
@@ -72,8 +66,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
         frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise absmax,
             1.016 B/weight), ``"nf4"`` (4-bit NormalFloat, 0.531 B/weight) or ``"bf16"``/``"fp16"`` (a cast, 2 B/weight,
-            for fp32 compute); decoded to the compute dtype for the layer computed (see ``lightning_frozen.quant``).
-        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``host_memory.py``).
+            for fp32 compute); decoded to the compute dtype for the layer computed (``zero/quantized.py``).
+        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``zero/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
@@ -286,7 +280,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
         """Rebuild the ZeRO optimizer for new ``param_groups`` (the whole new structure) after params were unfrozen or
         frozen mid-run; ``origins[i]`` is the current group that group ``i`` continues, None for a new one (new groups
-        come last). State carries over as ``unfreezing.py`` says. Collective: every rank passes the same groups."""
+        come last). State carries over as ``optim/unfreezing.py`` says. Collective: every rank passes the same groups."""
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import lightning_frozen
-from lightning_frozen import adapter_clipping
 from lightning_frozen import adapters as multi
 from lightning_frozen.errors import AdapterSetupError
+from lightning_frozen.zero import adapter_clipping
 from tests.adapter_models import FIT, SPECS, CausalAdapters, adapter_weights, peft_with_adapters, token_batches
 from tests.distributed import run_script
 from tests.models import cpu_trainer

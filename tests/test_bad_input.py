@@ -25,7 +25,7 @@ from lightning_frozen import (
     FrozenBaseMismatchError,
     NoTrainableParametersError,
 )
-from lightning_frozen.checkpoint import read_checkpoint
+from lightning_frozen.checkpoint.file import read_checkpoint
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_frozen
-from lightning_frozen import checkpoint as ckpt_module
+from lightning_frozen.checkpoint import file as ckpt_module
 from lightning_frozen.errors import CheckpointFormatError, CheckpointKeysError, FrozenBaseMismatchError
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -236,7 +236,7 @@ def test_fingerprint_option_full_hash_or_none(tmp_path: Path) -> None:
 
 
 def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
-    from lightning_frozen import frozen_base
+    from lightning_frozen.base import fingerprint as frozen_base
 
     calls: list[int] = []
     real = frozen_base.fingerprint_base

@@ -151,7 +151,8 @@ def test_fp16_loss_scale_round_trips_and_the_fp16_base_verifies_in_fp32(tmp_path
 
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(frozen_dtype: str) -> None:
-    from lightning_frozen import FrozenAwareDeepSpeedStrategy, quant_codec
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+    from lightning_frozen.base import codec as quant_codec
 
     model = _big_model()
     source = model.layers[0].base.weight.detach().to(torch.bfloat16).clone()

@@ -14,7 +14,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, InvalidArgumentValueError
-from lightning_frozen.zero_config import zero_settings
+from lightning_frozen.zero.config import zero_settings
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 # what a user writes: no `zero_allow_untested_optimizer`, no bucket sizes

@@ -18,18 +18,21 @@ PACKAGE = Path(lightning_frozen.__file__).parent
 # built-in raises that are not this package's own errors, by file and exception
 NOT_OURS = {
     ("memory.py", "AssertionError"),  # an unreachable branch
-    ("finetuning.py", "ValueError"),  # the message torch.optim's own `add_param_group` raises, kept for its callers
+    (
+        "optim/finetuning.py",
+        "ValueError",
+    ),  # the message torch.optim's own `add_param_group` raises, kept for its callers
 }
 
 
 def _builtin_raises() -> set[tuple[str, str]]:
     found = set()
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
                 name = node.exc.func.id
                 if isinstance(getattr(builtins, name, None), type) and issubclass(getattr(builtins, name), Exception):
-                    found.add((path.name, name))
+                    found.add((path.relative_to(PACKAGE).as_posix(), name))
     return found
 
 

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import lightning_frozen
-from lightning_frozen import zero
+from lightning_frozen.zero import params as zero
 from tests.distributed import read_reports, run_script
 from tests.models import BackboneModel, cpu_trainer, regression_data
 

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import load_adapter
-from lightning_frozen.base_reference import find_base_reference
+from lightning_frozen.base.fingerprint import fingerprint_base, verify_base
+from lightning_frozen.base.reference import find_base_reference
 from lightning_frozen.errors import FrozenBaseMismatchError
-from lightning_frozen.frozen_base import fingerprint_base, verify_base
 from tests.models import AdapterModel, cpu_trainer
 from tests.pretrained_support import TINY_LLAMA
 
@@ -148,7 +148,7 @@ def test_the_checksum_frees_its_buffers_after_a_pass() -> None:
     import gc
     import weakref
 
-    from lightning_frozen import frozen_base
+    from lightning_frozen.base import fingerprint as frozen_base
 
     checksummer = frozen_base.Checksummer()
     buffers = [weakref.ref(checksummer._wide), weakref.ref(checksummer._weights)]

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, host_memory
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero import host_memory
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 WIDTH = 64

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_frozen.errors import ForeignParametersError, UnsupportedOffloadOptimizerError
-from lightning_frozen.optim import (
+from lightning_frozen.optim.filtering import (
     check_params_belong_to,
     discard_gradients,
     lr_zero_group_indices,

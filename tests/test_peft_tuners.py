@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 import lightning_frozen
+from lightning_frozen.base.fingerprint import fingerprint_base
+from lightning_frozen.checkpoint.peft_export import peft_entry, prompt_embeddings
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.frozen_base import fingerprint_base
-from lightning_frozen.peft_export import peft_entry, prompt_embeddings
 from tests.distributed import run_script
 from tests.models import cpu_trainer
 

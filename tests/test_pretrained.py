@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import lightning_frozen
-from lightning_frozen import placement, pretrained, progress
+from lightning_frozen import progress
+from lightning_frozen.base import pretrained
+from lightning_frozen.zero import engine as placement
 from tests.distributed import read_reports, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data, write_llama

@@ -13,8 +13,12 @@ import pytest
 import torch
 
 import lightning_frozen
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, frozen_base, quant, quant_codec, zero
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.base import codec as quant_codec
+from lightning_frozen.base import fingerprint as frozen_base
 from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
+from lightning_frozen.zero import params as zero
+from lightning_frozen.zero import quantized as quant
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 

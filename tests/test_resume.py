@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 import lightning_frozen
-from lightning_frozen.frozen_base import fingerprint_base
+from lightning_frozen.base.fingerprint import fingerprint_base
 from tests.distributed import run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import lightning_frozen
 from lightning_frozen import FrozenBaseMismatchError
-from lightning_frozen.frozen_base import fingerprint_base
+from lightning_frozen.base.fingerprint import fingerprint_base
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 

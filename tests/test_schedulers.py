@@ -14,10 +14,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.optim import lr_scheduler
 
-from lightning_frozen import schedulers
 from lightning_frozen.errors import SchedulerGroupsError
-from lightning_frozen.optim import strip_frozen_params
-from lightning_frozen.schedulers import register_per_group_attributes, regroup_scheduler
+from lightning_frozen.optim import schedulers
+from lightning_frozen.optim.filtering import strip_frozen_params
+from lightning_frozen.optim.schedulers import register_per_group_attributes, regroup_scheduler
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 STEPS = 15

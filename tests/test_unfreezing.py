@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError
-from lightning_frozen.unfreezing import (
+from lightning_frozen.optim.unfreezing import (
     OptimizedSet,
     check_finetuning_callbacks,
     check_trainable_set_unchanged,

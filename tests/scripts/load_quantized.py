@@ -16,7 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, frozen_base, pretrained, progress  # noqa: E402
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, progress  # noqa: E402
+from lightning_frozen.base import fingerprint as frozen_base  # noqa: E402
+from lightning_frozen.base import pretrained  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data  # noqa: E402

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
-from lightning_frozen import checkpoint as checkpoint_module  # noqa: E402
+from lightning_frozen.checkpoint import file as checkpoint_module  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 

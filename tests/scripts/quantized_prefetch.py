@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, quant, zero  # noqa: E402
+from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from lightning_frozen.zero import params as zero  # noqa: E402
+from lightning_frozen.zero import quantized as quant  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 

@@ -23,11 +23,12 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from torch import nn
 
-from lightning_frozen import host_memory, quant
+from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.errors import UnsupportedConfigurationError
-from lightning_frozen.loaded_base import LoadedBase
-from lightning_frozen.zero import compute_dtype, full_numel, is_partitioned
-from lightning_frozen.zero_config import LIGHTNING_REDUCE_BUCKET_SIZE, zero_settings
+from lightning_frozen.zero import host_memory
+from lightning_frozen.zero import quantized as quant
+from lightning_frozen.zero.config import LIGHTNING_REDUCE_BUCKET_SIZE, zero_settings
+from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
 

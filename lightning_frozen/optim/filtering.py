@@ -21,8 +21,8 @@ from lightning_frozen.errors import (
     UnsupportedOffloadOptimizerError,
     format_names,
 )
-from lightning_frozen.schedulers import filter_scheduler_groups, scheduler_chain
-from lightning_frozen.zero import check_has_trainable
+from lightning_frozen.optim.schedulers import filter_scheduler_groups, scheduler_chain
+from lightning_frozen.zero.params import check_has_trainable
 
 # Keys under which torch and DeepSpeed schedulers keep a learning rate that a group can climb to.
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr")

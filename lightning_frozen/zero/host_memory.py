@@ -19,7 +19,7 @@ import sys
 
 from torch import nn
 
-from lightning_frozen.zero import full_numel
+from lightning_frozen.zero.params import full_numel
 
 # each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
 # module): prefetch up to one such module ahead, hold no more than that gathered besides what runs, and gather a

@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_frozen import checkpoint
-from lightning_frozen.checkpoint import PathLike, checked_path
+from lightning_frozen.base.fingerprint import fingerprint_base
+from lightning_frozen.checkpoint import file as checkpoint
+from lightning_frozen.checkpoint.file import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
-from lightning_frozen.frozen_base import fingerprint_base
 
 log = logging.getLogger(__name__)
 _LIGHTNING_KEYS = (

@@ -27,11 +27,12 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_frozen import placeholders, quant
-from lightning_frozen.frozen_base import Checksummer
-from lightning_frozen.loaded_base import LoadedBase, read_flat_range, tensor_sha256
+from lightning_frozen.base.fingerprint import Checksummer
+from lightning_frozen.base.loaded import LoadedBase, read_flat_range, tensor_sha256
 from lightning_frozen.progress import Progress
-from lightning_frozen.zero import is_partitioned, shard_range
+from lightning_frozen.zero import placeholders
+from lightning_frozen.zero import quantized as quant
+from lightning_frozen.zero.params import is_partitioned, shard_range
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"

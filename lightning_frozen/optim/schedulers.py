@@ -109,7 +109,7 @@ def per_group_attributes(scheduler: Any, num_groups: int) -> tuple[str, ...]:
             f"`{type(scheduler).__name__}` has list attributes as long as the {num_groups} param groups"
             f" ({', '.join(f'`{k}`' for k in unsure)}), and lightning-frozen does not know whether they hold one value"
             " per group, which must follow the groups it drops (fully frozen) or adds (finetuning callbacks). Declare"
-            " the per-group ones with `lightning_frozen.schedulers.register_per_group_attributes("
+            " the per-group ones with `lightning_frozen.optim.schedulers.register_per_group_attributes("
             f"{type(scheduler).__name__}, 'name', ...)` (no names if none is), or build the optimizer from trainable"
             " params only, so that no group is dropped."
         )

@@ -9,10 +9,10 @@ from typing import Any, Optional, TypeVar
 import torch
 from torch import nn
 
-from lightning_frozen.adapter_checkpoint import adapter_state, use_adapter
-from lightning_frozen.checkpoint import PathLike, checked_location, persistent_buffers, read_checkpoint
+from lightning_frozen.base.fingerprint import verify_checkpoint_base
+from lightning_frozen.checkpoint.adapters import adapter_state, use_adapter
+from lightning_frozen.checkpoint.file import PathLike, checked_location, persistent_buffers, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
-from lightning_frozen.frozen_base import verify_checkpoint_base
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

@@ -21,9 +21,9 @@ from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetunin
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_frozen import zero
 from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError, format_names
-from lightning_frozen.optim import leave_ungrouped_unstepped
+from lightning_frozen.optim.filtering import leave_ungrouped_unstepped
+from lightning_frozen.zero import params as zero
 
 # what a DeepSpeed engine counts, carried from the destroyed engine to the new one
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")

@@ -32,7 +32,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_frozen.atomic_files import write_file_atomic, write_url
+from lightning_frozen.checkpoint.atomic_files import write_file_atomic, write_url
 from lightning_frozen.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,

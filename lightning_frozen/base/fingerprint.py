@@ -28,10 +28,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_frozen.base_reference import base_of
+from lightning_frozen.base.reference import base_of
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.progress import Progress
-from lightning_frozen.zero import is_partitioned, shard_range
+from lightning_frozen.zero.params import is_partitioned, shard_range
 
 
 class LoadedSums(Protocol):

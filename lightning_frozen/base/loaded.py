@@ -23,10 +23,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen import quant
+from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.frozen_base import Checksummer
-from lightning_frozen.zero import shard_range
+from lightning_frozen.zero import quantized as quant
+from lightning_frozen.zero.params import shard_range
 
 _GATHER_METHODS = ("all_gather", "all_gather_coalesced", "partition")
 _HASH_ELEMENTS = 1 << 22  # elements per piece when hashing a whole tensor from its file

@@ -24,10 +24,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_frozen import frozen_base
+from lightning_frozen.base import fingerprint as frozen_base
+from lightning_frozen.base.codec import BlockFormat, block_format, decode, encode, split
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.quant_codec import BlockFormat, block_format, decode, encode, split
-from lightning_frozen.zero import compute_dtype, shard_range
+from lightning_frozen.zero.params import compute_dtype, shard_range
 
 _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
 
