@@ -68,7 +68,7 @@ def test_the_strategy_sets_the_allocator_on_the_cpu_unless_told_not_to(
 _RETAINED = textwrap.dedent(
     """
     import sys, torch
-    from lightning_frozen import host_memory
+    from lightning_frozen.zero import host_memory
 
     def anon_mib():
         for line in open("/proc/self/status"):
@@ -98,7 +98,7 @@ def test_freed_buffers_leave_the_process_once_the_allocator_is_set() -> None:
 
 
 def test_a_threshold_the_user_chose_is_kept() -> None:
-    code = "from lightning_frozen import host_memory; print(host_memory.return_freed_memory())"
+    code = "from lightning_frozen.zero import host_memory; print(host_memory.return_freed_memory())"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert run.stdout.split()[-1] == "False"
