@@ -280,7 +280,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
         """Rebuild the ZeRO optimizer for new ``param_groups`` (the whole new structure) after params were unfrozen or
         frozen mid-run; ``origins[i]`` is the current group that group ``i`` continues, None for a new one (new groups
-        come last). State carries over as ``optim/unfreezing.py`` says. Collective: every rank passes the same groups."""
+        come last). State carries over as ``optim/unfreezing`` says. Collective: every rank passes the same groups."""
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
