@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_frozen.base.reference import find_peft_model
 from lightning_frozen.errors import AdapterSetupError, format_names
+from lightning_frozen.hf import peft_adapters
 from lightning_frozen.zero import adapter_clipping
 
 
@@ -47,31 +48,15 @@ def _peft_model(model: nn.Module) -> Any:
     return found[1]
 
 
-def _mixable_layer_types() -> tuple[type, ...]:
-    # the LoRA layers whose forward is `base_layer(x) + lora_B(lora_A(dropout(x))) * scaling` (PEFT 0.21)
-    from peft.tuners.lora import layer
-
-    return (layer.Linear, layer._ConvNd)
-
-
 def adapter_param_names(module: nn.Module) -> dict[str, list[str]]:
     """Each adapter's params, by their names in ``module``, for every adapter of the PEFT model inside it (in the
     order of its ``peft_config``); empty without a PEFT model."""
     found = find_peft_model(module)
     if found is None:
         return {}
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     owned: dict[str, list[str]] = {name: [] for name in found[1].peft_config}
-    for prefix, layer in module.named_modules():
-        if not isinstance(layer, BaseTunerLayer):
-            continue
-        for attribute in layer.adapter_layer_names:
-            container = getattr(layer, attribute, None)
-            for adapter, held in container.items() if container is not None else []:
-                lead = f"{prefix}.{attribute}.{adapter}"
-                named = held.named_parameters() if isinstance(held, nn.Module) else [("", held)]
-                owned.setdefault(adapter, []).extend(f"{lead}.{n}" if n else lead for n, _ in named)
+    for adapter, names in peft_adapters.adapter_param_names(module).items():
+        owned.setdefault(adapter, []).extend(names)
     return owned
 
 
@@ -127,15 +112,14 @@ def _check_mixable(peft_model: Any, name: str) -> None:
             f"Adapter `{name}` uses {reason}, which PEFT cannot mix in one batch. {fix} (a head can be a LoRA target:"
             " `target_modules=[..., 'classifier']`)."
         )
-    mixable = _mixable_layer_types()
-    for layer_name, layer in peft_model.named_modules():
-        adapted = name in getattr(layer, "lora_A", {}) or name in getattr(layer, "lora_embedding_A", {})
-        if adapted and (not isinstance(layer, mixable) or name in layer.lora_variant):
-            raise AdapterSetupError(
-                f"Adapter `{name}` adapts `{layer_name}` with PEFT's `{type(layer).__name__}` (or a LoRA variant),"
-                f" which lightning-frozen cannot compute per row (plain LoRA on Linear and Conv layers only). {fix}"
-                " without that target module."
-            )
+    unmixable = peft_adapters.unmixable_layers(peft_model, name)
+    if unmixable:
+        layer_name, layer_type = unmixable[0]
+        raise AdapterSetupError(
+            f"Adapter `{name}` adapts `{layer_name}` with PEFT's `{layer_type}` (or a LoRA variant), which"
+            f" lightning-frozen cannot compute per row (plain LoRA on Linear and Conv layers only). {fix} without that"
+            " target module."
+        )
 
 
 @dataclass(frozen=True)
@@ -243,7 +227,7 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
             " recomputed rows would not see their adapters. Turn it off (`model.gradient_checkpointing_disable()`)"
             " to train adapters at once."
         )
-    layers = [layer for layer in peft_model.modules() if isinstance(layer, _mixable_layer_types())]
+    layers = peft_adapters.lora_row_layers(peft_model)
     for layer in layers:
         layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
     try:
@@ -254,9 +238,9 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
 
 
 def _row_forward(layer: Any, rows: AdapterRows, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    # PEFT's vanilla LoRA forward (`result + lora_B(lora_A(dropout(x))) * scaling`) on each adapter's block of rows.
-    # Not PEFT's `_mixed_batch_forward`: it visits adapters in `set` order, which differs between processes, and
-    # ZeRO-3 needs every rank to run the same modules in the same order.
+    # PEFT's vanilla LoRA forward on each adapter's block of rows. Not PEFT's `_mixed_batch_forward`: it visits
+    # adapters in `set` order, which differs between processes, and ZeRO-3 needs every rank to run the same modules
+    # in the same order.
     if layer.merged or layer.disable_adapters:
         raise AdapterSetupError(
             f"A `{type(layer).__name__}` layer has merged or disabled adapters; unmerge (`unmerge_adapter()`) and"
@@ -267,16 +251,7 @@ def _row_forward(layer: Any, rows: AdapterRows, x: torch.Tensor, *args: Any, **k
             f"A `{type(layer).__name__}` LoRA layer got {len(x)} rows where the batch has {rows.total}: the model"
             " reshapes its batch dimension before this layer, so rows cannot be given their own adapters there."
         )
-    result = layer.base_layer(x, *args, **kwargs)  # the frozen weight's matmul, once over every adapter's rows
-    blocks = []
-    for name, block in rows.slices().items():
-        if name not in layer.lora_A:
-            blocks.append(result[block])
-            continue
-        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-        sub_batch = layer._cast_input_dtype(x[block], lora_A.weight.dtype)
-        blocks.append(result[block] + lora_B(lora_A(layer.lora_dropout[name](sub_batch))) * layer.scaling[name])
-    return torch.cat(blocks).to(result.dtype)
+    return peft_adapters.lora_forward_by_rows(layer, rows.slices(), x, *args, **kwargs)
 
 
 def adapter_losses(

@@ -45,6 +45,12 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
 
+# torch 2.13's deprecation messages for what DeepSpeed 0.19 and Lightning 2.6 call every step: not the user's to fix
+DEPENDENCY_DEPRECATIONS = (
+    r"`(torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)|isinstance\(treespec, LeafSpec\))`"
+    r" is deprecated[.,] (Please )?use `"
+)
+
 
 class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO-3 for models whose larger part is frozen: frozen params (``requires_grad=False``, or only in
@@ -166,9 +172,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
         checkpoint.require_restore_path(self._module.trainer, self.checkpoint_io)
-        # DeepSpeed 0.19 and Lightning 2.6 call torch APIs that torch 2.13 deprecates, every step; not the user's to fix
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+        # those messages only, after the user's own filters; `append=True` adds no second copy on a later run
+        warnings.filterwarnings("ignore", DEPENDENCY_DEPRECATIONS, FutureWarning, append=True)
         placement.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()

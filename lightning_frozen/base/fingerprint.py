@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, Protocol
 
@@ -30,6 +29,7 @@ from torch import nn
 
 from lightning_frozen.base.reference import base_of
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
+from lightning_frozen.hf import peft_adapters
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero.params import is_partitioned, shard_range
 
@@ -71,14 +71,9 @@ def named_frozen(
 def replaced_by_trained_copies(module: nn.Module) -> set[str]:
     """Params of the originals of PEFT's ``modules_to_save``: the adapted model computes with their trained copies
     (in the checkpoint) instead, and a head that ``from_pretrained`` created at random differs at every load."""
-    if "peft" not in sys.modules:
-        return set()
-    from peft.utils import ModulesToSaveWrapper
-
     return {
         f"{prefix}.original_module.{name}".lstrip(".")
-        for prefix, submodule in module.named_modules()
-        if isinstance(submodule, ModulesToSaveWrapper)
+        for prefix, submodule in peft_adapters.modules_to_save_wrappers(module)
         for name, _ in submodule.original_module.named_parameters()
     }
 

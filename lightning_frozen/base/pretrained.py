@@ -14,8 +14,6 @@ flight per rank. Checkpoints this cannot slice (``.bin`` files, key conversions)
 from __future__ import annotations
 
 import functools
-import importlib.util
-import inspect
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -29,6 +27,7 @@ from torch import nn
 
 from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.base.loaded import LoadedBase, read_flat_range, tensor_sha256
+from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
 from lightning_frozen.zero import quantized as quant
@@ -48,9 +47,6 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-# the signatures this module's replacements stand in for (transformers 5.x); other versions keep their own path
-_LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
-_LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
 
 
 @dataclass(frozen=True)
@@ -90,39 +86,10 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
     ``nn.Linear``'s random values and the adapted model would not start as the base. The adapters are small; the
     strategy partitions them at setup like any param built outside ``zero.Init``.
     """
-    if importlib.util.find_spec("peft") is None:
-        yield
-        return
     from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTuner
 
-    depth = 0  # PeftModel.__init__ calls inject_adapter: only the outermost call may restore zero.Init
-
-    def outside_zero_init(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            nonlocal depth
-            if depth == 0:
-                shutdown_init_context()
-            depth += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                depth -= 1
-                if depth == 0:
-                    restore_init_context()
-
-        return wrapper
-
-    originals = {(PeftModel, "__init__"): PeftModel.__init__, (BaseTuner, "inject_adapter"): BaseTuner.inject_adapter}
-    for (owner, name), method in originals.items():
-        setattr(owner, name, outside_zero_init(method))
-    try:
+    with peft_adapters.around_adapter_creation(enter=shutdown_init_context, leave=restore_init_context):
         yield
-    finally:
-        for (owner, name), method in originals.items():
-            setattr(owner, name, method)
 
 
 @contextmanager
@@ -131,40 +98,14 @@ def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> I
 
     ``config`` is the DeepSpeed config the strategy trains with; ``plan`` how slices are stored and recorded (default:
     in the compute dtype, recorded nowhere). Without transformers installed this does nothing. A ``HfDeepSpeedConfig``
-    the caller made before is restored on exit.
+    the caller made before is restored on exit. transformers' loading steps are replaced in
+    ``hf/transformers_loading.py``, only where they are the ones this loader was written for.
     """
-    if importlib.util.find_spec("transformers") is None:
-        yield
-        return
-    from transformers import modeling_utils
-    from transformers.integrations import deepspeed as hf_deepspeed
-
     plan = plan or LoadPlan(LoadedBase())
-    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
-    patched = _patchable(modeling_utils)
-    if patched:
-        originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
-        modeling_utils.load_state_dict = functools.partial(_shapes_only, originals[0])
-        modeling_utils._load_state_dict_into_zero3_model = functools.partial(_load_own_slices, originals[1], plan)
-    try:
-        with placeholders.untouched_while_loading(modeling_utils, enabled=patched and plan.frozen_dtype is not None):
+    with transformers_loading.zero3_loading(config, _shapes_only, functools.partial(_load_own_slices, plan)) as patched:
+        quantized = patched and plan.frozen_dtype is not None
+        with placeholders.untouched_while_loading(transformers_loading.building_model, enabled=quantized):
             yield
-    finally:
-        if patched:
-            modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
-        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
-        del hf_config
-
-
-def _patchable(modeling_utils: Any) -> bool:
-    """Whether this transformers has the two loading steps, with the signatures the replacements expect."""
-    try:
-        load = inspect.signature(modeling_utils.load_state_dict).parameters
-        into = inspect.signature(modeling_utils._load_state_dict_into_zero3_model).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return tuple(load) == _LOAD_STATE_DICT_PARAMS and tuple(into) == _LOAD_INTO_ZERO3_PARAMS
 
 
 def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any, **kwargs: Any) -> dict:
@@ -189,8 +130,8 @@ def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any
 
 
 def _load_own_slices(
-    original: Callable[..., tuple[list[str], set[str]]],
     plan: LoadPlan,
+    original: Callable[..., tuple[list[str], set[str]]],
     model_to_load: nn.Module,
     state_dict: dict[str, torch.Tensor],
     load_config: Any = None,
@@ -198,7 +139,7 @@ def _load_own_slices(
     """Copy (or encode, see :class:`LoadPlan`) each tensor's slice that this rank holds from its file; transformers'
     own path where that cannot work."""
     targets = model_to_load.state_dict(keep_vars=True)
-    keyed = _model_keys(model_to_load, targets, list(state_dict), getattr(load_config, "weight_mapping", None) or [])
+    keyed = transformers_loading.model_keys(model_to_load, targets, list(state_dict), load_config)
     if keyed is None or not all(hasattr(t, _SOURCE) for t in state_dict.values()):
         rank_zero_info(
             "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions or a"
@@ -248,40 +189,12 @@ def _load_slices(
         if error:
             errors.append(f"size mismatch for {name}: {error}")
         else:
-            target._is_hf_initialized = True  # transformers initialises only what stays unmarked
+            transformers_loading.mark_initialized(target)
             missing.discard(name)
         if progress.advance(math.prod(tensor.shape) * tensor.element_size()):
             rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
     rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
     return errors, missing
-
-
-def _model_keys(
-    model: nn.Module, targets: dict[str, torch.Tensor], keys: list[str], weight_mapping: list[Any]
-) -> Optional[dict[str, str]]:
-    """``{model key: checkpoint key}`` for the checkpoint ``keys`` that name one of ``targets`` (the model's state
-    dict) after transformers' renamings (legacy names, base-model prefix), or None when a tensor needs one of its
-    conversions (merging or splitting tensors), which only its own loader applies."""
-    try:
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return None
-    renamings = [entry for entry in weight_mapping if isinstance(entry, WeightRenaming)]
-    converters = [entry for entry in weight_mapping if isinstance(entry, WeightConverter)]
-    if len(renamings) + len(converters) != len(weight_mapping):
-        return None
-    meta = {key: torch.empty(0, device="meta") for key in targets}
-    prefix = getattr(model, "base_model_prefix", None)
-    keyed: dict[str, str] = {}
-    for key in keys:
-        renamed, converter = rename_source_key(
-            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta
-        )
-        if converter is not None:
-            return None
-        if renamed in meta:
-            keyed[renamed] = key
-    return keyed
 
 
 def load_tensor(

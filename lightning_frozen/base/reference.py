@@ -3,11 +3,12 @@ PEFT's ``base_model_name_or_path`` or a Hugging Face ``config._name_or_path``, a
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any, Optional
 
 from torch import nn
+
+from lightning_frozen.hf import peft_adapters, transformers_loading
 
 
 def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Optional[str]:
@@ -32,7 +33,7 @@ def find_base_references(module: nn.Module) -> dict[str, str]:
         peft_config, active = getattr(submodule, "peft_config", None), getattr(submodule, "active_adapter", None)
         adapter = peft_config.get(active) if isinstance(peft_config, dict) and isinstance(active, str) else None
         reference = getattr(adapter, "base_model_name_or_path", None)
-        reference = reference or getattr(getattr(submodule, "config", None), "_name_or_path", None)
+        reference = reference or transformers_loading.loaded_from(submodule)
         if isinstance(reference, str) and reference:
             found[name] = reference
     return found
@@ -46,11 +47,7 @@ def base_of(tensor_name: str, bases: Mapping[str, str]) -> Optional[str]:
 
 def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
     """The first ``peft.PeftModel`` inside ``module`` as ``(name, model)``; name is "" for the module itself."""
-    if "peft" not in sys.modules:
-        return None  # a module cannot hold a PeftModel unless peft was imported; importing it costs ~20 MiB
-    from peft import PeftModel
-
     for name, submodule in module.named_modules():
-        if isinstance(submodule, PeftModel):
+        if peft_adapters.is_peft_model(submodule):
             return name, submodule
     return None

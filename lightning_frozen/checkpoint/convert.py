@@ -58,17 +58,23 @@ def _set_environment(values: dict[str, Optional[str]]) -> None:
             os.environ[name] = value
 
 
+def _parse_model_states(model_files: list[str]) -> Any:
+    """DeepSpeed's ``parse_model_states``, its ``torch.load(..., weights_only=False)`` made ``weights_only``: torch
+    reads the override from the environment, so it is set for this call only and restored after it."""
+    from deepspeed.utils import zero_to_fp32
+
+    with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
+        return zero_to_fp32.parse_model_states(model_files)
+
+
 @contextmanager
 def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
-    """Make every ``torch.load`` inside load ``weights_only``, DeepSpeed's own included, allowing the DeepSpeed
-    classes its checkpoint files hold; a file with anything else raises :class:`CheckpointFormatError`."""
+    """Allow the DeepSpeed classes its checkpoint files hold in the ``weights_only`` loads inside; a file with anything
+    else raises :class:`CheckpointFormatError`."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    with (
-        torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]),
-        _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None),  # read by torch.load
-    ):
+    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]):
         try:
             yield
         except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, OSError) as error:
@@ -140,7 +146,7 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
         folder,
     )
     with _weights_only_loads(source, [*model_files, *optim_files]):
-        model_states = zero_to_fp32.parse_model_states(model_files)
+        model_states = _parse_model_states(model_files)
         optim_states = [
             torch.load(path, map_location="cpu", weights_only=True)["optimizer_state_dict"] for path in optim_files
         ]

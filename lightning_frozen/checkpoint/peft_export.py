@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint, to_plain, write_file_atomic
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError, OutputDirectoryError
+from lightning_frozen.hf import peft_saving
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -62,19 +63,15 @@ def peft_entry(
     if peft_config.is_prompt_learning:
         encoder_lead = f"prompt_encoder.{adapter_name}."
         encoder = {name[len(encoder_lead) :]: f"{lead}{name}" for name in probe if name.startswith(encoder_lead)}
-        mapped = _auxiliary_state_dict(peft_model, adapter_name, probe)
+        mapped = peft_saving.auxiliary_state_dict(peft_model, adapter_name, probe)
         if peft_type not in EXPORTABLE_PROMPT_LEARNING:
             not_exportable = (
                 f"PEFT saves {peft_type} prompts in a form lightning-frozen does not compute; export supports"
                 f" {', '.join(EXPORTABLE_PROMPT_LEARNING)}"
             )
     else:
-        from peft import get_peft_model_state_dict
-
         try:
-            mapped = get_peft_model_state_dict(
-                peft_model, state_dict=probe, adapter_name=adapter_name, save_embedding_layers=False
-            )
+            mapped = peft_saving.adapter_state_dict(peft_model, probe, adapter_name)
         except Exception as error:  # a tuner whose saving reads values or shared aliases (VB-LoRA): the save goes on
             mapped = {}
             not_exportable = (
@@ -101,24 +98,6 @@ def peft_entry(
     }
 
 
-def _auxiliary_state_dict(peft_model: Any, adapter_name: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``get_peft_model_state_dict`` adds for ``modules_to_save`` and other auxiliary wrappers, by PEFT key.
-
-    The same loop as PEFT's own, which prompt learning cannot reach through ``get_peft_model_state_dict``: that runs
-    the prompt encoder first.
-    """
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    found: dict[str, Any] = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(module, AuxiliaryTrainingWrapper):
-            local = {key[len(name) + 1 :]: value for key, value in state_dict.items() if key.startswith(f"{name}.")}
-            found.update(
-                {f"{name}.{key}": value for key, value in module.adapter_state_dict(adapter_name, local).items()}
-            )
-    return found
-
-
 def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """PEFT's saved ``prompt_embeddings``: the prompt encoder's output for all its virtual tokens, in fp32.
 
@@ -129,18 +108,8 @@ def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, t
     Raises:
         CheckpointFormatError: the weights do not fit the encoder the config describes.
     """
-    from peft import PeftConfig
-    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
-
     peft_type = config["peft_type"]
-    encoder_class = PEFT_TYPE_TO_TUNER_MAPPING[peft_type]
-    if peft_type == "PROMPT_TUNING":
-        # an inference config skips the init from the base's vocabulary (the loaded weights replace it anyway)
-        encoder = encoder_class(PeftConfig.from_peft_type(**{**config, "inference_mode": True}), None)
-    else:
-        # a trainable config builds p-tuning's MLP/LSTM and prefix tuning's projection, which PEFT's own saving runs
-        encoder = encoder_class(PeftConfig.from_peft_type(**{**config, "inference_mode": False}))
-    encoder = encoder.float()
+    encoder = peft_saving.prompt_encoder(config).float()
     try:
         encoder.load_state_dict({name: value.float() for name, value in encoder_weights.items()}, strict=True)
     except RuntimeError as error:

@@ -12,7 +12,7 @@ be from the copy of an unwritten tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,9 +20,10 @@ import torch
 
 
 @contextmanager
-def untouched_while_loading(modeling_utils: Any, enabled: bool = True) -> Iterator[None]:
-    """While active, params that transformers' ``from_pretrained`` builds under its ``zero.Init`` get shards that are
-    allocated but never written (see the module docstring); other params are partitioned as DeepSpeed does."""
+def untouched_while_loading(building: Callable[[], bool], enabled: bool = True) -> Iterator[None]:
+    """While active, params built while ``building()`` is true (transformers' ``from_pretrained`` is inside its model's
+    ``__init__`` under its ``zero.Init``) get shards that are allocated but never written (see the module docstring);
+    other params are partitioned as DeepSpeed does."""
     if not enabled:
         yield
         return
@@ -35,9 +36,8 @@ def untouched_while_loading(modeling_utils: Any, enabled: bool = True) -> Iterat
     def partition_param(
         self: Any, param: Any, buffer: Any = None, has_been_updated: bool = False, free_data: bool = True
     ) -> Any:
-        building = getattr(modeling_utils, "_is_ds_init_called", False)  # inside from_pretrained's model __init__
         plain = not (param.ds_persist or self.quantized_nontrainable_weights or self.remote_device == "nvme")
-        if building and plain and param.ds_tensor is None and param.ds_status is ZeroParamStatus.AVAILABLE:
+        if building() and plain and param.ds_tensor is None and param.ds_status is ZeroParamStatus.AVAILABLE:
             aligned = self._aligned_size(param)
             size = aligned // self._partition_world_size(param)
             shard = torch.empty(size, dtype=param.dtype, device=self.remote_device)

@@ -1,0 +1,19 @@
+"""The Hugging Face seam: everything that reaches into transformers' or PEFT's internals lives in this subpackage.
+
+Written for transformers 5.x (5.24 tested) and PEFT 0.21 (0.21.2 tested). Modules outside it import neither package
+(except under ``TYPE_CHECKING``) and read none of the private names below (tests/test_hf_seams.py checks both).
+
+- ``transformers_loading``: ``from_pretrained`` under ZeRO-3. :func:`~.transformers_loading.zero3_loading` keeps an
+  ``HfDeepSpeedConfig`` alive (``integrations.deepspeed._hf_deepspeed_config_weak_ref`` restored on exit) and, for
+  its duration only, replaces ``modeling_utils.load_state_dict`` and ``_load_state_dict_into_zero3_model`` where
+  their signatures are those of 5.x; with other versions transformers' own ZeRO-3 loader runs. Also the key
+  renamings of ``core_model_loading`` (``WeightRenaming``, ``WeightConverter``, ``rename_source_key``), and the
+  private markers ``modeling_utils._is_ds_init_called``, a tensor's ``_is_hf_initialized`` and ``config._name_or_path``.
+- ``peft_adapters``: :func:`~.peft_adapters.around_adapter_creation` wraps ``PeftModel.__init__`` and
+  ``BaseTuner.inject_adapter`` class-wide for its duration only, where their leading parameters are PEFT 0.21's
+  (else it warns and wraps nothing); finding ``PeftModel`` and ``ModulesToSaveWrapper`` instances; each adapter's
+  params in ``BaseTunerLayer``s; LoRA's forward on blocks of rows from ``base_layer``, ``lora_A``, ``lora_B``,
+  ``lora_dropout``, ``scaling`` and ``_cast_input_dtype`` of ``lora.layer.Linear`` / ``lora.layer._ConvNd``.
+- ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt
+  encoders of ``PEFT_TYPE_TO_TUNER_MAPPING`` (built from ``PeftConfig.from_peft_type``).
+"""

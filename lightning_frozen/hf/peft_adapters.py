@@ -1,0 +1,176 @@
+"""What the package uses of a PEFT model's internals, all in one place (written for PEFT 0.21).
+
+- Where PEFT creates adapters, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter``, wrapped class-wide only
+  while :func:`around_adapter_creation` is active, and only where their signatures are the ones written for.
+- The tuner layers: which params each adapter owns (``BaseTunerLayer.adapter_layer_names``), and LoRA's forward
+  on blocks of rows from its parts (``base_layer``, ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling``,
+  ``_cast_input_dtype``) for the layer types whose forward is exactly that (``lora.layer.Linear`` / ``_ConvNd``).
+- ``PeftModel`` and ``ModulesToSaveWrapper`` instances found in a module.
+
+A module can hold a PEFT model only once ``peft`` is imported, so the finders return nothing before that rather than
+import it (~20 MiB).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+# the signatures the creation wrapper was written for (PEFT 0.21): the leading parameters of each method
+PEFT_MODEL_INIT_PARAMS = ("self", "model", "peft_config", "adapter_name")
+INJECT_ADAPTER_PARAMS = ("self", "model", "adapter_name")
+
+
+@contextmanager
+def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[bool]:
+    """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` (where PEFT creates and initialises
+    adapter layers) are replaced class-wide by wrappers that call ``enter()`` before the outermost of those calls and
+    ``leave()`` after it; the originals are put back on exit.
+
+    Yields whether they were wrapped: not without PEFT installed, nor where the methods' leading parameters are not
+    :data:`PEFT_MODEL_INIT_PARAMS` / :data:`INJECT_ADAPTER_PARAMS` (then a warning says so, once per use).
+    """
+    if importlib.util.find_spec("peft") is None:
+        yield False
+        return
+    import peft
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    originals = {(PeftModel, "__init__"): PeftModel.__init__, (BaseTuner, "inject_adapter"): BaseTuner.inject_adapter}
+    if not (
+        _leading_params(PeftModel.__init__, PEFT_MODEL_INIT_PARAMS)
+        and _leading_params(BaseTuner.inject_adapter, INJECT_ADAPTER_PARAMS)
+    ):
+        rank_zero_warn(
+            f"lightning-frozen: PEFT {peft.__version__}'s `PeftModel.__init__` / `BaseTuner.inject_adapter` are not"
+            " the ones this package was written for (PEFT 0.21), so adapters a PEFT model creates inside"
+            " `configure_model` under ZeRO-3 are initialised as placeholders, not as PEFT initialises them. Build the"
+            " PEFT model in `__init__`, or install PEFT 0.21."
+        )
+        yield False
+        return
+    depth = 0  # PeftModel.__init__ calls inject_adapter: only the outermost call enters and leaves
+
+    def wrapped(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nonlocal depth
+            if depth == 0:
+                enter()
+            depth += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth -= 1
+                if depth == 0:
+                    leave()
+
+        return wrapper
+
+    for (owner, name), method in originals.items():
+        setattr(owner, name, wrapped(method))
+    try:
+        yield True
+    finally:
+        for (owner, name), method in originals.items():
+            setattr(owner, name, method)
+
+
+def _leading_params(method: Callable[..., Any], expected: tuple[str, ...]) -> bool:
+    try:
+        names = tuple(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[: len(expected)] == expected
+
+
+def is_peft_model(module: Any) -> bool:
+    """Whether ``module`` is a ``peft.PeftModel`` (False while ``peft`` is not imported: nothing can be one)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def modules_to_save_wrappers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """PEFT's ``ModulesToSaveWrapper`` modules inside ``module``, by name: each holds a trained copy of its
+    ``original_module``."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.utils import ModulesToSaveWrapper
+
+    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, ModulesToSaveWrapper)]
+
+
+def adapter_param_names(module: nn.Module) -> dict[str, list[str]]:
+    """The params of each adapter in the PEFT tuner layers inside ``module``, by their names in ``module``, adapters in
+    the order the layers hold them; empty without PEFT."""
+    if "peft" not in sys.modules:
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    owned: dict[str, list[str]] = {}
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for attribute in layer.adapter_layer_names:
+            container = getattr(layer, attribute, None)
+            for adapter, held in container.items() if container is not None else []:
+                lead = f"{prefix}.{attribute}.{adapter}"
+                named = held.named_parameters() if isinstance(held, nn.Module) else [("", held)]
+                owned.setdefault(adapter, []).extend(f"{lead}.{n}" if n else lead for n, _ in named)
+    return owned
+
+
+def lora_row_layers(module: nn.Module) -> list[nn.Module]:
+    """The LoRA layers inside ``module`` whose forward is ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``
+    (PEFT 0.21's ``Linear`` and ``_ConvNd``): those :func:`lora_forward_by_rows` computes."""
+    types = _row_layer_types()
+    return [layer for layer in module.modules() if isinstance(layer, types)]
+
+
+def unmixable_layers(module: nn.Module, adapter: str) -> list[tuple[str, str]]:
+    """The layers inside ``module`` where ``adapter`` is a LoRA that :func:`lora_forward_by_rows` cannot compute (an
+    embedding, another layer type, a LoRA variant such as DoRA), as ``(layer name, layer class name)``."""
+    types = _row_layer_types()
+    return [
+        (name, type(layer).__name__)
+        for name, layer in module.named_modules()
+        if adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})
+        if not isinstance(layer, types) or adapter in layer.lora_variant
+    ]
+
+
+def _row_layer_types() -> tuple[type, ...]:
+    from peft.tuners.lora import layer
+
+    return (layer.Linear, layer._ConvNd)
+
+
+def lora_forward_by_rows(
+    layer: nn.Module, blocks: Mapping[str, slice], x: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """PEFT's vanilla LoRA forward of one of :func:`lora_row_layers`, with each block of rows of ``x`` (``blocks``:
+    adapter name to rows, covering ``x`` in order) through its own adapter; rows whose adapter does not adapt this
+    layer get the base layer's output alone. The base layer's matmul runs once over all rows."""
+    result = layer.base_layer(x, *args, **kwargs)
+    out = []
+    for name, rows in blocks.items():
+        if name not in layer.lora_A:
+            out.append(result[rows])
+            continue
+        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+        sub_batch = layer._cast_input_dtype(x[rows], lora_A.weight.dtype)
+        out.append(result[rows] + lora_B(lora_A(layer.lora_dropout[name](sub_batch))) * layer.scaling[name])
+    return torch.cat(out).to(result.dtype)

@@ -1,0 +1,124 @@
+"""What the package uses of transformers' internals, all in one place.
+
+- ``from_pretrained`` under ZeRO-3 (:func:`zero3_loading`): an ``HfDeepSpeedConfig`` kept alive switches
+  transformers' ZeRO-3 path on, and its two private loading steps ``modeling_utils.load_state_dict`` and
+  ``modeling_utils._load_state_dict_into_zero3_model`` are replaced for the duration, only when their signatures are
+  the ones written for (transformers 5.x); with any other transformers its own ZeRO-3 loader runs.
+- The key renamings its loader applies (``core_model_loading``): :func:`model_keys`.
+- Its private markers: ``modeling_utils._is_ds_init_called`` (:func:`building_model`), a tensor's
+  ``_is_hf_initialized`` (:func:`mark_initialized`) and a config's ``_name_or_path`` (:func:`loaded_from`).
+
+Nothing here imports transformers before a function needs it, and only where it is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+# the signatures the replacements stand in for (transformers 5.x); other versions keep their own path
+LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
+LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
+
+
+@contextmanager
+def zero3_loading(
+    config: dict,
+    load_state_dict: Callable[..., dict],
+    load_into_zero3: Callable[..., tuple[list[str], set[str]]],
+) -> Iterator[bool]:
+    """While active, ``from_pretrained`` builds ZeRO-3 params for the DeepSpeed ``config`` (an ``HfDeepSpeedConfig``
+    is alive; the one the caller made before is restored on exit), and transformers' two loading steps are replaced:
+    ``modeling_utils.load_state_dict(checkpoint_file, ...)`` by ``load_state_dict(original, checkpoint_file, ...)``,
+    ``modeling_utils._load_state_dict_into_zero3_model(model_to_load, state_dict, load_config)`` by
+    ``load_into_zero3(original, model_to_load, state_dict, load_config)``.
+
+    Yields whether they were replaced: only where both have the signatures written for (:func:`replaceable`).
+    Without transformers installed this does nothing and yields False.
+    """
+    if importlib.util.find_spec("transformers") is None:
+        yield False
+        return
+    from transformers import modeling_utils
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
+    patched = replaceable(modeling_utils)
+    if patched:
+        originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
+        modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
+        modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
+    try:
+        yield patched
+    finally:
+        if patched:
+            modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
+        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        del hf_config
+
+
+def replaceable(modeling_utils: Any) -> bool:
+    """Whether ``modeling_utils`` has the two loading steps :func:`zero3_loading` replaces, with the signatures
+    (:data:`LOAD_STATE_DICT_PARAMS`, :data:`LOAD_INTO_ZERO3_PARAMS`) its replacements were written for."""
+    try:
+        load = inspect.signature(modeling_utils.load_state_dict).parameters
+        into = inspect.signature(modeling_utils._load_state_dict_into_zero3_model).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return tuple(load) == LOAD_STATE_DICT_PARAMS and tuple(into) == LOAD_INTO_ZERO3_PARAMS
+
+
+def building_model() -> bool:
+    """Whether ``from_pretrained`` is inside its model's ``__init__`` under its own ``zero.Init`` right now."""
+    return bool(getattr(sys.modules.get("transformers.modeling_utils"), "_is_ds_init_called", False))
+
+
+def mark_initialized(tensor: torch.Tensor) -> None:
+    """Tell ``from_pretrained`` that ``tensor`` is loaded: it initialises only the tensors left unmarked."""
+    tensor._is_hf_initialized = True
+
+
+def loaded_from(module: nn.Module) -> Optional[str]:
+    """The hub id or folder a Hugging Face model (or config) was loaded from, ``config._name_or_path``; None if
+    ``module`` has no config or it names none."""
+    reference = getattr(getattr(module, "config", None), "_name_or_path", None)
+    return reference if isinstance(reference, str) and reference else None
+
+
+def model_keys(
+    model: nn.Module, targets: dict[str, torch.Tensor], keys: list[str], load_config: Any
+) -> Optional[dict[str, str]]:
+    """``{model key: checkpoint key}`` for the checkpoint ``keys`` that name one of ``targets`` (the model's state
+    dict) after the renamings of ``load_config.weight_mapping`` (legacy names, base-model prefix), or None when a
+    tensor needs one of transformers' conversions (merging or splitting tensors), which only its own loader applies.
+    """
+    try:
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return None
+    weight_mapping = getattr(load_config, "weight_mapping", None) or []
+    renamings = [entry for entry in weight_mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in weight_mapping if isinstance(entry, WeightConverter)]
+    if len(renamings) + len(converters) != len(weight_mapping):
+        return None
+    meta = {key: torch.empty(0, device="meta") for key in targets}
+    prefix = getattr(model, "base_model_prefix", None)
+    keyed: dict[str, str] = {}
+    for key in keys:
+        renamed, converter = rename_source_key(
+            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta
+        )
+        if converter is not None:
+            return None
+        if renamed in meta:
+            keyed[renamed] = key
+    return keyed
