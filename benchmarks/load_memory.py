@@ -167,8 +167,8 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
     if args.strategy.endswith("-late"):
         creation = lightning_frozen.base.pretrained.sharded_model_creation
 
-        def quantized_late(config: dict, stage_3: bool, remote_device: Any, plan: Any) -> Any:
-            return creation(config, stage_3, remote_device, dataclasses.replace(plan, frozen_dtype=None))
+        def quantized_late(config: dict, remote_device: Any, plan: Any) -> Any:
+            return creation(config, remote_device, dataclasses.replace(plan, frozen_dtype=None))
 
         lightning_frozen.base.pretrained.sharded_model_creation = quantized_late
     strategy = (

@@ -9,7 +9,6 @@ into a lightning-frozen checkpoint file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing_extensions import override
 import lightning_frozen
 from lightning_frozen.errors import FrozenTrainingError
 from lightning_frozen.memory import format_bytes
+from lightning_frozen.zero.init import import_with_logs_to_stderr
 
 PROG = "lightning-frozen"
 
@@ -125,13 +125,6 @@ def convert(argv: list[str]) -> None:
     print(f"{PROG} convert: wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}")
 
 
-def _deepspeed_logs_to_stderr() -> None:
-    """Import DeepSpeed with stdout pointing at stderr: its logger keeps the stream it finds at import, and its
-    lines (such as the accelerator it detected) must stay out of ``--print_config > config.yaml``."""
-    with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed  # noqa: F401
-
-
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``.
 
@@ -140,7 +133,7 @@ def main(args: Optional[list[str]] = None) -> None:
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    _deepspeed_logs_to_stderr()
+    import_with_logs_to_stderr()  # DeepSpeed's log lines must stay out of `--print_config > config.yaml`
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["convert"]:
         convert(argv[1:])

@@ -27,7 +27,8 @@ from lightning_frozen.base.codec import storage_bytes
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.zero.engine import Placement, fitted_reduce_bucket
-from lightning_frozen.zero.params import full_numel
+from lightning_frozen.zero.optimizers import inner_optimizer
+from lightning_frozen.zero.params import full_numel, local_shard
 from lightning_frozen.zero.quantized import frozen_dtype_of
 
 _PRECISION_BYTES = {
@@ -255,15 +256,10 @@ def estimate_memory(
 def measured_frozen_shard_bytes(frozen: list[nn.Parameter]) -> tuple[int, str]:
     """Bytes this rank holds of the frozen params' ZeRO-3 shards, and the device type they live on."""
     total, devices = 0, set()
-    for tensor in map(_stored, frozen):
+    for tensor in map(local_shard, frozen):
         total += tensor.numel() * tensor.element_size()
         devices.add(tensor.device.type)
     return total, ",".join(sorted(devices)) or "-"
-
-
-def _stored(param: nn.Parameter) -> torch.Tensor:
-    shard: Optional[torch.Tensor] = getattr(param, "ds_tensor", None)
-    return param.data if shard is None else shard
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -271,7 +267,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 def stored_as(frozen: list[nn.Parameter]) -> str:
     """How the frozen shards are stored: ``int8``/``nf4`` when quantized, else their dtype (``bf16``, ...)."""
-    names = {frozen_dtype_of(p) or _DTYPE_NAMES.get(_stored(p).dtype, str(_stored(p).dtype)) for p in frozen}
+    names = {frozen_dtype_of(p) or _DTYPE_NAMES.get(local_shard(p).dtype, str(local_shard(p).dtype)) for p in frozen}
     return ",".join(sorted(names)) or "-"
 
 
@@ -279,20 +275,20 @@ def run_summary(
     module: nn.Module, deepspeed_optimizer: Any, where: Placement, precision: str, world_size: int, ranks_per_node: int
 ) -> str:
     """The per-rank memory summary logged at the start of ``fit``: the estimate for the module's trainable and frozen
-    params and its optimizer (sharded over the ranks under ZeRO-3) placed as ``where`` says, and the frozen shard
+    params and its optimizer (sharded over the ranks by ZeRO-3) placed as ``where`` says, and the frozen shard
     bytes measured here."""
-    inner = getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
+    inner = inner_optimizer(deepspeed_optimizer)
     trainable, frozen = optim.trainable_params(module), optim.frozen_params(module)
     estimate = estimate_from_counts(
         trainable_params=sum(full_numel(p) for p in trainable),
         frozen_params=sum(full_numel(p) for p in frozen),
-        world_size=world_size if where.zero_stage_3 else 1,
+        world_size=world_size,
         precision=precision,
         offload_frozen=where.offload_frozen,
         offload_optimizer=where.offload_optimizer,
         optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
         largest_module_params=largest_module_params(module),
-        ranks_per_node=ranks_per_node if where.zero_stage_3 else 1,
+        ranks_per_node=ranks_per_node,
         frozen_dtype=where.frozen_dtype,
     )
     shard_bytes, shard_device = measured_frozen_shard_bytes(frozen)

@@ -39,6 +39,7 @@ from lightning_frozen.zero import engine as placement
 from lightning_frozen.zero import host_memory
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
+from lightning_frozen.zero.optimizers import inner_optimizer
 
 if TYPE_CHECKING:
     import deepspeed
@@ -199,7 +200,6 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         return placement.Placement(
             device=self.root_device,
             device_rank=device_rank,
-            zero_stage_3=self.zero_stage_3,
             offload_frozen=self.offload_frozen,
             offload_optimizer=self.offload_optimizer,
             pin_memory=self.pin_memory,
@@ -243,9 +243,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         """``configure_model`` runs here: params are ZeRO-3 shards as they are created (frozen ones in CPU memory when
         offloaded), and ``from_pretrained`` loads each rank's slice of every tensor straight into its shard."""
         self._init_config_if_needed()
-        remote_device = self.remote_device or ("cpu" if self.offload_frozen and self.zero_stage_3 else None)
+        remote_device = self.remote_device or ("cpu" if self.offload_frozen else None)
         plan = pretrained.LoadPlan(self._loaded_base, self.frozen_dtype, self.fingerprint)
-        with pretrained.sharded_model_creation(self.config, self.zero_stage_3, remote_device, plan):
+        with pretrained.sharded_model_creation(self.config, remote_device, plan):
             yield
 
     @override
@@ -261,7 +261,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         unfreezing.freeze_for_finetuning_callbacks(self._module)
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
-        config = placement.inference_config(self.config, self.zero_stage_3)
+        config = placement.inference_config(self.config)
         self.model, _ = placement.initialize_engine(model, config, self._placement)
 
     # ------------------------------------------------------------------ training
@@ -289,7 +289,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
-        optimizer = optim.same_kind_of_optimizer(self._deepspeed_optimizer.optimizer, change.groups)
+        optimizer = optim.same_kind_of_optimizer(inner_optimizer(self._deepspeed_optimizer), change.groups)
         num_old_groups = len(self._optimized.group_names)
         self.deepspeed_engine.destroy()
         remove_module_hooks(module)

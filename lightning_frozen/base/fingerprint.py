@@ -31,7 +31,7 @@ from lightning_frozen.base.reference import base_of
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.progress import Progress
-from lightning_frozen.zero.params import is_partitioned, shard_range
+from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_partitioned, local_shard, shard_range
 
 
 class LoadedSums(Protocol):
@@ -83,7 +83,7 @@ def local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not is_partitioned(param):
         return param.detach().reshape(-1), 0
     start, count = shard_range(param)
-    return param.ds_tensor.detach().reshape(-1)[:count], start
+    return local_shard(param).detach().reshape(-1)[:count], start
 
 
 # the casts a tensor is checksummed in, by the fingerprint key each one is stored under
@@ -159,12 +159,8 @@ def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
 
 def param_sha256(param: torch.Tensor) -> str:
     """The sha256 of ``param``'s bytes, whole (a ZeRO-3 param is gathered; collective then)."""
-    if is_partitioned(param):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            return tensor_sha256(param.data)
-    return tensor_sha256(param.data)
+    with gathered(param):
+        return tensor_sha256(param.data)
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -175,10 +171,10 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 def _progress(named: list[tuple[str, torch.Tensor]], mode: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors; rank 0 logs how far it got every few seconds when the base is large."""
-    progress = Progress(sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named))
+    progress = Progress(sum(full_numel(p) for _, p in named))
     for name, param in named:
         yield name, param
-        if progress.advance(int(getattr(param, "ds_numel", param.numel()))):
+        if progress.advance(full_numel(param)):
             rank_zero_info(f"lightning-frozen: fingerprinting the frozen base ({mode}): {progress.status('elements')}")
 
 
@@ -201,7 +197,7 @@ def fingerprint_base(
     distributed = distributed and any(is_partitioned(p) for _, p in named)
     tensors: dict[str, dict[str, Any]] = {}
     for name, param in named:
-        shape = list(getattr(param, "ds_shape", param.shape))
+        shape = list(full_shape(param))
         tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
     known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":

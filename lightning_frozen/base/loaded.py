@@ -26,7 +26,7 @@ from torch import nn
 from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.params import shard_range
+from lightning_frozen.zero.params import full_shape, is_released, local_shard, mark_gathered, shard_range
 
 _GATHER_METHODS = ("all_gather", "all_gather_coalesced", "partition")
 _HASH_ELEMENTS = 1 << 22  # elements per piece when hashing a whole tensor from its file
@@ -59,7 +59,7 @@ class LoadedBase:
     ) -> None:
         """Keep this rank's checksum of ``values`` (its shard's elements from flat index ``start``, in the param's
         dtype) and the tensor's ``sha256`` if given; for an unquantized shard, which storage it was read into."""
-        shard = param.ds_tensor
+        shard = local_shard(param)
         entry = _Entry(values.dtype, checksum(values, start), sha256, shard=(shard.data_ptr(), shard._version))
         self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # forget params gone
         self._entries[id(param)] = (weakref.ref(param), entry)
@@ -92,7 +92,8 @@ class LoadedBase:
         entry = self.entry(param)
         if entry is None or entry.dtype != param.dtype:
             return None
-        if entry.shard is not None and entry.shard != (param.ds_tensor.data_ptr(), param.ds_tensor._version):
+        shard = local_shard(param)
+        if entry.shard is not None and entry.shard != (shard.data_ptr(), shard._version):
             return None
         return entry.checksum
 
@@ -148,15 +149,12 @@ def _install_exact_gather(param: nn.Parameter, loaded: LoadedBase) -> None:
         return entry if exact and not entry.settled else None
 
     def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         params = [param] if param_list is None else list(param_list)
         others = [p for p in params if lossless(p) is None]
         for p in params:
             entry = lossless(p)
-            if entry is not None and p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                p.data = _read_whole(p, entry)
-                p.ds_status = ZeroParamStatus.AVAILABLE
+            if entry is not None and is_released(p):
+                mark_gathered(p, _read_whole(p, entry))
         if others:
             return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
         return [] if async_op else None
@@ -201,7 +199,7 @@ def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
     assert entry.source is not None
     path, key = entry.source
     with safe_open(path, framework="pt") as handle:
-        return handle.get_tensor(key).to(param.dtype).reshape(param.ds_shape)
+        return handle.get_tensor(key).to(param.dtype).reshape(full_shape(param))
 
 
 def _read_slice(param: nn.Parameter, path: str, key: str) -> torch.Tensor:

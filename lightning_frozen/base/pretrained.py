@@ -17,7 +17,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,7 +31,8 @@ from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
 from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.params import is_partitioned, shard_range
+from lightning_frozen.zero.init import outside_zero_init, sharded_creation
+from lightning_frozen.zero.params import full_shape, is_partitioned, local_shard, shard_range
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"
@@ -62,19 +63,17 @@ class LoadPlan:
 
 @contextmanager
 def sharded_model_creation(
-    config: dict, zero_stage_3: bool, remote_device: Optional[str], plan: Optional[LoadPlan] = None
+    config: dict, remote_device: Optional[str], plan: Optional[LoadPlan] = None
 ) -> Iterator[None]:
-    """Where ``configure_model`` runs: under ZeRO-3, params are shards as they are created (on ``remote_device``),
+    """Where ``configure_model`` runs: params are ZeRO-3 shards as they are created (on ``remote_device``),
     ``from_pretrained`` loads each rank's slices into them as ``plan`` says (:func:`zero3_pretrained_loading`) and
     PEFT initialises its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
-    import deepspeed
-
-    with deepspeed.zero.Init(enabled=zero_stage_3, remote_device=remote_device, config_dict_or_path=config):
-        if not zero_stage_3:
-            yield
-            return
-        with zero3_pretrained_loading(config, plan), peft_adapters_outside_zero_init():
-            yield
+    with (
+        sharded_creation(config, remote_device),
+        zero3_pretrained_loading(config, plan),
+        peft_adapters_outside_zero_init(),
+    ):
+        yield
 
 
 @contextmanager
@@ -86,9 +85,10 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
     ``nn.Linear``'s random values and the adapted model would not start as the base. The adapters are small; the
     strategy partitions them at setup like any param built outside ``zero.Init``.
     """
-    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
-
-    with peft_adapters.around_adapter_creation(enter=shutdown_init_context, leave=restore_init_context):
+    stack = ExitStack()  # entered and closed once per outermost PEFT call
+    with peft_adapters.around_adapter_creation(
+        enter=lambda: stack.enter_context(outside_zero_init()), leave=stack.close
+    ):
         yield
 
 
@@ -152,23 +152,8 @@ def _load_own_slices(
             )
         )
         return original(model_to_load, _materialize_on_rank_zero(state_dict), load_config)
-    with _outside_zero_init():  # its tensor constructors would make the checksum's and codec's tensors bf16
+    with outside_zero_init():  # its tensor constructors would make the checksum's and codec's tensors bf16
         return _load_slices(plan, targets, keyed, state_dict)
-
-
-@contextmanager
-def _outside_zero_init() -> Iterator[None]:
-    from deepspeed.runtime.zero import partition_parameters
-
-    context = partition_parameters.top_level_context
-    patched = context is not None and context.patched
-    if patched:
-        partition_parameters.shutdown_init_context()
-    try:
-        yield
-    finally:
-        if patched:
-            partition_parameters.restore_init_context()
 
 
 def _load_slices(
@@ -212,7 +197,7 @@ def load_tensor(
     """
     piece = handle.get_slice(key)
     shape = tuple(piece.get_shape())
-    wanted = tuple(target.ds_shape) if is_partitioned(target) else tuple(target.shape)
+    wanted = tuple(full_shape(target))
     if shape != wanted:
         return f"copying a param with shape {shape} from checkpoint, the shape in current model is {wanted}."
     with torch.no_grad():
@@ -221,11 +206,12 @@ def load_tensor(
             return None
         start, count = shard_range(target)
         # the values as the param holds them: its fingerprint and codes are those of its shard after loading
-        dtype = target.ds_tensor.dtype
+        shard = local_shard(target)
+        dtype = shard.dtype
         values = read_flat_range(piece, shape, start, count).to(dtype) if count else torch.empty(0, dtype=dtype)
         quantize = plan is not None and plan.frozen_dtype is not None and values.is_floating_point()
         if not quantize and count > 0:
-            target.ds_tensor.narrow(0, 0, count).copy_(values)
+            shard.narrow(0, 0, count).copy_(values)
         if plan is not None:
             sha256 = tensor_sha256(piece, shape, target.dtype) if plan.fingerprint == "sha256" else None
             plan.loaded.record(target, values, start, checksum or Checksummer(), sha256)

@@ -23,6 +23,7 @@ from lightning_frozen.base.fingerprint import fingerprint_base
 from lightning_frozen.checkpoint import file as checkpoint
 from lightning_frozen.checkpoint.file import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
+from lightning_frozen.zero import checkpoint_files
 
 log = logging.getLogger(__name__)
 _LIGHTNING_KEYS = (
@@ -61,20 +62,15 @@ def _set_environment(values: dict[str, Optional[str]]) -> None:
 def _parse_model_states(model_files: list[str]) -> Any:
     """DeepSpeed's ``parse_model_states``, its ``torch.load(..., weights_only=False)`` made ``weights_only``: torch
     reads the override from the environment, so it is set for this call only and restored after it."""
-    from deepspeed.utils import zero_to_fp32
-
     with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
-        return zero_to_fp32.parse_model_states(model_files)
+        return checkpoint_files.read_model_states(model_files)
 
 
 @contextmanager
 def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
     """Allow the DeepSpeed classes its checkpoint files hold in the ``weights_only`` loads inside; a file with anything
     else raises :class:`CheckpointFormatError`."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]):
+    with torch.serialization.safe_globals(checkpoint_files.pickled_classes()):
         try:
             yield
         except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, OSError) as error:
@@ -108,15 +104,6 @@ def _checkpoint_folder(source: Path) -> Path:
     return folder
 
 
-def _merge(world_size: int, flat_groups: list[list[torch.Tensor]], model_states: list[Any]) -> dict[str, torch.Tensor]:
-    """Whole per-param tensors from per-rank flat partitions, with DeepSpeed's ZeRO-3 reassembly."""
-    from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params
-
-    merged: dict[str, Any] = {}
-    _zero3_merge_trainable_params(merged, world_size, flat_groups, model_states)
-    return {name: tensor.contiguous().clone() for name, tensor in merged.items()}
-
-
 def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, reference: Optional[str] = None) -> Path:
     """Convert a stock Lightning DeepSpeed ZeRO-3 checkpoint directory to a lightning-frozen file.
 
@@ -132,13 +119,10 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
             unexpected Python objects (refused unexecuted), or ``destination`` is a directory. Nothing is written
             then, and an existing file at ``destination`` stays as it was.
     """
-    from deepspeed.utils import zero_to_fp32
-
     source = checked_path(source, "source", "convert_deepspeed_checkpoint")
     destination = checked_path(destination, "destination", "convert_deepspeed_checkpoint")
     folder = _checkpoint_folder(source)
-    model_files = zero_to_fp32.get_model_state_files(str(folder))
-    optim_files = zero_to_fp32.get_optim_files(str(folder))
+    model_files, optim_files = checkpoint_files.shard_files(folder)
     log.warning(
         "lightning-frozen: reading %d model and %d optimizer shard files from %s",
         len(model_files),
@@ -158,7 +142,7 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
     world_size = len(optim_states)
 
     log.warning("lightning-frozen: reassembling %d ranks' trainable shards", world_size)
-    state_dict: dict[str, torch.Tensor] = _merge(
+    state_dict: dict[str, torch.Tensor] = checkpoint_files.merge_trainable(
         world_size, [o["fp32_flat_groups"] for o in optim_states], model_states
     )
     group_names = [list(shapes) for shapes in model_states[0].param_shapes]
@@ -169,7 +153,7 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
     per_name: dict[str, dict[str, Any]] = {name: {} for name in state_dict}
     for key in per_element:
         flats = [[rank["state"][group][key] for group in sorted(rank["state"])] for rank in inner]
-        for name, tensor in _merge(world_size, flats, model_states).items():
+        for name, tensor in checkpoint_files.merge_trainable(world_size, flats, model_states).items():
             per_name[name][key] = tensor
     for group_index, names in enumerate(group_names):
         scalars = {k: v for k, v in inner[0]["state"].get(group_index, {}).items() if k not in per_element}
@@ -181,8 +165,7 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
     ]
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
-    frozen: dict[str, torch.Tensor] = {}
-    zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)
+    frozen = checkpoint_files.merge_frozen(world_size, model_states)
     if frozen:
         fingerprint = fingerprint_base(sorted(frozen.items()))
     else:

@@ -12,13 +12,14 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_frozen.base.codec import block_format
 from lightning_frozen.base.reference import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.checkpoint.adapters import peft_entries
 from lightning_frozen.checkpoint.file import FORMAT_KEY, OPTIMIZER_LAYOUT, format_marker, persistent_buffers
 from lightning_frozen.checkpoint.loading import check_keys
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.zero import params as zero
-from lightning_frozen.zero.quantized import block_format, frozen_dtype_of
+from lightning_frozen.zero.quantized import frozen_dtype_of
 
 
 def optimizer_holding(name: str, deepspeed_optimizer: Any, ungrouped_names: Collection[str]) -> Any:

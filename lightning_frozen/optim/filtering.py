@@ -22,6 +22,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 from lightning_frozen.optim.schedulers import filter_scheduler_groups, scheduler_chain
+from lightning_frozen.zero.optimizers import cpu_adam, cpu_adam_is_adamw, is_cpu_adam
 from lightning_frozen.zero.params import check_has_trainable
 
 # Keys under which torch and DeepSpeed schedulers keep a learning rate that a group can climb to.
@@ -251,9 +252,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
     Raises:
         UnsupportedOffloadOptimizerError: any other optimizer class, or ``amsgrad=True``.
     """
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    if isinstance(optimizer, DeepSpeedCPUAdam):
+    if is_cpu_adam(optimizer):
         return optimizer
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or any(
         g.get("amsgrad") for g in optimizer.param_groups
@@ -274,7 +273,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
         }
         for group in optimizer.param_groups
     ]
-    converted = DeepSpeedCPUAdam(groups, adamw_mode=adamw, **_cpu_adam_defaults(optimizer.defaults))
+    converted = cpu_adam(groups, adamw, _cpu_adam_defaults(optimizer.defaults))
     for scheduler_ in scheduler_chain(scheduler):
         scheduler_.optimizer = converted
     return converted
@@ -302,12 +301,8 @@ def same_kind_of_optimizer(optimizer: Optimizer, param_groups: list[dict]) -> Op
     """A new optimizer of ``optimizer``'s class and defaults over ``param_groups`` (each with its own values)."""
     import inspect
 
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    if isinstance(optimizer, DeepSpeedCPUAdam):
-        return DeepSpeedCPUAdam(
-            param_groups, adamw_mode=optimizer.adam_w_mode, **_cpu_adam_defaults(optimizer.defaults)
-        )
+    if is_cpu_adam(optimizer):
+        return cpu_adam(param_groups, cpu_adam_is_adamw(optimizer), _cpu_adam_defaults(optimizer.defaults))
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
     return type(optimizer)(param_groups, **defaults)

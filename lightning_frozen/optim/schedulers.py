@@ -7,7 +7,6 @@ and DeepSpeed's schedulers, those inside ``SequentialLR``/``ChainedScheduler``, 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_frozen.errors import SchedulerGroupsError
+from lightning_frozen.zero.optimizers import scheduler_per_group_attributes
 
 # Scheduler attributes that hold sub-schedulers (SequentialLR, ChainedScheduler) rather than per-group values.
 _SUB_SCHEDULER_KEYS = ("_schedulers",)
@@ -59,21 +59,8 @@ _GROUP_KEYS_READ: dict[type, tuple[str, ...]] = {
 }
 
 
-@functools.cache
-def _deepspeed_per_group_attributes() -> dict[type, tuple[str, ...]]:
-    from deepspeed.runtime import lr_schedules
-
-    return {
-        lr_schedules.LRRangeTest: ("min_lr", "_last_lr"),
-        lr_schedules.OneCycle: ("min_lrs", "max_lrs", "min_moms", "max_moms", "_last_lr"),
-        lr_schedules.WarmupLR: ("min_lrs", "max_lrs", "delta_lrs", "_last_lr"),
-        lr_schedules.WarmupDecayLR: (),
-        lr_schedules.WarmupCosineLR: ("org_lrs", "_last_lr"),
-    }
-
-
 def _per_group_table() -> dict[type, tuple[str, ...]]:
-    return {**_PER_GROUP_ATTRIBUTES, **_deepspeed_per_group_attributes()}
+    return {**_PER_GROUP_ATTRIBUTES, **scheduler_per_group_attributes()}
 
 
 def _known_per_group_attributes(scheduler: Any) -> tuple[str, ...]:

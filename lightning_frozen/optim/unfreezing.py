@@ -24,9 +24,7 @@ from torch.optim import Optimizer
 from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError, format_names
 from lightning_frozen.optim.filtering import leave_ungrouped_unstepped
 from lightning_frozen.zero import params as zero
-
-# what a DeepSpeed engine counts, carried from the destroyed engine to the new one
-ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+from lightning_frozen.zero.optimizers import engine_counters, set_engine_counters
 
 # A finetuning callback with this class attribute set to True unfreezes through the strategy's
 # `reconfigure_trainable`, and its `freeze_before_training(module)` runs once `configure_model` has built the model.
@@ -154,7 +152,7 @@ def carry_state(engine: Any, module: nn.Module, names: Sequence[str]) -> Carried
     return CarriedState(
         weights={n: zero.full_param(params[n], engine.optimizer) for n in names},
         states={n: zero.optimizer_state_of(engine.optimizer, params[n]) for n in names},
-        counters={key: getattr(engine, key) for key in ENGINE_COUNTERS},
+        counters=engine_counters(engine),
     )
 
 
@@ -164,8 +162,7 @@ def restore_state(engine: Any, module: nn.Module, carried: CarriedState) -> int:
     Only the sub-groups of params with carried state get their lazily made state created, so a group of newly
     trainable params starts fresh at its first real step. Collective.
     """
-    for key, value in carried.counters.items():
-        setattr(engine, key, value)
+    set_engine_counters(engine, carried.counters)
     params = dict(module.named_parameters())
     for name, weight in carried.weights.items():
         zero.set_full_param(params[name], weight, engine.optimizer)

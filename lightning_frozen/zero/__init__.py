@@ -1,8 +1,38 @@
-"""The DeepSpeed seam: everything that reaches into DeepSpeed's ZeRO-3 lives in this subpackage.
+"""The DeepSpeed seam: everything that reaches into DeepSpeed lives in this subpackage, written for DeepSpeed 0.19.
 
-It builds the engine over frozen and trainable shards (``engine``), reads and writes whole ZeRO-3 tensors and
-optimizer state (``params``), stores frozen shards in a smaller dtype and gathers them (``quantized``), keeps
-``zero.Init``'s stand-in shards unwritten while a loader fills them (``placeholders``), bounds host memory on the
-CPU accelerator (``host_memory``), owns the DeepSpeed config (``config``) and clips per adapter inside ZeRO-3's
-step (``adapter_clipping``). Modules outside it do not import ``deepspeed`` or touch ``ds_*`` attributes.
+Outside it no module imports ``deepspeed`` (other than for type hints), touches a ``ds_*`` attribute of a ZeRO-3 param
+or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks
+it. When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; calls
+the ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step``, ``_swappable_optimizer_subgroup``
+and ``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
+``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
+``partition``, keeping DeepSpeed's handle contract (``quantized``), and ``Init._partition_param``, with its
+``_aligned_size`` and ``_partition_world_size`` (``placeholders``); reads the accelerator's ``_name`` (``engine``); and
+merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params``
+(``checkpoint_files``).
+
+The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
+is defined where it is listed):
+
+- ``params``: one ZeRO-3 param, its shard and its whole value: ``is_partitioned``, ``full_numel``, ``full_shape``,
+  ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``, ``full_param``,
+  ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent: ``optimizer_state_of``,
+  ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``restore_loss_scaler``; and
+  ``check_has_trainable``, ``compute_dtype``.
+- ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
+  ``import_with_logs_to_stderr``.
+- ``engine``: the engine over frozen and trainable shards: ``Placement``, ``initialize_engine``,
+  ``inference_config``, ``detach_frozen_shards``, ``fitted_reduce_bucket``, ``align_deepspeed_accelerator``,
+  ``destroy_gloo_group_at_exit``.
+- ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:
+  ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
+  ``set_engine_counters``, ``scheduler_per_group_attributes``.
+- ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
+  ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``warn_if_stored_otherwise``.
+- ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
+- ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
+  ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``.
+- ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``.
+- ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``.
+- ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step: ``clip_per_adapter``.
 """

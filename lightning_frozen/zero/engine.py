@@ -94,26 +94,23 @@ def fitted_reduce_bucket(trainable_numel: int) -> int:
     return int(min(LIGHTNING_REDUCE_BUCKET_SIZE, max(trainable_numel, 1)))
 
 
-def inference_config(config: dict, zero_stage_3: bool) -> dict[str, Any]:
+def inference_config(config: dict) -> dict[str, Any]:
     """The DeepSpeed config for an engine without optimizer (validate/test/predict): the training config's precision
-    and, under ZeRO-3, its ZeRO settings."""
+    and ZeRO settings."""
     inference: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
     for key in ("fp16", "bf16"):
         if key in config:
             inference[key] = config[key]
-    if zero_stage_3:
-        # a user's config may leave out what DeepSpeed treats as optional (this engine has no optimizer anyway)
-        inference["zero_optimization"] = config["zero_optimization"]
-        if "zero_allow_untested_optimizer" in config:
-            inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
+    # a user's config may leave out what DeepSpeed treats as optional (this engine has no optimizer anyway)
+    inference["zero_optimization"] = config["zero_optimization"]
+    if "zero_allow_untested_optimizer" in config:
+        inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
     return inference
 
 
-def place_model(
-    model: nn.Module, config: Optional[dict], device: torch.device, offload_frozen: bool, zero_stage_3: bool
-) -> None:
+def place_model(model: nn.Module, config: Optional[dict], device: torch.device, offload_frozen: bool) -> None:
     """Shards and buffers where they belong, also for a model built under ``zero.Init`` in ``configure_model``."""
-    if zero_stage_3 and not zero_settings(config or {}).offload_param:
+    if not zero_settings(config or {}).offload_param:
         place_shards(model, device, offload_frozen, compute_dtype(config or {}) or torch.float32)
     place_buffers(model, device)
 
@@ -124,7 +121,6 @@ class Placement:
 
     device: torch.device
     device_rank: int  # what `deepspeed.initialize` takes as the device: the CUDA index, or the local rank on the CPU
-    zero_stage_3: bool = True
     offload_frozen: bool = True
     offload_optimizer: bool = False  # the optimizer steps on the CPU (the DeepSpeed config says so too)
     pin_memory: bool = False
@@ -153,17 +149,16 @@ def initialize_engine(
     """
     import deepspeed
 
-    if model_parameters and where.fit_reduce_bucket and where.zero_stage_3:
+    if model_parameters and where.fit_reduce_bucket:
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
-    if where.zero_stage_3 and where.device.type == "cpu":
+    if where.device.type == "cpu":
         host_memory.bound_gathers_on_cpu(config, model)  # there the gathered params are host memory, once per rank
     if where.frozen_dtype:
         quant.check_config(where.frozen_dtype, config, where.device)
     if where.loaded is not None:
         where.loaded.settle(model)
-    if where.zero_stage_3:
-        partition_frozen_and_trainable(model, config, where.offload_frozen, where.pin_memory)
-    place_model(model, config, where.device, where.offload_frozen, where.zero_stage_3)
+    partition_frozen_and_trainable(model, config, where.offload_frozen, where.pin_memory)
+    place_model(model, config, where.device, where.offload_frozen)
     engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
         args=argparse.Namespace(device_rank=where.device_rank),
         config=config,
@@ -173,8 +168,7 @@ def initialize_engine(
         lr_scheduler=lr_scheduler,
         dist_init_required=False,
     )
-    if where.zero_stage_3:
-        release_frozen_persistence(engine, model)
+    release_frozen_persistence(engine, model)
     if where.frozen_dtype:
         quant.quantize_frozen_shards(model, where.frozen_dtype, where.fingerprint)
     return engine, deepspeed_optimizer

@@ -1,12 +1,15 @@
-"""Whole tensors under ZeRO-3: reading and writing a param's full value, its fp32 master copy and its optimizer
-state through the shards of any number of ranks, and the loss scaler; and the dtype a DeepSpeed config computes in.
+"""ZeRO-3 params and whole tensors: a param's shard, size, shape and gather status (its ``ds_*`` attributes); reading
+and writing its full value, its fp32 master copy and its optimizer state through the shards of any number of ranks,
+and the loss scaler; and the dtype a DeepSpeed config computes in.
 
 A ZeRO-3 partition is a contiguous range of the flattened tensor, padded at the end (:func:`shard_range`). Where the
-shards live is ``placement.py``'s concern.
+shards live is ``engine.py``'s concern.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -45,8 +48,26 @@ def full_numel(param: nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
 
+def full_shape(param: nn.Parameter) -> torch.Size:
+    """Shape of the whole param, also when ZeRO-3 has partitioned it away."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 def is_partitioned(param: nn.Parameter) -> bool:
+    """Whether ``param`` is a ZeRO-3 param (DeepSpeed has given it an id and a shard)."""
     return hasattr(param, "ds_id")
+
+
+def local_shard(param: nn.Parameter) -> torch.Tensor:
+    """The tensor holding this rank's part of ``param``: its ZeRO-3 shard (flat, padded at the end, see
+    :func:`shard_range`; write into it to change what the rank stores), or the param's own data when it has none."""
+    shard: Optional[torch.Tensor] = getattr(param, "ds_tensor", None)
+    return param.data if shard is None else shard
+
+
+def shard_numel(param: nn.Parameter) -> int:
+    """Elements of this rank's ZeRO-3 shard of ``param``, padding included (the same on every rank)."""
+    return int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
 
 
 def shard_range(param: nn.Parameter) -> tuple[int, int]:
@@ -57,9 +78,39 @@ def shard_range(param: nn.Parameter) -> tuple[int, int]:
     """
     import deepspeed.comm as dist
 
-    size = int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
+    size = shard_numel(param)
     start = size * dist.get_rank(group=param.ds_process_group)
     return start, max(0, min(size, int(param.ds_numel) - start))
+
+
+def is_released(param: nn.Parameter) -> bool:
+    """Whether a ZeRO-3 param holds only its shard now (not gathered, nor being gathered)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+
+
+def mark_gathered(param: nn.Parameter, whole: torch.Tensor) -> None:
+    """Finish a gather of ``param`` as DeepSpeed's own does: ``whole`` (its full value, in its dtype and shape) becomes
+    its data, and the param counts as available until DeepSpeed partitions it again. A per-param gather that replaces
+    DeepSpeed's (``all_gather``, ``all_gather_coalesced``) ends with this."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    param.data = whole
+    param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+@contextmanager
+def gathered(param: nn.Parameter) -> Iterator[None]:
+    """While active, ``param.data`` holds the whole value of a ZeRO-3 param on every rank, to read (writes are
+    dropped); a plain tensor is left as it is. Collective under ZeRO-3."""
+    if not is_partitioned(param):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------- full tensors
@@ -74,12 +125,8 @@ def full_param(param: nn.Parameter, deepspeed_optimizer: Any = None) -> torch.Te
         from deepspeed.utils import safe_get_full_fp32_param
 
         return safe_get_full_fp32_param(param).detach().reshape(param.ds_shape).cpu()
-    if is_partitioned(param):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            return param.detach().clone().cpu()
-    return param.detach().clone().cpu()
+    with gathered(param):
+        return param.detach().clone().cpu()
 
 
 def set_full_param(param: nn.Parameter, value: torch.Tensor, deepspeed_optimizer: Any = None) -> None:

@@ -27,7 +27,15 @@ from torch import nn
 from lightning_frozen.base import fingerprint as frozen_base
 from lightning_frozen.base.codec import BlockFormat, block_format, decode, encode, split
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.zero.params import compute_dtype, shard_range
+from lightning_frozen.zero.params import (
+    compute_dtype,
+    full_shape,
+    is_partitioned,
+    is_released,
+    mark_gathered,
+    shard_numel,
+    shard_range,
+)
 
 _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
 
@@ -93,8 +101,6 @@ def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, fingerprint_mode
         FrozenDtypeError: a quantized param was made trainable (its source values are gone), or a frozen param is
             not a ZeRO-3 param or not released.
     """
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
     fmt = block_format(frozen_dtype)
     done = 0
     for name, param in model.named_parameters():
@@ -108,7 +114,7 @@ def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, fingerprint_mode
             continue
         if stored_as is not None:
             continue
-        if not hasattr(param, "ds_id") or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        if not is_partitioned(param) or not is_released(param):
             raise FrozenDtypeError(
                 f"`{name}` is frozen but not a released ZeRO-3 shard, so it cannot be stored as {fmt.name}."
                 " `frozen_dtype` needs ZeRO stage 3 (`stage=3`, the default)."
@@ -126,7 +132,7 @@ def quantize_param_shard(param: nn.Parameter, frozen_dtype: str, fingerprint_mod
     """
     if param.requires_grad:
         raise FrozenDtypeError(
-            f"A trainable param (shape {tuple(getattr(param, 'ds_shape', param.shape))}) cannot be stored as"
+            f"A trainable param (shape {tuple(full_shape(param))}) cannot be stored as"
             f" {frozen_dtype}: only frozen params (`requires_grad=False`) are quantized. Freeze it first"
             " (`requires_grad_(False)`) or leave it out of the frozen base."
         )
@@ -142,13 +148,13 @@ def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) ->
     padded as the shard is, so that blocks align with the shard: encoding a slice as it is read gives the codes of
     encoding the shard it was read into."""
     fmt = block_format(frozen_dtype)
-    _store(param, encode(values, fmt.name, numel=int(param.ds_tensor.ds_numel)), fmt)
+    _store(param, encode(values, fmt.name, numel=shard_numel(param)), fmt)
 
 
 def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     """Put this rank's exact ``values`` of ``param`` (in its dtype) back in place of its codes, as an ordinary shard."""
     shard = param.ds_tensor
-    full = torch.zeros(int(shard.ds_numel), dtype=param.dtype, device=shard.device)
+    full = torch.zeros(shard_numel(param), dtype=param.dtype, device=shard.device)
     full[: values.numel()] = values.to(full.device)
     shard.data = full
     del shard.ds_quant_scale
@@ -184,12 +190,8 @@ def _install_gather(param: nn.Parameter) -> None:
         return _Handles(handles)
 
     def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         param_list = [param] if param_list is None else list(param_list)
-        ours = [
-            p for p in param_list if frozen_dtype_of(p) is not None and p.ds_status == ZeroParamStatus.NOT_AVAILABLE
-        ]
+        ours = [p for p in param_list if frozen_dtype_of(p) is not None and is_released(p)]
         others = [p for p in param_list if frozen_dtype_of(p) is None]
         _gather(ours).wait()
         if others:
@@ -220,12 +222,11 @@ def _install_gather(param: nn.Parameter) -> None:
 def _requantize_from_full(param: nn.Parameter) -> None:
     frozen_dtype = frozen_dtype_of(param)
     assert frozen_dtype is not None
-    shard_numel = int(param.ds_tensor.ds_numel)
     start, count = shard_range(param)
     piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
     setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.values_checksum(piece, start))
     setattr(param, frozen_base.SOURCE_SHA256, frozen_base.tensor_sha256(param.data))
-    _store(param, encode(piece, frozen_dtype, numel=shard_numel), block_format(frozen_dtype))
+    _store(param, encode(piece, frozen_dtype, numel=shard_numel(param)), block_format(frozen_dtype))
 
 
 class _Handles:
@@ -251,8 +252,6 @@ class _GatherHandle:
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         if self.complete:
             return
         for params, rows, work in self.groups:
@@ -264,9 +263,8 @@ class _GatherHandle:
                 frozen_dtype = frozen_dtype_of(param)
                 assert frozen_dtype is not None
                 shard = rows[:, offset : offset + size]
-                values = decode(shard, int(param.ds_tensor.ds_numel), frozen_dtype, param.dtype)
-                param.data = values[: param.ds_numel].view(param.ds_shape)
-                param.ds_status = ZeroParamStatus.AVAILABLE
+                values = decode(shard, shard_numel(param), frozen_dtype, param.dtype)
+                mark_gathered(param, values[: param.ds_numel].view(param.ds_shape))
                 offset += size
         self.groups, self.sent = [], []  # the codes are garbage once decoded
         self.complete = True
@@ -284,7 +282,7 @@ def _gather(params: list[nn.Parameter]) -> _GatherHandle:
     by_group: dict[int, list[nn.Parameter]] = {}
     for param in sorted(params, key=lambda p: p.ds_id):
         # DeepSpeed's own gather asserts the same: only released params are fetched
-        assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, f"expected a released param, got {param.ds_summary()}"
+        assert is_released(param), f"expected a released param, got {param.ds_summary()}"
         param.ds_status = ZeroParamStatus.INFLIGHT
         by_group.setdefault(id(param.ds_process_group), []).append(param)
     groups, sent = [], []

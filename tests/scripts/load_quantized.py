@@ -104,8 +104,8 @@ def main() -> None:
     if args.after:  # the loader stores compute-dtype shards; setup quantizes them (the path of bases loaded otherwise)
         creation = pretrained.sharded_model_creation
 
-        def without_quantizing(config: dict, stage_3: bool, remote_device: Any, plan: Any) -> Any:
-            return creation(config, stage_3, remote_device, dataclasses.replace(plan, frozen_dtype=None))
+        def without_quantizing(config: dict, remote_device: Any, plan: Any) -> Any:
+            return creation(config, remote_device, dataclasses.replace(plan, frozen_dtype=None))
 
         pretrained.sharded_model_creation = without_quantizing
     torch.manual_seed(0)  # LoRA A starts random: the same in every run

@@ -1,0 +1,64 @@
+"""What is read from a checkpoint directory DeepSpeed's ZeRO-3 wrote: its shard files, the DeepSpeed classes they
+pickle, and whole tensors reassembled from the ranks' flat partitions, with DeepSpeed 0.19's own ``zero_to_fp32``.
+
+Each rank writes ``*_model_states.pt`` (param shapes per group, buffers, frozen params' fragments, the client state)
+and ``*_optim_states.pt`` (its fp32 flat partitions and the inner optimizer's state of them). ``zero_to_fp32`` loads
+them with ``torch.load``: a caller that wants them loaded ``weights_only`` allows :func:`pickled_classes`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def shard_files(folder: Path) -> tuple[list[str], list[str]]:
+    """The model-state files and the optimizer-state files in a DeepSpeed checkpoint ``folder``, in rank order.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no such files.
+    """
+    from deepspeed.utils import zero_to_fp32
+
+    return zero_to_fp32.get_model_state_files(str(folder)), zero_to_fp32.get_optim_files(str(folder))
+
+
+def pickled_classes() -> list[type]:
+    """The DeepSpeed classes a ZeRO-3 checkpoint's files hold besides tensors and containers (the ZeRO stage enum and
+    the loss scalers), to allow in ``torch.serialization.safe_globals``."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def read_model_states(files: list[str]) -> list[Any]:
+    """Each rank's model states (``param_shapes`` per group, ``buffers``, frozen fragments), as ``zero_to_fp32``
+    parses them from the model-state ``files``."""
+    from deepspeed.utils import zero_to_fp32
+
+    return zero_to_fp32.parse_model_states(files)
+
+
+def merge_trainable(
+    world_size: int, flat_groups: list[list[torch.Tensor]], model_states: list[Any]
+) -> dict[str, torch.Tensor]:
+    """Whole per-param tensors, by name, from each rank's flat partitions (``flat_groups[rank][group]``: the fp32
+    master weights, or one per-element optimizer state) of the trainable params."""
+    from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params
+
+    merged: dict[str, Any] = {}
+    _zero3_merge_trainable_params(merged, world_size, flat_groups, model_states)
+    return {name: tensor.contiguous().clone() for name, tensor in merged.items()}
+
+
+def merge_frozen(world_size: int, model_states: list[Any]) -> dict[str, torch.Tensor]:
+    """Whole frozen params, by name, from each rank's fragments; empty when the directory was written without them
+    (``exclude_frozen_parameters=True``)."""
+    from deepspeed.utils import zero_to_fp32
+
+    frozen: dict[str, torch.Tensor] = {}
+    zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)
+    return frozen
