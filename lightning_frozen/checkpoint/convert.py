@@ -156,6 +156,7 @@ def convert_deepspeed_checkpoint(
             unexpected Python objects (refused unexecuted), or ``destination`` is a directory. Nothing is written
             then, and an existing file at ``destination`` stays as it was.
     """
+    from deepspeed.checkpoint.constants import LOSS_SCALER
     from deepspeed.utils import zero_to_fp32
 
     source = checked_path(source, "source", "convert_deepspeed_checkpoint")
@@ -202,7 +203,7 @@ def convert_deepspeed_checkpoint(
     param_groups = [
         layout.param_group_entry(group, names) for group, names in zip(inner[0]["param_groups"], group_names)
     ]
-    optimizer_entry = layout.optimizer_entry(per_name, param_groups, zero.scaler_state(optim_states[0]["loss_scaler"]))
+    optimizer_entry = layout.optimizer_entry(per_name, param_groups, zero.scaler_state(optim_states[0][LOSS_SCALER]))
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
     frozen: dict[str, torch.Tensor] = {}
