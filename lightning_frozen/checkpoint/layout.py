@@ -127,7 +127,7 @@ def optimizer_entry(
 
 def param_group_entry(group: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """A saved param group: the hyper-parameters of ``group`` (a torch ``param_groups`` entry) and its params' names."""
-    return {**{key: value for key, value in group.items() if key != GROUP_PARAMS}, GROUP_PARAMS: list(names)}
+    return {**group_hyper_parameters(group), GROUP_PARAMS: list(names)}
 
 
 def group_hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
