@@ -32,7 +32,7 @@ from lightning_frozen.base import pretrained
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file as checkpoint
-from lightning_frozen.checkpoint import trainable_state
+from lightning_frozen.checkpoint import layout, trainable_state
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, unfreezing
 from lightning_frozen.zero import engine as placement
@@ -332,11 +332,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         atomically (a local path, an fsspec URL, or the Trainer's ``CheckpointIO`` plugin). Collective."""
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
-        written_with = {"world_size": self.world_size, "precision": str(self.precision_plugin.precision)}
+        written_with = {layout.WORLD_SIZE: self.world_size, layout.PRECISION: str(self.precision_plugin.precision)}
         fingerprint = self.frozen_base_fingerprint()
-        entries = trainable_state.checkpoint_entries(self._module, fingerprint, self.frozen_base, **written_with)
+        full = trainable_state.saved_checkpoint(
+            checkpoint_dict, self._module, fingerprint, self.frozen_base, **written_with
+        )
         if self.is_global_zero:
-            checkpoint.save({**checkpoint_dict, **entries}, filepath, checkpoint_io, storage_options)
+            checkpoint.save(full, filepath, checkpoint_io, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -361,13 +363,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             regrouped = unfreezing.groups_from_checkpoint(module, checkpoint_dict, len(self._optimized.group_names))
             if regrouped is not None:
                 self.reconfigure_trainable(*regrouped)
-        trainable_state.load_trainable_state(
-            module, checkpoint_dict["state_dict"], self._deepspeed_optimizer, self._optimized.ungrouped_names, strict
-        )
+        state_dict, ungrouped = layout.state_dict_of(checkpoint_dict), self._optimized.ungrouped_names
+        trainable_state.load_trainable_state(module, state_dict, self._deepspeed_optimizer, ungrouped, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint_dict: Mapping[str, Any]) -> None:
-        saved = checkpoint_dict["optimizer_states"][0]
+        saved = checkpoint_dict[layout.OPTIMIZER_STATES][0]
         trainable_state.load_optimizer_state_by_name(self._deepspeed_optimizer, self._module, saved)
 
     def memory_summary(self) -> str:

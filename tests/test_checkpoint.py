@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_frozen
 from lightning_frozen.checkpoint import file as ckpt_module
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import CheckpointFormatError, CheckpointKeysError, FrozenBaseMismatchError
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -363,7 +364,7 @@ def test_storage_options_need_a_checkpoint_io_plugin_and_a_plugin_writes_and_rea
         ckpt_module.user_checkpoint_io(TorchCheckpointIO(), storage_options={"tag": 1})
     plugin = PluginIO()
     assert ckpt_module.user_checkpoint_io(plugin, storage_options={"tag": 1}) is plugin
-    marked = {"state_dict": {"w": torch.ones(2)}, "frozen_base": {}, "lightning_frozen": ckpt_module.format_marker()}
+    marked = {"state_dict": {"w": torch.ones(2)}, "frozen_base": {}, "lightning_frozen": layout.format_marker()}
     for name, io in (("atomic.ckpt", None), ("plugin.ckpt", plugin)):
         ckpt_module.save({**marked, "folder": tmp_path}, tmp_path / name, io)
         loaded = ckpt_module.load(tmp_path / name, io)

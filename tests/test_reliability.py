@@ -20,7 +20,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
-from lightning_frozen.checkpoint import atomic_files
+from lightning_frozen.checkpoint import atomic_files, layout
 from lightning_frozen.checkpoint import file as ckpt_module
 from tests.distributed import SCRIPTS, free_port
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
@@ -316,7 +316,7 @@ def _peft_checkpoint(path: Path) -> Path:
     peft = {"keys": {"lora_a": "base_model.model.layer.lora_A.weight"}, "config": {"peft_type": "LORA", "r": 4}}
     ckpt_module.write_atomic(
         {
-            ckpt_module.FORMAT_KEY: {"format_version": ckpt_module.FORMAT_VERSION},
+            layout.FORMAT_KEY: {"format_version": layout.FORMAT_VERSION},
             "state_dict": {"lora_a": torch.ones(4, 8)},
             "frozen_base": {"reference": "my-base", "fingerprint": {}, "peft": peft},
         },

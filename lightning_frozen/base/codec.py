@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenDtypeError
 
 # QLoRA's NF4 code values (Dettmers et al. 2023, as bitsandbytes ships them): quantiles of N(0, 1) scaled to [-1, 1]
@@ -74,20 +75,20 @@ class BlockFormat:
         return self.blocks(numel) * (self.code_bytes_per_block + self.scale_bytes)
 
     def describe(self) -> dict[str, Any]:
-        """Plain-typed record of the format, as checkpoints store it under ``frozen_base["quantization"]``."""
+        """Plain-typed record of the format, as checkpoints store it (the ``frozen_base`` entry's ``quantization``)."""
         entry: dict[str, Any] = {
-            "dtype": self.name,
-            "block_size": self.block_size,
-            "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype).replace("torch.", ""),
-            "bytes_per_weight": self.stored_bytes(self.block_size) / self.block_size,
+            layout.DTYPE: self.name,
+            layout.BLOCK_SIZE: self.block_size,
+            layout.SCALE_DTYPE: None if self.scale_dtype is None else str(self.scale_dtype).replace("torch.", ""),
+            layout.BYTES_PER_WEIGHT: self.stored_bytes(self.block_size) / self.block_size,
         }
         if self.name == "nf4":
-            entry["code_values"] = list(NF4_VALUES)
-            entry["scale"] = "block absmax rounded up to fp16"
+            entry[layout.CODE_VALUES] = list(NF4_VALUES)
+            entry[layout.SCALE] = "block absmax rounded up to fp16"
         elif self.cast_dtype is not None:
-            entry["scale"] = f"none; code = weight cast to {self.name}"
+            entry[layout.SCALE] = f"none; code = weight cast to {self.name}"
         else:
-            entry["scale"] = "block absmax (fp32); code = round(127 * weight / scale)"
+            entry[layout.SCALE] = "block absmax (fp32); code = round(127 * weight / scale)"
         return entry
 
 

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_frozen.base.reference import base_of
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.progress import Progress
@@ -63,7 +64,7 @@ def named_frozen(
     the adapted model does not compute with (:func:`replaced_by_trained_copies`) and those the checkpoint holds
     trained values for (a finetuning callback unfroze them; they are loaded, not verified)."""
     params = dict(module.named_parameters())
-    names = set((recorded or {}).get("tensors", {})) | {n for n, p in params.items() if not p.requires_grad}
+    names = set(layout.fingerprint_tensors(recorded or {})) | {n for n, p in params.items() if not p.requires_grad}
     skipped = replaced_by_trained_copies(module) | set(trained or {})
     return [(n, params[n]) for n in sorted(names - skipped) if n in params]
 
@@ -87,15 +88,15 @@ def local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 # the casts a tensor is checksummed in, by the fingerprint key each one is stored under
-_CASTS = {"value": torch.bfloat16, "value_fp16": torch.float16}
+_CASTS = {layout.VALUE: torch.bfloat16, layout.VALUE_FP16: torch.float16}
 # a narrow tensor is checksummed in its own cast only: its other one would match no other dtype
-_OWN_CAST = {torch.bfloat16: ["value"], torch.float16: ["value_fp16"]}
+_OWN_CAST = {torch.bfloat16: [layout.VALUE], torch.float16: [layout.VALUE_FP16]}
 
 
 def checksum_keys(dtype: torch.dtype) -> list[str]:
     """The checksums a tensor of ``dtype`` gets: both casts for fp32 (and wider), its own for bf16 or fp16."""
     if not dtype.is_floating_point:
-        return ["value"]  # integer and bool params are rare: their low 16 bits stand for them
+        return [layout.VALUE]  # integer and bool params are rare: their low 16 bits stand for them
     return _OWN_CAST.get(dtype, list(_CASTS))
 
 
@@ -197,8 +198,7 @@ def fingerprint_base(
     distributed = distributed and any(is_partitioned(p) for _, p in named)
     tensors: dict[str, dict[str, Any]] = {}
     for name, param in named:
-        shape = list(full_shape(param))
-        tensors[name] = {"shape": [int(s) for s in shape], "dtype": str(param.dtype).replace("torch.", "")}
+        tensors[name] = layout.tensor_record(full_shape(param), str(param.dtype).replace("torch.", ""))
     known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":
         checksum = Checksummer()
@@ -215,9 +215,9 @@ def fingerprint_base(
         pending = [(n, p) for n, p in named if getattr(p, SOURCE_SHA256, None) is None and hashed(p) is None]
         computed = {name: param_sha256(param) for name, param in _progress(pending, mode)}
         for name, param in named:
-            tensors[name]["value"] = getattr(param, SOURCE_SHA256, None) or hashed(param) or computed[name]
+            tensors[name][layout.VALUE] = getattr(param, SOURCE_SHA256, None) or hashed(param) or computed[name]
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
-    return {"mode": mode, "digest": digest, "tensors": tensors}
+    return layout.fingerprint_entry(mode, digest, tensors)
 
 
 class FingerprintCache:
@@ -245,10 +245,10 @@ class FingerprintCache:
 def comparable_value(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
     """The checksum under which a tensor recorded in one dtype and held in another compare exactly: the cast to fp16
     when either side is fp16, else the cast to bf16; None when the two have no such checksum (fp16 against bf16)."""
-    dtypes = {recorded.get("dtype"), current.get("dtype")}
+    dtypes = {recorded.get(layout.DTYPE), current.get(layout.DTYPE)}
     if {"float16", "bfloat16"} <= dtypes:
         return None
-    key = "value_fp16" if "float16" in dtypes else "value"
+    key = layout.VALUE_FP16 if "float16" in dtypes else layout.VALUE
     return key if key in recorded and key in current else None
 
 
@@ -269,13 +269,13 @@ def verify_base(
         FrozenBaseMismatchError: names, shapes or values differ; the message names the reference (of the base each
             tensor belongs to, with several) and the first differing tensors.
     """
-    mode = recorded.get("mode", "none")
+    mode = recorded.get(layout.FINGERPRINT_MODE, "none")
     if mode == "none":
         return
     current = fingerprint(named_frozen, mode)
-    if current["digest"] == recorded.get("digest"):
+    if current[layout.DIGEST] == recorded.get(layout.DIGEST):
         return
-    expected, found = recorded.get("tensors", {}), current["tensors"]
+    expected, found = layout.fingerprint_tensors(recorded), layout.fingerprint_tensors(current)
     several = bases if bases and len(bases) > 1 else {}
 
     def of(name: str) -> str:  # with several bases, the one the tensor belongs to
@@ -288,16 +288,20 @@ def verify_base(
     ]
     for name in sorted(set(expected) & set(found)):
         want, have = expected[name], found[name]
-        if want["shape"] != have["shape"]:
-            problems.append(f"{of(name)} has shape {have['shape']}, the checkpoint's base had {want['shape']}")
+        if want[layout.SHAPE] != have[layout.SHAPE]:
+            problems.append(
+                f"{of(name)} has shape {have[layout.SHAPE]}, the checkpoint's base had {want[layout.SHAPE]}"
+            )
         elif (key := comparable_value(want, have)) is None:
             problems.append(
-                f"{of(name)} is held in {have['dtype']} here and was in {want['dtype']} when trained, two roundings of"
+                f"{of(name)} is held in {have[layout.DTYPE]} here and was in {want[layout.DTYPE]} when trained, two"
+                " roundings of"
                 " the base that no checksum compares exactly: load the base in float32 or in the dtype it was trained"
                 " in to verify it"
             )
         elif want.get(key) != have.get(key):
-            problems.append(f"{of(name)} holds different values ({have['dtype']} here, {want['dtype']} when trained)")
+            held, trained = have[layout.DTYPE], want[layout.DTYPE]
+            problems.append(f"{of(name)} holds different values ({held} here, {trained} when trained)")
     if not problems:
         return  # same names, shapes and values; only the dtype the base is held in differs
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -324,12 +328,13 @@ def verify_checkpoint_base(
     Raises:
         FrozenBaseMismatchError: as :func:`verify_base`.
     """
-    entry = checkpoint["frozen_base"]
-    recorded = entry.get("fingerprint") or {}
+    recorded = layout.fingerprint_of(checkpoint)
     skipped = replaced_by_trained_copies(module)
-    if skipped & set(recorded.get("tensors", {})):  # recorded by 0.1.0 and by `convert`: compared tensor by tensor
-        tensors = {n: v for n, v in recorded["tensors"].items() if n not in skipped}
-        recorded = {**recorded, "tensors": tensors, "digest": None}
-    named = named_frozen(module, recorded, checkpoint["state_dict"])
+    recorded_tensors = layout.fingerprint_tensors(recorded)
+    if skipped & set(recorded_tensors):  # recorded by 0.1.0 and by `convert`: compared tensor by tensor
+        tensors = {n: v for n, v in recorded_tensors.items() if n not in skipped}
+        recorded = {**recorded, layout.TENSORS: tensors, layout.DIGEST: None}
+    named = named_frozen(module, recorded, layout.state_dict_of(checkpoint))
     fingerprint = fingerprint or fingerprint_base
-    verify_base(recorded, named, entry.get("reference"), source, fingerprint=fingerprint, bases=entry.get("bases"))
+    reference, bases = layout.reference_of(checkpoint), layout.bases_of(checkpoint)
+    verify_base(recorded, named, reference, source, fingerprint=fingerprint, bases=bases)

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_frozen.adapters import adapter_param_names, trained_adapters
 from lightning_frozen.base.reference import find_peft_model
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.peft_export import peft_entry, peft_entry_of
 from lightning_frozen.errors import AdapterSetupError, format_names
 
@@ -22,19 +23,20 @@ from lightning_frozen.errors import AdapterSetupError, format_names
 def peft_entries(
     module: nn.Module, prefix: str, peft_model: Any, trainable_names: Sequence[str], buffer_names: Sequence[str]
 ) -> dict[str, Any]:
-    """The checkpoint's PEFT export entries: ``{"peft": entry}`` for one trained adapter (or a tuner whose adapter
-    params are not in tuner layers, prompt learning), ``{"peft_adapters": {name: entry}}`` for several."""
+    """The checkpoint's PEFT export entries, as keyword arguments of ``layout.frozen_base_entry``: ``peft`` for one
+    trained adapter (or a tuner whose adapter params are not in tuner layers, prompt learning), ``peft_adapters``
+    (name -> entry) for several."""
     trained = trained_adapters(module)
     if len(trained) < 2:
         adapter = trained[0] if trained else None
-        return {"peft": peft_entry(prefix, peft_model, trainable_names, buffer_names, adapter_name=adapter)}
+        return dict(peft=peft_entry(prefix, peft_model, trainable_names, buffer_names, adapter_name=adapter))
     owned = adapter_param_names(module)
     entries = {}
     for name in trained:
         own = set(owned[name])
         names = [n for n in trainable_names if n in own]
         entries[name] = peft_entry(prefix, peft_model, names, buffer_names, adapter_name=name)
-    return {"peft_adapters": entries}
+    return dict(peft_adapters=entries)
 
 
 def adapter_state(
@@ -46,8 +48,7 @@ def adapter_state(
         CheckpointFormatError, InvalidArgumentValueError: as ``peft_export.peft_entry_of``.
         AdapterSetupError: ``module`` holds no adapter of that name.
     """
-    entry = peft_entry_of(checkpoint["frozen_base"], adapter, source)
-    names = set(entry["keys"]) | set(entry.get("prompt_encoder", {}).values())
+    names = set(layout.adapter_tensor_names(peft_entry_of(layout.frozen_base_of(checkpoint), adapter, source)))
     owned = adapter_param_names(module).get(adapter)
     if not owned:
         raise AdapterSetupError(
@@ -55,7 +56,7 @@ def adapter_state(
             f" {format_names(list(adapter_param_names(module)))}. Build the module with an adapter of that name"
             f" (`get_peft_model(base, config, adapter_name='{adapter}')`)."
         )
-    return {name: value for name, value in checkpoint["state_dict"].items() if name in names}, set(owned)
+    return {name: value for name, value in layout.state_dict_of(checkpoint).items() if name in names}, set(owned)
 
 
 def use_adapter(module: nn.Module, adapter: str) -> None:

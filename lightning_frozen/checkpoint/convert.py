@@ -1,7 +1,8 @@
 """Migration: a checkpoint directory written by Lightning's stock ``DeepSpeedStrategy`` (ZeRO-3) to one adapter file.
 
 DeepSpeed's own ``zero_to_fp32`` helpers reassemble the per-rank shards; we feed them the fp32 master weights and,
-the same way, each optimizer state (Adam's moments), so the converted file resumes training like one of ours.
+the same way, each optimizer state (Adam's moments), so the converted file resumes training like one of ours. The
+file is built by ``layout.assemble``, as a save builds it.
 DeepSpeed's files are pickles and its helpers load them with ``weights_only=False``: every load here, theirs
 included, runs with ``weights_only=True`` allowing only the few DeepSpeed classes such a file holds, so a file
 carrying anything else is refused before any of it runs.
@@ -18,26 +19,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
-from lightning_frozen.base.fingerprint import fingerprint_base
+from lightning_frozen.base.fingerprint import fingerprint_base, replaced_by_trained_copies
 from lightning_frozen.checkpoint import file as checkpoint
+from lightning_frozen.checkpoint import layout, trainable_state
 from lightning_frozen.checkpoint.file import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_frozen.zero import checkpoint_files
+from lightning_frozen.zero import params as zero
 
 log = logging.getLogger(__name__)
-_LIGHTNING_KEYS = (
-    "epoch",
-    "global_step",
-    "pytorch-lightning_version",
-    "loops",
-    "callbacks",
-    "lr_schedulers",
-    "hparams_name",
-    "hyper_parameters",
-    "datamodule_hparams_name",
-    "datamodule_hyper_parameters",
-)
 
 
 @contextmanager
@@ -104,13 +96,25 @@ def _checkpoint_folder(source: Path) -> Path:
     return folder
 
 
-def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, reference: Optional[str] = None) -> Path:
+def convert_deepspeed_checkpoint(
+    source: PathLike, destination: PathLike, reference: Optional[str] = None, module: Optional[nn.Module] = None
+) -> Path:
     """Convert a stock Lightning DeepSpeed ZeRO-3 checkpoint directory to a lightning-frozen file.
 
-    The file holds the trainable params (fp32 masters) and buffers, Adam-type optimizer state by name, Lightning's
-    loop/callback/scheduler state, and the frozen base's fingerprint when the directory holds the frozen weights
-    (DeepSpeed's default); with ``exclude_frozen_parameters=True`` it could not, and the base goes unverified.
-    ``reference`` names the frozen base. Returns ``destination``.
+    The file has the entries a save of the same run under ``frozen_deepspeed`` writes: the trainable params (fp32
+    masters) and buffers, the optimizer state by name with DeepSpeed's loss-scaler state, every entry of Lightning's
+    (loops, callbacks, schedulers, hyper-parameters, what ``on_save_checkpoint`` added), and the frozen base's
+    fingerprint when the directory holds the frozen weights (DeepSpeed's default; with
+    ``exclude_frozen_parameters=True`` it cannot, and the base goes unverified). ``reference`` names the frozen base.
+
+    What the directory does not record comes from ``module``, the LightningModule it was trained from, built as for
+    training (its model and adapters in place; its weights need not be the trained ones): the base's reference
+    (unless ``reference`` is given), each base's reference where there are several, and for a PEFT model the export
+    entries (the adapter config and the PEFT key of each tensor) that ``export_peft_adapter`` needs; the originals of
+    PEFT's ``modules_to_save`` are then left out of the fingerprint, as a save leaves them. Without it the file has
+    none of these. The format marker records ``converted_from`` instead of ``precision``: the directory holds
+    DeepSpeed's fp16/bf16 switch, which ``16-mixed`` and ``16-true`` (or ``bf16-mixed`` and ``bf16-true``) set alike.
+    Returns ``destination``.
 
     Raises:
         TypeError: ``source`` or ``destination`` is not a path.
@@ -160,28 +164,28 @@ def convert_deepspeed_checkpoint(source: PathLike, destination: PathLike, refere
         for name in names:
             per_name[name].update(scalars)
     param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
-        for group, names in zip(inner[0]["param_groups"], group_names)
+        layout.param_group_entry(group, names) for group, names in zip(inner[0]["param_groups"], group_names)
     ]
+    optimizer_entry = layout.optimizer_entry(
+        per_name, param_groups, zero.scaler_state(checkpoint_files.loss_scaler_of(optim_states[0]))
+    )
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
     frozen = checkpoint_files.merge_frozen(world_size, model_states)
+    for name in replaced_by_trained_copies(module) if module is not None else ():
+        frozen.pop(name, None)  # as a save does: the adapted model computes with their trained copies instead
     if frozen:
         fingerprint = fingerprint_base(sorted(frozen.items()))
     else:
         log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
-        fingerprint = {"mode": "none", "digest": None, "tensors": {}}
-    converted = {key: client[key] for key in _LIGHTNING_KEYS if key in client}
-    converted.update(
-        {
-            "state_dict": state_dict,
-            "optimizer_states": [
-                {"layout": checkpoint.OPTIMIZER_LAYOUT, "state": per_name, "param_groups": param_groups}
-            ],
-            "frozen_base": {"reference": reference, "fingerprint": fingerprint},
-            checkpoint.FORMAT_KEY: checkpoint.format_marker(world_size=world_size, converted_from=str(source)),
-        }
-    )
+        fingerprint = layout.fingerprint_entry("none", None, {})
+    if module is None:
+        frozen_base = layout.frozen_base_entry(reference, fingerprint)
+    else:
+        frozen_base = trainable_state.frozen_base_entry(module, fingerprint, reference, list(per_name))
+    lightning_entries = {key: value for key, value in client.items() if key not in checkpoint_files.ENGINE_STATE_KEYS}
+    marker = layout.format_marker(**{layout.WORLD_SIZE: world_size, layout.CONVERTED_FROM: str(source)})
+    converted = layout.assemble(lightning_entries, state_dict, [optimizer_entry], frozen_base, marker)
     checkpoint.write_atomic(checkpoint.to_plain(converted), destination)
     log.warning("lightning-frozen: wrote %s (%d trainable tensors)", destination, len(per_name))
     return destination

@@ -1,18 +1,9 @@
-"""The adapter checkpoint file: its layout, writing it atomically, reading and validating it.
+"""The adapter checkpoint file: writing it atomically, reading and validating it.
 
-One file, whatever the number of ranks that wrote it, that ``torch.load(path, weights_only=True)`` opens:
-
-- Lightning's usual keys (``epoch``, ``global_step``, ``loops``, ``callbacks``, ``lr_schedulers``,
-  ``hyper_parameters``, ...);
-- ``state_dict``: the trainable parameters (fp32 master values) and persistent buffers, never a frozen weight;
-- ``optimizer_states``: ``[{"state": {param name: {key: whole tensor or scalar}}, "param_groups": [...]}]``,
-  keyed by parameter name so that any world size can resume; the fp32 weights are not stored twice;
-- ``frozen_base``: ``reference``, ``fingerprint`` and, for PEFT models, the adapter config and key mapping;
-- ``lightning_frozen``: the format version.
-
-Writes are atomic (see ``atomic_files.py``); paths may also be fsspec URLs (``s3://``, ``gs://``, ``memory://``).
-Reads never unpickle anything but tensors and containers (``weights_only=True``). Building the trainable state
-lives in ``trainable_state.py``, loading it without DeepSpeed in ``loading.py``.
+The layout (every key, how the dict is built and read) is ``layout.py``'s. Writes are atomic (see
+``atomic_files.py``); paths may also be fsspec URLs (``s3://``, ``gs://``, ``memory://``). Reads never unpickle
+anything but tensors and containers (``weights_only=True``). Building the trainable state lives in
+``trainable_state.py``, loading it without DeepSpeed in ``loading.py``.
 """
 
 import enum
@@ -32,6 +23,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.atomic_files import write_file_atomic, write_url
 from lightning_frozen.errors import (
     CheckpointFormatError,
@@ -41,19 +33,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 
-FORMAT_KEY = "lightning_frozen"
-FORMAT_VERSION = 1
-OPTIMIZER_LAYOUT = "by_name"
-
 PathLike = Union[str, os.PathLike]
-
-
-def format_marker(**details: Any) -> dict[str, Any]:
-    """The ``lightning_frozen`` entry that marks a checkpoint as this package's: the format version and ``details``
-    of how it was written (world size, precision, what it was converted from)."""
-    return {"format_version": FORMAT_VERSION, **details}
-
-
 T = TypeVar("T")
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
@@ -183,7 +163,7 @@ def load(path: PathLike, checkpoint_io: Optional[CheckpointIO]) -> dict[str, Any
     if checkpoint_io is None:
         return read_checkpoint(path)
     loaded = checkpoint_io.load_checkpoint(path, weights_only=True)
-    validate_checkpoint(loaded, path)
+    layout.validate(loaded, path)
     return loaded
 
 
@@ -216,7 +196,7 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
         raise CheckpointFormatError(
             f"{location} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
         ) from None
-    validate_checkpoint(checkpoint, location)
+    layout.validate(checkpoint, location)
     return checkpoint
 
 
@@ -316,31 +296,6 @@ def unsafe_globals(path: Union[Path, IO[bytes]]) -> list[str]:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # not a readable torch.save archive at all
         return []
-
-
-def validate_checkpoint(checkpoint: Any, path: PathLike) -> None:
-    """Raise :class:`CheckpointFormatError` unless ``checkpoint`` has this package's layout."""
-    if not isinstance(checkpoint, dict):
-        raise CheckpointFormatError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
-    marker = checkpoint.get(FORMAT_KEY)
-    if not isinstance(marker, dict):
-        hint = (
-            " It looks like a plain Lightning checkpoint (full weights): load it with"
-            " `YourModule.load_from_checkpoint`, and to train on from those weights, fit that module without"
-            " `ckpt_path`."
-            if "state_dict" in checkpoint
-            else ""
-        )
-        raise CheckpointFormatError(f"{path} is not a lightning-frozen checkpoint (no `{FORMAT_KEY}` key).{hint}")
-    version = marker.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointFormatError(
-            f"{path} has lightning-frozen format version {version}; this version reads {FORMAT_VERSION}."
-            " Upgrade lightning-frozen to read it."
-        )
-    for key in ("state_dict", "frozen_base"):
-        if not isinstance(checkpoint.get(key), dict):
-            raise CheckpointFormatError(f"{path} is missing its `{key}` entry; the file is damaged.")
 
 
 # ---------------------------------------------------------------------------------------------- content

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_frozen.base.fingerprint import verify_checkpoint_base
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.adapters import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, persistent_buffers, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
@@ -48,8 +49,7 @@ def load_into(
 ) -> None:
     """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed); with
     ``adapter``, only that adapter's, which becomes the module's active adapter."""
-    frozen_base = checkpoint["frozen_base"]
-    state_dict = checkpoint["state_dict"]
+    state_dict = layout.state_dict_of(checkpoint)
     owned = None
     if adapter is not None:
         state_dict, owned = adapter_state(module, checkpoint, adapter, source)
@@ -57,7 +57,7 @@ def load_into(
         verify_checkpoint_base(checkpoint, module, source)
     params = dict(module.named_parameters())
     buffers = persistent_buffers(module)
-    frozen_names = set((frozen_base.get("fingerprint") or {}).get("tensors", {}))
+    frozen_names = set(layout.fingerprint_tensors(layout.fingerprint_of(checkpoint)))
     trainable = {n: p for n, p in params.items() if n not in frozen_names and (p.requires_grad or n in state_dict)}
     if owned is not None:
         trainable = {name: param for name, param in trainable.items() if name in owned}
@@ -137,7 +137,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     adapter = kwargs.pop("adapter", None)
     checkpoint = read_checkpoint(checked_location(checkpoint_path, "checkpoint_path", "load_from_checkpoint"))
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
-    hyper_parameters = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+    hyper_parameters = {k: v for k, v in layout.hyper_parameters_of(checkpoint).items() if not k.startswith("_")}
     try:
         module = cls(**{**hyper_parameters, **kwargs})
     except TypeError as error:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint, to_plain, write_file_atomic
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError, OutputDirectoryError
 from lightning_frozen.hf import peft_saving
@@ -88,13 +89,13 @@ def peft_entry(
         )
     in_adapter = set(keys) | set(encoder.values())
     return {
-        "prefix": prefix,
-        "adapter_name": adapter_name,
-        "config": to_plain(peft_config.to_dict(), json_types=True),
-        "keys": keys,
-        "prompt_encoder": encoder,
-        "not_in_adapter": sorted(set(trainable_names) - in_adapter),
-        "not_exportable": not_exportable,
+        layout.PEFT_PREFIX: prefix,
+        layout.ADAPTER_NAME: adapter_name,
+        layout.PEFT_CONFIG: to_plain(peft_config.to_dict(), json_types=True),
+        layout.PEFT_KEYS: keys,
+        layout.PROMPT_ENCODER: encoder,
+        layout.NOT_IN_ADAPTER: sorted(set(trainable_names) - in_adapter),
+        layout.NOT_EXPORTABLE: not_exportable,
     }
 
 
@@ -134,24 +135,23 @@ def _inside(folder: Path, name: str) -> Path:
 
 def peft_entry_of(frozen_base: Mapping[str, Any], adapter: Optional[str], source: PathLike) -> dict[str, Any]:
     """The checkpoint's PEFT entry (see :func:`peft_entry`) for ``adapter``: of the adapters trained at once, the one
-    named (``frozen_base["peft_adapters"]``); else the one adapter, which ``adapter`` may name.
+    named (``peft_adapters``); else the one adapter, which ``adapter`` may name.
 
     Raises:
         CheckpointFormatError: the file holds no PEFT entry.
         InvalidArgumentValueError: ``adapter`` names no adapter of the file, or is None where it holds several.
     """
-    several = frozen_base.get("peft_adapters") or {}
-    single = frozen_base.get("peft")
+    several, single = layout.peft_entries_of(frozen_base)
     if several and adapter in several:
         return several[adapter]
-    if not several and single and adapter in (None, single.get("adapter_name")):  # older files name none
+    if not several and single and adapter in (None, single.get(layout.ADAPTER_NAME)):  # older files name none
         return single
     if not several and not single:
         raise CheckpointFormatError(
             f"{source} was not trained on a PEFT model (no `frozen_base['peft']` entry), so it has no PEFT"
             " adapter to export. Load it with `lightning_frozen.load_adapter` instead."
         )
-    held = list(several) or [single["adapter_name"]]
+    held = list(several) or [single[layout.ADAPTER_NAME]]
     raise InvalidArgumentValueError(
         f"{source} holds adapter(s) {', '.join(f'`{name}`' for name in held)}"
         f"{'' if adapter is None else f', not `{adapter}`'}. Pass `adapter=` one of them."
@@ -182,32 +182,32 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike, adapter
     if folder.exists() and not folder.is_dir():
         raise OutputDirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
     checkpoint = read_checkpoint(checkpoint_path)
-    peft = peft_entry_of(checkpoint["frozen_base"], adapter, checkpoint_path)
-    if peft.get("not_exportable"):
+    peft = peft_entry_of(layout.frozen_base_of(checkpoint), adapter, checkpoint_path)
+    if peft.get(layout.NOT_EXPORTABLE):
         raise CheckpointFormatError(
-            f"{checkpoint_path} cannot be exported to PEFT's format: {peft['not_exportable']}. Load it with"
+            f"{checkpoint_path} cannot be exported to PEFT's format: {peft[layout.NOT_EXPORTABLE]}. Load it with"
             " `lightning_frozen.load_adapter` instead."
         )
     folder.mkdir(parents=True, exist_ok=True)
-    state_dict = checkpoint["state_dict"]
-    missing = sorted(
-        name for name in [*peft["keys"], *peft.get("prompt_encoder", {}).values()] if name not in state_dict
-    )
+    state_dict = layout.state_dict_of(checkpoint)
+    missing = sorted(name for name in layout.adapter_tensor_names(peft) if name not in state_dict)
     if missing:
         raise CheckpointFormatError(f"{checkpoint_path} lacks adapter weights {missing[:5]}; the file is damaged.")
-    if peft.get("not_in_adapter"):
+    outside = peft.get(layout.NOT_IN_ADAPTER)
+    if outside:
         rank_zero_warn(
-            f"lightning-frozen: {len(peft['not_in_adapter'])} trainable tensors are outside the PEFT model and not in"
-            f" the exported adapter: {peft['not_in_adapter'][:5]}. Put them in the PEFT config's `modules_to_save`"
+            f"lightning-frozen: {len(outside)} trainable tensors are outside the PEFT model and not in"
+            f" the exported adapter: {outside[:5]}. Put them in the PEFT config's `modules_to_save`"
             " to export them too."
         )
-    tensors = {key: state_dict[name].detach().contiguous() for name, key in peft["keys"].items()}
-    if peft.get("prompt_encoder"):
-        encoder_weights = {own: state_dict[name] for own, name in peft["prompt_encoder"].items()}
-        tensors[PROMPT_EMBEDDINGS] = prompt_embeddings(peft["config"], encoder_weights).contiguous()
-    config = dict(peft["config"])
-    if checkpoint["frozen_base"].get("reference") and not config.get("base_model_name_or_path"):
-        config["base_model_name_or_path"] = checkpoint["frozen_base"]["reference"]
+    tensors = {key: state_dict[name].detach().contiguous() for name, key in peft[layout.PEFT_KEYS].items()}
+    if peft.get(layout.PROMPT_ENCODER):
+        encoder_weights = {own: state_dict[name] for own, name in peft[layout.PROMPT_ENCODER].items()}
+        tensors[PROMPT_EMBEDDINGS] = prompt_embeddings(peft[layout.PEFT_CONFIG], encoder_weights).contiguous()
+    config = dict(peft[layout.PEFT_CONFIG])
+    reference = layout.reference_of(checkpoint)
+    if reference and not config.get("base_model_name_or_path"):
+        config["base_model_name_or_path"] = reference
     weights_path = _inside(folder, WEIGHTS_NAME)
     config_path = _inside(folder, CONFIG_NAME)
     weights = save(tensors, metadata={"format": "pt"})

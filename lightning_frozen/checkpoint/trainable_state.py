@@ -14,8 +14,9 @@ from torch import nn
 
 from lightning_frozen.base.codec import block_format
 from lightning_frozen.base.reference import find_base_reference, find_base_references, find_peft_model
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.adapters import peft_entries
-from lightning_frozen.checkpoint.file import FORMAT_KEY, OPTIMIZER_LAYOUT, format_marker, persistent_buffers
+from lightning_frozen.checkpoint.file import persistent_buffers
 from lightning_frozen.checkpoint.loading import check_keys
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.zero import params as zero
@@ -71,7 +72,7 @@ def optimizer_state_by_name(
     """The optimizer state keyed by param name, whole tensors: any world size can resume it. Collective."""
     params = dict(module.named_parameters())
     groups = [
-        {**{key: value for key, value in group.items() if key != "params"}, "params": list(names)}
+        layout.param_group_entry(group, names)
         for group, names in zip(deepspeed_optimizer.param_groups, group_param_names)
     ]
     state = {
@@ -79,12 +80,7 @@ def optimizer_state_by_name(
         for names in group_param_names
         for name in names
     }
-    return {
-        "layout": OPTIMIZER_LAYOUT,
-        "state": state,
-        "param_groups": groups,
-        "loss_scaler": zero.loss_scaler_state(deepspeed_optimizer),
-    }
+    return layout.optimizer_entry(state, groups, zero.loss_scaler_state(deepspeed_optimizer))
 
 
 def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, saved: Mapping[str, Any]) -> None:
@@ -93,53 +89,61 @@ def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, sa
     Raises:
         CheckpointFormatError: the state is not keyed by name, or has another number of param groups.
     """
-    if saved.get("layout") != OPTIMIZER_LAYOUT:
+    layout.check_optimizer_entry(saved)
+    saved_groups = saved[layout.PARAM_GROUPS]
+    if len(saved_groups) != len(deepspeed_optimizer.param_groups):
         raise CheckpointFormatError(
-            "The checkpoint's optimizer state is not keyed by parameter name; it was not written by"
-            " lightning-frozen. Convert it with `lightning-frozen convert`."
-        )
-    if len(saved["param_groups"]) != len(deepspeed_optimizer.param_groups):
-        raise CheckpointFormatError(
-            f"The checkpoint's optimizer has {len(saved['param_groups'])} param groups, the one"
+            f"The checkpoint's optimizer has {len(saved_groups)} param groups, the one"
             f" `configure_optimizers` built now has {len(deepspeed_optimizer.param_groups)}. Resume with the same"
             " optimizer configuration and the same frozen/trainable split."
         )
-    for group, saved_group in zip(deepspeed_optimizer.param_groups, saved["param_groups"]):
-        group.update({key: value for key, value in saved_group.items() if key != "params"})
+    for group, saved_group in zip(deepspeed_optimizer.param_groups, saved_groups):
+        group.update(layout.group_hyper_parameters(saved_group))
     params = dict(module.named_parameters())
     zero.ensure_optimizer_state(deepspeed_optimizer)
-    for name, state in saved["state"].items():
+    for name, state in saved[layout.OPTIMIZER_STATE].items():
         if name in params and params[name].requires_grad and state:
             zero.set_optimizer_state(deepspeed_optimizer, params[name], state)
-    zero.restore_loss_scaler(deepspeed_optimizer, saved.get("loss_scaler") or {})
+    zero.restore_loss_scaler(deepspeed_optimizer, saved.get(layout.LOSS_SCALER) or {})
 
 
 def frozen_base_entry(
-    module: nn.Module, fingerprint: dict[str, Any], explicit_reference: Optional[str], trainable_names: list[str]
+    module: nn.Module,
+    fingerprint: dict[str, Any],
+    explicit_reference: Optional[str],
+    trainable_names: Optional[list[str]] = None,
 ) -> dict[str, Any]:
-    """The ``frozen_base`` entry: reference, fingerprint and, for a PEFT model, what export needs; with several bases
-    in the module (a vision tower and a language model), ``bases``: each one's reference by its module path."""
-    entry: dict[str, Any] = {
-        "reference": find_base_reference(module, explicit_reference),
-        "fingerprint": fingerprint,
-    }
-    bases = find_base_references(module)
-    if len(bases) > 1:
-        entry["bases"] = bases
+    """The ``frozen_base`` entry of ``module``: reference, fingerprint, each base's reference where it holds several
+    (a vision tower and a language model), what export needs for a PEFT model (``trainable_names``, the saved
+    params' names, default: those that require grad now) and how a quantized base is stored."""
+    if trainable_names is None:
+        trainable_names = [name for name, param in module.named_parameters() if param.requires_grad]
     peft = find_peft_model(module)
-    if peft is not None:
-        entry.update(peft_entries(module, *peft, trainable_names, list(persistent_buffers(module))))
-    return entry
-
-
-def checkpoint_entries(
-    module: nn.Module, fingerprint: dict[str, Any], explicit_reference: Optional[str], **written_with: Any
-) -> dict[str, Any]:
-    """What this package adds to Lightning's checkpoint dict: the ``frozen_base`` entry (with how a quantized base is
-    stored) and the format marker, with ``written_with`` (world size, precision)."""
-    trainable_names = [name for name, param in module.named_parameters() if param.requires_grad]
-    entry = frozen_base_entry(module, fingerprint, explicit_reference, trainable_names)
+    exports = {} if peft is None else peft_entries(module, *peft, trainable_names, list(persistent_buffers(module)))
     stored = sorted({frozen_dtype_of(p) for p in module.parameters() if not p.requires_grad} - {None})
-    if stored:
-        entry["quantization"] = block_format(stored[0]).describe()
-    return {"frozen_base": entry, FORMAT_KEY: format_marker(**written_with)}
+    return layout.frozen_base_entry(
+        find_base_reference(module, explicit_reference),
+        fingerprint,
+        bases=find_base_references(module),
+        quantization=block_format(stored[0]).describe() if stored else None,
+        **exports,
+    )
+
+
+def saved_checkpoint(
+    checkpoint_dict: Mapping[str, Any],
+    module: nn.Module,
+    fingerprint: dict[str, Any],
+    explicit_reference: Optional[str],
+    **written_with: Any,
+) -> dict[str, Any]:
+    """The file a save writes: Lightning's ``checkpoint_dict`` (holding this package's ``state_dict`` and
+    ``optimizer_states``), the ``frozen_base`` entry and the format marker with ``written_with`` (world size,
+    precision), built by :func:`layout.assemble`."""
+    return layout.assemble(
+        checkpoint_dict,
+        checkpoint_dict[layout.STATE_DICT],
+        checkpoint_dict.get(layout.OPTIMIZER_STATES),
+        frozen_base_entry(module, fingerprint, explicit_reference),
+        layout.format_marker(**written_with),
+    )

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetunin
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError, format_names
 from lightning_frozen.optim.filtering import leave_ungrouped_unstepped
 from lightning_frozen.zero import params as zero
@@ -179,15 +180,15 @@ def groups_from_checkpoint(
     """The param groups (and their origins) a checkpoint was saved with, when its trainable set differs from the
     module's now; the module's ``requires_grad`` flags are set to the checkpoint's. None when nothing differs."""
     params = dict(module.named_parameters())
-    saved_groups = (checkpoint.get("optimizer_states") or [{}])[0].get("param_groups")
-    saved = {n for n in checkpoint["state_dict"] if n in params}
+    saved_groups = layout.saved_param_groups(checkpoint)
+    saved = {n for n in layout.state_dict_of(checkpoint) if n in params}
     current = {n for n, p in params.items() if p.requires_grad}
     if not saved_groups or saved == current:
         return None
     for name, param in params.items():
         param.requires_grad_(name in saved)
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in group["params"]]}
+        {**layout.group_hyper_parameters(group), "params": [params[n] for n in group[layout.GROUP_PARAMS]]}
         for group in saved_groups
     ]
     return groups, [i if i < num_current_groups else None for i in range(len(groups))]

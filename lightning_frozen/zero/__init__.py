@@ -17,7 +17,8 @@ is defined where it is listed):
 - ``params``: one ZeRO-3 param, its shard and its whole value: ``is_partitioned``, ``full_numel``, ``full_shape``,
   ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``, ``full_param``,
   ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent: ``optimizer_state_of``,
-  ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``restore_loss_scaler``; and
+  ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``scaler_state``, ``restore_loss_scaler``;
+  and
   ``check_has_trainable``, ``compute_dtype``.
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
   ``import_with_logs_to_stderr``.
@@ -31,7 +32,8 @@ is defined where it is listed):
   ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``warn_if_stored_otherwise``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
-  ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``.
+  ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``, ``loss_scaler_of``,
+  ``ENGINE_STATE_KEYS``.
 - ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``.
 - ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``.
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step: ``clip_per_adapter``.

@@ -62,3 +62,38 @@ def merge_frozen(world_size: int, model_states: list[Any]) -> dict[str, torch.Te
     frozen: dict[str, torch.Tensor] = {}
     zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)
     return frozen
+
+
+# what DeepSpeed's engine writes into a model-states file next to Lightning's checkpoint dict, its `client_state`
+# (`DeepSpeedEngine._common_checkpoint_state` and `_save_checkpoint`, 0.19); everything else there is Lightning's
+ENGINE_STATE_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "universal_checkpoint_info",
+        "ds_config",
+        "ds_version",
+    }
+)
+
+
+def loss_scaler_of(optimizer_state: dict[str, Any]) -> Any:
+    """The loss scaler a rank's optimizer-states file records (a ``LossScaler`` / ``DynamicLossScaler``)."""
+    from deepspeed.checkpoint.constants import LOSS_SCALER
+
+    return optimizer_state[LOSS_SCALER]

@@ -253,7 +253,11 @@ def loss_scaler_state(deepspeed_optimizer: Any) -> dict[str, Any]:
 
     Under ``16-mixed`` it is DeepSpeed's dynamic loss scale, which a resume must continue; otherwise a constant 1.
     """
-    scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
+    return scaler_state(getattr(deepspeed_optimizer, "loss_scaler", None))
+
+
+def scaler_state(scaler: Any) -> dict[str, Any]:
+    """:func:`loss_scaler_state` of a DeepSpeed ``LossScaler`` itself, as a ZeRO checkpoint directory stores it."""
     state: dict[str, Any] = {}
     for key in _LOSS_SCALER_STATE:
         value = getattr(scaler, key, None)

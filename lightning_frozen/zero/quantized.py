@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_frozen.base import fingerprint as frozen_base
 from lightning_frozen.base.codec import BlockFormat, block_format, decode, encode, split
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.zero.params import (
     compute_dtype,
@@ -302,7 +303,7 @@ def _gather(params: list[nn.Parameter]) -> _GatherHandle:
 
 def warn_if_stored_otherwise(checkpoint: Mapping[str, Any], frozen_dtype: Optional[str], source: Any) -> None:
     """Warn when a checkpoint was trained on a frozen base stored in another ``frozen_dtype`` than this run's."""
-    trained_as = (checkpoint["frozen_base"].get("quantization") or {}).get("dtype")
+    trained_as = layout.quantized_dtype_of(checkpoint)
     if trained_as != frozen_dtype:
         rank_zero_warn(
             f"lightning-frozen: {source} was trained on a frozen base stored as"
