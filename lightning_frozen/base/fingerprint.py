@@ -35,7 +35,10 @@ from lightning_frozen.zero.params import is_partitioned, shard_range
 
 
 class LoadedSums(Protocol):
-    """What the fingerprint reads of the sliced loader's record (``loaded_base.LoadedBase``)."""
+    """What the fingerprint reads of the strategy's record of the base (``loaded.LoadedBase``): per-param sums kept as
+    the values were read or encoded, and how many times it was written (a cached fingerprint is stale after that)."""
+
+    changes: int
 
     def checksum(self, param: torch.Tensor) -> Optional[list[int]]: ...
 
@@ -47,10 +50,6 @@ _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
 # elements per step: float64 sums of 2**20 products of a signed 16-bit pattern and a weight stay below 2**53, exact
 _CHUNK = 1 << 20
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
-# Set by quant.py on a param whose shard no longer holds its source values (a quantized frozen base): this rank's
-# checksum sums, and (sha256 mode) the whole tensor's hash, of the values before quantization.
-SOURCE_CHECKSUM = "lf_source_checksum"
-SOURCE_SHA256 = "lf_source_sha256"
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint
@@ -146,11 +145,6 @@ def values_checksum(values: torch.Tensor, start: int) -> list[int]:
     return Checksummer()(values, start)
 
 
-def shard_checksum(param: torch.Tensor) -> list[int]:
-    """This rank's part of the checksum fingerprint of ``param`` (its ZeRO-3 shard, or the whole tensor)."""
-    return values_checksum(*local_values(param))
-
-
 def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
         return sums
@@ -192,8 +186,8 @@ def fingerprint_base(
 ) -> dict[str, Any]:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
 
-    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it: those tensors are
-    not read again. A quantized shard's sums were kept when it was quantized (``SOURCE_CHECKSUM``).
+    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
+    shard's as its source values were encoded: those tensors are not read again.
 
     Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}``; in
     ``checksum`` mode ``value`` is the checksum of the values cast to bf16 and ``value_fp16`` cast to fp16 (an fp32
@@ -211,20 +205,20 @@ def fingerprint_base(
     known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":
         checksum = Checksummer()
-        pending = [(n, p) for n, p in named if getattr(p, SOURCE_CHECKSUM, None) is None and known(p) is None]
+        pending = [(n, p) for n, p in named if known(p) is None]
         computed = {name: checksum(*local_values(param)) for name, param in _progress(pending, mode)}
         del checksum  # its buffers are not needed after the pass
-        sums = [getattr(p, SOURCE_CHECKSUM, None) or known(p) or computed[n] for n, p in named]
+        sums = [known(p) or computed[n] for n, p in named]
         for (name, param), world in zip(named, _world_sum(sums, distributed)):
             for index, key in enumerate(checksum_keys(param.dtype)):
                 tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
     elif mode == "sha256":
         hashed = (lambda _: None) if loaded is None else loaded.sha256
         # every rank takes the same branch for a tensor (the loader recorded it on all of them): gathers stay paired
-        pending = [(n, p) for n, p in named if getattr(p, SOURCE_SHA256, None) is None and hashed(p) is None]
+        pending = [(n, p) for n, p in named if hashed(p) is None]
         computed = {name: param_sha256(param) for name, param in _progress(pending, mode)}
         for name, param in named:
-            tensors[name]["value"] = getattr(param, SOURCE_SHA256, None) or hashed(param) or computed[name]
+            tensors[name]["value"] = hashed(param) or computed[name]
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return {"mode": mode, "digest": digest, "tensors": tensors}
 
@@ -232,10 +226,11 @@ def fingerprint_base(
 class FingerprintCache:
     """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
     a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
-    what ``loaded``, the strategy's record of the sliced loader, already summed)."""
+    what ``loaded``, the strategy's record of the base, already summed); computed again when ``loaded`` changed (a
+    quantized param was written and encoded again)."""
 
     def __init__(self, loaded: Optional[LoadedSums] = None) -> None:
-        self._key: Optional[tuple[str, ...]] = None
+        self._key: Optional[tuple[Any, ...]] = None
         self._value: dict[str, Any] = {}
         self.loaded = loaded
 
@@ -245,7 +240,7 @@ class FingerprintCache:
 
     def __call__(self, named_frozen: list[tuple[str, torch.Tensor]], mode: str) -> dict[str, Any]:
         """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
-        key = (mode, *(name for name, _ in named_frozen))
+        key = (mode, getattr(self.loaded, "changes", 0), *(name for name, _ in named_frozen))
         if self._key != key:
             self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded), key
         return self._value

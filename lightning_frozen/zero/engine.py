@@ -176,7 +176,8 @@ def initialize_engine(
     if where.zero_stage_3:
         release_frozen_persistence(engine, model)
     if where.frozen_dtype:
-        quant.quantize_frozen_shards(model, where.frozen_dtype, where.fingerprint)
+        keeper = where.loaded.source_keeper(where.fingerprint) if where.loaded is not None else None
+        quant.quantize_frozen_shards(model, where.frozen_dtype, keeper)
     return engine, deepspeed_optimizer
 
 
