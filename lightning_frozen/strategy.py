@@ -39,6 +39,8 @@ from lightning_frozen.zero import engine as placement
 from lightning_frozen.zero import host_memory
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
+from lightning_frozen.zero.accelerator import align_deepspeed_accelerator, destroy_gloo_group_at_exit
+from lightning_frozen.zero.config import inference_config
 
 if TYPE_CHECKING:
     import deepspeed
@@ -169,7 +171,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         # DeepSpeed 0.19 and Lightning 2.6 call torch APIs that torch 2.13 deprecates, every step; not the user's to fix
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
-        placement.align_deepspeed_accelerator(self.accelerator)
+        align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()
         arguments.check_config_for_accelerator(self.config, self.accelerator)
@@ -185,7 +187,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             self._init_deepspeed_distributed()
         else:
             super().setup_distributed()
-        placement.destroy_gloo_group_at_exit()
+        destroy_gloo_group_at_exit()
 
     @property
     def _placement(self) -> placement.Placement:
@@ -199,7 +201,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             offload_optimizer=self.offload_optimizer,
             pin_memory=self.pin_memory,
             frozen_dtype=self.frozen_dtype,
-            fingerprint=self.fingerprint,
+            fingerprint_mode=self.fingerprint,
             fit_reduce_bucket=self._zero.fit_reduce_bucket,
             loaded=self._loaded_base,
         )
@@ -256,7 +258,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         unfreezing.freeze_for_finetuning_callbacks(self._module)
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
-        config = placement.inference_config(self.config, self.zero_stage_3)
+        config = inference_config(self.config, self.zero_stage_3)
         self.model, _ = placement.initialize_engine(model, config, self._placement)
 
     # ------------------------------------------------------------------ training
@@ -328,8 +330,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
         written_with = {"world_size": self.world_size, "precision": str(self.precision_plugin.precision)}
-        fingerprint = self.frozen_base_fingerprint()
-        entries = trainable_state.checkpoint_entries(self._module, fingerprint, self.frozen_base, **written_with)
+        fingerprint_record = self.frozen_base_fingerprint()
+        entries = trainable_state.checkpoint_entries(self._module, fingerprint_record, self.frozen_base, **written_with)
         if self.is_global_zero:
             checkpoint.save({**checkpoint_dict, **entries}, filepath, checkpoint_io, storage_options)
 
@@ -340,7 +342,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         loaded = checkpoint.load(checkpoint_path, checkpoint.user_checkpoint_io(self.checkpoint_io))
         quant.warn_if_stored_otherwise(loaded, self.frozen_dtype, checkpoint_path)
         if self.fingerprint != "none":
-            verify_checkpoint_base(loaded, self._module, str(checkpoint_path), fingerprint=self._fingerprints)
+            verify_checkpoint_base(loaded, self._module, str(checkpoint_path), take_fingerprint=self._fingerprints)
         return loaded
 
     @property

@@ -1,4 +1,4 @@
-"""The frozen base's fingerprint (what it holds; its reference is ``base_reference.py``'s), and verifying it.
+"""The frozen base's fingerprint (what it holds; its reference is ``reference.py``'s), and verifying it.
 
 The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
 each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
@@ -50,6 +50,10 @@ _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
 # elements per step: float64 sums of 2**20 products of a signed 16-bit pattern and a weight stay below 2**53, exact
 _CHUNK = 1 << 20
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
+# A fingerprint record, plain types only: {"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}
+Fingerprint = dict[str, Any]
+# What takes one: the named frozen tensors and a mode in, a record out (fingerprint_base, or a FingerprintCache)
+TakeFingerprint = Callable[[list[tuple[str, torch.Tensor]], str], Fingerprint]
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint
@@ -183,15 +187,14 @@ def _progress(named: list[tuple[str, torch.Tensor]], mode: str) -> Iterator[tupl
 
 def fingerprint_base(
     named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum", loaded: Optional[LoadedSums] = None
-) -> dict[str, Any]:
+) -> Fingerprint:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
 
     ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
     shard's as its source values were encoded: those tensors are not read again.
 
-    Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}``; in
-    ``checksum`` mode ``value`` is the checksum of the values cast to bf16 and ``value_fp16`` cast to fp16 (an fp32
-    tensor gets both, a bf16 or fp16 one its own).
+    Returns a :data:`Fingerprint`; in ``checksum`` mode each tensor's ``value`` is the checksum of its values cast to
+    bf16 and ``value_fp16`` cast to fp16 (an fp32 tensor gets both, a bf16 or fp16 one its own).
     """
     if mode not in FINGERPRINT_MODES:
         raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
@@ -231,14 +234,14 @@ class FingerprintCache:
 
     def __init__(self, loaded: Optional[LoadedSums] = None) -> None:
         self._key: Optional[tuple[Any, ...]] = None
-        self._value: dict[str, Any] = {}
+        self._value: Fingerprint = {}
         self.loaded = loaded
 
     def clear(self) -> None:
         """Forget the cached fingerprint (the frozen base may have changed between runs)."""
         self._key = None
 
-    def __call__(self, named_frozen: list[tuple[str, torch.Tensor]], mode: str) -> dict[str, Any]:
+    def __call__(self, named_frozen: list[tuple[str, torch.Tensor]], mode: str) -> Fingerprint:
         """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
         key = (mode, getattr(self.loaded, "changes", 0), *(name for name, _ in named_frozen))
         if self._key != key:
@@ -257,16 +260,16 @@ def comparable_value(recorded: dict[str, Any], current: dict[str, Any]) -> Optio
 
 
 def verify_base(
-    recorded: dict[str, Any],
+    recorded: Fingerprint,
     named_frozen: list[tuple[str, torch.Tensor]],
     reference: Optional[str],
     source: str,
-    fingerprint: Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]] = fingerprint_base,
+    take_fingerprint: TakeFingerprint = fingerprint_base,
     bases: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
 
-    ``fingerprint`` computes the current one (the strategy passes a cached :func:`fingerprint_base`). ``bases``: the
+    ``take_fingerprint`` computes the current one (the strategy passes its :class:`FingerprintCache`). ``bases``: the
     recorded references by module path, when the module holds several bases (see :func:`find_base_references`).
 
     Raises:
@@ -276,7 +279,7 @@ def verify_base(
     mode = recorded.get("mode", "none")
     if mode == "none":
         return
-    current = fingerprint(named_frozen, mode)
+    current = take_fingerprint(named_frozen, mode)
     if current["digest"] == recorded.get("digest"):
         return
     expected, found = recorded.get("tensors", {}), current["tensors"]
@@ -320,7 +323,7 @@ def verify_checkpoint_base(
     checkpoint: Mapping[str, Any],
     module: nn.Module,
     source: str,
-    fingerprint: Optional[Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]]] = None,
+    take_fingerprint: TakeFingerprint = fingerprint_base,
 ) -> None:
     """:func:`verify_base` of ``module`` against a checkpoint's ``frozen_base`` entry; the params the checkpoint holds
     trained values for are loaded, not verified. Collective when distributed.
@@ -335,5 +338,4 @@ def verify_checkpoint_base(
         tensors = {n: v for n, v in recorded["tensors"].items() if n not in skipped}
         recorded = {**recorded, "tensors": tensors, "digest": None}
     named = named_frozen(module, recorded, checkpoint["state_dict"])
-    fingerprint = fingerprint or fingerprint_base
-    verify_base(recorded, named, entry.get("reference"), source, fingerprint=fingerprint, bases=entry.get("bases"))
+    verify_base(recorded, named, entry.get("reference"), source, take_fingerprint, bases=entry.get("bases"))

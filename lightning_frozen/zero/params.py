@@ -2,7 +2,7 @@
 state through the shards of any number of ranks, and the loss scaler; and the dtype a DeepSpeed config computes in.
 
 A ZeRO-3 partition is a contiguous range of the flattened tensor, padded at the end (:func:`shard_range`). Where the
-shards live is ``placement.py``'s concern.
+shards live is ``engine.py``'s concern.
 """
 
 from __future__ import annotations
