@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
 from lightning_frozen.base.loaded import LoadedBase
@@ -189,6 +190,14 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
         param.ds_persist = False
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             param.partition()
+
+
+def destroy_engine(engine: Any, model: nn.Module, refrozen: list[nn.Parameter], offload_frozen: bool) -> None:
+    """Destroy a training engine before another is built over the same ``model``: DeepSpeed's hooks come off the
+    module, and ``refrozen`` params (they stop training) get shards of their own (:func:`detach_frozen_shards`)."""
+    engine.destroy()
+    remove_module_hooks(model)
+    detach_frozen_shards(refrozen, offload_frozen)
 
 
 def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
