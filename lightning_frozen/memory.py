@@ -26,7 +26,8 @@ from torch import nn
 from lightning_frozen.base.codec import storage_bytes
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
 from lightning_frozen.optim import filtering as optim
-from lightning_frozen.zero.engine import Placement, fitted_reduce_bucket
+from lightning_frozen.zero.config import fitted_reduce_bucket
+from lightning_frozen.zero.engine import Placement
 from lightning_frozen.zero.optimizers import inner_optimizer
 from lightning_frozen.zero.params import full_numel, local_shard
 from lightning_frozen.zero.quantized import frozen_dtype_of

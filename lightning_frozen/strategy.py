@@ -5,9 +5,8 @@ The class only wires the package's modules into Lightning's hooks; README.md's m
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -34,23 +33,17 @@ from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file as checkpoint
 from lightning_frozen.checkpoint import layout, trainable_state
 from lightning_frozen.optim import filtering as optim
-from lightning_frozen.optim import schedulers, unfreezing
+from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
+from lightning_frozen.zero import accelerator, host_memory, optimizers
 from lightning_frozen.zero import engine as placement
-from lightning_frozen.zero import host_memory
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.optimizers import inner_optimizer
+from lightning_frozen.zero.config import inference_config
 
 if TYPE_CHECKING:
     import deepspeed
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
-
-# torch 2.13's deprecation messages for what DeepSpeed 0.19 and Lightning 2.6 call every step: not the user's to fix
-DEPENDENCY_DEPRECATIONS = (
-    r"`(torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)|isinstance\(treespec, LeafSpec\))`"
-    r" is deprecated[.,] (Please )?use `"
-)
 
 
 class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
@@ -134,7 +127,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self.frozen_base, self.fingerprint, self.frozen_dtype = frozen_base, fingerprint, frozen_dtype
         self.return_freed_memory = return_freed_memory
         self._preemption = preemption.Preemption(preemption_grace)
-        self._optimized = unfreezing.OptimizedSet()
+        self._optimized = trainable_groups.TrainableGroups()
+        self._freezes: list[Callable[[Module], None]] = []  # this run's finetuning callbacks' `freeze_before_training`
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
@@ -151,6 +145,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         # each run fingerprints the base again; another module must not meet this one's optimizer and param names
         self._fingerprints.clear()
+        self._freezes = []
         if self._connected is None or self._connected() is not model:
             self.optimizers, self.lr_scheduler_configs = [], []
             self._optimized.forget_groups()
@@ -173,9 +168,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
         checkpoint.require_restore_path(self._module.trainer, self.checkpoint_io)
-        # those messages only, after the user's own filters; `append=True` adds no second copy on a later run
-        warnings.filterwarnings("ignore", DEPENDENCY_DEPRECATIONS, FutureWarning, append=True)
-        placement.align_deepspeed_accelerator(self.accelerator)
+        accelerator.ignore_dependency_deprecations()
+        accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()
         arguments.check_config_for_accelerator(self.config, self.accelerator)
@@ -185,26 +179,23 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        if isinstance(self.accelerator, CPUAccelerator):
-            # CPU devices have no index, so DeepSpeedStrategy's device-index check does not apply.
+        if isinstance(self.accelerator, CPUAccelerator):  # no device index: DeepSpeedStrategy's check does not apply
             self.set_world_ranks()
             self._init_deepspeed_distributed()
         else:
             super().setup_distributed()
-        placement.destroy_gloo_group_at_exit()
+        accelerator.destroy_gloo_group_at_exit()
 
     @property
     def _placement(self) -> placement.Placement:
-        index = self.root_device.index  # CPU devices have none: DeepSpeed's CPU accelerator takes the local rank
-        device_rank = index if index is not None else self.local_rank
         return placement.Placement(
-            device=self.root_device,
-            device_rank=device_rank,
+            device=self.root_device,  # CPU devices have no index: DeepSpeed's CPU accelerator takes the local rank
+            device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
             offload_frozen=self.offload_frozen,
             offload_optimizer=self.offload_optimizer,
             pin_memory=self.pin_memory,
             frozen_dtype=self.frozen_dtype,
-            fingerprint=self.fingerprint,
+            fingerprint_mode=self.fingerprint,
             fit_reduce_bucket=self._zero.fit_reduce_bucket,
             loaded=self._loaded_base,
         )
@@ -214,7 +205,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
         module = self._module
-        unfreezing.freeze_for_finetuning_callbacks(module)
+        for freeze in self._freezes:  # finetuning callbacks' freezes, now that `configure_model` built the module
+            freeze(module)
         optimizer, scheduler_config = super()._init_optimizers()
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
         optimizer = optim.prepare_for_zero(
@@ -258,10 +250,11 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
-        unfreezing.freeze_for_finetuning_callbacks(self._module)
+        for freeze in self._freezes:
+            freeze(self._module)
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
-        config = placement.inference_config(self.config)
+        config = inference_config(self.config)
         self.model, _ = placement.initialize_engine(model, config, self._placement)
 
     # ------------------------------------------------------------------ training
@@ -282,24 +275,28 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------------------------------ changing what trains
 
+    def freeze_once_built(self, freeze: Callable[[Module], None]) -> None:
+        """Run ``freeze(module)`` in this run once ``configure_model`` built the module (a finetuning callback's)."""
+        self._freezes.append(freeze)
+
+    def finetune(self, finetune: Callable[[unfreezing.StagedOptimizer], None]) -> None:
+        """Apply what ``finetune`` (a callback's) does to a stand-in optimizer: new hyper-parameters, or a rebuild."""
+        if regrouped := unfreezing.stage(self._module, self._deepspeed_optimizer, self.param_group_names, finetune):
+            self.reconfigure_trainable(*regrouped)
+
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
-        """Rebuild the ZeRO optimizer for new ``param_groups`` (the whole new structure) after params were unfrozen or
-        frozen mid-run; ``origins[i]`` is the current group that group ``i`` continues, None for a new one (new groups
-        come last). State carries over as ``optim/unfreezing`` says. Collective: every rank passes the same groups."""
+        """Rebuild the ZeRO optimizer over ``param_groups`` (all of them) once params were unfrozen or frozen mid-run,
+        carrying state; ``origins[i]``: the group that group ``i`` continues, None for new ones (last). Collective."""
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
-        optimizer = optim.same_kind_of_optimizer(inner_optimizer(self._deepspeed_optimizer), change.groups)
-        num_old_groups = len(self._optimized.group_names)
-        self.deepspeed_engine.destroy()
-        remove_module_hooks(module)
-        placement.detach_frozen_shards(change.refrozen, self.offload_frozen)
+        optimizer = optim.same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
+        placement.destroy_engine(self.deepspeed_engine, module, change.refrozen, self.offload_frozen)
         self._optimized.group_names = change.group_names
         self.model, deepspeed_optimizer = self._setup_model_and_optimizer(module, optimizer)
         self.optimizers = [deepspeed_optimizer]
-        if self.lr_scheduler_configs:
-            scheduler = self.lr_scheduler_configs[0].scheduler
-            schedulers.regroup_scheduler(scheduler, optimizer, change.continued, num_old_groups)
+        for config in self.lr_scheduler_configs:  # DeepSpeed runs one optimizer, so one scheduler at most
+            schedulers.regroup_scheduler(config.scheduler, optimizer, change.continued, change.replaced_groups)
         rank_zero_info(change.summary(unfreezing.restore_state(self.model, module, carried)))
 
     # ------------------------------------------------------------------ checkpoints
@@ -333,10 +330,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
         written_with = {layout.WORLD_SIZE: self.world_size, layout.PRECISION: str(self.precision_plugin.precision)}
-        fingerprint = self.frozen_base_fingerprint()
-        full = trainable_state.saved_checkpoint(
-            checkpoint_dict, self._module, fingerprint, self.frozen_base, **written_with
-        )
+        record = self.frozen_base_fingerprint()
+        full = trainable_state.saved_checkpoint(checkpoint_dict, self._module, record, self.frozen_base, **written_with)
         if self.is_global_zero:
             checkpoint.save(full, filepath, checkpoint_io, storage_options)
 
@@ -347,7 +342,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         loaded = checkpoint.load(checkpoint_path, checkpoint.user_checkpoint_io(self.checkpoint_io))
         quant.warn_if_stored_otherwise(loaded, self.frozen_dtype, checkpoint_path)
         if self.fingerprint != "none":
-            verify_checkpoint_base(loaded, self._module, str(checkpoint_path), fingerprint=self._fingerprints)
+            verify_checkpoint_base(loaded, self._module, str(checkpoint_path), take_fingerprint=self._fingerprints)
         return loaded
 
     @property

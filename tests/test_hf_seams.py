@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import lightning_frozen
-from lightning_frozen import strategy
 from lightning_frozen.hf import peft_adapters, transformers_loading
+from lightning_frozen.zero import accelerator
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 PACKAGE = Path(lightning_frozen.__file__).parent
@@ -262,7 +262,7 @@ def test_dependency_deprecations_are_ignored_by_their_messages_only() -> None:
     others = ["`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead", "x"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warnings.filterwarnings("ignore", strategy.DEPENDENCY_DEPRECATIONS, FutureWarning)
+        warnings.filterwarnings("ignore", accelerator.DEPENDENCY_DEPRECATIONS, FutureWarning)
         for message in [*messages, *others]:
             warnings.warn(message, FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == others
@@ -273,7 +273,7 @@ def test_fits_install_the_deprecation_filter_once_after_the_users_filters() -> N
         warnings.filterwarnings("error", message="the user's own")
         for _ in range(2):  # two fits in one process
             cpu_trainer(max_steps=1, enable_checkpointing=False).fit(AdapterModel(), regression_data())
-        ours = [f for f in warnings.filters if f[1] is not None and f[1].pattern == strategy.DEPENDENCY_DEPRECATIONS]
+        ours = [f for f in warnings.filters if f[1] is not None and f[1].pattern == accelerator.DEPENDENCY_DEPRECATIONS]
         users = [f for f in warnings.filters if f[1] is not None and f[1].pattern == "the user's own"]
         assert len(ours) == 1 and warnings.filters.index(users[0]) < warnings.filters.index(ours[0])
 

@@ -284,11 +284,19 @@ def test_sha256_fingerprint_is_of_the_source_bytes(tmp_path: Path) -> None:
     assert recorded["digest"] == frozen_base.fingerprint_base(source_frozen, "sha256")["digest"]
 
 
-def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainable() -> None:
+def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainable(tmp_path: Path) -> None:
     import deepspeed
 
-    model, _, _ = _fit_quantized("int8")
+    source = AdapterModel(width=WIDTH).to(torch.bfloat16).layers[0].base.weight.detach()
+    model, trainer, _ = _fit_quantized("int8", fingerprint="sha256")
     weight = model.layers[0].base.weight
+
+    def recorded_value(name: str) -> str:  # what a checkpoint written now records for the weight
+        trainer.save_checkpoint(tmp_path / name)
+        tensors = torch.load(tmp_path / name, weights_only=True)["frozen_base"]["fingerprint"]["tensors"]
+        return tensors["layers.0.base.weight"]["value"]
+
+    assert recorded_value("source.ckpt") == frozen_base.tensor_sha256(source)  # of the source, not of the codes
     before = zero.full_param(weight)
     with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
         weight.data.mul_(-2)
@@ -297,9 +305,11 @@ def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainabl
     )
     assert weight.ds_tensor.dtype == torch.uint8
     assert torch.equal(zero.full_param(weight), expected.view(WIDTH, WIDTH))
-    assert getattr(weight, frozen_base.SOURCE_CHECKSUM) == frozen_base.values_checksum((before * -2).reshape(-1), 0)
-    # and the sha256 of the new values (it kept the old one's before: a sha256 checkpoint then named the old base)
-    assert getattr(weight, frozen_base.SOURCE_SHA256) == frozen_base.tensor_sha256(before * -2)
+    # a checkpoint now names the written values, in both modes (sha256 once kept the old values' hash)
+    assert recorded_value("written.ckpt") == frozen_base.tensor_sha256(before * -2)
+    written = [("layers.0.base.weight", before * -2)]
+    checksum = trainer.strategy.frozen_base_fingerprint([("layers.0.base.weight", weight)], "checksum")
+    assert checksum["tensors"] == frozen_base.fingerprint_base(written, "checksum")["tensors"]
 
     weight.requires_grad_(True)
     with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):

@@ -1,5 +1,6 @@
-"""The trainable-set change behind ``reconfigure_trainable``, the optimized set a run checks, and the finetuning
-callbacks' checks, worked out without fitting or DeepSpeed."""
+"""The trainable-set change behind ``reconfigure_trainable``, the trainable groups a run records and checks, the
+stand-in optimizer a finetuning callback changes, and the finetuning callbacks' checks, worked out without fitting or
+DeepSpeed."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import torch
 from torch import nn
 
 from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError
+from lightning_frozen.optim.trainable_groups import TrainableGroups, check_trainable_set_unchanged
 from lightning_frozen.optim.unfreezing import (
-    OptimizedSet,
+    StagedOptimizer,
     check_finetuning_callbacks,
-    check_trainable_set_unchanged,
-    freeze_for_finetuning_callbacks,
     groups_from_checkpoint,
     plan_change,
 )
@@ -78,10 +78,10 @@ def test_a_flag_flipped_mid_run_is_refused_with_the_names() -> None:
         check_trainable_set_unchanged(watched, flags)
 
 
-def test_the_optimized_set_records_flags_and_ungrouped_params_and_forgets_groups() -> None:
+def test_the_trainable_groups_record_flags_and_ungrouped_params_and_forget_groups() -> None:
     model = _model()
     optimizer = torch.optim.SGD([model[1].weight], lr=0.1)  # `1.bias` trains but is in no group
-    optimized = OptimizedSet()
+    optimized = TrainableGroups()
     optimized.record_groups(model, optimizer)
     optimized.record_flags(model, optimizer)
     assert optimized.group_names == [["1.weight"]] and optimized.ungrouped_names == ["1.bias"]
@@ -96,7 +96,24 @@ def test_the_optimized_set_records_flags_and_ungrouped_params_and_forgets_groups
     optimized.check_unchanged()  # nothing watched: a new run records again
 
 
-def test_lightning_finetuning_callbacks_are_refused_and_ours_freeze_after_the_model_is_built() -> None:
+def test_the_staged_optimizer_applies_hyperparameters_or_reports_a_new_trainable_set() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    staged = StagedOptimizer(model, optimizer, [["1.weight", "1.bias"]])
+    assert staged.param_groups[0]["params"][0] is model[1].weight and staged.optimizer_class is torch.optim.SGD
+    staged.param_groups[0]["lr"] = 0.05
+    assert staged.apply_hyperparameters(model, optimizer) and optimizer.param_groups[0]["lr"] == 0.05
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        staged.add_param_group({"params": model[1].weight})
+    model[0].requires_grad_(True)
+    staged.add_param_group({"params": model[0].parameters(), "lr": 0.01})
+    staged.param_groups[0]["lr"] = 0.5
+    assert not staged.apply_hyperparameters(model, optimizer) and staged.origins == [0, None]
+    assert optimizer.param_groups[0]["lr"] == 0.05  # left to the rebuild over `staged.param_groups`
+    assert staged.param_groups[1]["momentum"] == 0  # the optimizer's defaults fill what the group leaves out
+
+
+def test_lightning_finetuning_callbacks_are_refused_and_ours_accepted() -> None:
     from lightning.pytorch.callbacks import BackboneFinetuning as LightningBackboneFinetuning
 
     import lightning_frozen
@@ -114,8 +131,5 @@ def test_lightning_finetuning_callbacks_are_refused_and_ours_freeze_after_the_mo
         def finetune_function(self, *args: object) -> None: ...
 
     module.trainer = L.Trainer(callbacks=[FreezeLayers()], logger=False)
-    check_finetuning_callbacks(module)
-    assert any(p.requires_grad for p in module.layers.parameters())
-    freeze_for_finetuning_callbacks(module)
-    assert not any(p.requires_grad for p in module.layers.parameters())
+    check_finetuning_callbacks(module)  # ours hand their freeze to the strategy in `setup` (test_finetuning.py)
     check_finetuning_callbacks(nn.Linear(2, 2))  # no Trainer attached: nothing to check

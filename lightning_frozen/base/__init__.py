@@ -1,3 +1,3 @@
-"""The frozen base: loading it sharded from a hub folder (``pretrained``), what the loader read (``loaded``), its
-fingerprint and verification (``fingerprint``), where it came from (``reference``) and its storage formats
-(``codec``)."""
+"""The frozen base: loading it sharded from a hub folder (``pretrained``), what was read of it as it was loaded or
+quantized (``loaded``), its fingerprint and verification (``fingerprint``), where it came from (``reference``) and its
+storage formats (``codec``)."""

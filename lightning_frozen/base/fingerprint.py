@@ -1,4 +1,4 @@
-"""The frozen base's fingerprint (what it holds; its reference is ``base_reference.py``'s), and verifying it.
+"""The frozen base's fingerprint (what it holds; its reference is ``reference.py``'s), and verifying it.
 
 The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
 each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
@@ -36,7 +36,10 @@ from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_pa
 
 
 class LoadedSums(Protocol):
-    """What the fingerprint reads of the sliced loader's record (``loaded_base.LoadedBase``)."""
+    """What the fingerprint reads of the strategy's record of the base (``loaded.LoadedBase``): per-param sums kept as
+    the values were read or encoded, and how many times it was written (a cached fingerprint is stale after that)."""
+
+    changes: int
 
     def checksum(self, param: torch.Tensor) -> Optional[list[int]]: ...
 
@@ -48,10 +51,10 @@ _WEIGHT_PERIOD = 65521  # largest prime below 2**16: position weights 1..65521
 # elements per step: float64 sums of 2**20 products of a signed 16-bit pattern and a weight stay below 2**53, exact
 _CHUNK = 1 << 20
 FINGERPRINT_MODES = ("checksum", "sha256", "none")
-# Set by quant.py on a param whose shard no longer holds its source values (a quantized frozen base): this rank's
-# checksum sums, and (sha256 mode) the whole tensor's hash, of the values before quantization.
-SOURCE_CHECKSUM = "lf_source_checksum"
-SOURCE_SHA256 = "lf_source_sha256"
+# A fingerprint record, plain types only: {"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}
+Fingerprint = dict[str, Any]
+# What takes one: the named frozen tensors and a mode in, a record out (fingerprint_base, or a FingerprintCache)
+TakeFingerprint = Callable[[list[tuple[str, torch.Tensor]], str], Fingerprint]
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint
@@ -142,11 +145,6 @@ def values_checksum(values: torch.Tensor, start: int) -> list[int]:
     return Checksummer()(values, start)
 
 
-def shard_checksum(param: torch.Tensor) -> list[int]:
-    """This rank's part of the checksum fingerprint of ``param`` (its ZeRO-3 shard, or the whole tensor)."""
-    return values_checksum(*local_values(param))
-
-
 def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
         return sums
@@ -181,15 +179,14 @@ def _progress(named: list[tuple[str, torch.Tensor]], mode: str) -> Iterator[tupl
 
 def fingerprint_base(
     named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum", loaded: Optional[LoadedSums] = None
-) -> dict[str, Any]:
+) -> Fingerprint:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
 
-    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it: those tensors are
-    not read again. A quantized shard's sums were kept when it was quantized (``SOURCE_CHECKSUM``).
+    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
+    shard's as its source values were encoded: those tensors are not read again.
 
-    Returns plain types only: ``{"mode", "digest", "tensors": {name: {"shape", "dtype", "value", ...}}}``; in
-    ``checksum`` mode ``value`` is the checksum of the values cast to bf16 and ``value_fp16`` cast to fp16 (an fp32
-    tensor gets both, a bf16 or fp16 one its own).
+    Returns a :data:`Fingerprint`; in ``checksum`` mode each tensor's ``value`` is the checksum of its values cast to
+    bf16 and ``value_fp16`` cast to fp16 (an fp32 tensor gets both, a bf16 or fp16 one its own).
     """
     if mode not in FINGERPRINT_MODES:
         raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
@@ -202,20 +199,20 @@ def fingerprint_base(
     known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":
         checksum = Checksummer()
-        pending = [(n, p) for n, p in named if getattr(p, SOURCE_CHECKSUM, None) is None and known(p) is None]
+        pending = [(n, p) for n, p in named if known(p) is None]
         computed = {name: checksum(*local_values(param)) for name, param in _progress(pending, mode)}
         del checksum  # its buffers are not needed after the pass
-        sums = [getattr(p, SOURCE_CHECKSUM, None) or known(p) or computed[n] for n, p in named]
+        sums = [known(p) or computed[n] for n, p in named]
         for (name, param), world in zip(named, _world_sum(sums, distributed)):
             for index, key in enumerate(checksum_keys(param.dtype)):
                 tensors[name][key] = f"{world[2 * index]:016x}{world[2 * index + 1]:016x}"
     elif mode == "sha256":
         hashed = (lambda _: None) if loaded is None else loaded.sha256
         # every rank takes the same branch for a tensor (the loader recorded it on all of them): gathers stay paired
-        pending = [(n, p) for n, p in named if getattr(p, SOURCE_SHA256, None) is None and hashed(p) is None]
+        pending = [(n, p) for n, p in named if hashed(p) is None]
         computed = {name: param_sha256(param) for name, param in _progress(pending, mode)}
         for name, param in named:
-            tensors[name][layout.VALUE] = getattr(param, SOURCE_SHA256, None) or hashed(param) or computed[name]
+            tensors[name][layout.VALUE] = hashed(param) or computed[name]
     digest = hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
     return layout.fingerprint_entry(mode, digest, tensors)
 
@@ -223,20 +220,21 @@ def fingerprint_base(
 class FingerprintCache:
     """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
     a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
-    what ``loaded``, the strategy's record of the sliced loader, already summed)."""
+    what ``loaded``, the strategy's record of the base, already summed); computed again when ``loaded`` changed (a
+    quantized param was written and encoded again)."""
 
     def __init__(self, loaded: Optional[LoadedSums] = None) -> None:
-        self._key: Optional[tuple[str, ...]] = None
-        self._value: dict[str, Any] = {}
+        self._key: Optional[tuple[Any, ...]] = None
+        self._value: Fingerprint = {}
         self.loaded = loaded
 
     def clear(self) -> None:
         """Forget the cached fingerprint (the frozen base may have changed between runs)."""
         self._key = None
 
-    def __call__(self, named_frozen: list[tuple[str, torch.Tensor]], mode: str) -> dict[str, Any]:
+    def __call__(self, named_frozen: list[tuple[str, torch.Tensor]], mode: str) -> Fingerprint:
         """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
-        key = (mode, *(name for name, _ in named_frozen))
+        key = (mode, getattr(self.loaded, "changes", 0), *(name for name, _ in named_frozen))
         if self._key != key:
             self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded), key
         return self._value
@@ -253,16 +251,16 @@ def comparable_value(recorded: dict[str, Any], current: dict[str, Any]) -> Optio
 
 
 def verify_base(
-    recorded: dict[str, Any],
+    recorded: Fingerprint,
     named_frozen: list[tuple[str, torch.Tensor]],
     reference: Optional[str],
     source: str,
-    fingerprint: Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]] = fingerprint_base,
+    take_fingerprint: TakeFingerprint = fingerprint_base,
     bases: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
 
-    ``fingerprint`` computes the current one (the strategy passes a cached :func:`fingerprint_base`). ``bases``: the
+    ``take_fingerprint`` computes the current one (the strategy passes its :class:`FingerprintCache`). ``bases``: the
     recorded references by module path, when the module holds several bases (see :func:`find_base_references`).
 
     Raises:
@@ -272,7 +270,7 @@ def verify_base(
     mode = recorded.get(layout.FINGERPRINT_MODE, "none")
     if mode == "none":
         return
-    current = fingerprint(named_frozen, mode)
+    current = take_fingerprint(named_frozen, mode)
     if current[layout.DIGEST] == recorded.get(layout.DIGEST):
         return
     expected, found = layout.fingerprint_tensors(recorded), layout.fingerprint_tensors(current)
@@ -320,7 +318,7 @@ def verify_checkpoint_base(
     checkpoint: Mapping[str, Any],
     module: nn.Module,
     source: str,
-    fingerprint: Optional[Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]]] = None,
+    take_fingerprint: TakeFingerprint = fingerprint_base,
 ) -> None:
     """:func:`verify_base` of ``module`` against a checkpoint's ``frozen_base`` entry; the params the checkpoint holds
     trained values for are loaded, not verified. Collective when distributed.
@@ -335,6 +333,5 @@ def verify_checkpoint_base(
         tensors = {n: v for n, v in recorded_tensors.items() if n not in skipped}
         recorded = {**recorded, layout.TENSORS: tensors, layout.DIGEST: None}
     named = named_frozen(module, recorded, layout.state_dict_of(checkpoint))
-    fingerprint = fingerprint or fingerprint_base
     reference, bases = layout.reference_of(checkpoint), layout.bases_of(checkpoint)
-    verify_base(recorded, named, reference, source, fingerprint=fingerprint, bases=bases)
+    verify_base(recorded, named, reference, source, take_fingerprint, bases=bases)

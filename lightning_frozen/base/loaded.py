@@ -4,7 +4,8 @@
 checksum (and, in ``sha256`` mode, the whole tensor's hash) and, with ``frozen_dtype`` set, stores the slice's codes
 in place of the shard, so the compute-dtype base is never whole on any node and nothing passes over it again.
 A :class:`LoadedBase` (one per strategy) keeps what was learnt, keyed weakly by param; the fingerprint reads it,
-and only params that arrived another way are read again.
+and only params that arrived another way are read again. A shard quantized later (at setup, or written and encoded
+again) hands its source values here too (:meth:`LoadedBase.source_keeper`), so it is the fingerprint's one source.
 
 At load time nobody knows yet which params will train (PEFT freezes afterwards, ``modules_to_save`` copies modules,
 a user may keep a norm trainable), so a param quantized while loading keeps its file and key. Until setup a gather
@@ -23,7 +24,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.base.fingerprint import Checksummer
+from lightning_frozen.base.fingerprint import Checksummer, param_sha256
+from lightning_frozen.base.fingerprint import tensor_sha256 as whole_sha256
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.params import full_shape, is_released, local_shard, mark_gathered, shard_range
@@ -44,13 +46,15 @@ class _Entry:
 
 
 class LoadedBase:
-    """Per-param checksums (and sha256) taken from the values as the loader read them; the sources of the params it
-    stored quantized. Filled by the loader, read by the fingerprint and by setup."""
+    """Per-param checksums (and sha256) taken from the values as the loader read them or as they were quantized; the
+    sources of the params the loader stored quantized. Filled by the loader and by quantization, read by the
+    fingerprint and by setup."""
 
     def __init__(self) -> None:
         # by id, with a weak reference to tell a reused id apart (tensors compare elementwise, so no WeakKeyDictionary)
         self._entries: dict[int, tuple[weakref.ref, _Entry]] = {}
         self.quantized_at_load = 0
+        self.changes = 0  # entries put or rewritten: a fingerprint cached before is stale
 
     # ------------------------------------------------------------------ filled by the loader
 
@@ -60,9 +64,15 @@ class LoadedBase:
         """Keep this rank's checksum of ``values`` (its shard's elements from flat index ``start``, in the param's
         dtype) and the tensor's ``sha256`` if given; for an unquantized shard, which storage it was read into."""
         shard = local_shard(param)
-        entry = _Entry(values.dtype, checksum(values, start), sha256, shard=(shard.data_ptr(), shard._version))
+        self._put(
+            param, _Entry(values.dtype, checksum(values, start), sha256, shard=(shard.data_ptr(), shard._version))
+        )
+
+    def _put(self, param: nn.Parameter, entry: _Entry) -> _Entry:
+        self.changes += 1
         self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # forget params gone
         self._entries[id(param)] = (weakref.ref(param), entry)
+        return entry
 
     def quantized(self, param: nn.Parameter, source: tuple[str, str]) -> None:
         """``param``'s shard now holds codes (``quant.store_codes``); ``source`` is the (file, key) of its exact
@@ -73,6 +83,33 @@ class LoadedBase:
         entry.originals = {name: getattr(param, name) for name in _GATHER_METHODS}
         _install_exact_gather(param, self)
         self.quantized_at_load += 1
+
+    # ------------------------------------------------------------------ filled by quantization
+
+    def keep_source(
+        self, param: nn.Parameter, values: torch.Tensor, start: int, whole: Optional[torch.Tensor] = None
+    ) -> None:
+        """``param``'s shard is about to hold the codes of ``values`` (this rank's elements from flat index ``start``,
+        in its dtype; a ``quant.SourceValues``): their checksum, and the sha256 of ``whole`` (the whole tensor) when it
+        is given, stand for ``param`` in the fingerprint from now on."""
+        self._keep(param, values, start, whole_sha256(whole) if whole is not None else None)
+
+    def source_keeper(self, fingerprint_mode: str) -> quant.SourceValues:
+        """What setup's quantization tells the source values to: :meth:`keep_source`, and in ``sha256`` mode the
+        whole tensor's hash, gathered while its shard still holds them (collective then)."""
+        if fingerprint_mode != "sha256":
+            return self.keep_source
+
+        def keep(param: nn.Parameter, values: torch.Tensor, start: int, whole: Optional[torch.Tensor]) -> None:
+            self._keep(param, values, start, whole_sha256(whole) if whole is not None else param_sha256(param))
+
+        return keep
+
+    def _keep(self, param: nn.Parameter, values: torch.Tensor, start: int, sha256: Optional[str]) -> None:
+        entry = self.entry(param) or self._put(param, _Entry(values.dtype, []))
+        self.changes += 1
+        entry.dtype, entry.checksum, entry.sha256 = values.dtype, Checksummer()(values, start), sha256
+        entry.shard = None  # the record holds for the codes, which only a write replaces (and reports here)
 
     def entry(self, param: nn.Parameter) -> Optional[_Entry]:
         """What was recorded for ``param``, if anything."""
@@ -129,13 +166,12 @@ class LoadedBase:
             elif not entry.settled:
                 self.settle_one(param, entry)
 
-    @staticmethod
-    def settle_one(param: nn.Parameter, entry: _Entry) -> None:
-        """``param`` computes through the quantized gather from now on."""
+    def settle_one(self, param: nn.Parameter, entry: _Entry) -> None:
+        """``param`` computes through the quantized gather from now on; a write to it reports its new values here."""
         assert entry.originals is not None
         for method, original in entry.originals.items():
             setattr(param, method, original)
-        quant.install_quantized_gather(param)
+        quant.install_quantized_gather(param, self.keep_source)
         entry.settled = True
 
 
@@ -179,7 +215,8 @@ def _install_exact_gather(param: nn.Parameter, loaded: LoadedBase) -> None:
             if has_been_updated:  # written while loading: its file no longer holds its values, its codes will
                 start, count = shard_range(p)
                 values = p.data.detach().reshape(-1)[start : start + count]
-                entry.checksum, entry.sha256, entry.source = Checksummer()(values, start), None, None
+                loaded.keep_source(p, values, start, p.data)
+                entry.source = None
                 quant.store_codes(p, values, quant.frozen_dtype_of(p))
                 loaded.settle_one(p, entry)
                 p.partition(param_list=[p], hierarchy=hierarchy, free_data=free_data)

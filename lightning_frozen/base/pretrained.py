@@ -53,12 +53,12 @@ _SAFETENSORS_DTYPES = {
 @dataclass(frozen=True)
 class LoadPlan:
     """How the sliced loader stores and records what it reads: ``frozen_dtype`` (None, ``"int8"``, ``"nf4"``)
-    encodes each floating-point slice as it is read; ``fingerprint`` is the strategy's mode (``"sha256"`` also
-    hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum and source."""
+    encodes each floating-point slice as it is read; ``fingerprint_mode`` is the strategy's ``fingerprint``
+    (``"sha256"`` also hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum and source."""
 
     loaded: LoadedBase
     frozen_dtype: Optional[str] = None
-    fingerprint: str = "checksum"
+    fingerprint_mode: str = "checksum"
 
 
 @contextmanager
@@ -213,7 +213,7 @@ def load_tensor(
         if not quantize and count > 0:
             shard.narrow(0, 0, count).copy_(values)
         if plan is not None:
-            sha256 = tensor_sha256(piece, shape, target.dtype) if plan.fingerprint == "sha256" else None
+            sha256 = tensor_sha256(piece, shape, target.dtype) if plan.fingerprint_mode == "sha256" else None
             plan.loaded.record(target, values, start, checksum or Checksummer(), sha256)
             if quantize:
                 assert plan.frozen_dtype is not None

@@ -5,9 +5,11 @@ They are Lightning's classes with the same names and API; import them from ``lig
 ``lightning.pytorch.callbacks``. Lightning's own refuse every DeepSpeed strategy in ``setup``, and their
 ``unfreeze_and_add_param_group`` calls ``optimizer.add_param_group``, which a ZeRO-3 optimizer cannot honour:
 its fp32 partitions are fixed when DeepSpeed initialises. Here ``finetune_function`` receives a stand-in
-optimizer with the same ``param_groups`` and ``add_param_group``; when it returns, changed hyper-parameters go to
-the real optimizer, and a changed trainable set makes the strategy rebuild the ZeRO optimizer, carrying over the
-state of every param that keeps training (:meth:`FrozenAwareDeepSpeedStrategy.reconfigure_trainable`).
+optimizer with the same ``param_groups`` and ``add_param_group``, from the strategy
+(:meth:`FrozenAwareDeepSpeedStrategy.finetune`); when it returns, the strategy applies it: changed hyper-parameters go
+to the real optimizer, and a changed trainable set rebuilds the ZeRO optimizer, carrying over the state of every param
+that keeps training. The callback calls the strategy (``freeze_once_built`` from ``setup``, ``finetune`` at each
+epoch's start); the strategy needs no marker on it.
 
 Two differences from Lightning's, both for ZeRO-3: ``freeze_before_training`` runs once ``configure_model`` has built
 the (sharded) model, where Lightning's runs in ``setup``, before it; and a param left trainable in no group (the
@@ -27,53 +29,21 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import finetuning as lightning_finetuning
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.nn import Module, Parameter
+from torch.nn import Module
 from typing_extensions import override
 
+from lightning_frozen.optim.unfreezing import StagedOptimizer
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
-
-
-class StagedOptimizer:
-    """What ``finetune_function`` sees instead of the ZeRO optimizer: its groups with their real params.
-
-    Group dicts are copies; changes to their hyper-parameters and groups added with ``add_param_group`` are
-    applied to the real optimizer afterwards by :meth:`BaseFinetuning.on_train_epoch_start`.
-    """
-
-    def __init__(self, strategy: FrozenAwareDeepSpeedStrategy) -> None:
-        module = strategy.lightning_module
-        assert module is not None
-        params = dict(module.named_parameters())
-        real = strategy.optimizers[0]
-        inner = getattr(real, "optimizer", real)
-        self.optimizer_class = type(inner)
-        self.defaults = dict(getattr(real, "defaults", None) or inner.defaults)
-        self.param_groups: list[dict[str, Any]] = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in names]}
-            for group, names in zip(real.param_groups, strategy.param_group_names)
-        ]
-        self.origins: list[Optional[int]] = list(range(len(self.param_groups)))
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, Parameter) else list(params)
-        present = {id(p) for group in self.param_groups for p in group["params"]}
-        if any(id(p) in present for p in params):
-            raise ValueError("some parameters appear in more than one parameter group")
-        self.param_groups.append({**self.defaults, **param_group, "params": params})
-        self.origins.append(None)
 
 
 class BaseFinetuning(lightning_finetuning.BaseFinetuning):
     """Lightning's ``BaseFinetuning``, working under ``frozen_deepspeed`` (and unchanged under other strategies)."""
 
-    # tells the strategy that this callback unfreezes through `reconfigure_trainable` (see unfreezing.ZERO3_FINETUNING)
-    unfreezes_under_zero3 = True
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, FrozenAwareDeepSpeedStrategy):
-            # the strategy calls `freeze_before_training` once `configure_model` has built the model
+            # the model is built later, in `configure_model`: the strategy freezes it then
+            trainer.strategy.freeze_once_built(self.freeze_before_training)
             return
         super().setup(trainer, pl_module, stage)
 
@@ -120,19 +90,13 @@ class BaseFinetuning(lightning_finetuning.BaseFinetuning):
         if not isinstance(strategy, FrozenAwareDeepSpeedStrategy):
             super().on_train_epoch_start(trainer, pl_module)
             return
-        flags = {id(p): p.requires_grad for p in pl_module.parameters()}
-        staged = StagedOptimizer(strategy)
-        num_groups = len(staged.param_groups)
-        self.finetune_function(pl_module, trainer.current_epoch, staged)
-        self._store(pl_module, 0, num_groups, staged.param_groups)
-        changed = len(staged.param_groups) != num_groups or any(
-            p.requires_grad != flags[id(p)] for p in pl_module.parameters()
-        )
-        if changed:
-            strategy.reconfigure_trainable(staged.param_groups, staged.origins)
-            return
-        for real, group in zip(strategy.optimizers[0].param_groups, staged.param_groups):
-            real.update({k: v for k, v in group.items() if k != "params"})
+
+        def finetune(optimizer: StagedOptimizer) -> None:  # Lightning's body, on the strategy's stand-in optimizer
+            num_groups = len(optimizer.param_groups)
+            self.finetune_function(pl_module, trainer.current_epoch, optimizer)
+            self._store(pl_module, 0, num_groups, optimizer.param_groups)
+
+        strategy.finetune(finetune)
 
 
 class BackboneFinetuning(BaseFinetuning, lightning_finetuning.BackboneFinetuning):

@@ -1,35 +1,30 @@
-"""Changing what trains in the middle of a ZeRO-3 run: the plan, the state carried over, and the checks.
+"""Changing what trains in the middle of a ZeRO-3 run: the stand-in optimizer a finetuning callback changes, the
+plan, the state carried over, and the checks.
 
-DeepSpeed cannot add params to or remove them from an initialised ZeRO-3 optimizer, so the strategy destroys the
-engine and initialises a new one over the same (already partitioned) module. Around that rebuild, this module works
-out the new param groups (:func:`plan_change`), copies out the fp32 master weights and optimizer state of every param
-that keeps training (:func:`carry_state`) and writes them into the new optimizer (:func:`restore_state`). On resume,
-:func:`groups_from_checkpoint` makes trainable what was trainable when the checkpoint was saved.
-
-Between changes, :class:`OptimizedSet` holds what the optimizer was built for, and each training step checks that
-no ``requires_grad`` flipped behind the strategy's back. Our finetuning callbacks declare ``ZERO3_FINETUNING``; the
-strategy refuses Lightning's own (:func:`check_finetuning_callbacks`).
+A finetuning callback calls the strategy (``FrozenAwareDeepSpeedStrategy.finetune``), which runs the callback's change
+on a :class:`StagedOptimizer` and applies it (:func:`stage`). DeepSpeed cannot add params to or remove them from an
+initialised ZeRO-3 optimizer, so for a new trainable set the strategy destroys the engine and initialises a new one
+over the same (already partitioned) module. Around that rebuild, this module works out the new param groups
+(:func:`plan_change`), copies out the fp32 master weights and optimizer state of every param that keeps training
+(:func:`carry_state`) and writes them into the new optimizer (:func:`restore_state`). On resume,
+:func:`groups_from_checkpoint` makes trainable what was trainable when the checkpoint was saved. The strategy refuses
+Lightning's own finetuning callbacks (:func:`check_finetuning_callbacks`); what the optimizer was built for is
+``trainable_groups.py``'s record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetuning
 from torch import nn
-from torch.optim import Optimizer
 
 from lightning_frozen.checkpoint import layout
-from lightning_frozen.errors import FrozenSetChangedError, UnsupportedConfigurationError, format_names
-from lightning_frozen.optim.filtering import leave_ungrouped_unstepped
+from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero.optimizers import engine_counters, set_engine_counters
-
-# A finetuning callback with this class attribute set to True unfreezes through the strategy's
-# `reconfigure_trainable`, and its `freeze_before_training(module)` runs once `configure_model` has built the model.
-ZERO3_FINETUNING = "unfreezes_under_zero3"
 
 
 def _callbacks(module: nn.Module) -> list[Any]:
@@ -38,13 +33,14 @@ def _callbacks(module: nn.Module) -> list[Any]:
 
 
 def check_finetuning_callbacks(module: nn.Module) -> None:
-    """Refuse Lightning's own finetuning callbacks on ``module``'s Trainer: they raise for every DeepSpeed strategy.
+    """Refuse finetuning callbacks whose ``setup`` is Lightning's on ``module``'s Trainer: it raises for every
+    DeepSpeed strategy. Ours (``lightning_frozen.BaseFinetuning``) hand their freeze to the strategy there instead.
 
     Raises:
         UnsupportedConfigurationError: naming the callback and ours to use instead.
     """
     for callback in _callbacks(module):
-        if isinstance(callback, LightningBaseFinetuning) and not getattr(callback, ZERO3_FINETUNING, False):
+        if isinstance(callback, LightningBaseFinetuning) and type(callback).setup is LightningBaseFinetuning.setup:
             raise UnsupportedConfigurationError(
                 f"Lightning's `{type(callback).__name__}` refuses every DeepSpeed strategy. Import"
                 " `BaseFinetuning`/`BackboneFinetuning` from `lightning_frozen` instead (same names and"
@@ -52,46 +48,56 @@ def check_finetuning_callbacks(module: nn.Module) -> None:
             )
 
 
-def freeze_for_finetuning_callbacks(module: nn.Module) -> None:
-    """Run our finetuning callbacks' freeze after ``configure_model`` built the (sharded) ``module``; Lightning's
-    freeze in their ``setup``, before it."""
-    for callback in _callbacks(module):
-        if getattr(callback, ZERO3_FINETUNING, False):
-            callback.freeze_before_training(module)
+class StagedOptimizer:
+    """What a finetuning callback's ``finetune_function`` sees instead of the ZeRO optimizer: its groups with their
+    real params, and ``add_param_group``. Group dicts are copies, applied afterwards (:func:`stage`): new
+    hyper-parameters to the real optimizer, or, when the trainable set changed, a rebuild over :attr:`param_groups`,
+    with :attr:`origins` the current group each continues (None for a new one)."""
+
+    def __init__(self, module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]]) -> None:
+        params = dict(module.named_parameters())
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.optimizer_class = type(inner)
+        self.defaults = dict(getattr(optimizer, "defaults", None) or inner.defaults)
+        self.param_groups: list[dict[str, Any]] = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in names]}
+            for group, names in zip(optimizer.param_groups, group_names)
+        ]
+        self.origins: list[Optional[int]] = list(range(len(self.param_groups)))
+        self._flags = {id(p): p.requires_grad for p in module.parameters()}
+        self._num_groups = len(self.param_groups)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, nn.Parameter) else list(params)
+        present = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) in present for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append({**self.defaults, **param_group, "params": params})
+        self.origins.append(None)
+
+    def apply_hyperparameters(self, module: nn.Module, optimizer: Any) -> bool:
+        """Give the real ``optimizer``'s groups (the same, in the same order) the stand-in's hyper-parameters, unless a
+        group was added or a ``requires_grad`` of ``module`` flipped: then return False (the optimizer is rebuilt)."""
+        flipped = any(p.requires_grad != self._flags.get(id(p), p.requires_grad) for p in module.parameters())
+        if flipped or len(self.param_groups) != self._num_groups:
+            return False
+        for real, group in zip(optimizer.param_groups, self.param_groups):
+            real.update({k: v for k, v in group.items() if k != "params"})
+        return True
 
 
-@dataclass
-class OptimizedSet:
-    """What the ZeRO optimizer of a run was built over: its groups' param names, and every param's
-    ``requires_grad`` then (checked each training step); and the trainable params in no group, with the hooks that
-    drop their gradients."""
-
-    group_names: list[list[str]] = field(default_factory=list)
-    watched: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    flags: tuple[bool, ...] = ()
-    ungrouped_names: list[str] = field(default_factory=list)
-    ungrouped_hooks: list[Any] = field(default_factory=list)
-
-    def record_groups(self, module: nn.Module, optimizer: Optimizer) -> None:
-        names = {id(p): n for n, p in module.named_parameters()}
-        self.group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-    def record_flags(self, module: nn.Module, optimizer: Optional[Optimizer]) -> None:
-        """As an engine is built over ``module`` and ``optimizer``: the flags to hold, and the ungrouped params."""
-        if optimizer is not None:
-            self.ungrouped_names, self.ungrouped_hooks = leave_ungrouped_unstepped(
-                module, optimizer, self.ungrouped_names, self.ungrouped_hooks
-            )
-        self.watched = list(module.named_parameters())
-        self.flags = tuple(p.requires_grad for _, p in self.watched)
-
-    def forget_groups(self) -> None:
-        """For a run on another module (the ungrouped params' hooks go when the next engine is built)."""
-        self.group_names, self.watched, self.flags = [], [], ()
-
-    def check_unchanged(self) -> None:
-        """See :func:`check_trainable_set_unchanged`."""
-        check_trainable_set_unchanged(self.watched, self.flags)
+def stage(
+    module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]], finetune: Callable[[StagedOptimizer], None]
+) -> Optional[tuple[list[dict[str, Any]], list[Optional[int]]]]:
+    """Run ``finetune`` (a finetuning callback's change) on a :class:`StagedOptimizer` of ``optimizer``, whose groups
+    hold the params named in ``group_names``. New hyper-parameters alone go to ``optimizer`` (None is returned); a new
+    trainable set returns the new groups and their origins, for the strategy to rebuild the optimizer over."""
+    staged = StagedOptimizer(module, optimizer, group_names)
+    finetune(staged)
+    if staged.apply_hyperparameters(module, optimizer):
+        return None
+    return staged.param_groups, staged.origins
 
 
 @dataclass
@@ -104,6 +110,7 @@ class TrainableChange:
     keep: list[str]  # params trainable before and after: their weights and state are carried over
     refrozen: list[nn.Parameter]  # params that stop training
     added: list[str]  # params that start training
+    replaced_groups: int  # how many groups the current optimizer has
 
     def summary(self, carried: int) -> str:
         return (
@@ -134,6 +141,7 @@ def plan_change(
         keep=[n for n in old_names if n in new_set],
         refrozen=[params[n] for n in old_names if n not in new_set],
         added=sorted(new_set - set(old_names)),
+        replaced_groups=len(current_group_names),
     )
 
 
@@ -192,24 +200,3 @@ def groups_from_checkpoint(
         for group in saved_groups
     ]
     return groups, [i if i < num_current_groups else None for i in range(len(groups))]
-
-
-def check_trainable_set_unchanged(watched: Sequence[tuple[str, nn.Parameter]], flags: Sequence[bool]) -> None:
-    """Refuse a ``requires_grad`` flipped since the optimizer was built (``flags``, one per watched param).
-
-    Raises:
-        FrozenSetChangedError: naming the params unfrozen and frozen, and the fix.
-    """
-    if tuple(p.requires_grad for _, p in watched) == tuple(flags):
-        return
-    changed = [(name, param.requires_grad) for (name, param), was in zip(watched, flags) if param.requires_grad != was]
-    unfrozen = [name for name, now in changed if now]
-    frozen = [name for name, now in changed if not now]
-    raise FrozenSetChangedError(
-        "The set of trainable parameters changed during training:"
-        + (f" unfrozen {format_names(unfrozen)};" if unfrozen else "")
-        + (f" frozen {format_names(frozen)};" if frozen else "")
-        + " the ZeRO optimizer was built for the set at the start of `fit`, so these would be silently"
-        " ignored or trained without state. Set `requires_grad` before `fit`, or change it mid-run through"
-        " `lightning_frozen.BaseFinetuning` / `BackboneFinetuning`, which rebuild the optimizer."
-    )

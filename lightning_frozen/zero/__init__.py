@@ -7,9 +7,9 @@ the ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_s
 and ``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
 ``partition``, keeping DeepSpeed's handle contract (``quantized``), and ``Init._partition_param``, with its
-``_aligned_size`` and ``_partition_world_size`` (``placeholders``); reads the accelerator's ``_name`` (``engine``); and
-merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params``
-(``checkpoint_files``).
+``_aligned_size`` and ``_partition_world_size`` (``placeholders``); reads the accelerator's ``_name``
+(``accelerator``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
+``_zero3_merge_frozen_params`` (``checkpoint_files``).
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -18,13 +18,13 @@ is defined where it is listed):
   ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``, ``full_param``,
   ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent: ``optimizer_state_of``,
   ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``scaler_state``, ``restore_loss_scaler``;
-  and
-  ``check_has_trainable``, ``compute_dtype``.
+  and ``check_has_trainable``, ``compute_dtype``.
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
   ``import_with_logs_to_stderr``.
 - ``engine``: the engine over frozen and trainable shards: ``Placement``, ``initialize_engine``,
-  ``inference_config``, ``detach_frozen_shards``, ``fitted_reduce_bucket``, ``align_deepspeed_accelerator``,
-  ``destroy_gloo_group_at_exit``.
+  ``detach_frozen_shards``, ``destroy_engine``.
+- ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit:
+  ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``scheduler_per_group_attributes``.
@@ -34,7 +34,8 @@ is defined where it is listed):
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
   ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``, ``loss_scaler_of``,
   ``ENGINE_STATE_KEYS``.
-- ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``.
+- ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``,
+  ``fitted_reduce_bucket``, ``fit_reduce_bucket``, ``inference_config``.
 - ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``.
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step: ``clip_per_adapter``.
 """

@@ -1,5 +1,5 @@
-"""Where ZeRO-3 puts frozen and trainable params and the module's buffers, DeepSpeed's accelerator, and the engine
-built over them.
+"""Where ZeRO-3 puts frozen and trainable params and the module's buffers, and the engine built over them (its frozen
+shards quantized when ``frozen_dtype`` says so).
 
 DeepSpeed's ``offload_param`` moves every param to CPU memory, trainable ones too. We want only the frozen
 shards there, so before ``deepspeed.initialize`` we convert the two sets with two ``deepspeed.zero.Init``
@@ -11,101 +11,19 @@ later all-gather copies a shard to the accelerator from wherever it lives.
 from __future__ import annotations
 
 import argparse
-import atexit
-import functools
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
 from lightning_frozen.base.loaded import LoadedBase
-from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.zero import host_memory
 from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.config import LIGHTNING_REDUCE_BUCKET_SIZE, zero_settings
+from lightning_frozen.zero.config import fit_reduce_bucket, zero_settings
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
-
-_DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
-
-
-def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
-    """Make DeepSpeed's accelerator match Lightning's, or raise if ``DS_ACCELERATOR`` pins another one."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    wanted = next((name for cls, name in _DEEPSPEED_ACCELERATOR_OF.items() if isinstance(accelerator, cls)), None)
-    if wanted is None:
-        raise UnsupportedConfigurationError(
-            f"lightning-frozen runs DeepSpeed on `CUDAAccelerator` or `CPUAccelerator`, not"
-            f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
-        )
-    current = get_accelerator()._name
-    if current == wanted:
-        return
-    pinned = os.environ.get("DS_ACCELERATOR")
-    if pinned:
-        raise UnsupportedConfigurationError(
-            f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
-            f" its `{current}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
-            " `accelerator`."
-        )
-    if wanted == "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-    else:
-        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
-
-        set_accelerator(CUDA_Accelerator())
-
-
-@functools.cache
-def destroy_gloo_group_at_exit() -> None:
-    """Destroy a gloo default process group when the interpreter exits, while Python is still whole.
-
-    Left to interpreter finalization, gloo's worker threads can abort a process whose run succeeded ("terminate
-    called without an active exception", status 134; pytorch/pytorch#190489, seen here on 2 CPU ranks). A group the
-    user destroyed, or an NCCL one, is left alone. Registered once per process.
-    """
-    atexit.register(_destroy_gloo_group)
-
-
-def _destroy_gloo_group() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
-
-
-def fit_reduce_bucket(config: dict, trainable_numel: int) -> None:
-    """Size ZeRO-3's gradient reduce bucket to the trainable elements when they are fewer than the default.
-
-    ZeRO-3 allocates the bucket (``reduce_bucket_size`` elements) up front and only trainable gradients pass
-    through it: with Lightning's default of 2e8 that is 763 MiB in fp32 (381 MiB in bf16) for any adapter.
-    """
-    zero_config = config.setdefault("zero_optimization", {})
-    zero_config["reduce_bucket_size"] = fitted_reduce_bucket(trainable_numel)
-
-
-def fitted_reduce_bucket(trainable_numel: int) -> int:
-    """The reduce bucket ``frozen_deepspeed`` uses: Lightning's default, or the trainable elements if fewer."""
-    return int(min(LIGHTNING_REDUCE_BUCKET_SIZE, max(trainable_numel, 1)))
-
-
-def inference_config(config: dict) -> dict[str, Any]:
-    """The DeepSpeed config for an engine without optimizer (validate/test/predict): the training config's precision
-    and ZeRO settings."""
-    inference: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-    for key in ("fp16", "bf16"):
-        if key in config:
-            inference[key] = config[key]
-    # a user's config may leave out what DeepSpeed treats as optional (this engine has no optimizer anyway)
-    inference["zero_optimization"] = config["zero_optimization"]
-    if "zero_allow_untested_optimizer" in config:
-        inference["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
-    return inference
 
 
 def place_model(model: nn.Module, config: Optional[dict], device: torch.device, offload_frozen: bool) -> None:
@@ -125,7 +43,7 @@ class Placement:
     offload_optimizer: bool = False  # the optimizer steps on the CPU (the DeepSpeed config says so too)
     pin_memory: bool = False
     frozen_dtype: Optional[str] = None  # "int8"/"nf4": frozen shards stored quantized (see `quant.py`)
-    fingerprint: str = "checksum"  # the base's fingerprint mode, taken before the shards are quantized
+    fingerprint_mode: str = "checksum"  # how the base is fingerprinted: its source values are kept as they are encoded
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     fit_reduce_bucket: bool = False  # (when the user set no size)
     loaded: Optional[LoadedBase] = None  # what the sliced loader stored: quantized while loading, settled at setup
@@ -170,7 +88,8 @@ def initialize_engine(
     )
     release_frozen_persistence(engine, model)
     if where.frozen_dtype:
-        quant.quantize_frozen_shards(model, where.frozen_dtype, where.fingerprint)
+        keeper = where.loaded.source_keeper(where.fingerprint_mode) if where.loaded is not None else None
+        quant.quantize_frozen_shards(model, where.frozen_dtype, keeper)
     return engine, deepspeed_optimizer
 
 
@@ -266,6 +185,14 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
         param.ds_persist = False
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             param.partition()
+
+
+def destroy_engine(engine: Any, model: nn.Module, refrozen: list[nn.Parameter], offload_frozen: bool) -> None:
+    """Destroy a training engine before another is built over the same ``model``: DeepSpeed's hooks come off the
+    module, and ``refrozen`` params (they stop training) get shards of their own (:func:`detach_frozen_shards`)."""
+    engine.destroy()
+    remove_module_hooks(model)
+    detach_frozen_shards(refrozen, offload_frozen)
 
 
 def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:

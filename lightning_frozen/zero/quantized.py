@@ -17,14 +17,13 @@ per param), which gather and decode the bytes described here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_frozen.base import fingerprint as frozen_base
 from lightning_frozen.base.codec import BlockFormat, block_format, decode, encode, split
 from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenDtypeError
@@ -39,6 +38,11 @@ from lightning_frozen.zero.params import (
 )
 
 _FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
+
+# Told the values a frozen shard held just before they are encoded: the param, this rank's elements, the flat index of
+# the first, and the whole tensor when it is at hand (written under `GatheredParameters`). Whoever needs the source
+# values keeps what it needs of them (the strategy's record of the base, `base/loaded.py`); quantizing keeps nothing.
+SourceValues = Callable[[nn.Parameter, torch.Tensor, int, Optional[torch.Tensor]], None]
 
 
 def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
@@ -90,13 +94,13 @@ def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -
         ) from error
 
 
-def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, fingerprint_mode: str = "checksum") -> int:
+def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
     """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``; return how many it did.
 
     Each shard is quantized in turn, on the device it lives on, and its compute-dtype copy freed: no full copy of
-    the base beyond what partitioning made. The fingerprint of the source values (``fingerprint_mode``) is kept
-    on the param first, so checkpoints verify against the unquantized base. Params quantized before are skipped.
-    Collective for ``fingerprint_mode="sha256"``.
+    the base beyond what partitioning made. ``before_encoding`` is told each shard's values first, and again for
+    the new values of a param written later, so checkpoints can verify against the unquantized base. Params
+    quantized before are skipped. Collective when ``before_encoding`` is.
 
     Raises:
         FrozenDtypeError: a quantized param was made trainable (its source values are gone), or a frozen param is
@@ -120,12 +124,14 @@ def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, fingerprint_mode
                 f"`{name}` is frozen but not a released ZeRO-3 shard, so it cannot be stored as {fmt.name}."
                 " `frozen_dtype` needs ZeRO stage 3 (`stage=3`, the default)."
             )
-        quantize_param_shard(param, fmt.name, fingerprint_mode)
+        quantize_param_shard(param, fmt.name, before_encoding)
         done += 1
     return done
 
 
-def quantize_param_shard(param: nn.Parameter, frozen_dtype: str, fingerprint_mode: str = "checksum") -> None:
+def quantize_param_shard(
+    param: nn.Parameter, frozen_dtype: str, before_encoding: Optional[SourceValues] = None
+) -> None:
     """Quantize one released ZeRO-3 param's shard (see :func:`quantize_frozen_shards`).
 
     Raises:
@@ -137,11 +143,12 @@ def quantize_param_shard(param: nn.Parameter, frozen_dtype: str, fingerprint_mod
             f" {frozen_dtype}: only frozen params (`requires_grad=False`) are quantized. Freeze it first"
             " (`requires_grad_(False)`) or leave it out of the frozen base."
         )
-    setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.shard_checksum(param))
-    if fingerprint_mode == "sha256":
-        setattr(param, frozen_base.SOURCE_SHA256, frozen_base.param_sha256(param))
-    store_codes(param, frozen_base.local_values(param)[0], frozen_dtype)
-    _install_gather(param)
+    start, count = shard_range(param)
+    values = param.ds_tensor.detach().reshape(-1)[:count]
+    if before_encoding is not None:
+        before_encoding(param, values, start, None)
+    store_codes(param, values, frozen_dtype)
+    _install_gather(param, before_encoding)
 
 
 def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) -> None:
@@ -162,9 +169,10 @@ def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     delattr(param, _FROZEN_DTYPE_ATTR)
 
 
-def install_quantized_gather(param: nn.Parameter) -> None:
-    """Gather and partition ``param`` (its shard already holds codes) through the quantized gather."""
-    _install_gather(param)
+def install_quantized_gather(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:
+    """Gather and partition ``param`` (its shard already holds codes) through the quantized gather; a write to it
+    tells ``before_encoding`` the new values before they are encoded."""
+    _install_gather(param, before_encoding)
 
 
 def _store(param: nn.Parameter, stored: torch.Tensor, fmt: BlockFormat) -> None:
@@ -179,7 +187,7 @@ def _store(param: nn.Parameter, stored: torch.Tensor, fmt: BlockFormat) -> None:
     setattr(param, _FROZEN_DTYPE_ATTR, fmt.name)
 
 
-def _install_gather(param: nn.Parameter) -> None:
+def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]) -> None:
     original_partition = param.partition
 
     def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False, quantize: bool = False) -> Any:
@@ -207,7 +215,7 @@ def _install_gather(param: nn.Parameter) -> None:
         others = [p for p in param_list if frozen_dtype_of(p) is None]
         if has_been_updated:
             for p in ours:  # written under GatheredParameters(modifier_rank=...): quantize this rank's new slice
-                _requantize_from_full(p)
+                _requantize_from_full(p, before_encoding)
         if ours:
             original_partition(param_list=ours, hierarchy=hierarchy, has_been_updated=False, free_data=free_data)
         if others:
@@ -220,13 +228,13 @@ def _install_gather(param: nn.Parameter) -> None:
     param.partition = partition
 
 
-def _requantize_from_full(param: nn.Parameter) -> None:
+def _requantize_from_full(param: nn.Parameter, before_encoding: Optional[SourceValues]) -> None:
     frozen_dtype = frozen_dtype_of(param)
     assert frozen_dtype is not None
     start, count = shard_range(param)
     piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
-    setattr(param, frozen_base.SOURCE_CHECKSUM, frozen_base.values_checksum(piece, start))
-    setattr(param, frozen_base.SOURCE_SHA256, frozen_base.tensor_sha256(param.data))
+    if before_encoding is not None:
+        before_encoding(param, piece, start, param.data)
     _store(param, encode(piece, frozen_dtype, numel=shard_numel(param)), block_format(frozen_dtype))
 
 

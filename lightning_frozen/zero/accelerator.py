@@ -1,0 +1,76 @@
+"""DeepSpeed's accelerator made to match Lightning's, and the process's gloo group destroyed before the interpreter
+is torn down."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import warnings
+from typing import Optional
+
+import torch.distributed as dist
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+
+from lightning_frozen.errors import UnsupportedConfigurationError
+
+_DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
+
+
+def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
+    """Make DeepSpeed's accelerator match Lightning's, or raise if ``DS_ACCELERATOR`` pins another one."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    wanted = next((name for cls, name in _DEEPSPEED_ACCELERATOR_OF.items() if isinstance(accelerator, cls)), None)
+    if wanted is None:
+        raise UnsupportedConfigurationError(
+            f"lightning-frozen runs DeepSpeed on `CUDAAccelerator` or `CPUAccelerator`, not"
+            f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
+        )
+    current = get_accelerator()._name
+    if current == wanted:
+        return
+    pinned = os.environ.get("DS_ACCELERATOR")
+    if pinned:
+        raise UnsupportedConfigurationError(
+            f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
+            f" its `{current}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
+            " `accelerator`."
+        )
+    if wanted == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
+
+
+@functools.cache
+def destroy_gloo_group_at_exit() -> None:
+    """Destroy a gloo default process group when the interpreter exits, while Python is still whole.
+
+    Left to interpreter finalization, gloo's worker threads can abort a process whose run succeeded ("terminate
+    called without an active exception", status 134; pytorch/pytorch#190489, seen here on 2 CPU ranks). A group the
+    user destroyed, or an NCCL one, is left alone. Registered once per process.
+    """
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
+# torch 2.13's deprecation messages for what DeepSpeed 0.19 and Lightning 2.6 call every step: not the user's to fix
+DEPENDENCY_DEPRECATIONS = (
+    r"`(torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)|isinstance\(treespec, LeafSpec\))`"
+    r" is deprecated[.,] (Please )?use `"
+)
+
+
+def ignore_dependency_deprecations() -> None:
+    """Ignore :data:`DEPENDENCY_DEPRECATIONS` only, after the user's own filters; ``append=True`` adds no second copy
+    on a later run."""
+    warnings.filterwarnings("ignore", DEPENDENCY_DEPRECATIONS, FutureWarning, append=True)
