@@ -19,7 +19,7 @@ PACKAGE = Path(lightning_frozen.__file__).parent
 NOT_OURS = {
     ("memory.py", "AssertionError"),  # an unreachable branch
     (
-        "optim/finetuning.py",
+        "optim/unfreezing.py",
         "ValueError",
     ),  # the message torch.optim's own `add_param_group` raises, kept for its callers
 }

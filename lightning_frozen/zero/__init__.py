@@ -29,7 +29,7 @@ is defined where it is listed):
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``scheduler_per_group_attributes``.
 - ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
-  ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``warn_if_stored_otherwise``.
+  ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``warn_if_stored_otherwise``, ``SourceValues``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
   ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``, ``loss_scaler_of``,
