@@ -22,7 +22,7 @@ import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
 from lightning_frozen.checkpoint import atomic_files
 from lightning_frozen.checkpoint import file as ckpt_module
-from tests.distributed import SCRIPTS, free_port
+from tests.distributed import SCRIPTS, free_port, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 MAX_STEPS = 40
@@ -443,18 +443,13 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout_and_not_left_behind(tmp_
 
 
 def test_resident_memory_stays_flat_with_a_save_every_step(tmp_path: Path) -> None:
-    """``benchmarks/soak.py`` cut short: 2 ranks, 120 steps, a checkpoint (about 400 KiB) after each one.
+    """The soak benchmark cut short: 2 ranks, 120 steps, a checkpoint (about 400 KiB) after each one.
 
     Without a leak RSS creeps by 15-30 KiB per step early on (the allocator settling); a checkpoint kept alive per
     save, on either rank, shows as 400 KiB or more per save.
     """
-    environment = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = tmp_path / "soak.json"
-    soak = Path(__file__).parents[1] / "benchmarks" / "soak.py"
-    command = [sys.executable, str(soak), "--steps=120", "--every=1", f"--out={out}"]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script("soak.py", "--steps=120", "--every=1", f"--out={out}", timeout=180)
     summary = json.loads(out.read_text())["summary"]
     assert sorted(summary) == ["0", "1"]
     for rank, figures in summary.items():
