@@ -14,6 +14,8 @@ import torch
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
+pytestmark = pytest.mark.slow  # every test here starts a 2-rank world
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -211,6 +211,7 @@ def test_tied_weights_save_resume_and_load(tmp_path: Path, train_tied: bool) -> 
 # ---------------------------------------------------------------------------------------------- two ranks, odd sizes
 
 
+@pytest.mark.slow
 def test_odd_sized_tensors_on_two_ranks_fingerprint_and_round_trip_exactly(tmp_path: Path) -> None:
     # width 7, rank 3: frozen 7x7 weights and 7-element biases, trainable 3x7 and 7x3 adapters, a 1x7 head; each is
     # split 4 + 3 (or 1 + 0) elements between the ranks, with ZeRO padding on the last
