@@ -162,7 +162,7 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
 _BLOCKED_WRITER = """
 import pathlib, sys, time
 sys.path.insert(0, {repo!r})
-from lightning_frozen import atomic_files
+from lightning_frozen.checkpoint import atomic_files
 
 def write(handle):
     handle.write(b"half a checkpoint")
@@ -459,7 +459,7 @@ def test_resident_memory_stays_flat_with_a_save_every_step(tmp_path: Path) -> No
 _SIGNALLED_WRITER = """
 import os, pathlib, signal, sys
 sys.path.insert(0, {repo!r})
-from lightning_frozen import atomic_files
+from lightning_frozen.checkpoint import atomic_files
 
 target = pathlib.Path({target!r})
 atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
