@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_frozen
-    from benchmarks.stock_cpu import CPUDeepSpeedStrategy
+    from tests.stock_cpu import CPUDeepSpeedStrategy
 
     torch.set_num_threads(1)
     load_seconds: list[float] = []

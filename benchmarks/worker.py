@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_frozen  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.configs import CONFIGS, Config  # noqa: E402
-from benchmarks.stock_cpu import stage_3_offload  # noqa: E402
+from tests.stock_cpu import stage_3_offload  # noqa: E402
 
 MEMORY_STEPS = 4  # first, with RSS following live memory
 WARMUP_STEPS = 2  # then glibc keeps buffers in its heap again; these let it grow

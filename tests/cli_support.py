@@ -4,12 +4,11 @@ modules whose ``__init__`` fails) and the environment for commands they run in s
 
 from __future__ import annotations
 
-import os
-
 import lightning as L
 from torch.utils.data import DataLoader
 
 import lightning_frozen
+from tests.distributed import fresh_env
 from tests.models import AdapterModel, regression_data
 
 
@@ -54,7 +53,5 @@ class BuggyAdapterModel(SavedHparamsAdapterModel):
 
 
 def command_env() -> dict[str, str]:
-    """This environment without the rendezvous variables an in-process fit left behind (a child reusing
-    ``MASTER_PORT`` would find it taken) and without ``PYTHONPATH``: commands import from their working directory."""
-    dropped = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "PYTHONPATH"}
-    return {key: value for key, value in os.environ.items() if key not in dropped}
+    """:func:`fresh_env` without ``PYTHONPATH``: commands import from their working directory."""
+    return {key: value for key, value in fresh_env().items() if key != "PYTHONPATH"}

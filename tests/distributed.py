@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 SCRIPTS = Path(__file__).parent / "scripts"
+RANK_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")
 
 
 def free_port() -> int:
@@ -19,18 +20,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def fresh_env(**overrides: str) -> dict[str, str]:
+    """This environment for a child process that starts a world of its own: without the rank variables an in-process
+    Trainer left behind, on a free loopback port (one left behind may still be taken), then ``overrides``."""
+    environment = {key: value for key, value in os.environ.items() if key not in RANK_VARIABLES}
+    return {**environment, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **overrides}
+
+
 def run_script(
     name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None, status: int = 0
 ) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<name>`` with ``args``; fail with its output if it exits with another status than
     ``status`` or exceeds ``timeout`` seconds."""
-    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        if env is None or key not in env:
-            environment.pop(key, None)
     result = subprocess.run(
         [sys.executable, str(SCRIPTS / name), *args],
-        env=environment,
+        env=fresh_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,

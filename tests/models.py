@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_frozen  # noqa: F401  (registers the "frozen_deepspeed" strategy names)
-from benchmarks.stock_cpu import CPUDeepSpeedStrategy as StockDeepSpeedOnCPU  # noqa: F401  (stock, CUDA checks lifted)
+from tests.stock_cpu import CPUDeepSpeedStrategy as StockDeepSpeedOnCPU  # noqa: F401  (stock, CUDA checks lifted)
 
 
 class LoRALinear(nn.Module):

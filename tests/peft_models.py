@@ -7,7 +7,6 @@ so two modules of the same tuner start from the same weights.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import torch
 import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.models import minilm_path
 from examples.causal_lm_lora.make_base import write_random_llama
+from examples.minilm_lora.task import minilm_folder
 
 SENTENCES = [
     ("a wonderful, warm film", 1),
@@ -65,10 +64,9 @@ TUNERS: dict[str, tuple[Callable[[], Any], bool]] = {
 
 def minilm_classifier(folder: str | None = None) -> torch.nn.Module:
     """MiniLM with a 2-class head; dropout off, so a resumed run can repeat an uninterrupted one exactly."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)  # the classifier head is initialised randomly: the same seed, the same base
     return transformers.AutoModelForSequenceClassification.from_pretrained(
-        folder or minilm_path(), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        folder or str(minilm_folder()), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
 
 
@@ -138,7 +136,7 @@ class PeftModule(L.LightningModule):
 def encoded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``SENTENCES`` through MiniLM's tokenizer: input ids, attention mask, labels (ids < 256 index the Llama too
     after a modulo, see ``batches``)."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_folder())
     batch = tokenizer([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"], torch.tensor([label for _, label in SENTENCES])
 

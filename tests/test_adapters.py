@@ -177,6 +177,7 @@ def test_a_run_of_adapters_resumed_from_its_middle_ends_where_it_would_have(
     _same_adapters(resumed, torch.load(together, weights_only=True)["state_dict"], NAMES)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_each_adapter_as_alone_resume_exactly_and_resume_on_one(llama: str, tmp_path: Path) -> None:
     run_script("train_adapters_together.py", "--llama", llama, "--out", str(tmp_path), timeout=900)
     states = {path.stem: torch.load(path, weights_only=True)["state_dict"] for path in tmp_path.glob("*.ckpt")}

@@ -254,6 +254,7 @@ def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_pa
     assert calls == [4]  # the resume check; both saves reuse it
 
 
+@pytest.mark.slow
 def test_resume_with_optimizer_offload_is_exact(tmp_path: Path) -> None:
     def fit(max_epochs: int, resume: Path | None = None) -> dict:
         trainer = cpu_trainer("frozen_deepspeed_offload", max_epochs=max_epochs)

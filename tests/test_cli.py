@@ -216,6 +216,7 @@ def test_the_default_strategy_is_frozen_deepspeed(capsys: pytest.CaptureFixture[
     assert printed["trainer"]["strategy"] == "frozen_deepspeed"
 
 
+@pytest.mark.slow
 def test_the_console_script_fits_a_yaml_config_from_the_project_directory(tmp_path: Path) -> None:
     config = _config(tmp_path, "frozen_deepspeed_no_offload", model="tests.models.AdapterModel")
 

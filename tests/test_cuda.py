@@ -84,9 +84,9 @@ class _BuffersEverywhere(L.LightningModule):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModel
 
-        from benchmarks.models import minilm_path
+        from examples.minilm_lora.task import minilm_folder
 
-        base = AutoModel.from_pretrained(minilm_path())
+        base = AutoModel.from_pretrained(minilm_folder())
         self.encoder = get_peft_model(base, LoraConfig(r=4, target_modules=["query", "value"]))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

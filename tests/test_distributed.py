@@ -14,26 +14,33 @@ import torch
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
+pytestmark = pytest.mark.slow  # every test here starts a 2-rank world
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One epoch on 2 ranks (checkpoint saved), and a second epoch resumed on 2 ranks from it."""
+    """In one 2-rank world, one run after the other: one epoch (checkpoint saved), a second epoch resumed from it, two
+    epochs straight, a validation from that file, and a resume of a checkpoint saved on one rank (made first)."""
     tmp = tmp_path_factory.mktemp("two_ranks")
-    run_script(
-        "train_adapter.py", "--devices=2", "--max-epochs=1", f"--save={tmp / 'one.ckpt'}", f"--report={tmp / 'one'}"
-    )
-    run_script(
-        "train_adapter.py",
-        "--devices=2",
-        "--max-epochs=2",
-        f"--resume={tmp / 'one.ckpt'}",
-        f"--save={tmp / 'resumed.ckpt'}",
-        f"--report={tmp / 'resumed'}",
-    )
-    run_script(
-        "train_adapter.py", "--devices=2", "--max-epochs=2", f"--save={tmp / 'two.ckpt'}", f"--report={tmp / 'two'}"
-    )
-    return {"dir": tmp, "one": tmp / "one.ckpt", "resumed": tmp / "resumed.ckpt", "two": tmp / "two.ckpt"}
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(AdapterModel(), regression_data())
+    trainer.save_checkpoint(tmp / "one_rank.ckpt")
+    runs = [
+        ["--max-epochs=1", f"--save={tmp / 'one.ckpt'}", f"--report={tmp / 'one'}"],
+        ["--max-epochs=2", f"--resume={tmp / 'one.ckpt'}", f"--save={tmp / 'resumed.ckpt'}", f"--report={tmp / 'r'}"],
+        ["--max-epochs=2", f"--save={tmp / 'two.ckpt'}", f"--report={tmp / 'two'}"],
+        [f"--validate={tmp / 'two.ckpt'}", f"--report={tmp / 'validate'}"],
+        [
+            "--max-epochs=1",
+            f"--resume={tmp / 'one_rank.ckpt'}",
+            f"--save={tmp / 'two_ranks.ckpt'}",
+            f"--report={tmp / 'o'}",
+        ],
+    ]
+    then = [arg for run in runs[1:] for arg in ("--then", *run)]
+    run_script("train_adapter.py", "--devices=2", *runs[0], *then, timeout=600)
+    names = ("one", "resumed", "two", "one_rank", "two_ranks")
+    return {"dir": tmp, **{name: tmp / f"{name}.ckpt" for name in names}}
 
 
 def test_each_rank_holds_a_half_shard_of_every_frozen_param(two_ranks: dict[str, Path]) -> None:
@@ -95,27 +102,14 @@ def test_saved_on_two_ranks_resumes_on_one(two_ranks: dict[str, Path], tmp_path:
     assert trainer.global_step == 4 + 8
 
 
-def test_saved_on_one_rank_resumes_on_two(tmp_path: Path) -> None:
-    trainer = cpu_trainer(max_epochs=1)
-    trainer.fit(AdapterModel(), regression_data())
-    trainer.save_checkpoint(tmp_path / "one_rank.ckpt")
-    run_script(
-        "train_adapter.py",
-        "--devices=2",
-        "--max-epochs=1",
-        f"--resume={tmp_path / 'one_rank.ckpt'}",
-        f"--save={tmp_path / 'two_ranks.ckpt'}",
-        f"--report={tmp_path / 'report'}",
-    )
+def test_saved_on_one_rank_resumes_on_two(two_ranks: dict[str, Path]) -> None:
     _assert_same_state(
-        torch.load(tmp_path / "one_rank.ckpt", weights_only=True),
-        torch.load(tmp_path / "two_ranks.ckpt", weights_only=True),
+        torch.load(two_ranks["one_rank"], weights_only=True), torch.load(two_ranks["two_ranks"], weights_only=True)
     )
 
 
-def test_validate_on_two_ranks_from_a_checkpoint(two_ranks: dict[str, Path], tmp_path: Path) -> None:
-    run_script("train_adapter.py", "--devices=2", f"--validate={two_ranks['two']}", f"--report={tmp_path}")
-    reports = read_reports(tmp_path)
+def test_validate_on_two_ranks_from_a_checkpoint(two_ranks: dict[str, Path]) -> None:
+    reports = read_reports(two_ranks["dir"] / "validate")
     loaded = __import__("lightning_frozen").load_adapter(AdapterModel(), two_ranks["two"]).eval()
     x, y = next(iter(regression_data(batch_size=64)))
     with torch.no_grad():

@@ -40,6 +40,7 @@ def _checkpoint(out: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_minilm_lora_trains_exports_to_peft_and_reloads_to_the_same_logits(tmp_path: Path) -> None:
     output = _run_example("minilm_lora", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
 
@@ -56,6 +57,7 @@ def test_minilm_lora_trains_exports_to_peft_and_reloads_to_the_same_logits(tmp_p
     assert (tmp_path / "peft_adapter" / "adapter_model.safetensors").stat().st_size > 36_864 * 4
 
 
+@pytest.mark.slow
 def test_lr_zero_workaround_is_converted_and_the_backbone_left_out(tmp_path: Path) -> None:
     output = _run_example("lr_zero_workaround", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
 
@@ -68,6 +70,7 @@ def test_lr_zero_workaround_is_converted_and_the_backbone_left_out(tmp_path: Pat
     assert "verified the frozen base: the backbone is unchanged" in output
 
 
+@pytest.mark.slow
 def test_two_process_run_shards_the_base_and_reloads_in_one_process(tmp_path: Path) -> None:
     output = _run_example("two_process", tmp_path, *SHORT)
 
@@ -80,6 +83,7 @@ def test_two_process_run_shards_the_base_and_reloads_in_one_process(tmp_path: Pa
     assert abs(one_process - two_ranks) <= 2 / 80  # same 80 sentences; a borderline logit may round either way
 
 
+@pytest.mark.slow
 def test_causal_lm_lora_loads_in_configure_model_on_two_ranks_and_both_reloads_generate_alike(tmp_path: Path) -> None:
     output = _run_example("causal_lm_lora", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
 
@@ -112,6 +116,7 @@ def test_the_main_config_takes_strategy_options_from_the_command_line(capsys: py
     assert printed["model"]["class_path"] == "examples.minilm_lora.task.LoRASentimentClassifier"
 
 
+@pytest.mark.slow
 def test_adapter_sweep_trains_three_adapters_at_once_and_exports_the_best_alone(tmp_path: Path) -> None:
     output = _run_example("adapter_sweep", tmp_path, *SHORT, "--trainer.limit_val_batches=2")
 

@@ -139,6 +139,7 @@ def test_lightning_finetuning_callbacks_are_still_refused_with_a_pointer() -> No
         cpu_trainer(max_epochs=1, callbacks=[BackboneFinetuning()]).fit(BackboneModel(), _data())
 
 
+@pytest.mark.slow
 def test_unfreezing_on_two_ranks(tmp_path: Path) -> None:
     run_script("finetune_backbone.py", f"--report={tmp_path}")
     reports = read_reports(tmp_path)

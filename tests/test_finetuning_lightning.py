@@ -411,6 +411,7 @@ def test_the_callback_freezes_a_model_built_in_configure_model_once_it_is_built(
     assert torch.equal(epochs.weights[0]["backbone.weight"], nn.Linear(32, 32).weight.detach())
 
 
+@pytest.mark.slow
 def test_batchnorm_params_in_no_group_on_two_ranks(tmp_path: Path) -> None:
     run_script("finetune_batchnorm.py", f"--report={tmp_path}")
     reports = read_reports(tmp_path)

@@ -16,6 +16,8 @@ import torch
 from tests.distributed import read_reports, run_script
 from tests.pretrained_support import write_llama
 
+pytestmark = pytest.mark.slow  # every test here starts a 2-rank world
+
 
 def _run(folder: Path, report: Path, *args: str) -> list[dict[str, Any]]:
     result = run_script("load_quantized.py", "--folder", str(folder), "--report", str(report), *args, timeout=600)

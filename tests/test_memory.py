@@ -71,7 +71,7 @@ def test_estimate_matches_the_shards_of_a_real_zero3_run() -> None:
 
 def test_13b_lora_on_meta_fits_one_24gb_gpu_only_with_the_base_offloaded() -> None:
     pytest.importorskip("transformers")
-    from benchmarks.estimate_13b import fits, llama_13b_lora
+    from tests.meta_models import fits, llama_13b_lora
 
     model = llama_13b_lora()
     assert all(p.is_meta for p in model.parameters())

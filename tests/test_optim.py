@@ -141,6 +141,7 @@ def test_foreign_params_are_named_by_shape() -> None:
         check_params_belong_to(model, optimizer)
 
 
+@pytest.mark.slow
 def test_adam_becomes_cpu_adam_with_the_same_hyper_parameters() -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 

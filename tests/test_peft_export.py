@@ -19,7 +19,7 @@ from tests.models import AdapterModel, cpu_trainer
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from benchmarks.models import minilm_path  # noqa: E402
+from examples.minilm_lora.task import minilm_folder  # noqa: E402
 from tests.peft_models import encoded, minilm_classifier  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def test_lora_on_query_and_value_trains_36864_params(trained: dict[str, Any]) ->
 
 def test_the_base_reference_is_found_from_peft(trained: dict[str, Any]) -> None:
     frozen_base = torch.load(trained["path"], weights_only=True)["frozen_base"]
-    assert frozen_base["reference"] == minilm_path()
+    assert frozen_base["reference"] == str(minilm_folder())
     assert frozen_base["peft"]["config"]["peft_type"] == "LORA"
     assert sorted(frozen_base["peft"]["config"]["target_modules"]) == ["query", "value"]
 

@@ -183,6 +183,7 @@ def test_export_refuses_a_prompt_method_it_cannot_compute(tmp_path: Path) -> Non
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_save_a_prefix_encoder_that_exports_and_resumes_on_one(llama_folder: str, tmp_path: Path) -> None:
     """On 2 ranks each holds half of every prompt encoder tensor (some of odd size): the checkpoint gathers them whole,
     export computes the prefix from them, and one rank resumes from the file."""

@@ -58,6 +58,7 @@ def _same_training_state(expected: dict[str, Any], found: dict[str, Any]) -> Non
             torch.testing.assert_close(value, expected_state[name][key], msg=f"{name} {key}")
 
 
+@pytest.mark.slow
 def test_sigterm_at_every_point_of_a_step_stops_both_ranks_and_the_resumed_run_is_exact(tmp_path: Path) -> None:
     straight, chain = tmp_path / "straight" / "ckpt", tmp_path / "chain" / "ckpt"
     _run(straight, "straight", resume=False, status=0)

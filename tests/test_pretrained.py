@@ -79,6 +79,7 @@ def test_adapter_from_a_configure_model_base_loads_without_deepspeed(llama_folde
         lightning_frozen.load_from_checkpoint(PretrainedLoRA, tmp_path / "adapter.ckpt", folder=str(other))
 
 
+@pytest.mark.slow
 def test_two_ranks_load_their_own_halves_then_resume_on_one(llama_folder: Path, tmp_path: Path) -> None:
     two, one = tmp_path / "two", tmp_path / "one"
     checkpoint = tmp_path / "two.ckpt"

@@ -410,6 +410,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 def test_two_process_fit_holds_half_the_codes_per_rank(two_ranks: Path, frozen_dtype: str) -> None:
     reports = read_reports(two_ranks / frozen_dtype)
@@ -425,6 +426,7 @@ def test_two_process_fit_holds_half_the_codes_per_rank(two_ranks: Path, frozen_d
         assert torch.equal(torch.tensor(report["seen_weight"]), expected)
 
 
+@pytest.mark.slow
 def test_two_process_resume_reproduces_the_codes_and_records_the_quantization(two_ranks: Path) -> None:
     first, resumed = read_reports(two_ranks / "nf4"), read_reports(two_ranks / "resumed")
     assert [r["global_step"] for r in resumed] == [8, 8]
@@ -478,6 +480,7 @@ def prefetched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
+@pytest.mark.slow
 def test_prefetched_quantized_gathers_stay_in_flight_while_other_layers_compute(prefetched: Path) -> None:
     for report in read_reports(prefetched / "async"):
         codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]  # the quantized gathers' collectives
@@ -491,6 +494,7 @@ def test_prefetched_quantized_gathers_stay_in_flight_while_other_layers_compute(
         assert codes and all(g["waited_at"] == g["started_at"] for g in codes)  # the check can tell the two apart
 
 
+@pytest.mark.slow
 def test_the_asynchronous_gather_trains_exactly_as_the_synchronous_one(prefetched: Path) -> None:
     asynchronous, synchronous = read_reports(prefetched / "async"), read_reports(prefetched / "sync")
     source = AdapterModel(width=WIDTH, depth=4).to(torch.bfloat16)

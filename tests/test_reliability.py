@@ -22,7 +22,7 @@ import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
 from lightning_frozen.checkpoint import atomic_files, layout
 from lightning_frozen.checkpoint import file as ckpt_module
-from tests.distributed import SCRIPTS, free_port
+from tests.distributed import SCRIPTS, fresh_env, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 MAX_STEPS = 40
@@ -48,14 +48,8 @@ def _start(folder: Path, resume: Path | None) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=_fresh_process_env(),
+        env=fresh_env(OMP_NUM_THREADS="1"),
     )
-
-
-def _fresh_process_env() -> dict[str, str]:
-    """This environment less the rank variables an in-process Trainer left behind, on a port of its own."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    return {**environment, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
 
 
 def _wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 90) -> None:
@@ -91,6 +85,7 @@ def _run_and_kill(folder: Path, resume: Path | None, mid_write: bool, delay: flo
     process.stderr.close()
 
 
+@pytest.mark.slow
 def test_sigkill_while_checkpointing_every_step_leaves_whole_files_and_resumes(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     rng = random.Random(6)
@@ -361,9 +356,7 @@ def _launch(folder: Path, *args: str, nodes: int = 1, timeout: float = 120) -> t
     process each, which find each other through Lightning's environment variables on loopback. Returns the exit
     codes, the output of all and the seconds until the last one ended; whatever runs past ``timeout`` is killed."""
     devices = ["--devices=1", f"--num-nodes={nodes}"] if nodes > 1 else ["--devices=2"]
-    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        environment.pop(key, None)
+    environment = fresh_env(OMP_NUM_THREADS="1")
     if nodes > 1:
         environment["WORLD_SIZE"] = str(nodes)
     command = [sys.executable, str(SCRIPTS / "many_ranks.py"), f"--dir={folder}", *devices, *args]
@@ -400,6 +393,7 @@ def _processes_running(argument: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_two_simulated_nodes_fit_checkpoint_resume_and_validate(tmp_path: Path) -> None:
     codes, output, _ = _launch(tmp_path, nodes=2)
     assert codes == [0, 0], output[-6000:]
@@ -415,6 +409,7 @@ def test_two_simulated_nodes_fit_checkpoint_resume_and_validate(tmp_path: Path) 
     assert sum(r["val_loss"] for r in reports) / 2 == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_ends_the_run_with_its_error(tmp_path: Path) -> None:
     codes, output, seconds = _launch(tmp_path, "--fail=step", "--fail-rank=1")
     assert codes[0] != 0 and "<killed" not in output
@@ -422,6 +417,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(tmp_path: Path) -> None:
     assert seconds < 90 and not _processes_running(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_on_node_zero_ends_both_nodes(tmp_path: Path) -> None:
     (tmp_path / "last.ckpt").mkdir()  # a stock DeepSpeed checkpoint in the way: rank 0, the writer, refuses it
     (tmp_path / "last.ckpt" / "latest").write_text("checkpoint")
@@ -431,6 +427,7 @@ def test_a_failed_checkpoint_write_on_node_zero_ends_both_nodes(tmp_path: Path) 
     assert seconds < 90 and (tmp_path / "last.ckpt" / "latest").read_text() == "checkpoint"
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_ended_by_the_collective_timeout_and_not_left_behind(tmp_path: Path) -> None:
     codes, output, seconds = _launch(tmp_path, "--fail=hang", "--fail-rank=1", "--timeout=10")
     assert codes[0] != 0 and "<killed" not in output
@@ -442,19 +439,15 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout_and_not_left_behind(tmp_
 # ---------------------------------------------------------------------------------------------- long runs
 
 
+@pytest.mark.slow
 def test_resident_memory_stays_flat_with_a_save_every_step(tmp_path: Path) -> None:
-    """``benchmarks/soak.py`` cut short: 2 ranks, 120 steps, a checkpoint (about 400 KiB) after each one.
+    """The soak benchmark cut short: 2 ranks, 120 steps, a checkpoint (about 400 KiB) after each one.
 
     Without a leak RSS creeps by 15-30 KiB per step early on (the allocator settling); a checkpoint kept alive per
     save, on either rank, shows as 400 KiB or more per save.
     """
-    environment = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = tmp_path / "soak.json"
-    soak = Path(__file__).parents[1] / "benchmarks" / "soak.py"
-    command = [sys.executable, str(soak), "--steps=120", "--every=1", f"--out={out}"]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script("soak.py", "--steps=120", "--every=1", f"--out={out}", timeout=180)
     summary = json.loads(out.read_text())["summary"]
     assert sorted(summary) == ["0", "1"]
     for rank, figures in summary.items():

@@ -211,14 +211,16 @@ def test_tied_weights_save_resume_and_load(tmp_path: Path, train_tied: bool) -> 
 # ---------------------------------------------------------------------------------------------- two ranks, odd sizes
 
 
+@pytest.mark.slow
 def test_odd_sized_tensors_on_two_ranks_fingerprint_and_round_trip_exactly(tmp_path: Path) -> None:
     # width 7, rank 3: frozen 7x7 weights and 7-element biases, trainable 3x7 and 7x3 adapters, a 1x7 head; each is
     # split 4 + 3 (or 1 + 0) elements between the ranks, with ZeRO padding on the last
     odd = ("--width=7", "--rank=3", "--devices=2", "--max-epochs=1")
-    run_script("train_adapter.py", *odd, f"--save={tmp_path / 'one.ckpt'}", f"--report={tmp_path / 'one'}")
-    # resuming at the end of the saved epoch trains no further: what is saved again must be what was loaded
+    # then, in the same world, resuming at the end of the saved epoch trains no further: what is saved again must be
+    # what was loaded
     again = (f"--resume={tmp_path / 'one.ckpt'}", f"--save={tmp_path / 'again.ckpt'}", f"--report={tmp_path / 'again'}")
-    run_script("train_adapter.py", *odd, *again)
+    one = (f"--save={tmp_path / 'one.ckpt'}", f"--report={tmp_path / 'one'}")
+    run_script("train_adapter.py", *odd, *one, "--then", *odd, *again)
     saved, reloaded = _load(tmp_path / "one.ckpt"), _load(tmp_path / "again.ckpt")
     assert saved["state_dict"]["layers.0.lora_a"].shape == (3, 7)
     assert not torch.equal(saved["state_dict"]["layers.0.lora_b"], torch.zeros(7, 3))  # it trained

@@ -197,6 +197,7 @@ def test_deepspeed_accelerator_follows_lightning_or_says_why_not(monkeypatch: py
     assert get_accelerator()._name == "cpu"
 
 
+@pytest.mark.slow
 def test_optimizer_offload_turns_adam_into_cpu_adam() -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 

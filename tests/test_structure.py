@@ -90,3 +90,15 @@ def test_every_module_fits_in_a_read() -> None:
     # issue 13: about 350 lines at most; the strategy's class docstring is also the CLI's help text
     sizes = {name: len(_source(name).read_text().splitlines()) for name in MODULES}
     assert {name: size for name, size in sizes.items() if size > 380} == {}
+
+
+def test_no_test_file_imports_or_runs_the_benchmarks() -> None:
+    # the benchmarks may use the tests' models; the tests must run without benchmarks/
+    found = []
+    for path in sorted(set(Path(__file__).parent.rglob("*.py")) - {Path(__file__)}):  # this file names the folder
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [node.value] if isinstance(node, ast.Constant) and node.value == "benchmarks" else []  # a path
+            found += [f"{path.name}:{node.lineno} names {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert found == []

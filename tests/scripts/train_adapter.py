@@ -1,7 +1,8 @@
 """Train ``tests.models.AdapterModel`` under ``frozen_deepspeed`` on N CPU processes; the tests run it as a script.
 
 Lightning's launcher starts the other ranks by running this file again. Each rank writes
-``<report>/rank<R>.json`` with what it holds; ``--save`` writes a checkpoint after fit.
+``<report>/rank<R>.json`` with what it holds; ``--save`` writes a checkpoint after fit. ``--then`` starts the
+arguments of a next run in the same world (a Trainer of its own), which saves starting the processes again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E40
 
 
 def main() -> None:
+    runs: list[list[str]] = [[]]
+    for argument in sys.argv[1:]:
+        if argument == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(argument)
+    for arguments in runs:
+        run(arguments)
+
+
+def run(arguments: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
@@ -31,7 +43,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--rank", type=int, default=4)
-    args = parser.parse_args()
+    args = parser.parse_args(arguments)
 
     model = AdapterModel(width=args.width, rank=args.rank)
     trainer = cpu_trainer(

@@ -1,7 +1,8 @@
-"""Lightning's own ``DeepSpeedStrategy`` with only its CUDA checks lifted, so the baseline runs on this CPU.
+"""Lightning's own ``DeepSpeedStrategy`` with only its CUDA checks lifted, so stock runs on this CPU: the tests'
+stock DeepSpeed checkpoints and the benchmarks' baseline.
 
-Benchmark-only. The three overrides are the ones ``lightning_frozen/strategy.py`` makes; nothing else changes,
-so optimizer handling, ZeRO config and checkpoints are stock Lightning 2.6 + DeepSpeed.
+The three overrides are the ones ``lightning_frozen/strategy.py`` makes; nothing else changes, so optimizer
+handling, ZeRO config and checkpoints are stock Lightning 2.6 + DeepSpeed.
 """
 
 from __future__ import annotations
