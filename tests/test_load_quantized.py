@@ -16,7 +16,7 @@ import torch
 from tests.distributed import read_reports, run_script
 from tests.pretrained_support import write_llama
 
-pytestmark = pytest.mark.slow  # every test here starts a 2-rank world
+pytestmark = pytest.mark.slow  # each test loads and trains a Llama, most in 1- and 2-rank subprocess worlds
 
 
 def _run(folder: Path, report: Path, *args: str) -> list[dict[str, Any]]:
@@ -100,3 +100,38 @@ def test_a_run_quantized_while_loading_resumes_exactly(tmp_path: Path) -> None:
         for key, state in straight["optimizer_states"][0]["state"][name].items():
             assert torch.equal(resumed["optimizer_states"][0]["state"][name][key], state), (name, key)
     assert resumed["frozen_base"]["fingerprint"] == straight["frozen_base"]["fingerprint"]
+
+
+def test_a_param_written_while_loading_is_encoded_and_fingerprinted_as_written(tmp_path: Path) -> None:
+    # in this process, one rank: a write under GatheredParameters(modifier_rank=0) inside `configure_model`, where
+    # zero.Init's tensor patches are still on, to a weight the loader already stored as int8 codes
+    import deepspeed
+
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+    from lightning_frozen.base import fingerprint
+    from tests.models import cpu_trainer
+    from tests.pretrained_support import PretrainedLoRA, token_data
+
+    class WrittenWhileLoading(PretrainedLoRA):
+        def configure_model(self) -> None:
+            super().configure_model()
+            weight = self.model.base_model.model.model.layers[0].mlp.down_proj.weight
+            with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+                weight.data.copy_(torch.linspace(-1, 1, weight.numel()).view_as(weight))
+                self.written = weight.detach().clone()  # in the compute dtype, as the write left it
+
+    strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype="int8", fingerprint="sha256")
+    trainer = cpu_trainer(strategy, max_steps=1, max_epochs=-1, precision="bf16-true")
+    module = WrittenWhileLoading(str(write_llama(tmp_path / "llama")))
+    trainer.fit(module, token_data())
+    assert strategy._loaded_base.quantized_at_load > 0
+    trainer.save_checkpoint(tmp_path / "written.ckpt")
+    tensors = torch.load(tmp_path / "written.ckpt", weights_only=True)["frozen_base"]["fingerprint"]["tensors"]
+    (name,) = [n for n in tensors if n.endswith("layers.0.mlp.down_proj.weight")]
+    written = module.written
+    assert written.dtype == torch.bfloat16 and list(written.shape) == tensors[name]["shape"]
+    # the written values, not the file's: a sha256 checkpoint names what was written
+    assert tensors[name]["value"] == fingerprint.tensor_sha256(written)
+    weight = module.model.base_model.model.model.layers[0].mlp.down_proj.weight
+    with deepspeed.zero.GatheredParameters([weight]):  # now the int8 codes of the written values, decoded
+        assert torch.allclose(weight.float(), written.float(), atol=2 / 127)

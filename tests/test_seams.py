@@ -39,6 +39,8 @@ DEEPSPEED_INTERNALS = frozenset(
     }
 )
 _ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
+# a ZeRO-3 param's own gather and partition methods: replacing them re-implements DeepSpeed's handle contract
+PARAM_METHODS = frozenset({"all_gather", "all_gather_coalesced", "partition"})
 
 
 def _is_deepspeed_internal(name: str) -> bool:
@@ -92,6 +94,8 @@ def deepspeed_violations(source: str, filename: str = "<string>") -> list[str]:
             imported(node, node.module or "", [alias.name for alias in node.names])
         elif isinstance(node, ast.Attribute) and _is_deepspeed_internal(node.attr):
             found.append(f"{filename}:{node.lineno} touches DeepSpeed's `{node.attr}`")
+        elif isinstance(node, ast.Attribute) and node.attr in PARAM_METHODS and isinstance(node.ctx, ast.Store):
+            found.append(f"{filename}:{node.lineno} replaces a ZeRO-3 param's `{node.attr}`")
         elif isinstance(node, ast.Call) and node.args:
             called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
             first, second = node.args[0], node.args[1] if len(node.args) > 1 else None
@@ -127,6 +131,7 @@ param.ds_status = None
 size = getattr(param, "ds_numel", 0)
 offload.persistent_parameters[:] = []
 module = importlib.import_module("deepspeed.comm")
+param.all_gather, param.partition = gather, partition
 message = "param.ds_tensor is a string, not an access"
 """
     assert deepspeed_violations(source, "m.py") == [
@@ -139,6 +144,8 @@ message = "param.ds_tensor is a string, not an access"
         "m.py:11 getattrs DeepSpeed's `ds_numel`",
         "m.py:12 touches DeepSpeed's `persistent_parameters`",
         "m.py:13 imports deepspeed.comm by name",
+        "m.py:14 replaces a ZeRO-3 param's `all_gather`",
+        "m.py:14 replaces a ZeRO-3 param's `partition`",
     ]
 
 

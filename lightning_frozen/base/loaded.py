@@ -27,10 +27,10 @@ from torch import nn
 from lightning_frozen.base.fingerprint import Checksummer, param_sha256
 from lightning_frozen.base.fingerprint import tensor_sha256 as whole_sha256
 from lightning_frozen.errors import FrozenDtypeError
+from lightning_frozen.zero import exact_gather
 from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.params import full_shape, is_released, local_shard, mark_gathered, shard_range
+from lightning_frozen.zero.params import full_shape, local_shard, shard_range
 
-_GATHER_METHODS = ("all_gather", "all_gather_coalesced", "partition")
 _HASH_ELEMENTS = 1 << 22  # elements per piece when hashing a whole tensor from its file
 
 
@@ -41,7 +41,7 @@ class _Entry:
     sha256: Optional[str] = None
     source: Optional[tuple[str, str]] = None  # (file, key): the exact values of a param quantized while loading
     shard: Optional[tuple[int, int]] = None  # (data_ptr, version) of an unquantized shard as it was read
-    originals: Optional[dict[str, Any]] = None  # DeepSpeed's gather methods, put back at setup
+    exact_gathers: bool = False  # stored quantized while loading: gathers read `source` until setup
     settled: bool = False
 
 
@@ -79,10 +79,30 @@ class LoadedBase:
         values. Until setup its gathers read them (see the module docstring)."""
         entry = self.entry(param)
         assert entry is not None
-        entry.source, entry.shard = source, None
-        entry.originals = {name: getattr(param, name) for name in _GATHER_METHODS}
-        _install_exact_gather(param, self)
+        entry.source, entry.shard, entry.exact_gathers = source, None, True
+        exact_gather.override_gathers(param, lambda p: self._lossless(p) is not None, self._read_exact, self._written)
         self.quantized_at_load += 1
+
+    def _lossless(self, param: nn.Parameter) -> Optional[_Entry]:
+        entry = self.entry(param)
+        exact = entry is not None and entry.exact_gathers and entry.source is not None
+        return entry if exact and not entry.settled else None
+
+    def _read_exact(self, param: nn.Parameter) -> torch.Tensor:
+        entry = self._lossless(param)
+        assert entry is not None
+        return _read_whole(param, entry)
+
+    def _written(self, param: nn.Parameter) -> None:
+        # written while loading: its file no longer holds its values, its codes will
+        entry = self._lossless(param)
+        assert entry is not None
+        start, count = shard_range(param)
+        values = param.data.detach().reshape(-1)[start : start + count]
+        self.keep_source(param, values, start, param.data)
+        entry.source = None
+        quant.store_codes(param, values, quant.frozen_dtype_of(param))
+        self.settle_one(param, entry)
 
     # ------------------------------------------------------------------ filled by quantization
 
@@ -119,7 +139,7 @@ class LoadedBase:
     def stored_while_loading(self, param: nn.Parameter) -> bool:
         """Whether ``param``'s shard was stored as codes as the loader read it."""
         entry = self.entry(param)
-        return entry is not None and entry.originals is not None
+        return entry is not None and entry.exact_gathers
 
     # ------------------------------------------------------------------ read by the fingerprint
 
@@ -151,7 +171,7 @@ class LoadedBase:
         """
         for name, param in model.named_parameters():
             entry = self.entry(param)
-            if entry is None or entry.originals is None:
+            if entry is None or not entry.exact_gathers:
                 continue
             if param.requires_grad:
                 if entry.source is None:
@@ -159,8 +179,7 @@ class LoadedBase:
                         f"`{name}` trains, but it was stored as {quant.frozen_dtype_of(param)} while loading and then"
                         " written, so its exact values are gone. Keep it frozen, or pass `frozen_dtype=None`."
                     )
-                for method, original in entry.originals.items():
-                    setattr(param, method, original)
+                exact_gather.restore_gathers(param)
                 quant.restore_values(param, _read_slice(param, *entry.source))
                 del self._entries[id(param)]
             elif not entry.settled:
@@ -168,66 +187,10 @@ class LoadedBase:
 
     def settle_one(self, param: nn.Parameter, entry: _Entry) -> None:
         """``param`` computes through the quantized gather from now on; a write to it reports its new values here."""
-        assert entry.originals is not None
-        for method, original in entry.originals.items():
-            setattr(param, method, original)
+        assert entry.exact_gathers
+        exact_gather.restore_gathers(param)
         quant.install_quantized_gather(param, self.keep_source)
         entry.settled = True
-
-
-def _install_exact_gather(param: nn.Parameter, loaded: LoadedBase) -> None:
-    """Until setup, gathering ``param`` reads its exact values from its file; partitioning it after a write under
-    ``GatheredParameters(modifier_rank=...)`` encodes the new values (and forgets the file)."""
-
-    def lossless(p: nn.Parameter) -> Optional[_Entry]:
-        entry = loaded.entry(p)
-        exact = entry is not None and entry.originals is not None and entry.source is not None
-        return entry if exact and not entry.settled else None
-
-    def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
-        params = [param] if param_list is None else list(param_list)
-        others = [p for p in params if lossless(p) is None]
-        for p in params:
-            entry = lossless(p)
-            if entry is not None and is_released(p):
-                mark_gathered(p, _read_whole(p, entry))
-        if others:
-            return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
-        return [] if async_op else None
-
-    def all_gather_coalesced(params: Any, safe_mode: bool = False, quantize: bool = False) -> Any:
-        params = list(params)
-        others = [p for p in params if lossless(p) is None]
-        all_gather([p for p in params if lossless(p) is not None])
-        if others:
-            return others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize)
-        return _Done()
-
-    def partition(
-        param_list: Optional[list] = None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True
-    ) -> None:
-        params = [param] if param_list is None else list(param_list)
-        ours = [p for p in params if lossless(p) is not None]
-        others = [p for p in params if lossless(p) is None]
-        for p in ours:
-            entry = lossless(p)
-            assert entry is not None and entry.originals is not None
-            if has_been_updated:  # written while loading: its file no longer holds its values, its codes will
-                start, count = shard_range(p)
-                values = p.data.detach().reshape(-1)[start : start + count]
-                loaded.keep_source(p, values, start, p.data)
-                entry.source = None
-                quant.store_codes(p, values, quant.frozen_dtype_of(p))
-                loaded.settle_one(p, entry)
-                p.partition(param_list=[p], hierarchy=hierarchy, free_data=free_data)
-            else:
-                entry.originals["partition"](param_list=[p], hierarchy=hierarchy, free_data=free_data)
-        if others:
-            others[0].partition(
-                param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
-            )
-
-    param.all_gather, param.all_gather_coalesced, param.partition = all_gather, all_gather_coalesced, partition
 
 
 def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
@@ -273,10 +236,3 @@ def tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str
         values = piece[first : first + rows].to(dtype).contiguous().reshape(-1)
         digest.update(values.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-class _Done:
-    """The handle of a gather that already happened (the file was read)."""
-
-    def wait(self, handle_dependency: bool = True) -> None:
-        return None

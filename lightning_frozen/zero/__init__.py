@@ -6,8 +6,8 @@ it. When DeepSpeed changes, this is the one place to change. Inside, it reads an
 the ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step``, ``_swappable_optimizer_subgroup``
 and ``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
-``partition``, keeping DeepSpeed's handle contract (``quantized``), and ``Init._partition_param``, with its
-``_aligned_size`` and ``_partition_world_size`` (``placeholders``); reads the accelerator's ``_name``
+``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
+with its ``_aligned_size`` and ``_partition_world_size`` (``placeholders``); reads the accelerator's ``_name``
 (``accelerator``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
 ``_zero3_merge_frozen_params`` (``checkpoint_files``).
 
@@ -31,6 +31,8 @@ is defined where it is listed):
 - ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
   ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``warn_if_stored_otherwise``, ``SourceValues``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
+- ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``,
+  ``restore_gathers``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
   ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``, ``loss_scaler_of``,
   ``ENGINE_STATE_KEYS``.

@@ -1,0 +1,89 @@
+"""A ZeRO-3 param whose gathers are answered without a collective for a while, by replacing DeepSpeed 0.19's
+per-param ``all_gather``, ``all_gather_coalesced`` and ``partition`` and keeping their contract: other params of the
+same call go on to DeepSpeed's own methods, and the coalesced gather returns a handle with ``wait``.
+
+The sliced loader uses it for params it stored quantized as it read them: until setup, a gather reads their exact
+values from the file (``base/loaded.py`` says why), and a write under ``GatheredParameters(modifier_rank=...)`` is
+handed back to the caller to encode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_frozen.zero.init import outside_zero_init
+from lightning_frozen.zero.params import is_released, mark_gathered
+
+_METHODS = ("all_gather", "all_gather_coalesced", "partition")
+_ORIGINALS = "lf_deepspeed_gathers"  # DeepSpeed's own methods of an overridden param, put back by `restore_gathers`
+
+
+def override_gathers(
+    param: nn.Parameter,
+    exact: Callable[[nn.Parameter], bool],
+    read: Callable[[nn.Parameter], torch.Tensor],
+    written: Callable[[nn.Parameter], None],
+) -> None:
+    """From now on, gathering ``param`` (or any param of the same call for which ``exact(p)`` holds) puts ``read(p)``,
+    the whole tensor, in place of its shard, with no collective. Partitioning such a param after a write (DeepSpeed's
+    ``has_been_updated``) calls ``written(p)`` with the written values in ``p.data``, outside ``zero.Init`` (new
+    tensors are ordinary ones); ``written`` must store them and give ``p`` its own gathers back (:func:`restore_gathers`
+    and whatever it installs), which then partition it. Without a write, DeepSpeed's partition frees the values."""
+    setattr(param, _ORIGINALS, {name: getattr(param, name) for name in _METHODS})
+
+    def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
+        params = [param] if param_list is None else list(param_list)
+        others = [p for p in params if not exact(p)]
+        for p in params:
+            if exact(p) and is_released(p):
+                mark_gathered(p, read(p))
+        if others:
+            return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
+        return [] if async_op else None
+
+    def all_gather_coalesced(params: Any, safe_mode: bool = False, quantize: bool = False) -> Any:
+        params = list(params)
+        others = [p for p in params if not exact(p)]
+        all_gather([p for p in params if exact(p)])
+        if others:
+            return others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize)
+        return _Done()
+
+    def partition(
+        param_list: Optional[list] = None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True
+    ) -> None:
+        params = [param] if param_list is None else list(param_list)
+        others = [p for p in params if not exact(p)]
+        for p in params:
+            if not exact(p):
+                continue
+            if has_been_updated:
+                with outside_zero_init():  # a write inside `configure_model` runs under zero.Init's tensor patches
+                    written(p)
+                p.partition(param_list=[p], hierarchy=hierarchy, free_data=free_data)
+            else:
+                getattr(p, _ORIGINALS)["partition"](param_list=[p], hierarchy=hierarchy, free_data=free_data)
+        if others:
+            others[0].partition(
+                param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
+            )
+
+    param.all_gather, param.all_gather_coalesced, param.partition = all_gather, all_gather_coalesced, partition
+
+
+def restore_gathers(param: nn.Parameter) -> None:
+    """Give ``param`` DeepSpeed's own gather and partition methods back (after :func:`override_gathers`)."""
+    for name, method in getattr(param, _ORIGINALS).items():
+        setattr(param, name, method)
+    delattr(param, _ORIGINALS)
+
+
+class _Done:
+    """The handle of a gather that already happened (the values were read)."""
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        return None
