@@ -11,7 +11,6 @@ carrying anything else is refused before any of it runs.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,32 +29,6 @@ from lightning_frozen.zero import checkpoint_files
 from lightning_frozen.zero import params as zero
 
 log = logging.getLogger(__name__)
-
-
-@contextmanager
-def _environment(**changes: Optional[str]) -> Iterator[None]:
-    """Set (or, for None, remove) environment variables for the duration of the block, then restore them."""
-    saved = {name: os.environ.get(name) for name in changes}
-    try:
-        _set_environment(changes)
-        yield
-    finally:
-        _set_environment(saved)
-
-
-def _set_environment(values: dict[str, Optional[str]]) -> None:
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-def _parse_model_states(model_files: list[str]) -> Any:
-    """DeepSpeed's ``parse_model_states``, its ``torch.load(..., weights_only=False)`` made ``weights_only``: torch
-    reads the override from the environment, so it is set for this call only and restored after it."""
-    with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
-        return checkpoint_files.read_model_states(model_files)
 
 
 @contextmanager
@@ -134,7 +107,7 @@ def convert_deepspeed_checkpoint(
         folder,
     )
     with _weights_only_loads(source, [*model_files, *optim_files]):
-        model_states = _parse_model_states(model_files)
+        model_states = checkpoint_files.read_model_states(model_files)
         optim_states = [
             torch.load(path, map_location="cpu", weights_only=True)["optimizer_state_dict"] for path in optim_files
         ]

@@ -24,7 +24,7 @@ from torch import nn
 from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.zero import params as zero
-from lightning_frozen.zero.optimizers import engine_counters, set_engine_counters
+from lightning_frozen.zero.optimizers import engine_counters, inner_optimizer, set_engine_counters
 
 
 def _callbacks(module: nn.Module) -> list[Any]:
@@ -56,7 +56,7 @@ class StagedOptimizer:
 
     def __init__(self, module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]]) -> None:
         params = dict(module.named_parameters())
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = inner_optimizer(optimizer)
         self.optimizer_class = type(inner)
         self.defaults = dict(getattr(optimizer, "defaults", None) or inner.defaults)
         self.param_groups: list[dict[str, Any]] = [

@@ -8,8 +8,11 @@ them with ``torch.load``: a caller that wants them loaded ``weights_only`` allow
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,10 +39,31 @@ def pickled_classes() -> list[type]:
 
 def read_model_states(files: list[str]) -> list[Any]:
     """Each rank's model states (``param_shapes`` per group, ``buffers``, frozen fragments), as ``zero_to_fp32``
-    parses them from the model-state ``files``."""
+    parses them from the model-state ``files``, loaded ``weights_only`` (allow :func:`pickled_classes` around it)."""
     from deepspeed.utils import zero_to_fp32
 
-    return zero_to_fp32.parse_model_states(files)
+    # its `torch.load(..., weights_only=False)` made weights_only: torch reads the override from the environment
+    with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
+        return zero_to_fp32.parse_model_states(files)
+
+
+@contextmanager
+def _environment(**changes: Optional[str]) -> Iterator[None]:
+    """Set (or, for None, remove) environment variables for the duration of the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        _set_environment(changes)
+        yield
+    finally:
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def merge_trainable(
