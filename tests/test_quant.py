@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,10 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.base import bitsandbytes_nf4, native_codec
 from lightning_frozen.base import codec as quant_codec
 from lightning_frozen.base import fingerprint as frozen_base
+from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
@@ -25,6 +29,7 @@ from tests.models import AdapterModel, cpu_trainer, regression_data
 WIDTH = 128  # frozen weight 128x128: whole blocks for both formats; the 128-element biases pad their last block
 NF4_HALF_GAP = max(b - a for a, b in zip(quant_codec.NF4_VALUES, quant_codec.NF4_VALUES[1:])) / 2
 RATIO_LIMIT = {"int8": 0.52, "nf4": 0.28}  # stored bytes / bf16 bytes of the frozen base, from issue 12
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _weights(numel: int = 64 * 256 + 100) -> torch.Tensor:
@@ -101,13 +106,92 @@ def test_working_in_chunks_gives_the_same_bytes_and_values(frozen_dtype: str, mo
     assert torch.equal(chunked, decoded) and chunked.numel() == 2 * values.numel()
 
 
-def test_nf4_packs_two_codes_per_byte_low_nibble_first() -> None:
+def test_nf4_packs_two_codes_per_byte_high_nibble_first_as_bitsandbytes_does() -> None:
     values = torch.zeros(64)
     values[0], values[1] = -1.0, 1.0  # codes 0 and 15
     codes, _ = quant_codec.split(quant_codec.encode(values, "nf4"), "nf4")
     assert codes.numel() == 32
-    assert int(codes[0]) == 0 | (15 << 4)
-    assert int(codes[1]) == 7 | (7 << 4)  # exact zero is code 7
+    assert int(codes[0]) == (0 << 4) | 15
+    assert int(codes[1]) == (7 << 4) | 7  # exact zero is code 7
+    assert quant_codec.FORMATS["nf4"].describe()["packing"] == "high nibble first"
+
+
+def _tensor_op_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_codec, "kernels", lambda: None)
+
+
+@pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("count", [1100, 3 * 65536 + 7])  # a padded last block, and more than a thread's share
+def test_compiled_kernels_give_the_tensor_ops_codes_and_values_to_the_bit(
+    frozen_dtype: str, source_dtype: torch.dtype, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert native_codec.kernels() is not None, "the CPU kernels did not build: is a C compiler installed?"
+    values = (_weights(count) * 0.05).to(source_dtype)
+    values[:3] = torch.tensor([0.0, -0.0, 1e-30])  # zero, signed zero and a tiny weight share a block
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads split the blocks
+    native = quant_codec.encode(values, frozen_dtype, numel=count + 300)
+    native_values = {d: quant_codec.decode(torch.stack([native, native]), count - 5, frozen_dtype, d) for d in DTYPES}
+    _tensor_op_codec(monkeypatch)
+    reference = quant_codec.encode(values, frozen_dtype, numel=count + 300)
+    assert torch.equal(native, reference)
+    for dtype in DTYPES:
+        expected = quant_codec.decode(torch.stack([reference, reference]), count - 5, frozen_dtype, dtype)
+        assert torch.equal(native_values[dtype], expected), dtype
+
+
+def test_the_compiled_nf4_encoder_refuses_a_block_beyond_fp16_range() -> None:
+    values = torch.zeros(256)
+    values[130] = 70000.0
+    with pytest.raises(FrozenDtypeError, match="7e\\+04.*frozen_dtype='int8'"):
+        quant_codec.encode(values, "nf4")
+
+
+def test_bitsandbytes_reads_the_nf4_codes_as_they_are_stored() -> None:
+    """bitsandbytes decodes on CUDA; its CPU kernel (run here) reads the same layout, so this checks the layout."""
+    values = _weights(64 * 100 + 10)
+    codes, scales = quant_codec.split(quant_codec.encode(values, "nf4"), "nf4")
+    for dtype in DTYPES:
+        out = torch.empty(values.numel(), dtype=dtype)
+        bitsandbytes_nf4.dequantize(codes, scales, values.numel(), quant_codec.NF4_VALUES, out)
+        assert torch.equal(out, quant_codec.decode(quant_codec.encode(values, "nf4"), values.numel(), "nf4", dtype))
+
+
+def test_without_a_compiler_the_codec_warns_once_and_uses_tensor_ops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_FROZEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(native_codec.shutil, "which", lambda name: None)
+    native_codec.kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C compiler.*apt-get install gcc"):
+            assert native_codec.kernels() is None
+        values = _weights()
+        with_tensor_ops = quant_codec.encode(values, "nf4")
+        decoded = quant_codec.decode(with_tensor_ops, values.numel(), "nf4")
+    finally:
+        native_codec.kernels.cache_clear()
+    assert not list(tmp_path.iterdir())  # nothing was built
+    monkeypatch.undo()
+    assert native_codec.kernels() is not None
+    assert torch.equal(quant_codec.encode(values, "nf4"), with_tensor_ops)
+    assert torch.equal(quant_codec.decode(with_tensor_ops, values.numel(), "nf4"), decoded)
+
+
+def test_the_kernels_build_into_the_cache_once_and_leave_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_FROZEN_CACHE", str(tmp_path))
+    native_codec.kernels.cache_clear()
+    try:
+        assert native_codec.kernels() is not None
+        built = list(tmp_path.iterdir())
+        assert len(built) == 1 and built[0].name.startswith("codec_kernels-") and built[0].suffix == ".so"
+        native_codec.kernels.cache_clear()
+        assert native_codec.kernels() is not None and list(tmp_path.iterdir()) == built
+    finally:
+        native_codec.kernels.cache_clear()
 
 
 def test_stored_bytes_are_within_the_issue_ratios_of_bf16() -> None:
@@ -504,3 +588,26 @@ def test_the_asynchronous_gather_trains_exactly_as_the_synchronous_one(prefetche
         assert fast["trainable"] == slow["trainable"]  # bit-identical adapters and head after 4 steps
         assert torch.equal(torch.tensor(fast["seen_weight"]), expected)  # the last step's layer saw the decoded base
     assert asynchronous[0]["trainable"] == asynchronous[1]["trainable"]
+
+
+def _checkpoint_stored_as(quantization: dict[str, Any]) -> dict[str, Any]:
+    return {layout.FROZEN_BASE: {layout.QUANTIZATION: quantization}}
+
+
+def test_a_checkpoint_of_the_older_nf4_layout_resumes_with_a_one_line_notice(caplog: pytest.LogCaptureFixture) -> None:
+    older = quant_codec.FORMATS["nf4"].describe()
+    del older[layout.PACKING]  # 0.1.0 packed the low nibble first and did not record it
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a notice, not a warning: the weights are the same
+        quant.warn_if_stored_otherwise(_checkpoint_stored_as(older), "nf4", "old.ckpt")
+    notices = [r.getMessage() for r in caplog.records if "old.ckpt" in r.getMessage()]
+    assert len(notices) == 1 and "low nibble first" in notices[0] and "high nibble first" in notices[0]
+    caplog.clear()
+    quant.warn_if_stored_otherwise(_checkpoint_stored_as(quant_codec.FORMATS["nf4"].describe()), "nf4", "new.ckpt")
+    assert not [r for r in caplog.records if "new.ckpt" in r.getMessage()]
+
+
+def test_a_checkpoint_of_another_block_size_warns_that_the_base_differs() -> None:
+    other = {**quant_codec.FORMATS["nf4"].describe(), layout.BLOCK_SIZE: 128}
+    with pytest.warns(UserWarning, match="other block_size \\(128\\) than this version \\(64\\)"):
+        quant.warn_if_stored_otherwise(_checkpoint_stored_as(other), "nf4", "other.ckpt")

@@ -1,10 +1,13 @@
 """Frozen weights stored below the compute dtype, encoded into and decoded from one ``uint8`` tensor (the codes, then
 the scales' bytes): block-wise int8 absmax and 4-bit NormalFloat (NF4), and plain bf16/fp16 casts. Plain tensor
-functions; ``quant.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``.
+functions; ``zero/quantized.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``. On the CPU
+they run compiled one-pass kernels (``codec_kernels.c`` through ``native_codec.py``), NF4 on CUDA bitsandbytes'
+kernel (``bitsandbytes_nf4.py``), else tensor ops; all give the same codes and values.
 
 - ``int8``: symmetric absmax, 256 weights per block, an fp32 scale each: 1.016 bytes per weight (0.51x bf16);
   a weight's error is at most ``absmax / 254`` of its block.
-- ``nf4``: QLoRA's 16 NormalFloat code values (exact zero included), 64 weights per block, two codes per byte and
+- ``nf4``: QLoRA's 16 NormalFloat code values (exact zero included), 64 weights per block, two codes per byte (the
+  first weight in the high nibble, as bitsandbytes packs them, so its CUDA kernel reads the codes as they are) and
   an fp16 scale each (the block's absmax rounded up, so no weight leaves [-1, 1]): 0.531 bytes per weight (0.27x
   bf16; an fp32 scale would be 0.28125x). Error at most half the largest gap between code values times the scale.
 - ``bf16`` / ``fp16``: each weight cast to that dtype (round to nearest even), no scale: 2 bytes per weight, decoded
@@ -20,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_frozen.base import bitsandbytes_nf4, native_codec
 from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenDtypeError
 
@@ -42,6 +46,7 @@ NF4_VALUES = (
     0.7229568362236023,
     1.0,
 )
+NF4_PACKING = "high nibble first"
 _FP16_MAX = 65504.0
 _CHUNK_ELEMENTS = 1 << 20  # weights encoded or decoded at a time: a multiple of every block size
 
@@ -85,6 +90,7 @@ class BlockFormat:
         if self.name == "nf4":
             entry[layout.CODE_VALUES] = list(NF4_VALUES)
             entry[layout.SCALE] = "block absmax rounded up to fp16"
+            entry[layout.PACKING] = NF4_PACKING
         elif self.cast_dtype is not None:
             entry[layout.SCALE] = f"none; code = weight cast to {self.name}"
         else:
@@ -136,10 +142,16 @@ def _nf4_table(device: torch.device) -> torch.Tensor:
 
 
 def _nf4_pairs(device: torch.device) -> torch.Tensor:
-    """The two code values of every byte, low nibble first: a (256, 2) table."""
+    """The two code values of every byte, high nibble first: a (256, 2) table."""
     table = _nf4_table(device)
     byte = torch.arange(256, device=device)
-    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=1)
+    return torch.stack([table[byte >> 4], table[byte & 0x0F]], dim=1)
+
+
+def _nf4_bounds(device: torch.device) -> torch.Tensor:
+    """The 15 bounds between neighbouring code values (fp32): a weight takes the code of the bucket it falls in."""
+    table = _nf4_table(device)
+    return (table[1:] + table[:-1]) / 2
 
 
 def _scale_up_to_fp16(absmax: torch.Tensor) -> torch.Tensor:
@@ -152,9 +164,10 @@ def _scale_up_to_fp16(absmax: torch.Tensor) -> torch.Tensor:
 def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None) -> torch.Tensor:
     """Quantize a 1-D tensor block-wise; returns one ``uint8`` tensor: the codes, then the scales' bytes.
 
-    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. Works through
-    the tensor in chunks, so the fp32 temporaries stay small whatever its size. Deterministic: the same values give
-    the same bytes on any device.
+    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. On the CPU the
+    compiled kernels (``native_codec.py``) make one pass over the values; elsewhere, or without a C compiler, tensor
+    ops work through them in chunks, so the fp32 temporaries stay small whatever its size. Both give the same bytes:
+    deterministic on any device.
 
     Raises:
         FrozenDtypeError: an unknown ``frozen_dtype``, or (``nf4``) a block whose absmax exceeds fp16's range.
@@ -163,29 +176,72 @@ def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None)
     flat = values.detach().reshape(-1)
     blocks = fmt.blocks(max(flat.numel(), numel or 0))
     if fmt.cast_dtype is not None:
-        if fmt.cast_dtype == torch.float16 and flat.numel():
-            low, high = torch.aminmax(flat)  # no full-size temporary, unlike abs()
-            if max(-float(low), float(high)) > _FP16_MAX:
-                raise FrozenDtypeError(
-                    f"This tensor holds a weight of magnitude {max(-float(low), float(high)):.3g}, beyond fp16's"
-                    " range. Store this base with `frozen_dtype='bf16'`."
-                )
-        cast = torch.zeros(blocks, dtype=fmt.cast_dtype, device=flat.device)
-        cast[: flat.numel()] = flat
-        return cast.view(torch.uint8)
+        return _encode_cast(flat, blocks, fmt)
     code_bytes = blocks * fmt.code_bytes_per_block
     stored = torch.empty(code_bytes + blocks * fmt.scale_bytes, dtype=torch.uint8, device=flat.device)
     codes, scales = stored[:code_bytes], stored[code_bytes:].view(fmt.scale_dtype)
+    lib = native_codec.kernels() if flat.device.type == "cpu" else None
+    if lib is not None and flat.dtype in (torch.float32, torch.bfloat16):
+        _encode_native(lib, flat.contiguous(), fmt, codes, scales, blocks)
+        return stored
     per_chunk = _CHUNK_ELEMENTS // fmt.block_size
     for first in range(0, blocks, per_chunk):
         last = min(first + per_chunk, blocks)
         chunk = flat[first * fmt.block_size : last * fmt.block_size].float()
-        if chunk.numel() < (last - first) * fmt.block_size:
-            chunk = torch.nn.functional.pad(chunk, (0, (last - first) * fmt.block_size - chunk.numel()))
-        chunk_codes, chunk_scales = _encode_blocks(chunk.view(-1, fmt.block_size), fmt)
-        codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block] = chunk_codes.reshape(-1)
+        chunk_codes, chunk_scales = _encode_chunk(lib, chunk, fmt, last - first)
+        codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block] = chunk_codes
         scales[first:last] = chunk_scales
     return stored
+
+
+def _encode_cast(flat: torch.Tensor, blocks: int, fmt: BlockFormat) -> torch.Tensor:
+    if fmt.cast_dtype == torch.float16 and flat.numel():
+        low, high = torch.aminmax(flat)  # no full-size temporary, unlike abs()
+        if max(-float(low), float(high)) > _FP16_MAX:
+            raise FrozenDtypeError(
+                f"This tensor holds a weight of magnitude {max(-float(low), float(high)):.3g}, beyond fp16's"
+                " range. Store this base with `frozen_dtype='bf16'`."
+            )
+    cast = torch.zeros(blocks, dtype=fmt.cast_dtype, device=flat.device)
+    cast[: flat.numel()] = flat
+    return cast.view(torch.uint8)
+
+
+def _encode_chunk(lib: Any, chunk: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of one fp32 chunk of ``blocks`` blocks (the last one padded), natively where ``lib`` is."""
+    if lib is not None:
+        codes = torch.empty(blocks * fmt.code_bytes_per_block, dtype=torch.uint8)
+        scales = torch.empty(blocks, dtype=fmt.scale_dtype)
+        _encode_native(lib, chunk.contiguous(), fmt, codes, scales, blocks)
+        return codes, scales
+    if chunk.numel() < blocks * fmt.block_size:
+        chunk = torch.nn.functional.pad(chunk, (0, blocks * fmt.block_size - chunk.numel()))
+    chunk_codes, chunk_scales = _encode_blocks(chunk.view(-1, fmt.block_size), fmt)
+    return chunk_codes.reshape(-1), chunk_scales
+
+
+def _encode_native(
+    lib: Any, flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor, blocks: int
+) -> None:
+    source, bf16, count = flat.data_ptr(), int(flat.dtype == torch.bfloat16), flat.numel()
+    if fmt.name == "int8":
+        status = native_codec.over_blocks(
+            blocks, lambda a, b: lib.lf_int8_encode(source, bf16, count, a, b, codes.data_ptr(), scales.data_ptr())
+        )
+    else:
+        bounds = _nf4_bounds(torch.device("cpu"))
+        status = native_codec.over_blocks(
+            blocks,
+            lambda a, b: lib.lf_nf4_encode(
+                source, bf16, count, bounds.data_ptr(), a, b, codes.data_ptr(), scales.data_ptr()
+            ),
+        )
+    if status:
+        block = flat[(status - 1) * fmt.block_size : status * fmt.block_size]
+        raise FrozenDtypeError(
+            f"A block of this tensor holds a weight of magnitude {float(block.float().abs().max()):.3g}, beyond the"
+            " fp16 range of NF4's block scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
+        )
 
 
 def _encode_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,9 +259,8 @@ def _encode_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor
     scale = _scale_up_to_fp16(absmax)
     wide = scale.float()
     normalized = blocks / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]
-    table = _nf4_table(blocks.device)
-    index = torch.bucketize(normalized, (table[1:] + table[:-1]) / 2, out_int32=True).to(torch.uint8).view(-1, 2)
-    return index[:, 0] | (index[:, 1] << 4), scale
+    index = torch.bucketize(normalized, _nf4_bounds(blocks.device), out_int32=True).to(torch.uint8).view(-1, 2)
+    return (index[:, 0] << 4) | index[:, 1], scale
 
 
 def split(stored: torch.Tensor, frozen_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,29 +280,58 @@ def decode(stored: torch.Tensor, numel: int, frozen_dtype: str, dtype: torch.dty
     """Dequantize what :func:`encode` returned: the first ``numel`` values, in ``dtype``.
 
     ``stored`` may also be a 2-D tensor, one encoded shard per row (what an all-gather returns); then each row's
-    first ``numel`` values are kept and the rows concatenated. Works in chunks: besides the result, only small
-    fp32 temporaries are allocated.
+    first ``numel`` values are kept and the rows concatenated. One pass into the result: the compiled kernels on the
+    CPU, bitsandbytes' kernel for NF4 on CUDA; elsewhere tensor ops in chunks, with small fp32 temporaries.
     """
     fmt = block_format(frozen_dtype)
     rows = stored.reshape(-1, stored.shape[-1])
-    out = torch.empty(rows.shape[0], numel, dtype=dtype, device=stored.device)
+    on_cpu = stored.device.type == "cpu"
+    shape = (rows.shape[0], numel)
+    out = native_codec.empty_output(shape, dtype) if on_cpu else torch.empty(shape, dtype=dtype, device=stored.device)
     if fmt.cast_dtype is not None:
         for row in range(rows.shape[0]):  # a row of a gather's 2-D result is contiguous on its own
             out[row] = rows[row].view(fmt.cast_dtype)[:numel]
         return out.view(-1)
-    codes, scales = split(rows, frozen_dtype)
-    per_chunk = _CHUNK_ELEMENTS // fmt.block_size
-    pairs = _nf4_pairs(stored.device) if fmt.name == "nf4" else None
+    lib = native_codec.kernels() if on_cpu and dtype in native_codec.OUT_DTYPES else None
     for row in range(rows.shape[0]):
-        for first in range(0, math.ceil(numel / fmt.block_size), per_chunk):
-            last = min(first + per_chunk, scales.shape[-1])
-            chunk = codes[row, first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
-            if pairs is None:
-                values = chunk.view(torch.int8).float().view(-1, fmt.block_size)
-                values = values * (scales[row, first:last].float() / 127.0)[:, None]
-            else:  # one lookup per byte gives both of its code values
-                values = pairs[chunk.int()].view(-1, fmt.block_size) * scales[row, first:last].float()[:, None]
-            start = first * fmt.block_size
-            stop = min(last * fmt.block_size, numel)
-            out[row, start:stop] = values.view(-1)[: stop - start]
+        codes, scales = split(rows[row], frozen_dtype)
+        if lib is not None:
+            _decode_native(lib, codes, scales, numel, fmt, out[row])
+        elif fmt.name == "nf4" and bitsandbytes_nf4.usable(stored.device):
+            bitsandbytes_nf4.dequantize(codes, scales, numel, NF4_VALUES, out[row])
+        else:
+            _decode_chunks(codes, scales, numel, fmt, out[row])
     return out.view(-1)
+
+
+def _decode_native(
+    lib: Any, codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor
+) -> None:
+    blocks, dtype_code = fmt.blocks(numel), native_codec.OUT_DTYPES[out.dtype]
+    source, scale_ptr, target = codes.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr()
+    if fmt.name == "int8":
+        native_codec.over_blocks(
+            blocks, lambda a, b: lib.lf_int8_decode(source, scale_ptr, a, b, numel, target, dtype_code)
+        )
+    else:
+        table = _nf4_table(torch.device("cpu"))
+        native_codec.over_blocks(
+            blocks, lambda a, b: lib.lf_nf4_decode(source, scale_ptr, table.data_ptr(), a, b, numel, target, dtype_code)
+        )
+
+
+def _decode_chunks(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor) -> None:
+    # on CUDA a chunk is one kernel launch per op, so far larger chunks than the CPU's
+    per_chunk = (_CHUNK_ELEMENTS if codes.device.type == "cpu" else 64 * _CHUNK_ELEMENTS) // fmt.block_size
+    pairs = _nf4_pairs(codes.device) if fmt.name == "nf4" else None
+    for first in range(0, fmt.blocks(numel), per_chunk):
+        last = min(first + per_chunk, scales.shape[-1])
+        chunk = codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
+        if pairs is None:
+            values = chunk.view(torch.int8).float().view(-1, fmt.block_size)
+            values = values * (scales[first:last].float() / 127.0)[:, None]
+        else:  # one lookup per byte gives both of its code values
+            values = pairs[chunk.int()].view(-1, fmt.block_size) * scales[first:last].float()[:, None]
+        start = first * fmt.block_size
+        stop = min(last * fmt.block_size, numel)
+        out[start:stop] = values.view(-1)[: stop - start]

@@ -73,6 +73,7 @@ SCALE_DTYPE = "scale_dtype"
 BYTES_PER_WEIGHT = "bytes_per_weight"
 CODE_VALUES = "code_values"
 SCALE = "scale"
+PACKING = "packing"  # NF4: which nibble of a byte holds the first of its two weights; absent before 0.2 (the low)
 
 # a PEFT export entry
 PEFT_PREFIX = "prefix"
@@ -224,9 +225,14 @@ def fingerprint_tensors(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
     return fingerprint.get(TENSORS, {})
 
 
+def quantization_of(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The record of how the base was stored when trained (empty when it was not quantized)."""
+    return dict(frozen_base_of(checkpoint).get(QUANTIZATION) or {})
+
+
 def quantized_dtype_of(checkpoint: Mapping[str, Any]) -> Optional[str]:
     """The ``frozen_dtype`` the base was stored in when trained (``"int8"``, ``"nf4"``...), None if not quantized."""
-    return (frozen_base_of(checkpoint).get(QUANTIZATION) or {}).get(DTYPE)
+    return quantization_of(checkpoint).get(DTYPE)
 
 
 def hyper_parameters_of(checkpoint: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"``, ``"nf4"``, or a ``"bf16"``/``"fp16"``
-cast under fp32 compute; the codecs are in ``quant_codec.py``).
+cast under fp32 compute; the codecs are in ``base/codec.py``).
 
 Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
 ``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_frozen.base.codec import BlockFormat, block_format, decode, encode, split
@@ -255,26 +255,22 @@ class _GatherHandle:
     handle shared by several params is waited on again after some of them were released, which must not decode or
     mark those available again (their data is freed)."""
 
-    def __init__(self, groups: list[tuple[list[nn.Parameter], torch.Tensor, Any]], sent: list[torch.Tensor]) -> None:
-        self.groups = groups  # per process group: its params, the gathered rows, the collective's work (or None)
+    def __init__(self, groups: list[tuple[list[tuple[nn.Parameter, torch.Tensor]], Any]], sent: list[torch.Tensor]):
+        self.groups = groups  # per process group: each param with its gathered rows (one per rank), and the work
         self.sent = sent  # the local codes each collective sends, alive until it is done
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
         if self.complete:
             return
-        for params, rows, work in self.groups:
+        for params, work in self.groups:
             if work is not None:
                 work.wait()
-            offset = 0
-            for param in params:
-                size = param.ds_tensor.numel()
+            for param, rows in params:
                 frozen_dtype = frozen_dtype_of(param)
                 assert frozen_dtype is not None
-                shard = rows[:, offset : offset + size]
-                values = decode(shard, shard_numel(param), frozen_dtype, param.dtype)
+                values = decode(rows, shard_numel(param), frozen_dtype, param.dtype)
                 mark_gathered(param, values[: param.ds_numel].view(param.ds_shape))
-                offset += size
         self.groups, self.sent = [], []  # the codes are garbage once decoded
         self.complete = True
 
@@ -282,7 +278,7 @@ class _GatherHandle:
 def _gather(params: list[nn.Parameter]) -> _GatherHandle:
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
-    passes the same params (sorted here by ``ds_id``)."""
+    passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -298,23 +294,50 @@ def _gather(params: list[nn.Parameter]) -> _GatherHandle:
     for group_params in by_group.values():
         group = group_params[0].ds_process_group
         world_size = dist.get_world_size(group=group)
+        if world_size == 1:  # nothing to exchange: no concatenated copy of the codes
+            shards = [(p, p.ds_tensor.data.to(device, non_blocking=True).view(1, -1)) for p in group_params]
+            groups.append((shards, None))
+            continue
         local = torch.cat([p.ds_tensor.data.to(device, non_blocking=True) for p in group_params])
-        work = None
-        gathered = local
-        if world_size > 1:
-            gathered = torch.empty(local.numel() * world_size, dtype=torch.uint8, device=device)
-            work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
-        groups.append((group_params, gathered.view(world_size, -1), work))
+        gathered = torch.empty(local.numel() * world_size, dtype=torch.uint8, device=device)
+        work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+        rows, offset, shards = gathered.view(world_size, -1), 0, []
+        for param in group_params:
+            shards.append((param, rows[:, offset : offset + param.ds_tensor.numel()]))
+            offset += param.ds_tensor.numel()
+        groups.append((shards, work))
         sent.append(local)
     return _GatherHandle(groups, sent)
 
 
 def warn_if_stored_otherwise(checkpoint: Mapping[str, Any], frozen_dtype: Optional[str], source: Any) -> None:
-    """Warn when a checkpoint was trained on a frozen base stored in another ``frozen_dtype`` than this run's."""
-    trained_as = layout.quantized_dtype_of(checkpoint)
+    """Warn when a checkpoint was trained on a frozen base stored in another ``frozen_dtype`` than this run's; say in
+    one line when it was stored in an older layout of the same format (the codes are made again from the base, in
+    this layout, and decode to the same weights)."""
+    recorded = layout.quantization_of(checkpoint)
+    trained_as = recorded.get(layout.DTYPE)
     if trained_as != frozen_dtype:
         rank_zero_warn(
             f"lightning-frozen: {source} was trained on a frozen base stored as"
             f" {trained_as or 'unquantized'}, this run stores it as {frozen_dtype or 'unquantized'}"
             " (`frozen_dtype`): the adapter sees slightly different base weights than it was trained on."
+        )
+        return
+    if frozen_dtype is None:
+        return
+    current = block_format(frozen_dtype).describe()
+    changed = [
+        key for key in (layout.BLOCK_SIZE, layout.SCALE_DTYPE, layout.PACKING) if recorded.get(key) != current.get(key)
+    ]
+    if changed == [layout.PACKING] and recorded.get(layout.PACKING) is None:
+        rank_zero_info(
+            f"lightning-frozen: {source} recorded its {frozen_dtype} base in the 0.1 layout (low nibble first); it is"
+            f" encoded in this version's ({current[layout.PACKING]}): the same codes and weights, packed otherwise."
+        )
+    elif changed:
+        rank_zero_warn(
+            f"lightning-frozen: {source} stored its {frozen_dtype} base with other {', '.join(changed)}"
+            f" ({', '.join(f'{recorded.get(k)!r}' for k in changed)}) than this version"
+            f" ({', '.join(f'{current.get(k)!r}' for k in changed)}): it is encoded again from the base in this"
+            " version's layout, and the adapter sees slightly different base weights than it was trained on."
         )

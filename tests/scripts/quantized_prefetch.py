@@ -112,7 +112,7 @@ def main() -> None:
 
     def synchronous(params: list) -> Any:
         handle = asynchronous(params)
-        for _, _, work in handle.groups:  # the collective completes inside the call; `wait` only decodes
+        for _, work in handle.groups:  # the collective completes inside the call; `wait` only decodes
             if work is not None:
                 work.wait()
         return handle

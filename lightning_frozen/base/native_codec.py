@@ -1,0 +1,118 @@
+"""The CPU kernels of ``codec_kernels.c``: compiled once per machine with the system's C compiler, loaded with ctypes.
+
+Why not bitsandbytes on the CPU: measured with ``benchmarks/codec.py`` on one core, its CPU ``dequantize_4bit``
+decodes NF4 into fp32 at about half, and its ``quantize_4bit`` encodes at about a twentieth, of these kernels' rate
+(it is used on CUDA, ``codec.py``). Why not a torch extension: a plain C file builds in about a second with no torch
+headers, and ctypes releases the GIL during a call, so threads can split a tensor's blocks between them.
+
+The shared library is cached under ``$LIGHTNING_FROZEN_CACHE`` (default ``~/.cache/lightning_frozen``), named by a
+hash of the source, the flags and the compiler, written to a temporary name and renamed, so ranks that build at once
+do not see a half-written file. Where no compiler works, :func:`kernels` returns None (once, with a warning) and the
+codec uses tensor ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("codec_kernels.c")
+# -ffp-contract=off: no fused multiply-adds, so the values are the tensor-op codec's to the bit
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MIN_BLOCKS_PER_THREAD = 4096  # at least 256K NF4 weights, 1M int8 weights per thread: below that a thread costs more
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "lf_nf4_decode": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
+    "lf_nf4_encode": [_ptr, _int, _i64, _ptr, _i64, _i64, _ptr, _ptr],
+    "lf_int8_decode": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
+    "lf_int8_encode": [_ptr, _int, _i64, _i64, _i64, _ptr, _ptr],
+    "lf_advise_huge_pages": [_ptr, _i64],
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LIGHTNING_FROZEN_CACHE", Path.home() / ".cache" / "lightning_frozen"))
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+@functools.cache
+def kernels() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, built on first use; None where they cannot be built (a warning says why, once)."""
+    compiler = _compiler()
+    if compiler is None:
+        return _unavailable("no C compiler (cc, gcc or clang) was found")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + os.uname().machine.encode()).hexdigest()
+    library = cache_dir() / f"codec_kernels-{key[:16]}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+            built = Path(scratch) / library.name
+            result = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                return _unavailable(f"`{compiler}` failed on {SOURCE.name}: {result.stderr.strip()[-500:]}")
+            os.replace(built, library)
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as error:
+        return _unavailable(f"{library} does not load ({error})")
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return lib
+
+
+def _unavailable(reason: str) -> None:
+    warnings.warn(
+        f"lightning-frozen: the CPU codec kernels are not available ({reason}); frozen shards are encoded and decoded"
+        " with tensor ops, several times slower. Install a C compiler (e.g. `apt-get install gcc`) to use them.",
+        stacklevel=3,
+    )
+    return None
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lightning-frozen-codec")
+
+
+def over_blocks(blocks: int, work: Callable[[int, int], int]) -> int:
+    """Run ``work(first, last)`` over ranges of ``blocks`` on up to ``torch.get_num_threads()`` threads; return the
+    first nonzero status (a kernel's error), else 0."""
+    threads = max(1, min(torch.get_num_threads(), blocks // MIN_BLOCKS_PER_THREAD))
+    if threads == 1:
+        return work(0, blocks)
+    bounds = [blocks * i // threads for i in range(threads + 1)]
+    statuses = list(_pool(threads).map(work, bounds[:-1], bounds[1:]))
+    return next((status for status in statuses if status), 0)
+
+
+def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor for decoded values, its fresh pages asked to be huge ones (fewer page faults)."""
+    out = torch.empty(shape, dtype=dtype)
+    lib = kernels()
+    if lib is not None and out.nbytes >= 4 << 20:
+        lib.lf_advise_huge_pages(out.data_ptr(), out.nbytes)
+    return out
