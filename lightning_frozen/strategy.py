@@ -34,7 +34,7 @@ from lightning_frozen.checkpoint import file as checkpoint
 from lightning_frozen.checkpoint import layout, trainable_state
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
-from lightning_frozen.zero import accelerator, host_memory, optimizers
+from lightning_frozen.zero import accelerator, forward_trace, host_memory, optimizers
 from lightning_frozen.zero import engine as placement
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
@@ -272,6 +272,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._preemption.end_run(self.launcher, exception)
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:  # DeepSpeed's own start-of-forward hook again, as initialize found it
+            forward_trace.restore_trace_reset(self.lightning_module)
+        super().teardown()
 
     # ------------------------------------------------------------------ changing what trains
 

@@ -29,6 +29,8 @@ DEEPSPEED_INTERNALS = frozenset(
         "fp32_partitioned_groups_flat",
         "persistent_parameters",
         "parameter_offload",
+        "fwd_pre_hook",
+        "forward_hooks",
         "loss_scaler",
         "global_steps",
         "global_samples",

@@ -1,15 +1,16 @@
 """The DeepSpeed seam: everything that reaches into DeepSpeed lives in this subpackage, written for DeepSpeed 0.19.
 
 Outside it no module imports ``deepspeed`` (other than for type hints), touches a ``ds_*`` attribute of a ZeRO-3 param
-or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks
-it. When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; calls
-the ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step``, ``_swappable_optimizer_subgroup``
-and ``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
+or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks it.
+When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; calls the
+ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step``, ``_swappable_optimizer_subgroup`` and
+``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
 ``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
-with its ``_aligned_size`` and ``_partition_world_size`` (``placeholders``); reads the accelerator's ``_name``
-(``accelerator``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
-``_zero3_merge_frozen_params`` (``checkpoint_files``).
+with its ``_aligned_size`` and ``_partition_world_size`` (``placeholders``); replaces the param offload's
+start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_forward_pre_hooks``) and adds a hook to its
+``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); and merges shards with
+``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``).
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -33,6 +34,8 @@ is defined where it is listed):
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
 - ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``,
   ``restore_gathers``.
+- ``forward_trace``: ZeRO-3's trace reset once per outermost call, so a step calling ``self(x)`` prefetches:
+  ``reset_trace_at_outermost_call``, ``restore_trace_reset``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
   ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``, ``loss_scaler_of``,
   ``ENGINE_STATE_KEYS``.

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
 from lightning_frozen.base.loaded import LoadedBase
-from lightning_frozen.zero import host_memory
+from lightning_frozen.zero import forward_trace, host_memory
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.config import fit_reduce_bucket, zero_settings
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
@@ -59,8 +59,10 @@ def initialize_engine(
 ) -> tuple[Any, Any]:
     """Partition and place the model's params, then ``deepspeed.initialize`` over them (a training engine when
     ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen params stay 1/N shards
-    afterwards (see :func:`release_frozen_persistence`), quantized when ``where.frozen_dtype`` says so. On the CPU,
-    ZeRO-3's gather bounds the user left unset get CPU defaults (:func:`host_memory.bound_gathers_on_cpu`).
+    afterwards (see :func:`release_frozen_persistence`), quantized when ``where.frozen_dtype`` says so. ZeRO-3's trace
+    is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
+    (:func:`forward_trace.reset_trace_at_outermost_call`). On the CPU, ZeRO-3's gather bounds the user left unset get
+    CPU defaults (:func:`host_memory.bound_gathers_on_cpu`).
 
     Raises:
         FrozenDtypeError: ``where.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -87,6 +89,7 @@ def initialize_engine(
         dist_init_required=False,
     )
     release_frozen_persistence(engine, model)
+    forward_trace.reset_trace_at_outermost_call(model, _param_offload(engine))
     if where.frozen_dtype:
         keeper = where.loaded.source_keeper(where.fingerprint_mode) if where.loaded is not None else None
         quant.quantize_frozen_shards(model, where.frozen_dtype, keeper)
@@ -175,8 +178,7 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    offload = getattr(engine.optimizer, "parameter_offload", None) or getattr(engine, "optimizer", None)
-    persistent = getattr(offload, "persistent_parameters", None)
+    persistent = getattr(_param_offload(engine), "persistent_parameters", None)
     if persistent is not None:
         persistent[:] = [p for p in persistent if p.requires_grad]
     for param in model.parameters():
@@ -185,6 +187,11 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
         param.ds_persist = False
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             param.partition()
+
+
+def _param_offload(engine: Any) -> Any:
+    """The engine's ``DeepSpeedZeRoOffload``: its ZeRO-3 optimizer's, or the engine's optimizer itself without one."""
+    return getattr(engine.optimizer, "parameter_offload", None) or getattr(engine, "optimizer", None)
 
 
 def destroy_engine(engine: Any, model: nn.Module, refrozen: list[nn.Parameter], offload_frozen: bool) -> None:

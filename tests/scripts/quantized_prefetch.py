@@ -1,10 +1,11 @@
-"""Train a ``tests.models.AdapterModel`` (4 layers) over an NF4 base on N CPU processes, twice: with the quantized
-gather as shipped (asynchronous: DeepSpeed's coordinator prefetches through its handle) and with every gather's
-collective waited on inside the call (the synchronous path). Each rank writes ``<out>/<run>/rank<R>.json``.
+"""Train a ``tests.models.AdapterModel`` (4 layers; its ``training_step`` calls ``self(x)``) over an NF4 base on N
+CPU processes, twice: with the quantized gather as shipped (asynchronous: DeepSpeed's coordinator prefetches through
+its handle) and with every gather's collective waited on inside the call (the synchronous path). Each rank writes
+``<out>/<run>/rank<R>.json``.
 
-Every ``all_gather_into_tensor`` through ``deepspeed.comm`` is recorded: whether it was started with
-``async_op=True``, and how many frozen layers' forwards began between its start and the wait on its work. A gather
-that DeepSpeed prefetched and that stayed in flight while another layer computed shows a count above zero.
+Every gather is recorded (``tests.gather_recording``): whether it was started with ``async_op=True``, and how many
+frozen layers' forwards began between its start and the wait on its work. A gather that DeepSpeed prefetched and
+that stayed in flight while another layer computed shows a count above zero.
 """
 
 from __future__ import annotations
@@ -16,72 +17,28 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
 from lightning_frozen.zero import params as zero  # noqa: E402
 from lightning_frozen.zero import quantized as quant  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
+from tests.gather_recording import GatherRecorder  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
 WIDTH, DEPTH = 128, 4
 
 
-class PrefetchedAdapterModel(AdapterModel):
-    """``AdapterModel`` whose ``training_step`` runs the layers without calling ``self(...)``.
-
-    Lightning runs ``training_step`` inside the engine's call of the root module; calling the root again there
-    re-enters DeepSpeed's start-of-forward hook, which resets its trace mid-step, so it never prefetches."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(self.head(x).float(), y.float())
-
-
-class Recorder:
-    """Counts frozen layers' forwards and, per collective, the forwards that ran while it was in flight."""
-
-    def __init__(self) -> None:
-        self.forwards = 0
-        self.gathers: list[dict[str, Any]] = []
-        original = deepspeed.comm.all_gather_into_tensor
-
-        def recording(output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            entry = {"dtype": str(tensor.dtype), "async_op": bool(kwargs.get("async_op"))}
-            entry.update(started_at=self.forwards, waited_at=None)
-            self.gathers.append(entry)
-            work = original(output, tensor, *args, **kwargs)
-            return _RecordedWork(work, entry, self) if work is not None else None
-
-        deepspeed.comm.all_gather_into_tensor = recording
-
-    def on_forward(self, module: torch.nn.Module, inputs: tuple) -> None:
-        self.forwards += 1
-
-
-class _RecordedWork:
-    def __init__(self, work: Any, entry: dict[str, Any], recorder: Recorder) -> None:
-        self.work, self.entry, self.recorder = work, entry, recorder
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        if self.entry["waited_at"] is None:
-            self.entry["waited_at"] = self.recorder.forwards
-        return self.work.wait(*args, **kwargs)
-
-
-def fit(run: str, devices: int, out: Path, recorder: Recorder) -> None:
-    recorder.gathers.clear()
-    model = PrefetchedAdapterModel(width=WIDTH, depth=DEPTH)
+def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
+    recorder.reset()
+    model = AdapterModel(width=WIDTH, depth=DEPTH)
     seen: dict[str, torch.Tensor] = {}
 
     def keep_last_weight(module: torch.nn.Module, inputs: tuple) -> None:
         seen["weight"] = module.weight.detach().clone()
 
     for layer in model.layers:
-        layer.base.register_forward_pre_hook(recorder.on_forward)
+        recorder.watch(layer.base)
     model.layers[DEPTH - 1].base.register_forward_pre_hook(keep_last_weight)
     trainer = cpu_trainer(
         FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), devices=devices, max_epochs=1, precision="bf16-true"
@@ -105,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
-    recorder = Recorder()
+    recorder = GatherRecorder()
     fit("async", args.devices, out, recorder)
 
     asynchronous = quant._gather

@@ -1,0 +1,135 @@
+"""ZeRO-3 prefetches when ``training_step`` calls ``self(x)`` (zero/forward_trace.py, issue 24).
+
+Lightning runs the step inside the engine's call of the LightningModule, so ``self(x)`` calls the module a second
+time; DeepSpeed's start-of-forward hook then resets its trace mid-step and nothing is ever prefetched. The strategy
+runs that hook at the outermost call only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero import forward_trace
+from tests.distributed import read_reports, run_script
+from tests.models import AdapterModel, cpu_trainer, regression_data
+
+
+class Reentrant(nn.Module):
+    """Calls itself once inside its own call, as a step that calls ``self(x)`` does under Lightning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inner:
+            self.inner = True
+            try:
+                return self(x)
+            finally:
+                self.inner = False
+        if x.sum() < 0:
+            raise ValueError("a forward that raises")
+        return x
+
+
+class Offload:
+    """What DeepSpeed's ``DeepSpeedZeRoOffload`` holds of its module hooks: the start-of-forward hook's handle."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.resets = 0
+        self.fwd_pre_hook = module.register_forward_pre_hook(self.start_of_forward)
+        self.forward_hooks: list[Any] = []
+
+    def start_of_forward(self, module: nn.Module, args: tuple) -> None:
+        self.resets += 1
+
+
+def test_the_start_of_forward_hook_runs_once_per_outermost_call_until_restored() -> None:
+    module = Reentrant()
+    offload = Offload(module)
+    assert forward_trace.reset_trace_at_outermost_call(module, offload)
+    module(torch.ones(2))
+    module(torch.ones(2))
+    assert offload.resets == 2
+    with pytest.raises(ValueError, match="raises"):
+        module(-torch.ones(2))
+    module(torch.ones(2))
+    assert offload.resets == 4  # the call that raised left the module outside its call again
+    forward_trace.restore_trace_reset(module)
+    module(torch.ones(2))
+    assert offload.resets == 6  # DeepSpeed's own hook again: the inner call resets too
+    assert offload.forward_hooks == []
+
+
+def test_another_deepspeed_keeps_its_own_hook_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    module = Reentrant()
+    offload = Offload(module)
+    with pytest.warns(UserWarning, match="DeepSpeed 0.20.0's start-of-forward hook"):
+        assert not forward_trace.reset_trace_at_outermost_call(module, offload)
+    module(torch.ones(2))
+    assert offload.resets == 2
+
+
+def test_a_fit_leaves_deepspeeds_own_hook_on_the_module() -> None:
+    model = AdapterModel()
+    installed = []
+
+    class Check(Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            installed.append(_replaced_hooks(pl_module))
+
+    cpu_trainer(FrozenAwareDeepSpeedStrategy(), callbacks=[Check()], max_steps=2).fit(model, regression_data())
+    assert installed == [1, 1]
+    assert _replaced_hooks(model) == 0  # undone at teardown
+
+
+def _replaced_hooks(module: nn.Module) -> int:
+    hooks = module._forward_pre_hooks.values()
+    return sum(getattr(getattr(hook, "__self__", None), "__module__", "") == forward_trace.__name__ for hook in hooks)
+
+
+@pytest.fixture(scope="module")
+def self_call_fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two 2-rank fits of a step that calls ``self(x)``: as shipped, and with DeepSpeed's hook left alone."""
+    tmp = tmp_path_factory.mktemp("prefetch_self_call")
+    run_script("prefetch_self_call.py", f"--out={tmp}")
+    return tmp
+
+
+def _in_flight_by_step(report: dict[str, Any]) -> dict[int, int]:
+    """Per step, the gathers that frozen layers' forwards ran past before their work was waited on."""
+    counts: dict[int, int] = {}
+    for gather in report["gathers"]:
+        if gather["step"] >= 0:
+            ahead = gather["waited_at"] is not None and gather["waited_at"] > gather["started_at"]
+            counts[gather["step"]] = counts.get(gather["step"], 0) + ahead
+    return counts
+
+
+@pytest.mark.slow
+def test_a_step_that_calls_self_prefetches_after_the_first_step(self_call_fits: Path) -> None:
+    for report in read_reports(self_call_fits / "shipped"):
+        assert report["global_step"] == 4
+        in_flight = _in_flight_by_step(report)
+        assert sorted(in_flight) == [0, 1, 2, 3]
+        assert all(in_flight[step] > 0 for step in (1, 2, 3)), in_flight  # step 0 records the trace
+    for report in read_reports(self_call_fits / "stock"):
+        assert set(_in_flight_by_step(report).values()) == {0}  # DeepSpeed's own hook: nothing is ever prefetched
+
+
+@pytest.mark.slow
+def test_prefetching_trains_exactly_as_fetching_on_demand(self_call_fits: Path) -> None:
+    shipped, stock = read_reports(self_call_fits / "shipped"), read_reports(self_call_fits / "stock")
+    assert len(shipped) == len(stock) == 2
+    for prefetched, fetched in zip(shipped, stock):
+        assert prefetched["trainable"] == fetched["trainable"]
