@@ -82,7 +82,7 @@ SETS: dict[str, list[tuple[str, str, str, int]]] = {
 }
 # minutes per process group (training phase, then resume): generous, from a 469M model's times here scaled by
 # parameters (x14 for 7B, x28 for 13B; quantizing, fingerprinting and bf16 steps take tens of minutes at that size)
-TIMEOUT_MIN = {"tiny": 15, "7b": 90, "13b": 180}
+TIMEOUT_MIN = {"tiny": 15, "1.1b": 30, "7b": 90, "13b": 180}
 # ------------------------------------------------------------------------------------------------ one configuration
 
 

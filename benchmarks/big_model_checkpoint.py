@@ -25,6 +25,15 @@ from typing import Any, Optional
 # Llama-2 shapes (multi-head attention, untied head); "tiny" is for checking the plumbing
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4, vocab_size=32000),
+    # TinyLlama-1.1B's shape (grouped-query attention: 4 key/value heads), for benchmarks/peer_qlora.py
+    "1.1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
     "7b": dict(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000
     ),

@@ -1,0 +1,233 @@
+"""The peer a CPU user would run, side by side with ``frozen_deepspeed``: LoRA on a TinyLlama-1.1B-shaped folder.
+
+    python benchmarks/peer_qlora.py [--steps 4] [--warmup 1] [--data-dir /work/bench-data] [--out benchmarks/results]
+
+One run, one configuration at a time, each in fresh processes, on the same folder (written once with
+``big_model_checkpoint.py``: Llama, hidden 2048, 22 layers, grouped-query attention, bf16 safetensors), the same
+random tokens (64 per sequence, one sequence per rank and step), LoRA r=8 on ``q_proj``/``v_proj``, AdamW, fp32
+compute, on all the machine's cores:
+
+- ``peer dense``: transformers + PEFT, the base loaded in fp32, a plain training loop;
+- ``peer QLoRA``: transformers + bitsandbytes NF4 (``BitsAndBytesConfig(load_in_4bit=True, nf4)``) + PEFT, plain loop;
+- ``ours NF4 1r`` / ``2r``: ``frozen_deepspeed`` with ``frozen_dtype="nf4"``, 1 and 2 ranks (``big_model.py``'s
+  worker: ``from_pretrained`` in ``configure_model``; 2 ranks each take one core and one sequence);
+- ``ours bf16 1r``: ``frozen_dtype="bf16"`` (a cast) under fp32 compute.
+
+Step: median wall time of the timed steps (forward, backward, optimizer step); per token: step / tokens per step
+over all ranks. Memory: peak USS over the run, summed over the node's processes (USS adds up across processes),
+sampled every 0.1 s, as a user's processes hold it (no allocator variables). Writes ``<out>/peer_qlora.json`` and
+``<out>/peer_qlora.md``; the ``big_model.py`` records of our runs go to ``<out>/peer_qlora_ours.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+SIZE = "1.1b"
+SEQUENCE = 64
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+OURS = (("ours NF4 1r", "nf4", 1), ("ours NF4 2r", "nf4", 2), ("ours bf16 1r", "bf16", 1))
+PEERS = (("peer dense", False), ("peer QLoRA", True))
+# issue 24's goals: our step per token no slower than the QLoRA peer's; our peak memory <= 0.5x the peer's
+GOAL_STEP, GOAL_MEMORY = 1.0, 0.5
+
+
+def peer_worker(spec: dict[str, Any]) -> None:
+    """One peer run in this process: load, then warm-up and timed steps of a plain loop; figures to ``spec['out']``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from benchmarks.load_memory import PeakSampler
+
+    torch.manual_seed(0)
+    sampler = PeakSampler()
+    sampler.start()
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if spec["nf4"]:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        )
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(spec["folder"], **kwargs), LoraConfig(**LORA))
+    model.train()
+    load_s = time.perf_counter() - started
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    tokens = torch.randint(
+        0,
+        model.config.vocab_size,
+        (spec["warmup"] + spec["steps"], 1, SEQUENCE),
+        generator=torch.Generator().manual_seed(0),
+    )
+    steps = []
+    for input_ids in tokens:
+        begin = time.perf_counter()
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps.append(time.perf_counter() - begin)
+    sampler.stop()
+    Path(spec["out"]).write_text(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "steps_s": steps,
+                "peak_uss": sampler.peak_uss,
+                "loss": float(loss.detach()),
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            }
+        )
+    )
+
+
+def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "peer.json"
+        spec = dict(folder=str(folder), nf4=nf4, warmup=args.warmup, steps=args.steps, out=str(out))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE.parent)}
+        print(f"\n=== {name}", flush=True)
+        result = subprocess.run([sys.executable, __file__, "--peer", json.dumps(spec)], env=env, timeout=args.timeout)
+        if result.returncode or not out.exists():
+            return {"name": name, "status": f"exit {result.returncode}"}
+        figures = json.loads(out.read_text())
+    timed = figures["steps_s"][args.warmup :]
+    return {
+        "name": name,
+        "status": "ok",
+        "ranks": 1,
+        "tokens_per_step": SEQUENCE,
+        "step_s": statistics.median(timed),
+        "peak_uss": figures["peak_uss"],
+        "load_s": figures["load_s"],
+        "steps_s": figures["steps_s"],
+    }
+
+
+def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespace) -> dict[str, Any]:
+    records = args.out / "peer_qlora_ours.json"
+    command = [
+        sys.executable,
+        str(HERE / "big_model.py"),
+        "run",
+        "--size",
+        SIZE,
+        "--frozen-dtype",
+        frozen_dtype,
+        "--precision",
+        "32-true",
+        "--devices",
+        str(devices),
+        "--sequence",
+        str(SEQUENCE),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--no-resume",
+        "--data-dir",
+        str(args.data_dir),
+        "--out",
+        str(args.out / "peer_qlora_ours"),
+    ]
+    print(f"\n=== {name}", flush=True)
+    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(HERE.parent)}, timeout=args.timeout * devices)
+    found = json.loads((args.out / "peer_qlora_ours" / "big_model.json").read_text())["records"][-1]
+    merged = json.loads(records.read_text()) if records.exists() else []
+    records.write_text(json.dumps([*merged, found], indent=1))
+    summary = found["summary"]
+    if summary["status"] != "ok":
+        return {"name": name, "status": summary["status"], "reason": summary.get("reason")}
+    return {
+        "name": name,
+        "status": "ok",
+        "ranks": devices,
+        "tokens_per_step": SEQUENCE * devices,
+        "step_s": summary["step_s"],
+        "peak_uss": summary["train_peak_uss"],
+        "load_s": summary.get("first_step_at_s"),
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    rows = {r["name"]: r for r in result["rows"]}
+    peer = rows.get("peer QLoRA", {})
+    lines = [
+        "# LoRA on a TinyLlama-1.1B-shaped base: the CPU peer and `frozen_deepspeed`, side by side",
+        "",
+        f"Written by `benchmarks/peer_qlora.py` on {result['date']} ({result['machine']}; load average"
+        f" {result['load_before']} before, {result['load_after']} after). {SEQUENCE} tokens per sequence, one per"
+        " rank and step, fp32 compute, LoRA r=8 on q/v, AdamW. Ratios are to the QLoRA peer (transformers +"
+        " bitsandbytes NF4 + PEFT).",
+        "",
+        "| run | ranks | median step s | s per token | ÷ peer QLoRA | peak USS GiB (node) | ÷ peer QLoRA |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['name']} | | {row['status']} {row.get('reason') or ''} | | | | |")
+            continue
+        per_token = row["step_s"] / row["tokens_per_step"]
+        ratio_t = per_token / (peer["step_s"] / peer["tokens_per_step"]) if peer.get("status") == "ok" else None
+        ratio_m = row["peak_uss"] / peer["peak_uss"] if peer.get("status") == "ok" else None
+        lines.append(
+            f"| {row['name']} | {row['ranks']} | {row['step_s']:.2f} | {per_token:.3f} |"
+            f" {'' if ratio_t is None else f'{ratio_t:.2f}'} | {row['peak_uss'] / 2**30:.2f} |"
+            f" {'' if ratio_m is None else f'{ratio_m:.2f}'} |"
+        )
+    lines += ["", f"Goals (issue 24): ours per token ≤ {GOAL_STEP}x the QLoRA peer; peak memory ≤ {GOAL_MEMORY}x.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer", help=argparse.SUPPRESS)  # a peer run's spec, in its own process
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    parser.add_argument("--only", nargs="+", help="run only these names (e.g. 'peer QLoRA' 'ours NF4 1r')")
+    parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    if args.peer:
+        peer_worker(json.loads(args.peer))
+        return
+    from benchmarks.big_model_checkpoint import llama_config, write_checkpoint
+
+    folder = args.data_dir / f"llama-{SIZE}"
+    write_checkpoint(folder, llama_config(SIZE))
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_before = round(os.getloadavg()[0], 2)
+    rows = []
+    for name, nf4 in PEERS:
+        if not args.only or name in args.only:
+            rows.append(run_peer(name, nf4, folder, args))
+    for name, frozen_dtype, devices in OURS:
+        if not args.only or name in args.only:
+            rows.append(run_ours(name, frozen_dtype, devices, args))
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_before": load_before,
+        "load_after": round(os.getloadavg()[0], 2),
+        "machine": f"{os.cpu_count()} cores",
+        "rows": rows,
+    }
+    (args.out / "peer_qlora.json").write_text(json.dumps(result, indent=1))
+    (args.out / "peer_qlora.md").write_text(report(result))
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
