@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -132,6 +132,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
+        self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers
 
     @classmethod
     @override
@@ -226,8 +227,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._optimized.record_flags(model, optimizer)
         trainable = optim.trainable_params(model)
         built = placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
-        adapters.clip_per_adapter(built[1], model, self._optimized.group_names)
+        adapters.engine_built(built[1], model, self._optimized.group_names, self._row_hooks)
         return built
+
+    @override
+    def teardown(self) -> None:
+        self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
+        super().teardown()
 
     @contextmanager
     @override

@@ -11,6 +11,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import adapters as multi
+from lightning_frozen import row_guard
 from lightning_frozen.errors import AdapterSetupError
 from lightning_frozen.zero import adapter_clipping
 from tests.adapter_models import FIT, SPECS, CausalAdapters, adapter_weights, peft_with_adapters, token_batches
@@ -216,6 +217,41 @@ def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(ll
     model.gradient_checkpointing_enable()
     with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), multi.adapter_rows(model, rows):
         pass
+
+
+class ForgetsRows(CausalAdapters):
+    """Two adapters trained, the batch passed through the model as it is: every row through every adapter."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, attention_mask = batch
+        return self._token_losses(input_ids, attention_mask).mean()
+
+
+class SharesRowsOnPurpose(ForgetsRows):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with multi.shared_rows(self.model):  # both adapters on every row, as PEFT computes them, on purpose
+            return super().training_step(batch, batch_idx)
+
+
+def test_a_training_forward_of_several_adapters_outside_adapter_rows_is_refused_with_the_fix(llama: str) -> None:
+    message = r"`x`, `y` to every row, outside `lightning_frozen.adapters.adapter_rows`"
+    with pytest.raises(AdapterSetupError, match=message) as caught:
+        cpu_trainer(max_steps=1).fit(ForgetsRows(llama, ["x", "y"]), token_batches())
+    assert "shared_rows" in str(caught.value)
+
+
+def test_adapters_trained_on_the_same_rows_on_purpose_say_so_with_shared_rows(llama: str) -> None:
+    module = SharesRowsOnPurpose(llama, ["x", "y"])
+    trainer = cpu_trainer(max_steps=2)
+    trainer.fit(module, token_batches())
+    assert trainer.global_step == 2
+    hooks = [hook for layer in module.modules() for hook in layer._forward_pre_hooks.values()]
+    assert not [hook for hook in hooks if getattr(hook, "func", None) is row_guard._refuse]  # removed at teardown
+    with torch.no_grad():  # outside training (no gradient) a forward needs neither
+        module.model(input_ids=next(iter(token_batches()))[0])
+    one = cpu_trainer(max_steps=1)
+    one.fit(ForgetsRows(llama, ["x"], together=False), token_batches())  # one adapter: nothing to couple
+    assert one.global_step == 1
 
 
 def test_lora_dropout_is_allowed_with_a_warning_that_runs_are_not_identical(llama: str) -> None:
