@@ -26,7 +26,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, arguments, memory, preemption
+from lightning_frozen import adapters, arguments, loops, memory, preemption
 from lightning_frozen.base import pretrained
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
@@ -137,8 +137,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        for name, description, options in arguments.REGISTERED_NAMES:
-            strategy_registry.register(name, cls, description=description, **options)
+        arguments.register_names(strategy_registry, cls)
 
     # ------------------------------------------------------------------ one run's state
 
@@ -272,6 +271,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_train_start(self) -> None:
+        loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
 
     @override
