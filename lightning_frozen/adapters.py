@@ -301,7 +301,8 @@ def adapter_losses(
 def adapter_param_groups(module: nn.Module, hyper_parameters: Mapping[str, Mapping[str, Any]]) -> list[dict]:
     """One optimizer param group per adapter, in the order of ``hyper_parameters`` (``{"a": {"lr": 1e-3}, ...}``):
     the adapter's trainable params with its own hyper-parameters. A ``LambdaLR`` with one lambda per adapter, in the
-    same order, gives each adapter its own schedule.
+    same order, gives each adapter its own schedule; ``"gradient_clip_val"`` gives it its own clipping value (else the
+    Trainer's ``gradient_clip_val`` applies to it).
 
     Raises:
         AdapterSetupError: an adapter the module does not train.
@@ -354,9 +355,17 @@ def group_adapters(module: nn.Module, group_names: Sequence[Sequence[str]]) -> l
 
 
 def check_optimizer_groups(module: nn.Module, optimizer: Optimizer) -> None:
-    """:func:`group_adapters` for a torch optimizer over ``module``'s params (raises as it does)."""
+    """:func:`group_adapters` for a torch optimizer over ``module``'s params (raises as it does), and the clipping
+    values of its groups (``gradient_clip_val``): one per adapter, and only where two or more adapters train.
+
+    Raises:
+        AdapterSetupError: as :func:`group_adapters`; an adapter whose groups give different clipping values; a
+            clipping value in a group while fewer than two adapters train.
+    """
     names = {id(p): name for name, p in module.named_parameters()}
-    group_adapters(module, [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+    groups = optimizer.param_groups
+    adapters = group_adapters(module, [[names[id(p)] for p in group["params"]] for group in groups])
+    adapter_clipping.check_group_clips(adapters, groups, trained_adapters(module))
 
 
 def engine_built(

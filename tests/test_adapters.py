@@ -76,6 +76,63 @@ def test_a_global_clipping_norm_would_couple_the_adapters(
     assert differ == NAMES
 
 
+class ClipsPerAdapter(CausalAdapters):
+    """``x`` and ``y`` trained at once, each clipped by its own value given in its param group."""
+
+    clips = {"x": 0.05, "y": 0.5}
+
+    def configure_optimizers(self) -> Any:
+        found = super().configure_optimizers()
+        for group, name in zip(found["optimizer"].param_groups, self.hparams.names):
+            group["gradient_clip_val"] = self.clips[name]
+        return found
+
+
+def test_each_adapter_is_clipped_by_its_own_value_from_its_param_group(
+    llama: str, tmp_path: Path, alone: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    # y alone with the Trainer's clip value set to y's own; x's run alone clips at FIT's 0.05
+    y_alone = fit_and_save(CausalAdapters(llama, ["y"], together=False), tmp_path / "y.ckpt", gradient_clip_val=0.5)
+    state = fit_and_save(ClipsPerAdapter(llama, ["x", "y"]), tmp_path / "clips.ckpt", gradient_clip_val=None)
+    _same_adapters(state, alone["x"], ["x"])
+    _same_adapters(state, y_alone, ["y"])
+    assert not torch.allclose(adapter_weights(y_alone, "y")[next(iter(alone["y"]))], alone["y"][next(iter(alone["y"]))])
+    saved = torch.load(tmp_path / "clips.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert [group["gradient_clip_val"] for group in saved] == [0.05, 0.5]  # resumed with the run
+
+
+class ClipsDisagree(ClipsPerAdapter):
+    def configure_optimizers(self) -> Any:
+        groups = multi.adapter_param_groups(self, {"x": {"lr": 1e-2}, "y": {"lr": 1e-2}})
+        x_params = groups[0]["params"]
+        groups[0:1] = [
+            {"params": x_params[:1], "gradient_clip_val": 0.1},
+            {"params": x_params[1:], "gradient_clip_val": 0.2},
+        ]
+        return torch.optim.AdamW(groups)
+
+
+class ClipsOneAdapter(CausalAdapters):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(
+            [{"params": [p for p in self.parameters() if p.requires_grad], "gradient_clip_val": 1}]
+        )
+
+
+@pytest.mark.parametrize(
+    ("module", "names", "message"),
+    [
+        (ClipsDisagree, ["x", "y"], r"Adapter `x` has param groups with `gradient_clip_val` 0.1 and 0.2"),
+        (ClipsOneAdapter, ["x"], r"`gradient_clip_val` in a param group.*Trainer\(gradient_clip_val="),
+    ],
+)
+def test_per_adapter_clip_values_that_cannot_apply_are_refused(
+    llama: str, module: type, names: list[str], message: str
+) -> None:
+    with pytest.raises(AdapterSetupError, match=message):
+        cpu_trainer(max_steps=1).fit(module(llama, names, together=len(names) > 1), token_batches())
+
+
 def _logits(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=batch[0], attention_mask=batch[1]).logits
