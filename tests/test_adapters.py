@@ -112,6 +112,10 @@ class ClipsDisagree(ClipsPerAdapter):
         return torch.optim.AdamW(groups)
 
 
+class ClipsNotANumber(ClipsPerAdapter):
+    clips = {"x": "high", "y": 0.5}
+
+
 class ClipsOneAdapter(CausalAdapters):
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(
@@ -124,6 +128,7 @@ class ClipsOneAdapter(CausalAdapters):
     [
         (ClipsDisagree, ["x", "y"], r"Adapter `x` has param groups with `gradient_clip_val` 0.1 and 0.2"),
         (ClipsOneAdapter, ["x"], r"`gradient_clip_val` in a param group.*Trainer\(gradient_clip_val="),
+        (ClipsNotANumber, ["x", "y"], r"Adapter `x`'s `gradient_clip_val` is 'high'; give a number >= 0"),
     ],
 )
 def test_per_adapter_clip_values_that_cannot_apply_are_refused(

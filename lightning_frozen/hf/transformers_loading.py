@@ -75,9 +75,10 @@ def zero3_loading(
 def base_files_named() -> Iterator[None]:
     """While active, a safetensors file that transformers cannot open (truncated, corrupt) raises
     :class:`~lightning_frozen.errors.FrozenBaseFileError` naming it, instead of safetensors' error without the file's
-    name. Does nothing where transformers is not installed or reads no ``modeling_utils.safe_open``."""
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    if modeling_utils is None and importlib.util.find_spec("transformers") is not None:
+    name. Does nothing where transformers is not imported yet (a module without it does not pay for its import) or
+    reads no ``modeling_utils.safe_open``."""
+    modeling_utils = None
+    if "transformers" in sys.modules:
         from transformers import modeling_utils
     original = getattr(modeling_utils, "safe_open", None)
     if original is None:

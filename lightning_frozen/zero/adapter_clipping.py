@@ -32,8 +32,8 @@ def check_group_clips(group_adapters: Sequence[str], groups: Sequence[dict], tra
     the adapters that train.
 
     Raises:
-        AdapterSetupError: an adapter whose groups give different values (it is clipped by one norm, so by one
-            value); a value in a group while fewer than two adapters train.
+        AdapterSetupError: a value that is not a number >= 0; an adapter whose groups give different values (it is
+            clipped by one norm, so by one value); a value in a group while fewer than two adapters train.
     """
     if not group_adapters and any(group.get(GROUP_CLIP_KEY) is not None for group in groups):
         raise AdapterSetupError(
@@ -42,7 +42,12 @@ def check_group_clips(group_adapters: Sequence[str], groups: Sequence[dict], tra
         )
     values: dict[str, set[Optional[float]]] = {}
     for adapter, group in zip(group_adapters, groups):
-        values.setdefault(adapter, set()).add(group.get(GROUP_CLIP_KEY))
+        value = group.get(GROUP_CLIP_KEY)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise AdapterSetupError(
+                f"Adapter `{adapter}`'s `{GROUP_CLIP_KEY}` is {value!r}; give a number >= 0 (0: no clipping) or none."
+            )
+        values.setdefault(adapter, set()).add(value)
     for adapter, found in values.items():
         if len(found) > 1:
             shown = " and ".join(str(v) for v in sorted(found, key=lambda v: (v is None, v or 0)))
