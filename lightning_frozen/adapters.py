@@ -10,7 +10,8 @@ gradient, since the adapters' params are disjoint and each row's output depends 
 all rows would scale each by 1/K).
 
 Under ``frozen_deepspeed`` the strategy does the rest when two or more adapters train: each optimizer param group
-must hold one adapter's params (:func:`check_optimizer_groups`), gradients are clipped per adapter
+must hold one adapter's params (:func:`check_optimizer_groups`), a training forward outside :func:`adapter_rows`
+raises unless it is inside :func:`shared_rows` (``row_guard.py``), gradients are clipped per adapter
 (``zero/adapter_clipping.py``), and each adapter loads and exports alone from the run's checkpoint
 (``checkpoint/adapters.py``).
 
@@ -22,7 +23,7 @@ dropout off (K adapters' rows draw other random numbers than one adapter's alone
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -32,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_frozen import row_guard
 from lightning_frozen.base.reference import find_peft_model
 from lightning_frozen.errors import AdapterSetupError, format_names
 from lightning_frozen.hf import peft_adapters
@@ -231,10 +233,35 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
     for layer in layers:
         layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
     try:
-        yield
+        with row_guard.rows_given(peft_model):
+            yield
     finally:
         for layer in layers:
             del layer.forward
+
+
+@contextmanager
+def shared_rows(model: nn.Module) -> Iterator[None]:
+    """Within the context, every row goes through every active adapter, as PEFT computes it (stacked adapters trained
+    together on the same data, on purpose): the way to say so under ``frozen_deepspeed``, which refuses a training
+    forward of two or more trained adapters outside :func:`adapter_rows` (:func:`guard_rows`). The adapters' gradients
+    are then coupled: each one's depends on the others'.
+
+    Raises:
+        AdapterSetupError: ``model`` holds no PEFT model.
+    """
+    with row_guard.rows_given(_peft_model(model)):
+        yield
+
+
+def guard_rows(module: nn.Module, hooks: ExitStack) -> None:
+    """With two or more adapters of ``module`` training, a forward with gradients that adds two or more of them to
+    every row outside :func:`adapter_rows` and :func:`shared_rows` raises :class:`AdapterSetupError`
+    (``row_guard.py``); the check's hooks go into ``hooks``, and closing it removes them."""
+    found = find_peft_model(module)
+    trained = frozenset(trained_adapters(module))
+    if found is not None and len(trained) >= 2:
+        row_guard.guard(found[1], trained, hooks)
 
 
 def _row_forward(layer: Any, rows: AdapterRows, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -274,7 +301,8 @@ def adapter_losses(
 def adapter_param_groups(module: nn.Module, hyper_parameters: Mapping[str, Mapping[str, Any]]) -> list[dict]:
     """One optimizer param group per adapter, in the order of ``hyper_parameters`` (``{"a": {"lr": 1e-3}, ...}``):
     the adapter's trainable params with its own hyper-parameters. A ``LambdaLR`` with one lambda per adapter, in the
-    same order, gives each adapter its own schedule.
+    same order, gives each adapter its own schedule; ``"gradient_clip_val"`` gives it its own clipping value (else the
+    Trainer's ``gradient_clip_val`` applies to it).
 
     Raises:
         AdapterSetupError: an adapter the module does not train.
@@ -327,12 +355,26 @@ def group_adapters(module: nn.Module, group_names: Sequence[Sequence[str]]) -> l
 
 
 def check_optimizer_groups(module: nn.Module, optimizer: Optimizer) -> None:
-    """:func:`group_adapters` for a torch optimizer over ``module``'s params (raises as it does)."""
+    """:func:`group_adapters` for a torch optimizer over ``module``'s params (raises as it does), and the clipping
+    values of its groups (``gradient_clip_val``): one per adapter, and only where two or more adapters train.
+
+    Raises:
+        AdapterSetupError: as :func:`group_adapters`; an adapter whose groups give different clipping values; a
+            clipping value in a group while fewer than two adapters train.
+    """
     names = {id(p): name for name, p in module.named_parameters()}
-    group_adapters(module, [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+    groups = optimizer.param_groups
+    adapters = group_adapters(module, [[names[id(p)] for p in group["params"]] for group in groups])
+    adapter_clipping.check_group_clips(adapters, groups, trained_adapters(module))
 
 
-def clip_per_adapter(zero_optimizer: Any, module: nn.Module, group_names: Sequence[Sequence[str]]) -> None:
-    """With two or more adapters training, clip each one's gradients in ``zero_optimizer`` by its own norm
-    (``zero/adapter_clipping.py``); raises as :func:`group_adapters` does."""
+def engine_built(
+    zero_optimizer: Any, module: nn.Module, group_names: Sequence[Sequence[str]], row_hooks: ExitStack
+) -> None:
+    """Once the strategy built its engine (again, after a change of what trains), with two or more adapters training:
+    clip each one's gradients in ``zero_optimizer`` by its own norm (``zero/adapter_clipping.py``) and refuse a
+    training forward outside :func:`adapter_rows` (:func:`guard_rows`; ``row_hooks`` is emptied first, then holds the
+    hooks). Raises as :func:`group_adapters` does."""
     adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(module, group_names))
+    row_hooks.close()
+    guard_rows(module, row_hooks)

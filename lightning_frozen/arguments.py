@@ -32,6 +32,12 @@ REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
+def register_names(strategy_registry: Any, strategy_class: type) -> None:
+    """Register every name of :data:`REGISTERED_NAMES` for ``strategy_class`` in Lightning's ``StrategyRegistry``."""
+    for name, description, options in REGISTERED_NAMES:
+        strategy_registry.register(name, strategy_class, description=description, **options)
+
+
 def check_strategy_arguments(
     flags: dict[str, Any],
     frozen_base: Any,

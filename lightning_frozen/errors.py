@@ -54,6 +54,21 @@ class InvalidArgumentValueError(FrozenTrainingError, ValueError):
     """An argument of a public function or of the strategy has a value that cannot work."""
 
 
+class FrozenBaseFileError(FrozenTrainingError, OSError):
+    """A weights file of the frozen base (a safetensors shard) cannot be read: it is truncated or corrupt."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            f"The frozen base's weights file {path} cannot be read ({reason}): it is truncated or corrupt, as an"
+            " interrupted download or copy leaves it. Download or copy that file again (a hub model: pass"
+            " `force_download=True` to `from_pretrained` once, or delete the file from the cache) and rerun."
+        )
+        self.path, self.reason = path, reason
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # pickled across processes with its own arguments
+        return type(self), (self.path, self.reason)
+
+
 class CheckpointNotFoundError(FrozenTrainingError, FileNotFoundError):
     """Nothing at the checkpoint path given."""
 

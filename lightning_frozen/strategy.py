@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -26,7 +26,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, arguments, memory, preemption
+from lightning_frozen import adapters, arguments, loops, memory, preemption
 from lightning_frozen.base import pretrained
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
@@ -132,12 +132,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
+        self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        for name, description, options in arguments.REGISTERED_NAMES:
-            strategy_registry.register(name, cls, description=description, **options)
+        arguments.register_names(strategy_registry, cls)
 
     # ------------------------------------------------------------------ one run's state
 
@@ -226,8 +226,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._optimized.record_flags(model, optimizer)
         trainable = optim.trainable_params(model)
         built = placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
-        adapters.clip_per_adapter(built[1], model, self._optimized.group_names)
+        adapters.engine_built(built[1], model, self._optimized.group_names, self._row_hooks)
         return built
+
+    @override
+    def teardown(self) -> None:
+        self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
+        super().teardown()
 
     @contextmanager
     @override
@@ -266,6 +271,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_train_start(self) -> None:
+        loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
 
     @override

@@ -11,6 +11,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import adapters as multi
+from lightning_frozen import row_guard
 from lightning_frozen.errors import AdapterSetupError
 from lightning_frozen.zero import adapter_clipping
 from tests.adapter_models import FIT, SPECS, CausalAdapters, adapter_weights, peft_with_adapters, token_batches
@@ -73,6 +74,68 @@ def test_a_global_clipping_norm_would_couple_the_adapters(
         if not all(torch.allclose(v, alone[name][k], rtol=1e-5) for k, v in adapter_weights(state, name).items())
     ]
     assert differ == NAMES
+
+
+class ClipsPerAdapter(CausalAdapters):
+    """``x`` and ``y`` trained at once, each clipped by its own value given in its param group."""
+
+    clips = {"x": 0.05, "y": 0.5}
+
+    def configure_optimizers(self) -> Any:
+        found = super().configure_optimizers()
+        for group, name in zip(found["optimizer"].param_groups, self.hparams.names):
+            group["gradient_clip_val"] = self.clips[name]
+        return found
+
+
+def test_each_adapter_is_clipped_by_its_own_value_from_its_param_group(
+    llama: str, tmp_path: Path, alone: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    # y alone with the Trainer's clip value set to y's own; x's run alone clips at FIT's 0.05
+    y_alone = fit_and_save(CausalAdapters(llama, ["y"], together=False), tmp_path / "y.ckpt", gradient_clip_val=0.5)
+    state = fit_and_save(ClipsPerAdapter(llama, ["x", "y"]), tmp_path / "clips.ckpt", gradient_clip_val=None)
+    _same_adapters(state, alone["x"], ["x"])
+    _same_adapters(state, y_alone, ["y"])
+    assert not torch.allclose(adapter_weights(y_alone, "y")[next(iter(alone["y"]))], alone["y"][next(iter(alone["y"]))])
+    saved = torch.load(tmp_path / "clips.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert [group["gradient_clip_val"] for group in saved] == [0.05, 0.5]  # resumed with the run
+
+
+class ClipsDisagree(ClipsPerAdapter):
+    def configure_optimizers(self) -> Any:
+        groups = multi.adapter_param_groups(self, {"x": {"lr": 1e-2}, "y": {"lr": 1e-2}})
+        x_params = groups[0]["params"]
+        groups[0:1] = [
+            {"params": x_params[:1], "gradient_clip_val": 0.1},
+            {"params": x_params[1:], "gradient_clip_val": 0.2},
+        ]
+        return torch.optim.AdamW(groups)
+
+
+class ClipsNotANumber(ClipsPerAdapter):
+    clips = {"x": "high", "y": 0.5}
+
+
+class ClipsOneAdapter(CausalAdapters):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(
+            [{"params": [p for p in self.parameters() if p.requires_grad], "gradient_clip_val": 1}]
+        )
+
+
+@pytest.mark.parametrize(
+    ("module", "names", "message"),
+    [
+        (ClipsDisagree, ["x", "y"], r"Adapter `x` has param groups with `gradient_clip_val` 0.1 and 0.2"),
+        (ClipsOneAdapter, ["x"], r"`gradient_clip_val` in a param group.*Trainer\(gradient_clip_val="),
+        (ClipsNotANumber, ["x", "y"], r"Adapter `x`'s `gradient_clip_val` is 'high'; give a number >= 0"),
+    ],
+)
+def test_per_adapter_clip_values_that_cannot_apply_are_refused(
+    llama: str, module: type, names: list[str], message: str
+) -> None:
+    with pytest.raises(AdapterSetupError, match=message):
+        cpu_trainer(max_steps=1).fit(module(llama, names, together=len(names) > 1), token_batches())
 
 
 def _logits(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -216,6 +279,41 @@ def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(ll
     model.gradient_checkpointing_enable()
     with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), multi.adapter_rows(model, rows):
         pass
+
+
+class ForgetsRows(CausalAdapters):
+    """Two adapters trained, the batch passed through the model as it is: every row through every adapter."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, attention_mask = batch
+        return self._token_losses(input_ids, attention_mask).mean()
+
+
+class SharesRowsOnPurpose(ForgetsRows):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with multi.shared_rows(self.model):  # both adapters on every row, as PEFT computes them, on purpose
+            return super().training_step(batch, batch_idx)
+
+
+def test_a_training_forward_of_several_adapters_outside_adapter_rows_is_refused_with_the_fix(llama: str) -> None:
+    message = r"`x`, `y` to every row, outside `lightning_frozen.adapters.adapter_rows`"
+    with pytest.raises(AdapterSetupError, match=message) as caught:
+        cpu_trainer(max_steps=1).fit(ForgetsRows(llama, ["x", "y"]), token_batches())
+    assert "shared_rows" in str(caught.value)
+
+
+def test_adapters_trained_on_the_same_rows_on_purpose_say_so_with_shared_rows(llama: str) -> None:
+    module = SharesRowsOnPurpose(llama, ["x", "y"])
+    trainer = cpu_trainer(max_steps=2)
+    trainer.fit(module, token_batches())
+    assert trainer.global_step == 2
+    hooks = [hook for layer in module.modules() for hook in layer._forward_pre_hooks.values()]
+    assert not [hook for hook in hooks if getattr(hook, "func", None) is row_guard._refuse]  # removed at teardown
+    with torch.no_grad():  # outside training (no gradient) a forward needs neither
+        module.model(input_ids=next(iter(token_batches()))[0])
+    one = cpu_trainer(max_steps=1)
+    one.fit(ForgetsRows(llama, ["x"], together=False), token_batches())  # one adapter: nothing to couple
+    assert one.global_step == 1
 
 
 def test_lora_dropout_is_allowed_with_a_warning_that_runs_are_not_identical(llama: str) -> None:

@@ -5,6 +5,7 @@ world size, validate, load without DeepSpeed) works on that path."""
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,14 @@ import torch
 from torch import nn
 
 import lightning_frozen
+from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import progress
 from lightning_frozen.base import pretrained
+from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero import engine as placement
 from tests.distributed import read_reports, run_script
 from tests.models import cpu_trainer
-from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data, write_llama
+from tests.pretrained_support import TINY_LLAMA, PretrainedLoRA, folder_tensors, token_data, write_llama
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,47 @@ def test_a_bin_checkpoint_goes_through_transformers_own_loader(tmp_path: Path, l
     trainer.fit(model, token_data())
     assert "rank 0 reads each tensor and broadcasts it" in lightning_log.text
     assert len(model.seen_at_start["frozen_equal"]) == 21 and all(model.seen_at_start["frozen_equal"].values())
+
+
+def _sharded_llama_with_a_broken_shard(folder: Path, damage: str) -> Path:
+    """A tiny Llama saved by ``save_pretrained`` in several shards, the second one truncated or its header garbled."""
+    model = write_random_llama(folder, TINY_LLAMA)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    (folder / "model.safetensors").unlink(missing_ok=True)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    broken = shards[1]
+    data = broken.read_bytes()
+    broken.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 8 + data[8:])
+    return broken
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled header"])
+def test_a_broken_shard_is_named_with_the_fix_under_the_strategy(tmp_path: Path, damage: str) -> None:
+    broken = _sharded_llama_with_a_broken_shard(tmp_path / "base", damage)
+    with pytest.raises(lightning_frozen.FrozenBaseFileError, match="truncated or corrupt") as caught:
+        cpu_trainer(max_steps=1).fit(PretrainedLoRA(str(broken.parent)), token_data())
+    assert str(broken) in str(caught.value) and "Download or copy that file again" in str(caught.value)
+    assert caught.value.path == str(broken) and isinstance(caught.value, OSError)
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)
+
+
+def test_a_broken_shard_is_named_when_transformers_own_loader_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = _sharded_llama_with_a_broken_shard(tmp_path / "base", "truncated")
+    monkeypatch.setattr(transformers_loading, "replaceable", lambda modeling_utils: False)  # ours bypassed
+    with pytest.raises(lightning_frozen.FrozenBaseFileError, match=str(broken)):
+        cpu_trainer(max_steps=1).fit(PretrainedLoRA(str(broken.parent)), token_data())
+
+
+def test_a_broken_shard_is_named_when_loading_without_deepspeed(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    broken = _sharded_llama_with_a_broken_shard(tmp_path / "base", "truncated")
+    named = transformers_loading.base_files_named()  # what `load_from_checkpoint` runs `configure_model` under
+    with pytest.raises(lightning_frozen.FrozenBaseFileError, match=str(broken)), named:
+        AutoModelForCausalLM.from_pretrained(str(broken.parent))
 
 
 def test_read_flat_range_reads_exactly_the_asked_elements(tmp_path: Path) -> None:

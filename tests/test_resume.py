@@ -113,6 +113,43 @@ def test_gradient_accumulation_resumed_in_the_middle_of_an_epoch_is_exact(tmp_pa
     assert _load(tmp_path / "straight.ckpt")["global_step"] == 8
 
 
+# ---------------------------------------------------------------------------------------------- a chain of resumes
+
+
+class EpochStarts(Callback):
+    """Records each epoch that ``on_train_epoch_start`` saw, and the order the shuffled sampler gave it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen.append((trainer.current_epoch, list(trainer.train_dataloader.sampler)))
+
+
+def test_a_run_resumed_from_a_resumed_runs_checkpoint_ends_bit_equal_to_one_never_stopped(tmp_path: Path) -> None:
+    def fit(name: str, max_steps: int, resume: Path | None = None) -> EpochStarts:
+        # a stop at a step boundary that ends an epoch (a preemption's `last.ckpt`): saved at the batch's end
+        every_four = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, save_top_k=-1)
+        epochs = EpochStarts()
+        trainer = cpu_trainer(
+            max_steps=max_steps, max_epochs=-1, callbacks=[every_four, epochs], enable_checkpointing=True
+        )
+        trainer.fit(AdapterModel(), regression_data(samples=16), ckpt_path=resume)  # 2 shuffled batches an epoch
+        return epochs
+
+    straight = fit("straight", 12)
+    fit("first", 4)
+    second = fit("second", 8, tmp_path / "first" / "epoch=1-step=4.ckpt")
+    third = fit("third", 12, tmp_path / "second" / "epoch=3-step=8.ckpt")
+    for step, run in [(8, "second"), (12, "third")]:
+        expected, found = _load(tmp_path / "straight" / f"epoch={step // 2 - 1}-step={step}.ckpt"), None
+        found = _load(tmp_path / run / f"epoch={step // 2 - 1}-step={step}.ckpt")
+        assert found["loops"] == expected["loops"], run  # Lightning's epoch counters included
+        _assert_same_training_state(expected, found)  # bit for bit
+    # each epoch's start hook ran once, with the shuffle of its own epoch (the sampler's seed is the epoch count)
+    assert second.seen == straight.seen[2:4] and third.seen == straight.seen[4:6]
+
+
 # ---------------------------------------------------------------------------------------------- manual optimization
 
 

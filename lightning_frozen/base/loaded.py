@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,7 +28,7 @@ from torch import nn
 
 from lightning_frozen.base.fingerprint import Checksummer, param_sha256
 from lightning_frozen.base.fingerprint import tensor_sha256 as whole_sha256
-from lightning_frozen.errors import FrozenDtypeError
+from lightning_frozen.errors import FrozenBaseFileError, FrozenDtypeError
 from lightning_frozen.zero import exact_gather
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.params import full_shape, local_shard, shard_range
@@ -193,20 +195,34 @@ class LoadedBase:
         entry.settled = True
 
 
-def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
-    from safetensors import safe_open
+@contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    """``safetensors.safe_open(path, framework="pt")``, memory-mapped.
 
+    Raises:
+        FrozenBaseFileError: the file is truncated or corrupt (named, with the fix), where safetensors' own error
+            names no file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(path, framework="pt")
+    except SafetensorError as error:
+        raise FrozenBaseFileError(path, str(error)) from error
+    with handle:
+        yield handle
+
+
+def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
     assert entry.source is not None
     path, key = entry.source
-    with safe_open(path, framework="pt") as handle:
+    with open_safetensors(path) as handle:
         return handle.get_tensor(key).to(param.dtype).reshape(full_shape(param))
 
 
 def _read_slice(param: nn.Parameter, path: str, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     start, count = shard_range(param)
-    with safe_open(path, framework="pt") as handle:
+    with open_safetensors(path) as handle:
         piece = handle.get_slice(key)
         return read_flat_range(piece, tuple(piece.get_shape()), start, count).to(param.dtype)
 

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_frozen.base.fingerprint import Checksummer
-from lightning_frozen.base.loaded import LoadedBase, read_flat_range, tensor_sha256
+from lightning_frozen.base.loaded import LoadedBase, open_safetensors, read_flat_range, tensor_sha256
 from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
@@ -113,10 +113,8 @@ def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any
     path = os.fspath(checkpoint_file)
     if not path.endswith(".safetensors"):
         return original(checkpoint_file, *args, **kwargs)
-    from safetensors import safe_open
-
     shapes: dict[str, torch.Tensor] = {}
-    with safe_open(path, framework="pt") as handle:
+    with open_safetensors(path) as handle:
         names = handle.keys()  # a safetensors handle is not iterable itself
         for key in names:
             piece = handle.get_slice(key)
@@ -164,12 +162,10 @@ def _load_slices(
     # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower)
     progress = Progress(sum(math.prod(state_dict[k].shape) * state_dict[k].element_size() for k in keyed.values()))
     checksum = Checksummer()
-    from safetensors import safe_open
-
     for name, key in keyed.items():
         tensor, target = state_dict[key], targets[name]
         # a handle per tensor: the file's pages a rank reads stay mapped, and counted as its own, until it closes
-        with safe_open(getattr(tensor, _SOURCE), framework="pt") as handle:
+        with open_safetensors(getattr(tensor, _SOURCE)) as handle:
             error = load_tensor(handle, key, target, plan, checksum, getattr(tensor, _SOURCE))
         if error:
             errors.append(f"size mismatch for {name}: {error}")
@@ -226,11 +222,9 @@ def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, 
     """What transformers' own ZeRO-3 loader expects: values on rank 0, shapes elsewhere."""
     if _rank() != 0 or not any(hasattr(t, _SOURCE) for t in state_dict.values()):
         return state_dict
-    from safetensors import safe_open
-
     values = dict(state_dict)
     for path in sorted({getattr(t, _SOURCE) for t in state_dict.values() if hasattr(t, _SOURCE)}):
-        with safe_open(path, framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for key, tensor in state_dict.items():
                 if getattr(tensor, _SOURCE, None) == path:
                     values[key] = handle.get_tensor(key)

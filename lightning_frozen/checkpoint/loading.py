@@ -14,6 +14,7 @@ from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.adapters import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, persistent_buffers, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
+from lightning_frozen.hf import transformers_loading
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -147,7 +148,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
             " override the offending arguments as keyword arguments."
         ) from error
     if callable(getattr(module, "configure_model", None)):
-        module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
+        with transformers_loading.base_files_named():  # a broken shard of the base is named
+            module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
     load_into(module, checkpoint, str(checkpoint_path), strict, verify, adapter)
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)

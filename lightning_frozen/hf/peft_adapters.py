@@ -140,6 +140,24 @@ def lora_row_layers(module: nn.Module) -> list[nn.Module]:
     return [layer for layer in module.modules() if isinstance(layer, types)]
 
 
+def lora_layers(module: nn.Module) -> list[tuple[nn.Module, frozenset[str]]]:
+    """Every LoRA layer inside ``module`` (any layer type) with the adapters it holds."""
+    found = []
+    for layer in module.modules():
+        held = set(getattr(layer, "lora_A", {})) | set(getattr(layer, "lora_embedding_A", {}))
+        if held and hasattr(layer, "active_adapters"):
+            found.append((layer, frozenset(held)))
+    return found
+
+
+def adds_adapters(layer: nn.Module, adapters: frozenset[str]) -> list[str]:
+    """Which of ``adapters`` a LoRA layer's forward adds to every row now: its active ones, unless it has them merged
+    or disabled."""
+    if layer.merged or layer.disable_adapters:
+        return []
+    return [name for name in layer.active_adapters if name in adapters]
+
+
 def unmixable_layers(module: nn.Module, adapter: str) -> list[tuple[str, str]]:
     """The layers inside ``module`` where ``adapter`` is a LoRA that :func:`lora_forward_by_rows` cannot compute (an
     embedding, another layer type, a LoRA variant such as DoRA), as ``(layer name, layer class name)``."""

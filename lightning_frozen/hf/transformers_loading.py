@@ -5,6 +5,8 @@
   ``modeling_utils._load_state_dict_into_zero3_model`` are replaced for the duration, only when their signatures are
   the ones written for (transformers 5.x); with any other transformers its own ZeRO-3 loader runs.
 - The key renamings its loader applies (``core_model_loading``): :func:`model_keys`.
+- Its safetensors reader, ``modeling_utils.safe_open``, wrapped while it loads a base (:func:`base_files_named`), so
+  that a truncated or corrupt shard raises :class:`~lightning_frozen.errors.FrozenBaseFileError` naming the file.
 - Its private markers: ``modeling_utils._is_ds_init_called`` (:func:`building_model`), a tensor's
   ``_is_hf_initialized`` (:func:`mark_initialized`) and a config's ``_name_or_path`` (:func:`loaded_from`).
 
@@ -23,6 +25,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lightning_frozen.errors import FrozenBaseFileError
 
 # the signatures the replacements stand in for (transformers 5.x); other versions keep their own path
 LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
@@ -58,12 +62,41 @@ def zero3_loading(
         modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
         modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
     try:
-        yield patched
+        with base_files_named():  # where its own loader runs instead of ours (other versions, quantized bases)
+            yield patched
     finally:
         if patched:
             modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
         hf_deepspeed._hf_deepspeed_config_weak_ref = previous
         del hf_config
+
+
+@contextmanager
+def base_files_named() -> Iterator[None]:
+    """While active, a safetensors file that transformers cannot open (truncated, corrupt) raises
+    :class:`~lightning_frozen.errors.FrozenBaseFileError` naming it, instead of safetensors' error without the file's
+    name. Does nothing where transformers is not imported yet (a module without it does not pay for its import) or
+    reads no ``modeling_utils.safe_open``."""
+    modeling_utils = None
+    if "transformers" in sys.modules:
+        from transformers import modeling_utils
+    original = getattr(modeling_utils, "safe_open", None)
+    if original is None:
+        yield
+        return
+    from safetensors import SafetensorError
+
+    def safe_open(filename: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(filename, *args, **kwargs)
+        except SafetensorError as error:
+            raise FrozenBaseFileError(str(filename), str(error)) from error
+
+    modeling_utils.safe_open = safe_open
+    try:
+        yield
+    finally:
+        modeling_utils.safe_open = original
 
 
 def replaceable(modeling_utils: Any) -> bool:

@@ -42,5 +42,6 @@ is defined where it is listed):
 - ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``,
   ``fitted_reduce_bucket``, ``fit_reduce_bucket``, ``inference_config``.
 - ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``.
-- ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step: ``clip_per_adapter``.
+- ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
+  ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
 """

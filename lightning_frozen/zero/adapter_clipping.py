@@ -2,35 +2,74 @@
 
 DeepSpeed clips by one global norm over every param group, which couples adapters trained side by side: one
 adapter's large gradient would shrink the others' steps. Here each adapter is clipped by the norm of its own
-gradient, as if it trained alone, with the same ``gradient_clipping`` value (Lightning's ``gradient_clip_val``).
+gradient, as if it trained alone: by the ``gradient_clip_val`` of its param groups where they have one (read at every
+step), else by DeepSpeed's ``gradient_clipping`` (Lightning's ``gradient_clip_val``).
 
 The contract bent, DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3.step``: it takes one norm per sub-group from
 ``_get_norm_groups()`` (each already summed over every rank's partition, so over the whole tensor), combines them
 with ``combine_grad_norm_groups`` and passes the result to ``unscale_and_clip_grads(sub_group_id, total_norm)`` for
 every sub-group; ``sub_group_to_group_id`` maps a sub-group to its param group. Both methods are wrapped on the
 optimizer instance: the first keeps the sub-group norms, the second gets the norm combined over the sub-groups of
-the same adapter. An overflow (fp16) still skips the step of every adapter, as DeepSpeed decides it once.
+the same adapter, and DeepSpeed's ``clip_grad`` holds the adapter's own value for that call. An overflow (fp16) in
+one adapter still skips the step of every adapter: DeepSpeed decides it once, over all gradients, before any clipping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
-from lightning_frozen.errors import UnsupportedConfigurationError
+from lightning_frozen.errors import AdapterSetupError, UnsupportedConfigurationError, format_names
 
-_STAGE3_CONTRACT = ("_get_norm_groups", "unscale_and_clip_grads", "sub_group_to_group_id", "clip_grad")
+_STAGE3_CONTRACT = ("_get_norm_groups", "unscale_and_clip_grads", "sub_group_to_group_id", "clip_grad", "optimizer")
+# the param-group key that gives an adapter a clipping value of its own (``adapters.adapter_param_groups``)
+GROUP_CLIP_KEY = "gradient_clip_val"
+
+
+def check_group_clips(group_adapters: Sequence[str], groups: Sequence[dict], trained: Sequence[str]) -> None:
+    """Check the clipping values (:data:`GROUP_CLIP_KEY`) of the torch optimizer's param ``groups``:
+    ``group_adapters[i]`` names the adapter of group ``i`` (empty when fewer than two adapters train), ``trained``
+    the adapters that train.
+
+    Raises:
+        AdapterSetupError: a value that is not a number >= 0; an adapter whose groups give different values (it is
+            clipped by one norm, so by one value); a value in a group while fewer than two adapters train.
+    """
+    if not group_adapters and any(group.get(GROUP_CLIP_KEY) is not None for group in groups):
+        raise AdapterSetupError(
+            f"`{GROUP_CLIP_KEY}` in a param group clips one adapter of several trained at once, and the module trains"
+            f" fewer than two ({format_names(list(trained)) or 'none'}). Clip with `Trainer({GROUP_CLIP_KEY}=...)`."
+        )
+    values: dict[str, set[Optional[float]]] = {}
+    for adapter, group in zip(group_adapters, groups):
+        value = group.get(GROUP_CLIP_KEY)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise AdapterSetupError(
+                f"Adapter `{adapter}`'s `{GROUP_CLIP_KEY}` is {value!r}; give a number >= 0 (0: no clipping) or none."
+            )
+        values.setdefault(adapter, set()).add(value)
+    for adapter, found in values.items():
+        if len(found) > 1:
+            shown = " and ".join(str(v) for v in sorted(found, key=lambda v: (v is None, v or 0)))
+            raise AdapterSetupError(
+                f"Adapter `{adapter}` has param groups with `{GROUP_CLIP_KEY}` {shown}: an adapter is clipped by the"
+                " norm of all its gradients, so by one value. Give each of its groups the same value (or none, for"
+                f" the Trainer's `{GROUP_CLIP_KEY}`)."
+            )
 
 
 def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[str]) -> None:
-    """Make ``zero_optimizer`` clip each adapter's gradients by that adapter's own norm; ``group_adapters[i]`` names
-    the adapter of param group ``i``. Does nothing without clipping or with fewer than two adapters.
+    """Make ``zero_optimizer`` clip each adapter's gradients by that adapter's own norm, at the ``gradient_clip_val``
+    of its param groups or else DeepSpeed's ``gradient_clipping``; ``group_adapters[i]`` names the adapter of param
+    group ``i``. Does nothing without any clipping value or with fewer than two adapters.
 
     Raises:
         UnsupportedConfigurationError: the optimizer is not a ZeRO-3 optimizer of the shape this relies on (another
             DeepSpeed version or stage).
     """
-    if len(set(group_adapters)) < 2 or not getattr(zero_optimizer, "clip_grad", 0):
+    groups = getattr(getattr(zero_optimizer, "optimizer", None), "param_groups", [])
+    clips = [getattr(zero_optimizer, "clip_grad", 0)] + [group.get(GROUP_CLIP_KEY) for group in groups]
+    if len(set(group_adapters)) < 2 or not any(clips):
         return
     missing = [name for name in _STAGE3_CONTRACT if not hasattr(zero_optimizer, name)]
     if missing:
@@ -42,6 +81,7 @@ def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[str]) -> None
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
     norm_groups, clip = zero_optimizer._get_norm_groups, zero_optimizer.unscale_and_clip_grads
+    default_clip = zero_optimizer.clip_grad
     adapter_norms: dict[str, Any] = {}
 
     def adapter_of(sub_group_id: int) -> str:
@@ -57,7 +97,13 @@ def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[str]) -> None
         return norms
 
     def unscale_and_clip_grads(sub_group_id: int, total_norm: Any) -> None:
-        clip(sub_group_id, adapter_norms[adapter_of(sub_group_id)])
+        group = zero_optimizer.optimizer.param_groups[zero_optimizer.sub_group_to_group_id[sub_group_id]]
+        own = group.get(GROUP_CLIP_KEY)
+        zero_optimizer.clip_grad = default_clip if own is None else float(own)
+        try:
+            clip(sub_group_id, adapter_norms[adapter_of(sub_group_id)])
+        finally:
+            zero_optimizer.clip_grad = default_clip
 
     zero_optimizer._get_norm_groups = _get_norm_groups
     zero_optimizer.unscale_and_clip_grads = unscale_and_clip_grads
