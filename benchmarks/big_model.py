@@ -165,6 +165,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         steps=args.steps,
         threads=threads,
         sample_s=args.sample_s,
+        profile=args.profile,
     )
     env = {
         **os.environ,
@@ -332,6 +333,9 @@ def main() -> None:
     )
     run_parser.add_argument("--sample-s", type=float, default=0.1, help="each rank's memory sampling interval")
     run_parser.add_argument("--no-resume", action="store_true", help="stop after the save (no second load)")
+    run_parser.add_argument(
+        "--profile", action="store_true", help="profile the last timed step (benchmarks/step_profile.py)"
+    )
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")
     args = parser.parse_args()

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.load_memory import PeakSampler
+from benchmarks.step_profile import StepProfile, floors
 from benchmarks.worker import Report, proc_status_bytes, snapshot, tree_bytes
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
@@ -201,7 +202,7 @@ def make_strategy(spec: dict[str, Any], fingerprint_s: list[float]) -> FrozenAwa
     return strategy
 
 
-def make_trainer(spec: dict[str, Any], strategy: Any, max_steps: int, probe: Probe) -> L.Trainer:
+def make_trainer(spec: dict[str, Any], strategy: Any, max_steps: int, probe: Probe, *extra: Callback) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=spec["devices"],
@@ -214,7 +215,7 @@ def make_trainer(spec: dict[str, Any], strategy: Any, max_steps: int, probe: Pro
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[probe],
+        callbacks=[probe, *extra],
     )
 
 
@@ -254,7 +255,9 @@ def run(spec_path: Path) -> None:
         trained = torch.load(adapter, weights_only=True)
         probe.snapshot_names = sorted(trained)
         saved_step = json.loads(Path(spec["saved_step_file"]).read_text())["global_step"]
-    trainer = make_trainer(spec, strategy, saved_step + 1 if resume else spec["warmup"] + spec["steps"], probe)
+    max_steps = saved_step + 1 if resume else spec["warmup"] + spec["steps"]
+    profile = StepProfile(max_steps - 1) if spec.get("profile") and not resume else None
+    trainer = make_trainer(spec, strategy, max_steps, probe, *([profile] if profile else []))
     clock["fit"] = time.perf_counter()
     try:
         trainer.fit(module, random_tokens(spec, vocab), ckpt_path=checkpoint if resume else None)
@@ -284,6 +287,10 @@ def run(spec_path: Path) -> None:
             and trainer.global_step == saved_step + 1,
         )
     else:
+        if profile is not None and profile.result:
+            report.update(profile=profile.result)
+            floor = floors(profile.result, spec["frozen_dtype"], profile.decoded_weights, profile.gathered_bytes)
+            report.update(profile_floors=floor)
         save(trainer, module, checkpoint, adapter, Path(spec["saved_step_file"]), report, sampler)
     sampler.stop()
 

@@ -1,0 +1,322 @@
+"""Where one training step's time goes, each part beside its floor measured in the same process.
+
+    python benchmarks/step_profile.py run --size 1.1b --frozen-dtype nf4 --devices 1 2   # big_model.py runs, profiled
+    python benchmarks/step_profile.py report                                            # rewrite step_profile.md
+
+``run`` starts ``big_model.py run ... --profile`` (fp32 compute, 64 tokens per rank, LoRA r=8 q/v): its worker adds
+:class:`StepProfile`, which profiles the last timed step of each rank with ``torch.profiler`` and splits its wall
+time into:
+
+- **forward / backward / optimizer**: from the step's start to Lightning's ``on_before_backward``, to
+  ``on_after_backward``, to the step's end (the optimizer step, ZeRO's reduce and the rest);
+- **matmuls** in forward and in backward (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``; attention's fused kernel);
+- **decode**: the frozen shards' dequantization (``codec.decode`` inside the quantized gather);
+- **gather wait**: the quantized gather's wait less its decode (the collective, 2 ranks);
+- **ZeRO-3 hooks**: DeepSpeed's ``fetch_sub_module`` / ``release_sub_module`` less the gather and decode in them;
+- **other**: the rest (Python, autograd, elementwise ops, allocation).
+
+Floors, in the same process after the fit: the **dense matmuls** (every profiled matmul run again with its own
+shapes on dense fp32 tensors already in memory), the **decode** at the codec's own rate (``codec.decode`` of the
+same format on 16M weights into fresh buffers, as a gather decodes), and the **gather** at a copy's rate (the bytes
+gathered at ``torch.Tensor.copy_`` speed). Figures go into each rank's report (``profile``) and
+``results/step_profile.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+PHASES = ("forward", "backward", "optimizer")
+DECODE, GATHER, HOOKS = "lf.decode", "lf.gather_wait", "lf.zero_hooks"
+DENSE, DECODE_FLOOR, GATHER_FLOOR = "dense matmuls", "decode at the codec's rate", "gather at a copy's rate"
+
+
+def _callback_base() -> type:
+    from lightning.pytorch.callbacks import Callback
+
+    return Callback
+
+
+@contextmanager
+def _labelled(owner: Any, attribute: str, label: str, count: Any = None) -> Iterator[None]:
+    """While active, every call of ``owner.attribute`` runs inside ``record_function(label)``; ``count`` is told
+    each call's arguments and result."""
+    import torch
+
+    original = getattr(owner, attribute)
+
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(label):
+            result = original(*args, **kwargs)
+        if count is not None:
+            count(args, result)
+        return result
+
+    setattr(owner, attribute, labelled)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)
+
+
+class StepProfile(_callback_base()):  # type: ignore[misc]
+    """Profiles the step ``profile_step`` (0-based, of this fit) and keeps its breakdown in ``self.result``."""
+
+    def __init__(self, profile_step: int) -> None:
+        super().__init__()
+        self.profile_step = profile_step
+        self.result: dict[str, Any] = {}
+        self.marks: dict[str, float] = {}
+        self._profiler: Any = None
+        self._patches: Any = None
+        self._step = 0
+        self.decoded_weights = self.gathered_bytes = 0
+
+    def _count_decoded(self, args: Any, result: Any) -> None:
+        self.decoded_weights += result.numel()
+
+    def _count_gathered(self, args: Any, result: Any) -> None:
+        self.gathered_bytes += args[0].numel() * args[0].element_size()
+
+    def _now(self) -> float:
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
+        if self._step != self.profile_step:
+            return
+        import contextlib
+
+        import deepspeed.comm
+        import deepspeed.comm.comm
+        import torch
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        from lightning_frozen.zero import quantized
+
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(_labelled(quantized, "decode", DECODE, self._count_decoded))
+        for owner in (deepspeed.comm, deepspeed.comm.comm):  # DeepSpeed's own gathers call the latter
+            self._patches.enter_context(
+                _labelled(owner, "all_gather_into_tensor", "lf.all_gather", self._count_gathered)
+            )
+        self._patches.enter_context(_labelled(quantized._GatherHandle, "wait", GATHER))
+        for hook in ("fetch_sub_module", "release_sub_module"):
+            self._patches.enter_context(_labelled(PartitionedParameterCoordinator, hook, HOOKS))
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self._profiler.__enter__()
+        self.marks = {"start": self._now()}
+
+    def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+        if self._profiler is not None:
+            self.marks["backward"] = self._now()
+
+    def on_after_backward(self, trainer: Any, module: Any) -> None:
+        if self._profiler is not None:
+            self.marks["optimizer"] = self._now()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        self._step += 1
+        if self._profiler is None:
+            return
+        self.marks["end"] = self._now()
+        self._profiler.__exit__(None, None, None)
+        self._patches.close()
+        self.result = breakdown(self._profiler, self.marks)
+        self._profiler = None
+
+
+def breakdown(profiler: Any, marks: dict[str, float]) -> dict[str, Any]:
+    """Seconds per part of the profiled step (see the module docstring), and what the floors need."""
+    events = profiler.events()
+    start_us = min(e.time_range.start for e in events) if events else 0
+    # the profiler's clock and perf_counter differ by an offset: align on the step's start
+    bounds_us = {p: (marks[p] - marks["start"]) * 1e6 + start_us for p in ("backward", "optimizer", "end")}
+
+    def phase_of(event: Any) -> str:
+        if event.time_range.start < bounds_us["backward"]:
+            return "forward"
+        return "backward" if event.time_range.start < bounds_us["optimizer"] else "optimizer"
+
+    seconds: dict[str, float] = defaultdict(float)
+    shapes: dict[str, int] = defaultdict(int)
+    for event in events:
+        total = event.cpu_time_total / 1e6
+        if event.name in MATMULS:
+            seconds[f"matmul {phase_of(event)}"] += total
+            shapes[json.dumps([event.name, event.input_shapes])] += 1
+        elif event.name == DECODE:
+            seconds["decode"] += total
+        elif event.name == GATHER:
+            seconds["gather wait (with decode)"] += total
+        elif event.name == HOOKS:
+            seconds["ZeRO-3 hooks (with gather)"] += total
+    wall = {
+        "forward": marks["backward"] - marks["start"],
+        "backward": marks["optimizer"] - marks["backward"],
+        "optimizer": marks["end"] - marks["optimizer"],
+    }
+    gather = max(0.0, seconds.pop("gather wait (with decode)", 0.0) - seconds["decode"])
+    hooks = max(0.0, seconds.pop("ZeRO-3 hooks (with gather)", 0.0) - gather - seconds["decode"])
+    parts = {
+        "matmul forward": seconds["matmul forward"],
+        "matmul backward": seconds["matmul backward"],
+        "decode": seconds["decode"],
+        "gather wait": gather,
+        "ZeRO-3 hooks": hooks,
+    }
+    parts["optimizer and reduce"] = wall["optimizer"] - seconds["matmul optimizer"]
+    parts["other"] = sum(wall.values()) - sum(parts.values())
+    return {"step_s": sum(wall.values()), "wall": wall, "parts": parts, "matmul_shapes": dict(shapes)}
+
+
+def floors(result: dict[str, Any], frozen_dtype: str, decoded_weights: int, gathered_bytes: int) -> dict[str, float]:
+    """The floor of each part, measured here: dense matmuls of the profiled shapes, the codec, a copy."""
+    import torch
+
+    from lightning_frozen.base import codec, native_codec
+
+    matmul = 0.0
+    for key, count in result["matmul_shapes"].items():
+        name, shapes = json.loads(key)
+        operands = [torch.randn(shape) if shape else None for shape in shapes]
+        call = {
+            "aten::mm": lambda a, b, *_: torch.mm(a, b),
+            "aten::addmm": lambda c, a, b, *_: torch.addmm(c, a, b),
+            "aten::bmm": lambda a, b, *_: torch.bmm(a, b),
+            "aten::baddbmm": lambda c, a, b, *_: torch.baddbmm(c, a, b),
+        }.get(name)
+        if call is None or any(o is None for o in operands[: 3 if name in ("aten::addmm", "aten::baddbmm") else 2]):
+            continue
+        call(*operands)
+        started = time.perf_counter()
+        for _ in range(3):
+            call(*operands)
+        matmul += (time.perf_counter() - started) / 3 * count
+    out = {DENSE: matmul}
+    if frozen_dtype not in ("none", None) and decoded_weights:
+        sample = codec.encode(torch.randn(1 << 24) * 0.02, frozen_dtype)
+        started = time.perf_counter()
+        for _ in range(3):
+            codec.decode(sample, 1 << 24, frozen_dtype, torch.float32)
+        rate = 3 * (1 << 24) / (time.perf_counter() - started)
+        out[DECODE_FLOOR] = decoded_weights / rate
+        out["codec M/s"] = rate / 1e6
+        out["kernels"] = native_codec.kernels() is not None
+    if gathered_bytes:
+        source, target = torch.empty(1 << 26, dtype=torch.uint8), torch.empty(1 << 26, dtype=torch.uint8)
+        target.copy_(source)
+        started = time.perf_counter()
+        for _ in range(3):
+            target.copy_(source)
+        out[GATHER_FLOOR] = gathered_bytes / (3 * (1 << 26) / (time.perf_counter() - started))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ driver and report
+
+
+def report(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Where a step's time goes",
+        "",
+        "Written by `benchmarks/step_profile.py` from `big_model.py --profile` runs: the last timed step of each"
+        " rank, profiled (`torch.profiler`, which slows a step by a few percent), in seconds, worst rank. Floors are"
+        " measured in the same process after the fit. fp32 compute, 64 tokens per rank.",
+        "",
+        "| config | date, commit | load avg | step s | fwd | bwd | opt | matmul fwd | matmul bwd | dense matmul floor"
+        " | ÷ floor | decode | at codec rate | gather wait | at copy rate | ZeRO-3 hooks | optimizer+reduce | other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        ranks = [r for r in record.get("ranks", []) if r.get("profile")]
+        if not ranks:
+            continue
+        worst = max(ranks, key=lambda r: r["profile"]["step_s"])
+        profile, parts, floor = worst["profile"], worst["profile"]["parts"], worst.get("profile_floors", {})
+        dense = floor.get(DENSE)
+        cells = [
+            record["key"],
+            f"{record['date']}, {record['commit']}",
+            str(record["load_average_at_start"][0]),
+            f"{profile['step_s']:.2f}",
+            *(f"{profile['wall'][p]:.2f}" for p in PHASES),
+            f"{parts['matmul forward']:.2f}",
+            f"{parts['matmul backward']:.2f}",
+            "" if dense is None else f"{dense:.2f}",
+            "" if not dense else f"{profile['step_s'] / dense:.1f}",
+            f"{parts['decode']:.2f}",
+            f"{floor.get(DECODE_FLOOR, 0):.2f}",
+            f"{parts['gather wait']:.2f}",
+            f"{floor.get(GATHER_FLOOR, 0):.2f}",
+            f"{parts['ZeRO-3 hooks']:.2f}",
+            f"{parts['optimizer and reduce']:.2f}",
+            f"{parts['other']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "÷ floor: the whole step over the same matmuls on dense weights (issue 24's goal at 13B NF4: ≤ 2.0).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run")
+    run_parser.add_argument("--size", default="1.1b")
+    run_parser.add_argument("--frozen-dtype", nargs="+", default=["nf4"])
+    run_parser.add_argument("--devices", nargs="+", default=["1", "2"])
+    run_parser.add_argument("--steps", type=int, default=2)
+    run_parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
+    for sub in (run_parser, commands.add_parser("report")):
+        sub.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    runs = args.out / "step_profile_runs"
+    if args.command == "run":
+        command = [
+            sys.executable,
+            str(HERE / "big_model.py"),
+            "run",
+            "--size",
+            args.size,
+            "--precision",
+            "32-true",
+            "--frozen-dtype",
+            *args.frozen_dtype,
+            "--devices",
+            *args.devices,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            "1",
+            "--no-resume",
+            "--profile",
+            "--data-dir",
+            str(args.data_dir),
+            "--out",
+            str(runs),
+        ]
+        subprocess.run(command, check=False)
+    records = json.loads((runs / "big_model.json").read_text())["records"]
+    latest = {r["key"]: r for r in records}
+    (args.out / "step_profile.md").write_text(report(list(latest.values())))
+    print(report(list(latest.values())))
+
+
+if __name__ == "__main__":
+    main()
