@@ -46,6 +46,9 @@ def test_configure_model_loads_the_folder_bit_for_bit_into_shards(
     assert "loaded " + str(llama_folder) + " into ZeRO-3 shards: 21 tensors" in lightning_log.text
     assert "lightning-frozen: loading the frozen base: 1 tensors" in lightning_log.text  # progress on long loads
     assert "rank 0 reads each tensor" not in lightning_log.text
+    # the bytes counted are the (bf16) files', also when the model computes in fp32
+    file_mib = sum(t.numel() * t.element_size() for t in folder_tensors(llama_folder).values()) / 2**20
+    assert f"of {file_mib:,.1f} MiB (100%)" in lightning_log.text
 
 
 def test_adapter_from_a_configure_model_base_loads_without_deepspeed(llama_folder: Path, tmp_path: Path) -> None:

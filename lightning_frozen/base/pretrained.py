@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -159,8 +159,10 @@ def _load_slices(
 ) -> tuple[list[str], set[str]]:
     missing = set(targets) - set(keyed)
     errors: list[str] = []
-    # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower)
-    progress = Progress(sum(math.prod(state_dict[k].shape) * state_dict[k].element_size() for k in keyed.values()))
+    # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower);
+    # counted in the files' bytes, not the model's dtype (a bf16 file loaded under 32-true is half the fp32 bytes)
+    file_bytes = _file_bytes(state_dict, keyed.values())
+    progress = Progress(sum(file_bytes.values()))
     checksum = Checksummer()
     for name, key in keyed.items():
         tensor, target = state_dict[key], targets[name]
@@ -172,10 +174,39 @@ def _load_slices(
         else:
             transformers_loading.mark_initialized(target)
             missing.discard(name)
-        if progress.advance(math.prod(tensor.shape) * tensor.element_size()):
+        if progress.advance(file_bytes[key]):
             rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
     rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
     return errors, missing
+
+
+# bytes per element of each safetensors dtype name
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+}
+
+
+def _file_bytes(state_dict: dict[str, torch.Tensor], keys: Iterable[str]) -> dict[str, int]:
+    """The bytes each of ``keys`` takes in its safetensors file (1 per element for 8-bit and boolean dtypes)."""
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(getattr(state_dict[key], _SOURCE), []).append(key)
+    sizes = {}
+    for path, file_keys in by_file.items():
+        with open_safetensors(path) as handle:
+            for key in file_keys:
+                piece = handle.get_slice(key)
+                sizes[key] = math.prod(piece.get_shape()) * _SAFETENSORS_BYTES.get(piece.get_dtype(), 1)
+    return sizes
 
 
 def load_tensor(
