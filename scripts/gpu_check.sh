@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py
+# the codecs on one thread and on the GPU (bitsandbytes' CUDA NF4 kernel on our codes): benchmarks/results/codec_gpu.md
+"$PYTHON" benchmarks/codec.py --millions 64 --repeats 5
 if [ -f benchmarks/gpu_benchmark.py ]; then
     "$PYTHON" benchmarks/gpu_benchmark.py
 fi
