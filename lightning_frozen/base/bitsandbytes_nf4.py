@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_frozen.errors import FrozenDtypeError
+
 
 @functools.cache
 def _functional() -> Optional[Any]:
@@ -45,10 +47,13 @@ def dequantize(
     """Decode the first ``numel`` weights of packed NF4 ``codes`` with fp16 block ``scales`` into ``out``.
 
     Raises:
-        ValueError: bitsandbytes' NF4 code values are not ``values`` (a bitsandbytes that changed them).
+        FrozenDtypeError: bitsandbytes' NF4 code values are not ``values`` (a bitsandbytes that changed them).
     """
     if not _same_code_values(tuple(values)):
-        raise ValueError("bitsandbytes' NF4 code values differ from the ones these frozen shards were encoded with.")
+        raise FrozenDtypeError(
+            "bitsandbytes' NF4 code values differ from the ones these frozen shards were encoded with: install"
+            " bitsandbytes 0.50 (`pip install 'bitsandbytes>=0.50,<0.51'`)."
+        )
     functional = _functional()
     packed = codes[: (numel + 1) // 2].contiguous()
     state = functional.QuantState(
