@@ -106,6 +106,17 @@ def test_prepare_model_for_kbit_training_keeps_the_shards_as_codes(llama_folder:
     assert all(float(p.ds_tensor.abs().sum()) > 0 for n, p in module.named_parameters() if "lora_B" in n)
 
 
+def test_load_in_8bit_trains_on_int8_shards(llama_folder: Path, lightning_log: object) -> None:
+    module = QLoRA(str(llama_folder), quantization="int8")
+    strategy = FrozenAwareDeepSpeedStrategy()
+    _fit(module, strategy, steps=1)
+    assert strategy.frozen_dtype == "int8" and module.seen_at_start["quantized_at_load"] == 21
+    assert all(module.seen_at_start["quantized_equal"].values())
+    assert "`quantization_config=BitsAndBytesConfig(load_in_8bit)` is the strategy's `frozen_dtype='int8'`" in (
+        lightning_log.text
+    )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "strategy_kwargs", "message"),
     [

@@ -136,16 +136,17 @@ def check_not_quantized(module: nn.Module) -> None:
     ``__init__``): ZeRO-3 cannot shard bitsandbytes' packed params.
 
     Raises:
-        BitsAndBytesConfigError: naming the quantized modules and the fix (the load moved into ``configure_model``).
+        BitsAndBytesConfigError: naming the quantized params and the fix (the load moved into ``configure_model``).
     """
     quantized = transformers_loading.bitsandbytes_layers(module)
     if quantized:
         raise BitsAndBytesConfigError(
-            f"{format_names(quantized)} of `{type(module).__name__}` were quantized by bitsandbytes"
-            " (`from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` outside `configure_model`), which"
-            " ZeRO-3 cannot shard. Move the `from_pretrained` and `get_peft_model` calls from `__init__` into the"
-            " LightningModule's `configure_model`: there the strategy stores the base as its own frozen shards"
-            " (`load_in_4bit`/nf4 as `frozen_dtype='nf4'`, `load_in_8bit` as 'int8'), each rank reading only its slice."
+            f"`{type(module).__name__}` holds params that bitsandbytes quantized ({format_names(quantized)}):"
+            " `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` ran outside `configure_model`, and"
+            " ZeRO-3 cannot shard bitsandbytes' packed params. Move the `from_pretrained` and `get_peft_model` calls"
+            " from `__init__` into the LightningModule's `configure_model`: there the strategy stores the base as its"
+            " own frozen shards (`load_in_4bit`/nf4 as `frozen_dtype='nf4'`, `load_in_8bit` as 'int8'), each rank"
+            " reading only its slice."
         )
 
 
