@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import lightning_frozen
-from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen import BitsAndBytesConfigError, FrozenAwareDeepSpeedStrategy
 from lightning_frozen.base import qlora
-from lightning_frozen.errors import BitsAndBytesConfigError
 from lightning_frozen.hf import transformers_loading
 from tests.distributed import read_reports, run_script
 from tests.models import cpu_trainer
