@@ -10,6 +10,7 @@ from lightning_frozen.checkpoint.file import read_checkpoint
 from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoint
 from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
+    BitsAndBytesConfigError,
     CheckpointFormatError,
     CheckpointKeysError,
     CheckpointNotFoundError,
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
+    "BitsAndBytesConfigError",
     "CheckpointFormatError",
     "CheckpointKeysError",
     "CheckpointNotFoundError",

@@ -92,3 +92,9 @@ class FrozenDtypeError(FrozenTrainingError, ValueError):
 class AdapterSetupError(FrozenTrainingError, ValueError):
     """Several adapters trained at once cannot be set up as asked: an unknown name, a tuner that cannot be mixed in
     one batch, or an optimizer group or a trainable param shared by several adapters."""
+
+
+class BitsAndBytesConfigError(FrozenTrainingError, ValueError):
+    """A bitsandbytes ``quantization_config`` (or a model bitsandbytes quantized) that the strategy cannot store as
+    its frozen shards: fp4, a trainable int8 base, modules left unquantized, a pre-quantized folder, a ``frozen_dtype``
+    that disagrees, or a base quantized outside ``configure_model``."""

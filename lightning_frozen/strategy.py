@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_frozen import adapters, arguments, loops, memory, preemption
-from lightning_frozen.base import pretrained
+from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file as checkpoint
@@ -174,6 +174,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             host_memory.return_freed_memory()
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
+        qlora.check_not_quantized(self._module)  # bitsandbytes' layers, built in `__init__`
         # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
         DDPStrategy.setup_environment(self)
 
@@ -232,6 +233,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
+        if self.lightning_module is not None:  # DeepSpeed's own start-of-forward hook again, as initialize found it
+            forward_trace.restore_trace_reset(self.lightning_module)
         super().teardown()
 
     @contextmanager
@@ -244,14 +247,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         plan = pretrained.LoadPlan(self._loaded_base, self.frozen_dtype, self.fingerprint)
         with pretrained.sharded_model_creation(self.config, remote_device, plan):
             yield
+        self.frozen_dtype = plan.frozen_dtype  # a bitsandbytes `quantization_config` there may have chosen it
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
         if self.is_global_zero:
             rank_zero_info(self.memory_summary())
-        # one pass over the frozen shards now, so that saving costs only the trainable state
-        self.frozen_base_fingerprint()
+        self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
@@ -259,8 +262,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             freeze(self._module)
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
-        config = inference_config(self.config)
-        self.model, _ = placement.initialize_engine(model, config, self._placement)
+        self.model, _ = placement.initialize_engine(model, inference_config(self.config), self._placement)
 
     # ------------------------------------------------------------------ training
 
@@ -278,12 +280,6 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._preemption.end_run(self.launcher, exception)
-
-    @override
-    def teardown(self) -> None:
-        if self.lightning_module is not None:  # DeepSpeed's own start-of-forward hook again, as initialize found it
-            forward_trace.restore_trace_reset(self.lightning_module)
-        super().teardown()
 
     # ------------------------------------------------------------------ changing what trains
 

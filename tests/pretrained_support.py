@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -106,3 +106,105 @@ def describe(module: L.LightningModule) -> dict[str, Any]:
 def token_data(samples: int = 8, length: int = 12, batch_size: int = 4) -> DataLoader:
     generator = torch.Generator().manual_seed(3)
     return DataLoader(TensorDataset(torch.randint(0, VOCAB, (samples, length), generator=generator)), batch_size)
+
+
+class QLoRA(PretrainedLoRA):
+    """PEFT's DeepSpeed guide, unchanged: the base loaded 4-bit with bitsandbytes in ``configure_model``
+    (``quantization="fp4"`` or ``bnb={"llm_int8_skip_modules": [...]}`` change one setting; ``quantization=None``
+    loads it plainly; ``kbit_training`` adds ``prepare_model_for_kbit_training``). Records each step's loss."""
+
+    def __init__(
+        self,
+        folder: str,
+        lr: float = 1e-2,
+        quantization: Any = "nf4",
+        kbit_training: bool = False,
+        in_init: bool = False,
+        bnb: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__(folder, lr)
+        self.save_hyperparameters()
+        self.losses: list[float] = []
+        if in_init:
+            self.configure_model()
+
+    def quantization_config(self) -> Any:
+        from transformers import BitsAndBytesConfig
+
+        quantization = self.hparams.quantization
+        if quantization is None:
+            return None
+        if quantization == "int8":
+            return BitsAndBytesConfig(load_in_8bit=True, **(self.hparams.bnb or {}))
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quantization,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=torch.bfloat16,
+            **(self.hparams.bnb or {}),
+        )
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+        from transformers import AutoModelForCausalLM
+
+        q = self.quantization_config()
+        base = AutoModelForCausalLM.from_pretrained(self.hparams.folder, quantization_config=q, dtype=torch.bfloat16)
+        if self.hparams.kbit_training:
+            base = prepare_model_for_kbit_training(base)
+            self.prepared = {n: (p.numel(), getattr(p, "ds_tensor", p).dtype) for n, p in base.named_parameters()}
+        self.model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_train_start(self) -> None:
+        self.seen_at_start = held_frozen(self)
+
+
+def held_frozen(module: L.LightningModule) -> dict[str, Any]:
+    """Each frozen param as a rank holds it: the sha256 of its stored shard and its dtype, and whether its gathered
+    value on this rank's range is the folder's value quantized there (decode(encode(...)) of the slice, as each rank
+    encodes its own range); the fingerprint; how many tensors were quantized as they were read; the LoRA B weights."""
+    import hashlib
+
+    import deepspeed
+
+    from lightning_frozen.base import codec
+    from lightning_frozen.zero.params import shard_range
+
+    reference = folder_tensors(Path(module.hparams.folder))
+    strategy = module.trainer.strategy
+    codes, quantized_equal, lora_b = {}, {}, {}
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            if "lora_B" in name:
+                with deepspeed.zero.GatheredParameters([param]):
+                    lora_b[name] = param.detach().float().clone()
+            continue
+        shard = param.ds_tensor
+        codes[name] = [
+            str(shard.dtype),
+            hashlib.sha256(shard.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
+        ]
+        start, count = shard_range(param)
+        with deepspeed.zero.GatheredParameters([param]):
+            held = param.detach().flatten()[start : start + count].clone()
+        source = reference[name.removeprefix("model.base_model.model.").replace(".base_layer", "")].flatten()
+        frozen_dtype = strategy.frozen_dtype
+        expected = codec.decode(
+            codec.encode(source[start : start + count], frozen_dtype), count, frozen_dtype, held.dtype
+        )
+        quantized_equal[name] = torch.equal(held, expected)
+    return {
+        "codes": codes,
+        "quantized_equal": quantized_equal,
+        "lora_b": lora_b,
+        "frozen_dtype": strategy.frozen_dtype,
+        "fingerprint": strategy.frozen_base_fingerprint()["digest"],
+        "quantized_at_load": strategy._loaded_base.quantized_at_load,
+    }

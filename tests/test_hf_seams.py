@@ -45,6 +45,15 @@ HF_INTERNALS = {
     "lora_embedding_A",
     "lora_variant",
     "adapter_layer_names",
+    # a bitsandbytes quantization_config taken off `from_pretrained` (hf/transformers_loading.py)
+    "get_hf_quantizer",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant",
+    "llm_int8_skip_modules",
+    "is_loaded_in_4bit",
+    "is_loaded_in_8bit",
+    "Params4bit",
+    "Int8Params",
 }
 # Python's own documented names that start with an underscore (`os._exit`, a namedtuple's `_fields`)
 PYTHON_API = {"_exit", "_fields"}

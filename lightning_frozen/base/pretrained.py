@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.base.loaded import LoadedBase, open_safetensors, read_flat_range, tensor_sha256
 from lightning_frozen.hf import peft_adapters, transformers_loading
@@ -32,7 +33,7 @@ from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.init import outside_zero_init, sharded_creation
-from lightning_frozen.zero.params import full_shape, is_partitioned, local_shard, shard_range
+from lightning_frozen.zero.params import compute_dtype, full_shape, is_partitioned, local_shard, shard_range
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"
@@ -50,15 +51,19 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoadPlan:
     """How the sliced loader stores and records what it reads: ``frozen_dtype`` (None, ``"int8"``, ``"nf4"``)
     encodes each floating-point slice as it is read; ``fingerprint_mode`` is the strategy's ``fingerprint``
-    (``"sha256"`` also hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum and source."""
+    (``"sha256"`` also hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum and source.
+    A bitsandbytes ``quantization_config`` given to ``from_pretrained`` sets ``frozen_dtype`` (``base/qlora.py``);
+    the strategy reads it back when ``configure_model`` returns, and the model is marked as bitsandbytes marks its own
+    (``bitsandbytes``), so PEFT's ``prepare_model_for_kbit_training`` prepares it as a k-bit model."""
 
     loaded: LoadedBase
     frozen_dtype: Optional[str] = None
     fingerprint_mode: str = "checksum"
+    bitsandbytes: bool = False
 
 
 @contextmanager
@@ -102,10 +107,20 @@ def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> I
     ``hf/transformers_loading.py``, only where they are the ones this loader was written for.
     """
     plan = plan or LoadPlan(LoadedBase())
-    with transformers_loading.zero3_loading(config, _shapes_only, functools.partial(_load_own_slices, plan)) as patched:
-        quantized = patched and plan.frozen_dtype is not None
-        with placeholders.untouched_while_loading(transformers_loading.building_model, enabled=quantized):
-            yield
+
+    def adopt(frozen_dtype: str) -> None:
+        plan.frozen_dtype, plan.bitsandbytes = frozen_dtype, True
+
+    def building_quantized() -> bool:  # read as each param is built: a quantization_config may have set it
+        return plan.frozen_dtype is not None and transformers_loading.building_model()
+
+    compute = compute_dtype(config) or torch.float32
+    with (
+        qlora.adopted_as_frozen_dtype(lambda: plan.frozen_dtype, adopt, compute),
+        transformers_loading.zero3_loading(config, _shapes_only, functools.partial(_load_own_slices, plan)) as patched,
+        placeholders.untouched_while_loading(building_quantized, enabled=patched),
+    ):
+        yield
 
 
 def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any, **kwargs: Any) -> dict:
@@ -136,6 +151,8 @@ def _load_own_slices(
 ) -> tuple[list[str], set[str]]:
     """Copy (or encode, see :class:`LoadPlan`) each tensor's slice that this rank holds from its file; transformers'
     own path where that cannot work."""
+    if plan.bitsandbytes and plan.frozen_dtype is not None:
+        transformers_loading.mark_loaded_in_kbit(model_to_load, 4 if plan.frozen_dtype == "nf4" else 8)
     targets = model_to_load.state_dict(keep_vars=True)
     keyed = transformers_loading.model_keys(model_to_load, targets, list(state_dict), load_config)
     if keyed is None or not all(hasattr(t, _SOURCE) for t in state_dict.values()):

@@ -9,6 +9,7 @@ from typing import Any, Optional, TypeVar
 import torch
 from torch import nn
 
+from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import verify_checkpoint_base
 from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.adapters import adapter_state, use_adapter
@@ -117,8 +118,9 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     """Like ``LightningModule.load_from_checkpoint`` for adapter checkpoints.
 
     Builds ``cls(**hyper_parameters, **kwargs)`` and calls its ``configure_model`` as Lightning does (the module may
-    build its frozen base in either), verifies the base, loads the trainable state, calls ``on_load_checkpoint`` and
-    returns the module in eval mode.
+    build its frozen base in either; a bitsandbytes ``quantization_config`` given to ``from_pretrained`` there is
+    taken off, so the base loads unquantized, the weights its fingerprint is of), verifies the base, loads the
+    trainable state, calls ``on_load_checkpoint`` and returns the module in eval mode.
     Keyword arguments ``strict``, ``verify_base`` and ``adapter`` (as :func:`load_adapter`) are taken by this
     function, the rest go to ``cls``.
 
@@ -140,7 +142,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in layout.hyper_parameters_of(checkpoint).items() if not k.startswith("_")}
     try:
-        module = cls(**{**hyper_parameters, **kwargs})
+        with qlora.loaded_unquantized():  # a QLoRA module's base: the unquantized weights it was fingerprinted on
+            module = cls(**{**hyper_parameters, **kwargs})
     except TypeError as error:
         raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `{cls.__name__}` cannot be built from the hyper-parameters saved in"
@@ -148,7 +151,7 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
             " override the offending arguments as keyword arguments."
         ) from error
     if callable(getattr(module, "configure_model", None)):
-        with transformers_loading.base_files_named():  # a broken shard of the base is named
+        with transformers_loading.base_files_named(), qlora.loaded_unquantized():  # a broken shard is named
             module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
     load_into(module, checkpoint, str(checkpoint_path), strict, verify, adapter)
     if hasattr(module, "on_load_checkpoint"):

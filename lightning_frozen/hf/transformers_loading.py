@@ -7,6 +7,10 @@
 - The key renamings its loader applies (``core_model_loading``): :func:`model_keys`.
 - Its safetensors reader, ``modeling_utils.safe_open``, wrapped while it loads a base (:func:`base_files_named`), so
   that a truncated or corrupt shard raises :class:`~lightning_frozen.errors.FrozenBaseFileError` naming the file.
+- A ``quantization_config`` of bitsandbytes taken off ``from_pretrained`` (:func:`bitsandbytes_taken_off`): its
+  ``modeling_utils.get_hf_quantizer`` is wrapped so the model keeps its ``nn.Linear`` layers, and the settings go to
+  a handler as plain values (:class:`BitsAndBytesSettings`); models bitsandbytes quantized: :func:`bitsandbytes_layers`;
+  bitsandbytes' own markers set on a model the strategy stores quantized: :func:`mark_loaded_in_kbit`.
 - Its private markers: ``modeling_utils._is_ds_init_called`` (:func:`building_model`), a tensor's
   ``_is_hf_initialized`` (:func:`mark_initialized`) and a config's ``_name_or_path`` (:func:`loaded_from`).
 
@@ -21,6 +25,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,6 +36,24 @@ from lightning_frozen.errors import FrozenBaseFileError
 # the signatures the replacements stand in for (transformers 5.x); other versions keep their own path
 LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
 LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
+GET_HF_QUANTIZER_PARAMS = ("config", "quantization_config", "device_map", "weights_only", "user_agent", "gguf_file")
+
+
+@dataclass(frozen=True)
+class BitsAndBytesSettings:
+    """What a ``BitsAndBytesConfig`` asks for, as plain values. ``pre_quantized``: the folder's own ``config.json``
+    holds a ``quantization_config`` (its weights are stored quantized already), of ``quant_method``."""
+
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    quant_type: str = "fp4"
+    double_quant: bool = False
+    compute_dtype: Optional[torch.dtype] = None
+    skip_modules: tuple[str, ...] = ()
+    has_fp16_weight: bool = False
+    pre_quantized: bool = False
+    quant_method: str = "bitsandbytes"
+    source: str = ""
 
 
 @contextmanager
@@ -97,6 +120,84 @@ def base_files_named() -> Iterator[None]:
         yield
     finally:
         modeling_utils.safe_open = original
+
+
+@contextmanager
+def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], None]) -> Iterator[bool]:
+    """While active, ``from_pretrained`` given a bitsandbytes ``quantization_config`` (a ``BitsAndBytesConfig`` or
+    its dict) calls ``on_bitsandbytes`` with its settings and then loads as if none was given: no ``Linear4bit``, no
+    quantizer; ``on_bitsandbytes`` raises to refuse. A folder whose ``config.json`` holds a ``quantization_config``
+    (pre-quantized weights) is reported with ``pre_quantized=True``, whatever its method. Other quantization configs
+    pass through. Yields whether ``modeling_utils.get_hf_quantizer`` was wrapped: only where its signature is
+    :data:`GET_HF_QUANTIZER_PARAMS` (transformers 5.x); without transformers this does nothing and yields False.
+    """
+    if importlib.util.find_spec("transformers") is None:
+        yield False
+        return
+    from transformers import modeling_utils
+
+    original = getattr(modeling_utils, "get_hf_quantizer", None)
+    try:
+        wrappable = tuple(inspect.signature(original).parameters) == GET_HF_QUANTIZER_PARAMS  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        wrappable = False
+    if not wrappable:
+        yield False
+        return
+
+    @functools.wraps(original)  # type: ignore[arg-type]
+    def get_hf_quantizer(config: Any, quantization_config: Any, *args: Any, **kwargs: Any) -> Any:
+        stored = getattr(config, "quantization_config", None)
+        if stored is not None:
+            method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", "")
+            method = str(getattr(method, "value", method))
+            source = getattr(config, "_name_or_path", "") or "the folder"
+            on_bitsandbytes(BitsAndBytesSettings(pre_quantized=True, quant_method=method, source=source))
+        settings = _bitsandbytes_settings(quantization_config)
+        if settings is not None:
+            on_bitsandbytes(settings)
+            quantization_config = None
+        return original(config, quantization_config, *args, **kwargs)  # type: ignore[misc]
+
+    modeling_utils.get_hf_quantizer = get_hf_quantizer
+    try:
+        yield True
+    finally:
+        modeling_utils.get_hf_quantizer = original
+
+
+def _bitsandbytes_settings(quantization_config: Any) -> Optional[BitsAndBytesSettings]:
+    from transformers import BitsAndBytesConfig
+
+    if isinstance(quantization_config, dict):
+        bits = "load_in_4bit" in quantization_config or "load_in_8bit" in quantization_config
+        if bits and quantization_config.get("quant_method", "bitsandbytes") == "bitsandbytes":
+            quantization_config = BitsAndBytesConfig.from_dict(quantization_config)
+    if not isinstance(quantization_config, BitsAndBytesConfig):
+        return None
+    compute_dtype = quantization_config.bnb_4bit_compute_dtype
+    return BitsAndBytesSettings(
+        load_in_4bit=bool(quantization_config.load_in_4bit),
+        load_in_8bit=bool(quantization_config.load_in_8bit),
+        quant_type=str(quantization_config.bnb_4bit_quant_type),
+        double_quant=bool(quantization_config.bnb_4bit_use_double_quant),
+        compute_dtype=compute_dtype if isinstance(compute_dtype, torch.dtype) else None,
+        skip_modules=tuple(quantization_config.llm_int8_skip_modules or ()),
+        has_fp16_weight=bool(quantization_config.llm_int8_has_fp16_weight),
+    )
+
+
+def bitsandbytes_layers(module: nn.Module) -> list[str]:
+    """The names of ``module``'s params that bitsandbytes quantized (of its ``Params4bit`` / ``Int8Params`` classes;
+    not the ``is_loaded_in_4bit`` marker, which :func:`mark_loaded_in_kbit` also sets)."""
+    return [name for name, param in module.named_parameters() if type(param).__name__ in ("Params4bit", "Int8Params")]
+
+
+def mark_loaded_in_kbit(model: nn.Module, bits: int) -> None:
+    """Set the marker transformers' bitsandbytes quantizer sets (``is_loaded_in_4bit`` / ``is_loaded_in_8bit``) on a
+    model whose frozen shards the strategy stores in ``bits``: PEFT's ``prepare_model_for_kbit_training`` reads it to
+    enable gradient checkpointing and input gradients, as for a bitsandbytes model."""
+    setattr(model, "is_loaded_in_4bit" if bits == 4 else "is_loaded_in_8bit", True)
 
 
 def replaceable(modeling_utils: Any) -> bool:
