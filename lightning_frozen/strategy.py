@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -36,6 +36,7 @@ from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.zero import accelerator, host_memory, optimizers
 from lightning_frozen.zero import engine as placement
+from lightning_frozen.zero import init as zero_init
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.config import inference_config
@@ -132,6 +133,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
+        self._run_settings = ExitStack()  # what a run changed in the process, undone at its teardown
 
     @classmethod
     @override
@@ -168,7 +170,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
         checkpoint.require_restore_path(self._module.trainer, self.checkpoint_io)
-        accelerator.ignore_dependency_deprecations()
+        self._run_settings.callback(accelerator.ignore_dependency_deprecations())
+        self._run_settings.callback(zero_init.linear_restorer())  # `zero.Init` replaces `F.linear` for good
         accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()
@@ -272,6 +275,17 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._preemption.end_run(self.launcher, exception)
+
+    @override
+    def teardown(self) -> None:
+        """After ``fit``, ``validate``, ``test`` or ``predict``, returned or raised: the engine is destroyed (its hooks
+        off the module, nothing of DeepSpeed's holding it), gathered params go back to their shards and the process's
+        warning filters are as they were. The module keeps its ZeRO-3 params, frozen shards included: a later run
+        under this strategy uses them, and dropping the module (and this Trainer) frees them."""
+        if self.lightning_module is not None:
+            placement.release_engine(self.model, self.lightning_module)
+        self._run_settings.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ changing what trains
 
