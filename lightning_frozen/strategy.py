@@ -34,8 +34,9 @@ from lightning_frozen.checkpoint import file as checkpoint
 from lightning_frozen.checkpoint import layout, trainable_state
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
-from lightning_frozen.zero import accelerator, forward_trace, host_memory, optimizers
+from lightning_frozen.zero import accelerator, host_memory, optimizers
 from lightning_frozen.zero import engine as placement
+from lightning_frozen.zero import init as zero_init
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.config import inference_config
@@ -132,7 +133,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
-        self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers
+        self._run_settings = ExitStack()  # what a run changed in the process and on the module, undone at teardown
 
     @classmethod
     @override
@@ -168,7 +169,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
         checkpoint.require_restore_path(self._module.trainer, self.checkpoint_io)
-        accelerator.ignore_dependency_deprecations()
+        self._run_settings.callback(accelerator.ignore_dependency_deprecations())
+        self._run_settings.callback(zero_init.linear_restorer())  # `zero.Init` replaces `F.linear` for good
         accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()
@@ -227,15 +229,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._optimized.record_flags(model, optimizer)
         trainable = optim.trainable_params(model)
         built = placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
-        adapters.engine_built(built[1], model, self._optimized.group_names, self._row_hooks)
+        adapters.engine_built(built[1], model, self._optimized.group_names, self._run_settings)
         return built
-
-    @override
-    def teardown(self) -> None:
-        self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
-        if self.lightning_module is not None:  # DeepSpeed's own start-of-forward hook again, as initialize found it
-            forward_trace.restore_trace_reset(self.lightning_module)
-        super().teardown()
 
     @contextmanager
     @override
@@ -280,6 +275,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._preemption.end_run(self.launcher, exception)
+
+    @override
+    def teardown(self) -> None:
+        """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone."""
+        if self.lightning_module is not None:
+            placement.release_engine(self.model, self.lightning_module)
+        self._run_settings.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ changing what trains
 

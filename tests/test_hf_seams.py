@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch import nn
 
 import lightning_frozen
@@ -277,14 +278,26 @@ def test_dependency_deprecations_are_ignored_by_their_messages_only() -> None:
     assert [str(w.message) for w in caught] == others
 
 
-def test_fits_install_the_deprecation_filter_once_after_the_users_filters() -> None:
+class _FiltersDuringFit(Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[Any]] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.seen.append(list(warnings.filters))
+
+
+def test_fits_install_the_deprecation_filter_once_after_the_users_filters_and_take_it_off() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="the user's own")
+        before, during = list(warnings.filters), _FiltersDuringFit()
         for _ in range(2):  # two fits in one process
-            cpu_trainer(max_steps=1, enable_checkpointing=False).fit(AdapterModel(), regression_data())
-        ours = [f for f in warnings.filters if f[1] is not None and f[1].pattern == accelerator.DEPENDENCY_DEPRECATIONS]
-        users = [f for f in warnings.filters if f[1] is not None and f[1].pattern == "the user's own"]
-        assert len(ours) == 1 and warnings.filters.index(users[0]) < warnings.filters.index(ours[0])
+            trainer = cpu_trainer(max_steps=1, enable_checkpointing=False, callbacks=[during])
+            trainer.fit(AdapterModel(), regression_data())
+            assert warnings.filters == before  # a run leaves the process's filters as it found them
+        for filters in during.seen:
+            ours = [f for f in filters if f[1] is not None and f[1].pattern == accelerator.DEPENDENCY_DEPRECATIONS]
+            users = [f for f in filters if f[1] is not None and f[1].pattern == "the user's own"]
+            assert len(ours) == 1 and filters.index(users[0]) < filters.index(ours[0])
 
 
 class _Tiny(nn.Module):

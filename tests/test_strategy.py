@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 
 import lightning_frozen
@@ -229,12 +230,18 @@ def test_bf16_frozen_shards_are_stored_in_the_compute_dtype() -> None:
     )
 
 
+class _BucketSizes(Callback):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        buckets = trainer.strategy.deepspeed_engine.optimizer.ipg_buckets.values()
+        self.numels = [bucket.buffer.numel() for bucket in buckets]
+
+
 def test_the_gradient_reduce_bucket_is_sized_to_the_trainable_params() -> None:
     # ZeRO-3 allocates the bucket whole: Lightning's default of 2e8 elements would be 763 MiB of fp32 here
-    trainer = cpu_trainer(max_steps=1)
+    sizes = _BucketSizes()  # read during the run: the engine's teardown releases its buckets
+    trainer = cpu_trainer(max_steps=1, callbacks=[sizes])
     trainer.fit(AdapterModel(), regression_data())
-    buckets = trainer.strategy.deepspeed_engine.optimizer.ipg_buckets.values()
-    assert [bucket.buffer.numel() for bucket in buckets] == [545]
+    assert sizes.numels == [545]
     chosen = cpu_trainer(FrozenAwareDeepSpeedStrategy(reduce_bucket_size=1000), max_steps=1)
     chosen.fit(AdapterModel(), regression_data())
     assert chosen.strategy.deepspeed_engine.optimizer.reduce_bucket_size == 1000

@@ -9,8 +9,11 @@ ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step`
 ``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
 with its ``_aligned_size`` and ``_partition_world_size`` (``placeholders``); replaces the param offload's
 start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_forward_pre_hooks``) and adds a hook to its
-``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); and merges shards with
-``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``).
+``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); takes a finished run's
+modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every ZeRO-3 engine adds its root module to
+and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's ``ZeROOrderedDict``) that
+a raise mid-forward leaves set (``engine``); and merges shards with ``zero_to_fp32``'s
+``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``).
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -21,9 +24,9 @@ is defined where it is listed):
   ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``scaler_state``, ``restore_loss_scaler``;
   and ``check_has_trainable``, ``compute_dtype``.
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
-  ``import_with_logs_to_stderr``.
-- ``engine``: the engine over frozen and trainable shards: ``Placement``, ``initialize_engine``,
-  ``detach_frozen_shards``, ``destroy_engine``.
+  ``import_with_logs_to_stderr``, ``linear_restorer``.
+- ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
+  ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
 - ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit:
   ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:

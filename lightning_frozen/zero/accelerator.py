@@ -7,6 +7,7 @@ import atexit
 import functools
 import os
 import warnings
+from collections.abc import Callable
 from typing import Optional
 
 import torch.distributed as dist
@@ -70,7 +71,19 @@ DEPENDENCY_DEPRECATIONS = (
 )
 
 
-def ignore_dependency_deprecations() -> None:
-    """Ignore :data:`DEPENDENCY_DEPRECATIONS` only, after the user's own filters; ``append=True`` adds no second copy
-    on a later run."""
+def ignore_dependency_deprecations() -> Callable[[], None]:
+    """Ignore :data:`DEPENDENCY_DEPRECATIONS` only, after the user's own filters; ``append=True`` adds no second copy.
+
+    Returns what takes the filter off again (nothing, where an equal filter was there before), for the end of a run.
+    """
+    before = list(warnings.filters)
     warnings.filterwarnings("ignore", DEPENDENCY_DEPRECATIONS, FutureWarning, append=True)
+    added = [entry for entry in warnings.filters if entry not in before]
+    return functools.partial(_remove_filters, added)
+
+
+def _remove_filters(entries: list[tuple]) -> None:
+    # an "ignore" entry caches nothing in the modules' warning registries, so taking it off needs no cache reset
+    for entry in entries:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)

@@ -212,3 +212,36 @@ def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
         if is_partitioned(param):
             device = torch.device("cpu") if offload else param.ds_tensor.device
             param.ds_tensor.data = param.ds_tensor.data.to(device, copy=True)
+
+
+def release_engine(engine: Any, model: nn.Module) -> None:
+    """After a run over ``model`` (returned or raised): let the process forget ``engine`` so that the engine, its
+    ZeRO optimizer and ``model`` with its frozen shards are freed once the caller drops them.
+
+    DeepSpeed leaves references the garbage collector cannot clear: the gradient-accumulation hooks of the ZeRO-3
+    optimizer (closures held by autograd's C++ nodes, so the cycle through them is invisible to ``gc``), which
+    ``engine.destroy()`` removes with its module hooks (not the engine's own forward hooks: removed here); and
+    ``parameter_offload.FWD_MODULE_STACK``, a module-level list to which every engine adds its root module and never
+    takes it off. A run that raised mid-forward also leaves submodules there, params gathered (they go back to their
+    shards here) and every module's ``_parameters._in_forward`` set, under which reading a param would gather it
+    whole. The module keeps its shards and works under the next engine built over it, or inside
+    ``deepspeed.zero.GatheredParameters``. ``engine`` may be a plain module (no engine was built).
+    """
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    forward_trace.restore_trace_reset(model)  # DeepSpeed's own start-of-forward hook again, before `destroy` drops it
+    if isinstance(engine, DeepSpeedEngine):
+        engine.destroy()  # removing hooks twice is harmless, so an engine already destroyed may come again
+        for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
+            if handle is not None:
+                handle.remove()
+    ours = {id(module) for module in model.modules()}
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+    for module in model.modules():  # a raise mid-forward skips the engine's epilogue: reading a param would gather it
+        if isinstance(module._parameters, parameter_offload.ZeROOrderedDict):
+            module._parameters._in_forward = False
+    for param in model.parameters():
+        if is_partitioned(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist:
+            param.partition()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Optional
+
+import torch
 
 
 @contextmanager
@@ -47,3 +49,21 @@ def import_with_logs_to_stderr() -> None:
     (such as the accelerator it detected) go to stderr for the rest of the process. Does nothing once imported."""
     with contextlib.redirect_stdout(sys.stderr):
         import deepspeed  # noqa: F401
+
+
+def linear_restorer() -> Callable[[], None]:
+    """What puts ``torch.nn.functional.linear`` back as it is now, where a ``zero.Init`` replaced it since.
+
+    ``zero.Init`` (with the config's ``memory_efficient_linear``, on by default) replaces it process-wide with
+    DeepSpeed's ``zero3_linear_wrap`` and says it "will persist unless manually reset"; the next ``zero.Init``
+    replaces it again. A replacement by anyone else is left alone.
+    """
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    original = torch.nn.functional.linear
+
+    def restore() -> None:
+        if torch.nn.functional.linear is zero3_linear_wrap:
+            torch.nn.functional.linear = original
+
+    return restore
