@@ -133,7 +133,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
-        self._run_settings = ExitStack()  # what a run changed in the process and on the module, undone at teardown
+        self._run_settings = ExitStack()  # what a run changed in the process, undone at its teardown
+        self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
 
     @classmethod
     @override
@@ -229,7 +230,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._optimized.record_flags(model, optimizer)
         trainable = optim.trainable_params(model)
         built = placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
-        adapters.engine_built(built[1], model, self._optimized.group_names, self._run_settings)
+        adapters.engine_built(built[1], model, self._optimized.group_names, self._row_hooks)
         return built
 
     @contextmanager
@@ -279,6 +280,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone."""
+        self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
         if self.lightning_module is not None:
             placement.release_engine(self.model, self.lightning_module)
         self._run_settings.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import peft
 import pytest
 import torch
@@ -309,7 +310,8 @@ def test_adapters_trained_on_the_same_rows_on_purpose_say_so_with_shared_rows(ll
     assert trainer.global_step == 2
     hooks = [hook for layer in module.modules() for hook in layer._forward_pre_hooks.values()]
     assert not [hook for hook in hooks if getattr(hook, "func", None) is row_guard._refuse]  # removed at teardown
-    with torch.no_grad():  # outside training (no gradient) a forward needs neither
+    # after the run the module is the user's: a forward of its shards gathered is refused by nothing
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(module.parameters())):
         module.model(input_ids=next(iter(token_batches()))[0])
     one = cpu_trainer(max_steps=1)
     one.fit(ForgetsRows(llama, ["x"], together=False), token_batches())  # one adapter: nothing to couple

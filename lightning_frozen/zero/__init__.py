@@ -12,7 +12,8 @@ start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_for
 ``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); takes a finished run's
 modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every ZeRO-3 engine adds its root module to
 and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's ``ZeROOrderedDict``) that
-a raise mid-forward leaves set (``engine``); and merges shards with ``zero_to_fp32``'s
+a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
+``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s
 ``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``).
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name

@@ -237,6 +237,7 @@ def release_engine(engine: Any, model: nn.Module) -> None:
         for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
             if handle is not None:
                 handle.remove()
+    _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
     ours = {id(module) for module in model.modules()}
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
     for module in model.modules():  # a raise mid-forward skips the engine's epilogue: reading a param would gather it
@@ -245,3 +246,16 @@ def release_engine(engine: Any, model: nn.Module) -> None:
     for param in model.parameters():
         if is_partitioned(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist:
             param.partition()
+
+
+def _params_to_release_cache() -> Any:
+    """The ``functools.lru_cache`` on ``PartitionedParameterCoordinator.__params_to_release``: a cache on the class,
+    keyed by (coordinator, module, step), filled once ZeRO-3's trace is complete (prefetching), never emptied."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    method = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
+    # under DeepSpeed's `instrument_w_nvtx`, which keeps the cached function in its closure (no `__wrapped__`)
+    inner = (
+        [cell.cell_contents for cell in method.__closure__ or ()] if not hasattr(method, "cache_clear") else [method]
+    )
+    return next(function for function in inner if hasattr(function, "cache_clear"))
