@@ -461,6 +461,9 @@ import os, pathlib, signal, sys
 sys.path.insert(0, {repo!r})
 from lightning_frozen.checkpoint import atomic_files
 
+if {signum} != signal.SIGKILL:  # its default action (death), even when started from `nohup` (SIGHUP ignored)
+    signal.signal({signum}, signal.SIG_DFL)
+
 target = pathlib.Path({target!r})
 atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
 
