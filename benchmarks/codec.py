@@ -6,7 +6,7 @@ bitsandbytes', and the copy floor.
 For NF4 and int8, encode (fp32 weights in) and decode (into fp32 and into bf16), each in millions of weights per
 second, median of ``--repeats`` calls on the same tensor of ``--millions`` M normal weights:
 
-- ``kernels``: ``lightning_frozen.base.codec`` with its compiled CPU kernels (what training runs);
+- ``kernels``: ``lightning_frozen.format.codec`` with its compiled CPU kernels (what training runs);
 - ``tensor ops``: the same functions with the kernels switched off (the 0.1 codec, and the fallback without a C
   compiler); bit-identical output;
 - ``bitsandbytes``: ``quantize_4bit`` / ``dequantize_4bit`` (NF4, block 64) and ``quantize_blockwise`` /
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_frozen.base import codec, native_codec  # noqa: E402
+from lightning_frozen.format import codec, native_codec  # noqa: E402
 from lightning_frozen.zero.host_memory import return_freed_memory  # noqa: E402
 
 GOALS = {"decode fp32": 1000.0, "encode": 300.0}  # M weights/s per core, issue 24

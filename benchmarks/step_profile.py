@@ -186,7 +186,7 @@ def floors(result: dict[str, Any], frozen_dtype: str, decoded_weights: int, gath
     """The floor of each part, measured here: dense matmuls of the profiled shapes, the codec, a copy."""
     import torch
 
-    from lightning_frozen.base import codec, native_codec
+    from lightning_frozen.format import codec, native_codec
 
     matmul = 0.0
     for key, count in result["matmul_shapes"].items():

@@ -28,8 +28,8 @@ from lightning_frozen.errors import (
     UnsupportedConfigurationError,
     UnsupportedOffloadOptimizerError,
 )
+from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
-from lightning_frozen.optim.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
 
 __version__ = "0.1.0"

@@ -33,10 +33,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_frozen import row_guard
-from lightning_frozen.base.reference import find_peft_model
 from lightning_frozen.errors import AdapterSetupError, format_names
-from lightning_frozen.hf import peft_adapters
+from lightning_frozen.hf import peft_adapters, row_guard
+from lightning_frozen.hf.reference import find_peft_model
 from lightning_frozen.zero import adapter_clipping
 
 

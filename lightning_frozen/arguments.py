@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 
-from lightning_frozen.base.codec import check_frozen_dtype
 from lightning_frozen.base.fingerprint import FINGERPRINT_MODES
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
+from lightning_frozen.format.codec import check_frozen_dtype
 from lightning_frozen.zero.config import ZeroSettings, zero_settings
 
 # the names `import lightning_frozen` registers: (name, description, strategy arguments)

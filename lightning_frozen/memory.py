@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.base.codec import storage_bytes
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
+from lightning_frozen.format.codec import storage_bytes
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.zero.config import fitted_reduce_bucket
 from lightning_frozen.zero.engine import Placement

@@ -31,14 +31,14 @@ from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file as checkpoint
-from lightning_frozen.checkpoint import layout, trainable_state
+from lightning_frozen.checkpoint import trainable_state
+from lightning_frozen.format import layout
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.zero import accelerator, host_memory, optimizers
 from lightning_frozen.zero import engine as placement
 from lightning_frozen.zero import init as zero_init
 from lightning_frozen.zero import params as zero
-from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.config import inference_config
 
 if TYPE_CHECKING:
@@ -353,7 +353,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
         checkpoint_path = self.broadcast(checkpoint_path)
         loaded = checkpoint.load(checkpoint_path, checkpoint.user_checkpoint_io(self.checkpoint_io))
-        quant.warn_if_stored_otherwise(loaded, self.frozen_dtype, checkpoint_path)
+        trainable_state.warn_if_stored_otherwise(loaded, self.frozen_dtype, checkpoint_path)
         if self.fingerprint != "none":
             verify_checkpoint_base(loaded, self._module, str(checkpoint_path), take_fingerprint=self._fingerprints)
         return loaded

@@ -174,7 +174,7 @@ def held_frozen(module: L.LightningModule) -> dict[str, Any]:
 
     import deepspeed
 
-    from lightning_frozen.base import codec
+    from lightning_frozen.format import codec
     from lightning_frozen.zero.params import shard_range
 
     reference = folder_tensors(Path(module.hparams.folder))

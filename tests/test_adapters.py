@@ -12,8 +12,8 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import adapters as multi
-from lightning_frozen import row_guard
 from lightning_frozen.errors import AdapterSetupError
+from lightning_frozen.hf import row_guard
 from lightning_frozen.zero import adapter_clipping
 from tests.adapter_models import FIT, SPECS, CausalAdapters, adapter_weights, peft_with_adapters, token_batches
 from tests.distributed import run_script

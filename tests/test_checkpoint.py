@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_frozen
 from lightning_frozen.checkpoint import file as ckpt_module
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import CheckpointFormatError, CheckpointKeysError, FrozenBaseMismatchError
+from lightning_frozen.format import layout
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 TRAINABLE = ["head.bias", "head.weight", "layers.0.lora_a", "layers.0.lora_b", "layers.1.lora_a", "layers.1.lora_b"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_frozen
-from lightning_frozen.checkpoint import layout
+from lightning_frozen.format import layout
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 from tests.peft_models import PeftModule, batches, save_tiny_llama
 

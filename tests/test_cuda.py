@@ -152,7 +152,7 @@ def test_fp16_loss_scale_round_trips_and_the_fp16_base_verifies_in_fp32(tmp_path
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(frozen_dtype: str) -> None:
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
-    from lightning_frozen.base import codec as quant_codec
+    from lightning_frozen.format import codec as quant_codec
 
     model = _big_model()
     source = model.layers[0].base.weight.detach().to(torch.bfloat16).clone()
@@ -176,8 +176,8 @@ def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(fr
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_codes_decode_on_cuda_to_the_cpu_kernels_values(frozen_dtype: str, dtype: torch.dtype) -> None:
     """NF4 on CUDA is bitsandbytes' kernel, int8 tensor ops; both must give the CPU kernels' values to the bit."""
-    from lightning_frozen.base import bitsandbytes_nf4
-    from lightning_frozen.base import codec as quant_codec
+    from lightning_frozen.format import bitsandbytes_nf4
+    from lightning_frozen.format import codec as quant_codec
 
     values = torch.randn(64 * 1000 + 10, generator=torch.Generator().manual_seed(0)) * 0.05
     stored = quant_codec.encode(values, frozen_dtype)

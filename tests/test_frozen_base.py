@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import load_adapter
 from lightning_frozen.base.fingerprint import fingerprint_base, verify_base
-from lightning_frozen.base.reference import find_base_reference
 from lightning_frozen.errors import FrozenBaseMismatchError
+from lightning_frozen.hf.reference import find_base_reference
 from tests.models import AdapterModel, cpu_trainer
 from tests.pretrained_support import TINY_LLAMA
 

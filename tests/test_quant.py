@@ -16,11 +16,11 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
-from lightning_frozen.base import bitsandbytes_nf4, native_codec
-from lightning_frozen.base import codec as quant_codec
 from lightning_frozen.base import fingerprint as frozen_base
-from lightning_frozen.checkpoint import layout
+from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
+from lightning_frozen.format import bitsandbytes_nf4, layout, native_codec
+from lightning_frozen.format import codec as quant_codec
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero import quantized as quant
 from tests.distributed import read_reports, run_script
@@ -599,15 +599,16 @@ def test_a_checkpoint_of_the_older_nf4_layout_resumes_with_a_one_line_notice(cap
     del older[layout.PACKING]  # 0.1.0 packed the low nibble first and did not record it
     with caplog.at_level(logging.INFO), warnings.catch_warnings():
         warnings.simplefilter("error")  # a notice, not a warning: the weights are the same
-        quant.warn_if_stored_otherwise(_checkpoint_stored_as(older), "nf4", "old.ckpt")
+        trainable_state.warn_if_stored_otherwise(_checkpoint_stored_as(older), "nf4", "old.ckpt")
     notices = [r.getMessage() for r in caplog.records if "old.ckpt" in r.getMessage()]
     assert len(notices) == 1 and "low nibble first" in notices[0] and "high nibble first" in notices[0]
     caplog.clear()
-    quant.warn_if_stored_otherwise(_checkpoint_stored_as(quant_codec.FORMATS["nf4"].describe()), "nf4", "new.ckpt")
+    current = _checkpoint_stored_as(quant_codec.FORMATS["nf4"].describe())
+    trainable_state.warn_if_stored_otherwise(current, "nf4", "new.ckpt")
     assert not [r for r in caplog.records if "new.ckpt" in r.getMessage()]
 
 
 def test_a_checkpoint_of_another_block_size_warns_that_the_base_differs() -> None:
     other = {**quant_codec.FORMATS["nf4"].describe(), layout.BLOCK_SIZE: 128}
     with pytest.warns(UserWarning, match="other block_size \\(128\\) than this version \\(64\\)"):
-        quant.warn_if_stored_otherwise(_checkpoint_stored_as(other), "nf4", "other.ckpt")
+        trainable_state.warn_if_stored_otherwise(_checkpoint_stored_as(other), "nf4", "other.ckpt")

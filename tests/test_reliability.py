@@ -20,8 +20,9 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
-from lightning_frozen.checkpoint import atomic_files, layout
+from lightning_frozen.checkpoint import atomic_files
 from lightning_frozen.checkpoint import file as ckpt_module
+from lightning_frozen.format import layout
 from tests.distributed import SCRIPTS, fresh_env, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 

@@ -27,10 +27,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_frozen.base.reference import base_of
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
+from lightning_frozen.format import layout
 from lightning_frozen.hf import peft_adapters
+from lightning_frozen.hf.reference import base_of
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_partitioned, local_shard, shard_range
 

@@ -22,9 +22,10 @@ from torch import nn
 
 from lightning_frozen.base.fingerprint import fingerprint_base, replaced_by_trained_copies
 from lightning_frozen.checkpoint import file as checkpoint
-from lightning_frozen.checkpoint import layout, trainable_state
+from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.checkpoint.file import PathLike, checked_path
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
+from lightning_frozen.format import layout
 from lightning_frozen.zero import checkpoint_files
 from lightning_frozen.zero import params as zero
 

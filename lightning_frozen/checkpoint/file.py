@@ -23,7 +23,6 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.atomic_files import write_file_atomic, write_url
 from lightning_frozen.errors import (
     CheckpointFormatError,
@@ -32,6 +31,7 @@ from lightning_frozen.errors import (
     UnsupportedConfigurationError,
     format_names,
 )
+from lightning_frozen.format import layout
 
 PathLike = Union[str, os.PathLike]
 T = TypeVar("T")

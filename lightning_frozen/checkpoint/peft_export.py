@@ -23,9 +23,9 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint, to_plain, write_file_atomic
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError, OutputDirectoryError
+from lightning_frozen.format import layout
 from lightning_frozen.hf import peft_saving
 
 CONFIG_NAME = "adapter_config.json"

@@ -10,15 +10,16 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any, Optional
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_frozen.base.codec import block_format
-from lightning_frozen.base.reference import find_base_reference, find_base_references, find_peft_model
-from lightning_frozen.checkpoint import layout
-from lightning_frozen.checkpoint.adapters import peft_entries
+from lightning_frozen.checkpoint.adapter_entries import peft_entries
 from lightning_frozen.checkpoint.file import persistent_buffers
 from lightning_frozen.checkpoint.loading import check_keys
 from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.format import layout
+from lightning_frozen.format.codec import block_format
+from lightning_frozen.hf.reference import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero.quantized import frozen_dtype_of
 
@@ -147,3 +148,36 @@ def saved_checkpoint(
         frozen_base_entry(module, fingerprint, explicit_reference),
         layout.format_marker(**written_with),
     )
+
+
+def warn_if_stored_otherwise(checkpoint: Mapping[str, Any], frozen_dtype: Optional[str], source: Any) -> None:
+    """Warn when a checkpoint was trained on a frozen base stored in another ``frozen_dtype`` than this run's; say in
+    one line when it was stored in an older layout of the same format (the codes are made again from the base, in
+    this layout, and decode to the same weights)."""
+    recorded = layout.quantization_of(checkpoint)
+    trained_as = recorded.get(layout.DTYPE)
+    if trained_as != frozen_dtype:
+        rank_zero_warn(
+            f"lightning-frozen: {source} was trained on a frozen base stored as"
+            f" {trained_as or 'unquantized'}, this run stores it as {frozen_dtype or 'unquantized'}"
+            " (`frozen_dtype`): the adapter sees slightly different base weights than it was trained on."
+        )
+        return
+    if frozen_dtype is None:
+        return
+    current = block_format(frozen_dtype).describe()
+    changed = [
+        key for key in (layout.BLOCK_SIZE, layout.SCALE_DTYPE, layout.PACKING) if recorded.get(key) != current.get(key)
+    ]
+    if changed == [layout.PACKING] and recorded.get(layout.PACKING) is None:
+        rank_zero_info(
+            f"lightning-frozen: {source} recorded its {frozen_dtype} base in the 0.1 layout (low nibble first); it is"
+            f" encoded in this version's ({current[layout.PACKING]}): the same codes and weights, packed otherwise."
+        )
+    elif changed:
+        rank_zero_warn(
+            f"lightning-frozen: {source} stored its {frozen_dtype} base with other {', '.join(changed)}"
+            f" ({', '.join(f'{recorded.get(k)!r}' for k in changed)}) than this version"
+            f" ({', '.join(f'{current.get(k)!r}' for k in changed)}): it is encoded again from the base in this"
+            " version's layout, and the adapter sees slightly different base weights than it was trained on."
+        )

@@ -21,8 +21,8 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetuning
 from torch import nn
 
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import UnsupportedConfigurationError
+from lightning_frozen.format import layout
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero.optimizers import engine_counters, inner_optimizer, set_engine_counters
 

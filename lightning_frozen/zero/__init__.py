@@ -34,7 +34,7 @@ is defined where it is listed):
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``scheduler_per_group_attributes``.
 - ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
-  ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``warn_if_stored_otherwise``, ``SourceValues``.
+  ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``SourceValues``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
 - ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``,
   ``restore_gathers``.

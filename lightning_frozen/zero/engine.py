@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
-from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.zero import forward_trace, host_memory
 from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.config import fit_reduce_bucket, zero_settings
@@ -31,6 +30,15 @@ def place_model(model: nn.Module, config: Optional[dict], device: torch.device, 
     if not zero_settings(config or {}).offload_param:
         place_shards(model, device, offload_frozen, compute_dtype(config or {}) or torch.float32)
     place_buffers(model, device)
+
+
+class LoadedShards(Protocol):
+    """What the sliced loader stored (``base/loaded.py`` builds it, the strategy hands it down): shards quantized
+    while loading, settled before the engine is built, and where quantization tells the source values to."""
+
+    def settle(self, model: nn.Module) -> None: ...
+
+    def source_keeper(self, fingerprint_mode: str) -> quant.SourceValues: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class Placement:
     fingerprint_mode: str = "checksum"  # how the base is fingerprinted: its source values are kept as they are encoded
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     fit_reduce_bucket: bool = False  # (when the user set no size)
-    loaded: Optional[LoadedBase] = None  # what the sliced loader stored: quantized while loading, settled at setup
+    loaded: Optional[LoadedShards] = None  # what the sliced loader stored: quantized while loading, settled at setup
 
 
 def initialize_engine(

@@ -14,10 +14,10 @@ from typing import Any
 from torch import nn
 
 from lightning_frozen.adapters import adapter_param_names, trained_adapters
-from lightning_frozen.base.reference import find_peft_model
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.checkpoint.peft_export import peft_entry, peft_entry_of
 from lightning_frozen.errors import AdapterSetupError, format_names
+from lightning_frozen.format import layout
+from lightning_frozen.hf.reference import find_peft_model
 
 
 def peft_entries(

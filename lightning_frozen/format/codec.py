@@ -23,9 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_frozen.base import bitsandbytes_nf4, native_codec
-from lightning_frozen.checkpoint import layout
 from lightning_frozen.errors import FrozenDtypeError
+from lightning_frozen.format import bitsandbytes_nf4, layout, native_codec
 
 # QLoRA's NF4 code values (Dettmers et al. 2023, as bitsandbytes ships them): quantiles of N(0, 1) scaled to [-1, 1]
 NF4_VALUES = (
