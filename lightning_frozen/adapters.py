@@ -13,7 +13,7 @@ Under ``frozen_deepspeed`` the strategy does the rest when two or more adapters 
 must hold one adapter's params (:func:`check_optimizer_groups`), a training forward outside :func:`adapter_rows`
 raises unless it is inside :func:`shared_rows` (``row_guard.py``), gradients are clipped per adapter
 (``zero/adapter_clipping.py``), and each adapter loads and exports alone from the run's checkpoint
-(``checkpoint/adapters.py``).
+(``checkpoint/adapter_entries.py``).
 
 Exact only where no random number or statistic depends on the other rows: ``lora_dropout=0`` and the base's own
 dropout off (K adapters' rows draw other random numbers than one adapter's alone), and no layer that mixes rows

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_frozen import lightning_seam
 from lightning_frozen.optim.unfreezing import StagedOptimizer
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
 
@@ -94,7 +95,7 @@ class BaseFinetuning(lightning_finetuning.BaseFinetuning):
         def finetune(optimizer: StagedOptimizer) -> None:  # Lightning's body, on the strategy's stand-in optimizer
             num_groups = len(optimizer.param_groups)
             self.finetune_function(pl_module, trainer.current_epoch, optimizer)
-            self._store(pl_module, 0, num_groups, optimizer.param_groups)
+            lightning_seam.record_added_groups(self, pl_module, num_groups, optimizer.param_groups)
 
         strategy.finetune(finetune)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
 from lightning_frozen.format.codec import storage_bytes
-from lightning_frozen.optim import filtering as optim
+from lightning_frozen.optim import filtering
 from lightning_frozen.zero.config import fitted_reduce_bucket
 from lightning_frozen.zero.engine import Placement
 from lightning_frozen.zero.optimizers import inner_optimizer
@@ -279,7 +279,7 @@ def run_summary(
     params and its optimizer (sharded over the ranks by ZeRO-3) placed as ``where`` says, and the frozen shard
     bytes measured here."""
     inner = inner_optimizer(deepspeed_optimizer)
-    trainable, frozen = optim.trainable_params(module), optim.frozen_params(module)
+    trainable, frozen = filtering.trainable_params(module), filtering.frozen_params(module)
     estimate = estimate_from_counts(
         trainable_params=sum(full_numel(p) for p in trainable),
         frozen_params=sum(full_numel(p) for p in frozen),
@@ -287,7 +287,7 @@ def run_summary(
         precision=precision,
         offload_frozen=where.offload_frozen,
         offload_optimizer=where.offload_optimizer,
-        optimizer_state_bytes=optim.optimizer_state_bytes_per_param(inner),
+        optimizer_state_bytes=filtering.optimizer_state_bytes_per_param(inner),
         largest_module_params=largest_module_params(module),
         ranks_per_node=ranks_per_node,
         frozen_dtype=where.frozen_dtype,

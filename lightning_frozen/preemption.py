@@ -27,9 +27,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal, _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_frozen import lightning_seam
 from lightning_frozen.checkpoint.atomic_files import remove_temp_files_being_written
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Preemption:
 def _handlers_before_lightning(current: Any) -> list[Callable[..., Any]]:
     """The handlers Lightning's composed handler chains besides its own (a user's, set before ``fit``)."""
     handlers = getattr(current, "signal_handlers", [current])
-    return [h for h in handlers if callable(h) and not isinstance(getattr(h, "__self__", None), _SignalConnector)]
+    return [h for h in handlers if callable(h) and not lightning_seam.is_lightnings_signal_handler(h)]
 
 
 class StopAtStepBoundary(Callback):
@@ -134,7 +134,7 @@ class StopAtStepBoundary(Callback):
         self.preemption = preemption
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if lightning_seam.mid_accumulation(trainer):
             return  # mid-accumulation: the step boundary is the batch that steps
         terminate, requeue = self.preemption.agree(trainer.strategy)
         if not (terminate or requeue):
@@ -145,8 +145,7 @@ class StopAtStepBoundary(Callback):
             trainer.save_checkpoint(path)
         else:
             # Lightning's requeue: loggers finalized, `hpc_ckpt_<n>.ckpt` saved (every rank), `scontrol requeue`
-            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
-            path = trainer._checkpoint_connector._hpc_resume_path
+            path = lightning_seam.requeue(trainer, signum)
         log.warning(
             "lightning-frozen: rank %d: %s received (on this rank: %s); stopped after step %d, checkpoint saved to"
             " %s; exiting with status %d.",
@@ -187,4 +186,4 @@ def end_launched_ranks(launcher: Any, wait: float) -> None:
             continue
     for process in processes:
         if process.poll() is None:
-            process.send_signal(_get_sigkill_signal())
+            process.send_signal(lightning_seam.sigkill_signal())

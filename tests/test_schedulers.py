@@ -162,7 +162,7 @@ def test_an_unknown_scheduler_with_group_long_lists_is_refused_naming_them() -> 
 
 
 def test_a_registered_scheduler_follows_torchs_trajectory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(schedulers, "_PER_GROUP_ATTRIBUTES", dict(schedulers._PER_GROUP_ATTRIBUTES))
+    monkeypatch.setattr(schedulers, "_REGISTERED", dict(schedulers._REGISTERED))
     register_per_group_attributes(PeakScheduler, "peaks")
     reference_optimizer = _optimizer("FT")
     expected = _trajectory(reference_optimizer, PeakScheduler(reference_optimizer, [1.0, 2.0]), [1])

@@ -4,6 +4,7 @@ import, and no module reaching into another one's private names."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import lightning_frozen
@@ -87,12 +88,13 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 # The floors, lowest first (issue 26). A module may import its own floor and the floors below it, never one above:
-# what a lower floor needs from a higher one is handed down as a value or a callable. Within the seams, zero/ and hf/
-# import neither each other nor anything but the ground.
+# what a lower floor needs from a higher one is handed down as a value or a callable. Within the seams, zero/, hf/
+# and the Lightning seam import neither each other nor anything but the ground.
 FLOORS: list[tuple[str, list[str]]] = [
     ("ground", ["errors", "progress", "format"]),  # plain dicts and tensors: the checkpoint layout and the codec
     ("zero seam", ["zero"]),  # DeepSpeed
     ("hf seam", ["hf"]),  # transformers and PEFT, and the base-reference lookup
+    ("lightning seam", ["lightning_seam"]),  # Lightning's private names
     ("domain", ["base", "optim", "adapters", "memory", "arguments"]),
     ("checkpoint", ["checkpoint"]),
     ("lightning face", ["strategy", "finetuning", "preemption", "cli", "loops", "__init__"]),
@@ -101,8 +103,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "ground": {"ground"},
     "zero seam": {"ground", "zero seam"},
     "hf seam": {"ground", "hf seam"},
-    "domain": {"ground", "zero seam", "hf seam", "domain"},
-    "checkpoint": {"ground", "zero seam", "hf seam", "domain", "checkpoint"},
+    "lightning seam": {"ground", "lightning seam"},
+    "domain": {"ground", "zero seam", "hf seam", "lightning seam", "domain"},
+    "checkpoint": {"ground", "zero seam", "hf seam", "lightning seam", "domain", "checkpoint"},
     "lightning face": {floor for floor, _ in FLOORS},
 }
 
@@ -149,3 +152,29 @@ def test_no_test_file_imports_or_runs_the_benchmarks() -> None:
             names += [node.value] if isinstance(node, ast.Constant) and node.value == "benchmarks" else []  # a path
             found += [f"{path.name}:{node.lineno} names {n}" for n in names if n.split(".")[0] == "benchmarks"]
     assert found == []
+
+
+# files of other packages the package's comments name (torch's and DeepSpeed's LR scheduler modules)
+FOREIGN_FILES = {"lr_scheduler.py", "lr_schedules.py"}
+
+
+def stale_file_names(text: str, where: str) -> list[str]:
+    """The ``*.py`` names in ``text`` that name no file: not a path under the package or the repository, nor the name
+    of exactly one package module."""
+    root = PACKAGE.parent
+    own = [path.relative_to(PACKAGE) for path in PACKAGE.rglob("*.py")]
+    stale = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for name in re.findall(r"(?<![\w./])([\w/]+\.py)\b", line):
+            if name in FOREIGN_FILES or (PACKAGE / name).exists() or (root / name).exists():
+                continue
+            if "/" not in name and sum(path.name == name for path in own) == 1:
+                continue
+            stale.append(f"{where}:{number}: {name}")
+    return stale
+
+
+def test_docstrings_and_comments_name_files_that_exist() -> None:
+    stale = [s for name in MODULES for s in stale_file_names(_source(name).read_text(), f"{name}.py")]
+    assert stale == []
+    assert stale_file_names("see ``quant.py`` and zero/engine.py", "x") == ["x:1: quant.py"]

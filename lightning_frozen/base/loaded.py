@@ -26,12 +26,17 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.base.fingerprint import Checksummer, param_sha256
-from lightning_frozen.base.fingerprint import tensor_sha256 as whole_sha256
+from lightning_frozen.base.fingerprint import Checksummer, param_sha256, tensor_sha256
 from lightning_frozen.errors import FrozenBaseFileError, FrozenDtypeError
 from lightning_frozen.zero import exact_gather
-from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.params import full_shape, local_shard, shard_range
+from lightning_frozen.zero.params import full_shape, local_shard, shard_range, storage_identity
+from lightning_frozen.zero.quantized import (
+    SourceValues,
+    frozen_dtype_of,
+    install_quantized_gather,
+    restore_values,
+    store_codes,
+)
 
 _HASH_ELEMENTS = 1 << 22  # elements per piece when hashing a whole tensor from its file
 
@@ -66,9 +71,7 @@ class LoadedBase:
         """Keep this rank's checksum of ``values`` (its shard's elements from flat index ``start``, in the param's
         dtype) and the tensor's ``sha256`` if given; for an unquantized shard, which storage it was read into."""
         shard = local_shard(param)
-        self._put(
-            param, _Entry(values.dtype, checksum(values, start), sha256, shard=(shard.data_ptr(), shard._version))
-        )
+        self._put(param, _Entry(values.dtype, checksum(values, start), sha256, shard=storage_identity(shard)))
 
     def _put(self, param: nn.Parameter, entry: _Entry) -> _Entry:
         self.changes += 1
@@ -77,7 +80,7 @@ class LoadedBase:
         return entry
 
     def quantized(self, param: nn.Parameter, source: tuple[str, str]) -> None:
-        """``param``'s shard now holds codes (``quant.store_codes``); ``source`` is the (file, key) of its exact
+        """``param``'s shard now holds codes (``store_codes``); ``source`` is the (file, key) of its exact
         values. Until setup its gathers read them (see the module docstring)."""
         entry = self.entry(param)
         assert entry is not None
@@ -103,7 +106,7 @@ class LoadedBase:
         values = param.data.detach().reshape(-1)[start : start + count]
         self.keep_source(param, values, start, param.data)
         entry.source = None
-        quant.store_codes(param, values, quant.frozen_dtype_of(param))
+        store_codes(param, values, frozen_dtype_of(param))
         self.settle_one(param, entry)
 
     # ------------------------------------------------------------------ filled by quantization
@@ -112,18 +115,18 @@ class LoadedBase:
         self, param: nn.Parameter, values: torch.Tensor, start: int, whole: Optional[torch.Tensor] = None
     ) -> None:
         """``param``'s shard is about to hold the codes of ``values`` (this rank's elements from flat index ``start``,
-        in its dtype; a ``quant.SourceValues``): their checksum, and the sha256 of ``whole`` (the whole tensor) when it
+        in its dtype; a ``SourceValues``): their checksum, and the sha256 of ``whole`` (the whole tensor) when it
         is given, stand for ``param`` in the fingerprint from now on."""
-        self._keep(param, values, start, whole_sha256(whole) if whole is not None else None)
+        self._keep(param, values, start, tensor_sha256(whole) if whole is not None else None)
 
-    def source_keeper(self, fingerprint_mode: str) -> quant.SourceValues:
+    def source_keeper(self, fingerprint_mode: str) -> SourceValues:
         """What setup's quantization tells the source values to: :meth:`keep_source`, and in ``sha256`` mode the
         whole tensor's hash, gathered while its shard still holds them (collective then)."""
         if fingerprint_mode != "sha256":
             return self.keep_source
 
         def keep(param: nn.Parameter, values: torch.Tensor, start: int, whole: Optional[torch.Tensor]) -> None:
-            self._keep(param, values, start, whole_sha256(whole) if whole is not None else param_sha256(param))
+            self._keep(param, values, start, tensor_sha256(whole) if whole is not None else param_sha256(param))
 
         return keep
 
@@ -152,7 +155,7 @@ class LoadedBase:
         if entry is None or entry.dtype != param.dtype:
             return None
         shard = local_shard(param)
-        if entry.shard is not None and entry.shard != (shard.data_ptr(), shard._version):
+        if entry.shard is not None and entry.shard != storage_identity(shard):
             return None
         return entry.checksum
 
@@ -178,11 +181,11 @@ class LoadedBase:
             if param.requires_grad:
                 if entry.source is None:
                     raise FrozenDtypeError(
-                        f"`{name}` trains, but it was stored as {quant.frozen_dtype_of(param)} while loading and then"
+                        f"`{name}` trains, but it was stored as {frozen_dtype_of(param)} while loading and then"
                         " written, so its exact values are gone. Keep it frozen, or pass `frozen_dtype=None`."
                     )
                 exact_gather.restore_gathers(param)
-                quant.restore_values(param, _read_slice(param, *entry.source))
+                restore_values(param, _read_slice(param, *entry.source))
                 del self._entries[id(param)]
             elif not entry.settled:
                 self.settle_one(param, entry)
@@ -191,7 +194,7 @@ class LoadedBase:
         """``param`` computes through the quantized gather from now on; a write to it reports its new values here."""
         assert entry.exact_gathers
         exact_gather.restore_gathers(param)
-        quant.install_quantized_gather(param, self.keep_source)
+        install_quantized_gather(param, self.keep_source)
         entry.settled = True
 
 
@@ -239,7 +242,7 @@ def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) 
     return rows[offset : offset + count]
 
 
-def tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+def file_tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:
     """The sha256 of a whole safetensors tensor's bytes as a param of ``dtype`` holds them (``frozen_base``'s
     ``sha256`` mode), read a few MiB at a time."""
     digest = hashlib.sha256()

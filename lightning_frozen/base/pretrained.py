@@ -27,13 +27,13 @@ from torch import nn
 
 from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import Checksummer
-from lightning_frozen.base.loaded import LoadedBase, open_safetensors, read_flat_range, tensor_sha256
+from lightning_frozen.base.loaded import LoadedBase, file_tensor_sha256, open_safetensors, read_flat_range
 from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
-from lightning_frozen.zero import quantized as quant
 from lightning_frozen.zero.init import outside_zero_init, sharded_creation
 from lightning_frozen.zero.params import compute_dtype, full_shape, is_partitioned, local_shard, shard_range
+from lightning_frozen.zero.quantized import store_codes
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"
@@ -257,11 +257,11 @@ def load_tensor(
         if not quantize and count > 0:
             shard.narrow(0, 0, count).copy_(values)
         if plan is not None:
-            sha256 = tensor_sha256(piece, shape, target.dtype) if plan.fingerprint_mode == "sha256" else None
+            sha256 = file_tensor_sha256(piece, shape, target.dtype) if plan.fingerprint_mode == "sha256" else None
             plan.loaded.record(target, values, start, checksum or Checksummer(), sha256)
             if quantize:
                 assert plan.frozen_dtype is not None
-                quant.store_codes(target, values, plan.frozen_dtype)
+                store_codes(target, values, plan.frozen_dtype)
                 plan.loaded.quantized(target, (path, key))
     return None
 

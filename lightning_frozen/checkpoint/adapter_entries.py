@@ -23,7 +23,7 @@ from lightning_frozen.hf.reference import find_peft_model
 def peft_entries(
     module: nn.Module, prefix: str, peft_model: Any, trainable_names: Sequence[str], buffer_names: Sequence[str]
 ) -> dict[str, Any]:
-    """The checkpoint's PEFT export entries, as keyword arguments of ``layout.frozen_base_entry``: ``peft`` for one
+    """The checkpoint's PEFT export entries, as keyword arguments of ``layout.new_frozen_base_entry``: ``peft`` for one
     trained adapter (or a tuner whose adapter params are not in tuner layers, prompt learning), ``peft_adapters``
     (name -> entry) for several."""
     trained = trained_adapters(module)

@@ -21,13 +21,20 @@ import torch
 from torch import nn
 
 from lightning_frozen.base.fingerprint import fingerprint_base, replaced_by_trained_copies
-from lightning_frozen.checkpoint import file as checkpoint
 from lightning_frozen.checkpoint import trainable_state
-from lightning_frozen.checkpoint.file import PathLike, checked_path
+from lightning_frozen.checkpoint.file import (
+    PathLike,
+    checked_path,
+    deepspeed_shard_folder,
+    load_error,
+    to_plain,
+    unsafe_globals,
+    write_atomic,
+)
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_frozen.format import layout
 from lightning_frozen.zero import checkpoint_files
-from lightning_frozen.zero import params as zero
+from lightning_frozen.zero.params import scaler_state
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
             yield
         except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, OSError) as error:
             for path in files:
-                unexpected = checkpoint.unsafe_globals(Path(path))
+                unexpected = unsafe_globals(Path(path))
                 if unexpected:
                     raise CheckpointFormatError(
                         f"{path} holds Python objects a DeepSpeed checkpoint does not ({', '.join(unexpected[:5])});"
@@ -49,7 +56,7 @@ def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
                         " those classes with `torch.serialization.add_safe_globals([...])` first."
                     ) from None
             raise CheckpointFormatError(
-                f"{source} has a shard file that cannot be read (truncated or corrupt? {checkpoint.load_error(error)})."
+                f"{source} has a shard file that cannot be read (truncated or corrupt? {load_error(error)})."
             ) from None
 
 
@@ -61,7 +68,7 @@ def _checkpoint_folder(source: Path) -> Path:
             f"{source} is a file; a stock DeepSpeed checkpoint is a directory (with `latest` and a `checkpoint/`"
             " folder). A lightning-frozen file needs no conversion."
         )
-    folder = checkpoint.deepspeed_shard_folder(source)
+    folder = deepspeed_shard_folder(source)
     if folder is None:
         raise CheckpointFormatError(
             f"{source} does not look like a DeepSpeed checkpoint: no `*_model_states.pt` files in the folder its"
@@ -141,7 +148,7 @@ def convert_deepspeed_checkpoint(
         layout.param_group_entry(group, names) for group, names in zip(inner[0]["param_groups"], group_names)
     ]
     optimizer_entry = layout.optimizer_entry(
-        per_name, param_groups, zero.scaler_state(checkpoint_files.loss_scaler_of(optim_states[0]))
+        per_name, param_groups, scaler_state(checkpoint_files.loss_scaler_of(optim_states[0]))
     )
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
@@ -154,12 +161,12 @@ def convert_deepspeed_checkpoint(
         log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
         fingerprint = layout.fingerprint_entry("none", None, {})
     if module is None:
-        frozen_base = layout.frozen_base_entry(reference, fingerprint)
+        frozen_base = layout.new_frozen_base_entry(reference, fingerprint)
     else:
         frozen_base = trainable_state.frozen_base_entry(module, fingerprint, reference, list(per_name))
     lightning_entries = {key: value for key, value in client.items() if key not in checkpoint_files.ENGINE_STATE_KEYS}
     marker = layout.format_marker(**{layout.WORLD_SIZE: world_size, layout.CONVERTED_FROM: str(source)})
     converted = layout.assemble(lightning_entries, state_dict, [optimizer_entry], frozen_base, marker)
-    checkpoint.write_atomic(checkpoint.to_plain(converted), destination)
+    write_atomic(to_plain(converted), destination)
     log.warning("lightning-frozen: wrote %s (%d trainable tensors)", destination, len(per_name))
     return destination

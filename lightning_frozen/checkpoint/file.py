@@ -7,7 +7,6 @@ anything but tensors and containers (``weights_only=True``). Building the traina
 """
 
 import enum
-import inspect
 import io
 import os
 import pickle
@@ -21,8 +20,8 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
 
+from lightning_frozen import lightning_seam
 from lightning_frozen.checkpoint.atomic_files import write_file_atomic, write_url
 from lightning_frozen.errors import (
     CheckpointFormatError,
@@ -253,25 +252,18 @@ def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
     return folder if folder.is_dir() and any(folder.glob("*_model_states.pt")) else None
 
 
-# Lightning holds the resolved `ckpt_path` only as this private method's argument until it restores
-_TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
-
-
 def require_restore_path(trainer: pl.Trainer, checkpoint_io: CheckpointIO) -> None:
     """Refuse, before anything is built, a ``ckpt_path`` of the Trainer's running ``fit``/``validate``/``test``/
     ``predict`` where :func:`read_checkpoint` would find no file (see :func:`require_file`). A user's
     ``checkpoint_io`` plugin (see :func:`user_checkpoint_io`) may read from anywhere: its paths are left to it.
 
     Lightning has resolved ``"last"``, ``"best"`` and ``"hpc"`` by the time the strategy is set up, but holds the
-    result only as the ``ckpt_path`` argument of ``Trainer._run`` until it restores (``trainer.ckpt_path`` is still the
-    previous run's then), so it is read from that call on the stack; when none is found nothing is checked here.
+    result to the strategy only after its setup (see :func:`lightning_seam.resolved_ckpt_path`); when the path cannot
+    be read, nothing is checked here.
     """
     if user_checkpoint_io(checkpoint_io) is not None:
         return
-    frame = inspect.currentframe() if _TRAINER_RUN is not None else None
-    while frame is not None and not (frame.f_code is _TRAINER_RUN and frame.f_locals.get("self") is trainer):
-        frame = frame.f_back
-    path = frame.f_locals.get("ckpt_path") if frame is not None else None
+    path = lightning_seam.resolved_ckpt_path(trainer)
     if path:
         given_as = f" (the `ckpt_path` of `{trainer.state.fn.value}`)" if trainer.state.fn else ""
         require_file(checked_location(path, "ckpt_path", "Trainer"), given_as)
@@ -296,16 +288,3 @@ def unsafe_globals(path: Union[Path, IO[bytes]]) -> list[str]:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # not a readable torch.save archive at all
         return []
-
-
-# ---------------------------------------------------------------------------------------------- content
-
-
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's buffers that ``state_dict()`` would save, by name."""
-    buffers: dict[str, torch.Tensor] = {}
-    for prefix, submodule in module.named_modules():
-        for name, buffer in submodule.named_buffers(recurse=False):
-            if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                buffers[f"{prefix}.{name}" if prefix else name] = buffer
-    return buffers

@@ -12,10 +12,11 @@ from torch import nn
 from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import verify_checkpoint_base
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
-from lightning_frozen.checkpoint.file import PathLike, checked_location, persistent_buffers, read_checkpoint
+from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
 from lightning_frozen.format import layout
 from lightning_frozen.hf import transformers_loading
+from lightning_frozen.zero.params import persistent_buffers
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

@@ -1,6 +1,6 @@
 """The trainable state of a ZeRO-3 run by parameter name: what a checkpoint holds, and putting it back.
 
-Whole tensors keyed by name (gathered through ``zero.py``'s world-size independent accessors), so a checkpoint
+Whole tensors keyed by name (gathered through ``zero/params.py``'s world-size independent accessors), so a checkpoint
 written by any number of ranks resumes on any other. The ``frozen_base`` entry records what the trainable state was
 trained on. Every function that gathers or scatters is collective under ZeRO-3: every rank calls it in the same order.
 """
@@ -14,13 +14,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_frozen.checkpoint.adapter_entries import peft_entries
-from lightning_frozen.checkpoint.file import persistent_buffers
 from lightning_frozen.checkpoint.loading import check_keys
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.format import layout
 from lightning_frozen.format.codec import block_format
 from lightning_frozen.hf.reference import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.zero import params as zero
+from lightning_frozen.zero.params import persistent_buffers
 from lightning_frozen.zero.quantized import frozen_dtype_of
 
 
@@ -122,7 +122,7 @@ def frozen_base_entry(
     peft = find_peft_model(module)
     exports = {} if peft is None else peft_entries(module, *peft, trainable_names, list(persistent_buffers(module)))
     stored = sorted({frozen_dtype_of(p) for p in module.parameters() if not p.requires_grad} - {None})
-    return layout.frozen_base_entry(
+    return layout.new_frozen_base_entry(
         find_base_reference(module, explicit_reference),
         fingerprint,
         bases=find_base_references(module),

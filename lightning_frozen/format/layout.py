@@ -97,7 +97,7 @@ def assemble(
 ) -> dict[str, Any]:
     """The checkpoint dict, the one way a save and ``convert`` build it: Lightning's own entries (any of ours among
     them replaced), the trainable ``state_dict``, the :func:`optimizer_entry` list (None for a weights-only save),
-    the :func:`frozen_base_entry` and the :func:`format_marker`."""
+    the :func:`new_frozen_base_entry` and the :func:`format_marker`."""
     checkpoint = {key: value for key, value in lightning_entries.items() if key not in (FROZEN_BASE, FORMAT_KEY)}
     checkpoint[STATE_DICT] = dict(state_dict)
     if optimizer_states is not None:
@@ -136,7 +136,7 @@ def group_hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != GROUP_PARAMS}
 
 
-def frozen_base_entry(
+def new_frozen_base_entry(
     reference: Optional[str],
     fingerprint: dict[str, Any],
     bases: Optional[Mapping[str, str]] = None,
@@ -240,7 +240,7 @@ def hyper_parameters_of(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return dict(checkpoint.get(HYPER_PARAMETERS) or {})
 
 
-def optimizer_state_of(checkpoint: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+def saved_optimizer_state(checkpoint: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
     """The first ``optimizer_states`` entry, None in a weights-only file."""
     entries = checkpoint.get(OPTIMIZER_STATES) or []
     return entries[0] if entries else None
@@ -248,7 +248,7 @@ def optimizer_state_of(checkpoint: Mapping[str, Any]) -> Optional[Mapping[str, A
 
 def saved_param_groups(checkpoint: Mapping[str, Any]) -> Optional[list[dict[str, Any]]]:
     """The saved optimizer's param groups (hyper-parameters and param names), None when the file has none."""
-    entry = optimizer_state_of(checkpoint)
+    entry = saved_optimizer_state(checkpoint)
     return None if entry is None else entry.get(PARAM_GROUPS)
 
 

@@ -1,7 +1,7 @@
 """LR schedulers that follow their optimizer's param groups when groups are dropped or added.
 
 Stripping frozen params can drop whole groups, and a finetuning callback can add groups mid-run; every scheduler
-attribute that holds one value per group (``base_lrs``, ``lr_lambdas``, ``_last_lr``, ...) must follow, for torch's
+attribute that holds one value per group (``base_lrs``, ``lr_lambdas``, the last LRs, ...) must follow, for torch's
 and DeepSpeed's schedulers, those inside ``SequentialLR``/``ChainedScheduler``, and registered user classes.
 """
 
@@ -14,10 +14,12 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_frozen.errors import SchedulerGroupsError
-from lightning_frozen.zero.optimizers import scheduler_per_group_attributes
-
-# Scheduler attributes that hold sub-schedulers (SequentialLR, ChainedScheduler) rather than per-group values.
-_SUB_SCHEDULER_KEYS = ("_schedulers",)
+from lightning_frozen.zero.optimizers import (
+    LAST_LR,
+    SUB_SCHEDULER_KEYS,
+    TORCH_PER_GROUP_ATTRIBUTES,
+    scheduler_per_group_attributes,
+)
 
 
 def scheduler_chain(scheduler: Any) -> list[Any]:
@@ -25,42 +27,24 @@ def scheduler_chain(scheduler: Any) -> list[Any]:
     if scheduler is None:
         return []
     chain = [scheduler]
-    for key in _SUB_SCHEDULER_KEYS:
+    for key in SUB_SCHEDULER_KEYS:
         for inner in getattr(scheduler, key, None) or []:
             chain.extend(scheduler_chain(inner))
     return chain
 
 
-# Attributes (beyond those of the base classes) that hold one value per param group, for each scheduler class, as
-# torch 2.13's lr_scheduler.py and DeepSpeed 0.19's lr_schedules.py define them. Values a scheduler keeps inside the
-# group dicts (OneCycleLR's max_lr/min_lr, momentum bounds) move with their group by themselves. Other list
-# attributes are not per group, whatever their length (OneCycleLR._schedule_phases, SequentialLR._milestones).
-_PER_GROUP_ATTRIBUTES: dict[type, tuple[str, ...]] = {
-    torch.optim.lr_scheduler.LRScheduler: ("base_lrs", "_last_lr"),
-    torch.optim.lr_scheduler.LambdaLR: ("lr_lambdas",),
-    torch.optim.lr_scheduler.MultiplicativeLR: ("lr_lambdas",),
-    torch.optim.lr_scheduler.StepLR: (),
-    torch.optim.lr_scheduler.MultiStepLR: (),
-    torch.optim.lr_scheduler.ConstantLR: (),
-    torch.optim.lr_scheduler.LinearLR: (),
-    torch.optim.lr_scheduler.ExponentialLR: (),
-    torch.optim.lr_scheduler.PolynomialLR: (),
-    torch.optim.lr_scheduler.CosineAnnealingLR: (),
-    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts: (),
-    torch.optim.lr_scheduler.OneCycleLR: (),
-    torch.optim.lr_scheduler.CyclicLR: ("max_lrs", "base_momentums", "max_momentums"),
-    torch.optim.lr_scheduler.SequentialLR: (),
-    torch.optim.lr_scheduler.ChainedScheduler: (),
-    torch.optim.lr_scheduler.ReduceLROnPlateau: ("min_lrs",),
-}
 # Keys a scheduler reads from every group dict: a group added mid-run must bring them
 _GROUP_KEYS_READ: dict[type, tuple[str, ...]] = {
     torch.optim.lr_scheduler.OneCycleLR: ("initial_lr", "max_lr", "min_lr"),
 }
 
 
+# the user's scheduler classes, as :func:`register_per_group_attributes` declares them
+_REGISTERED: dict[type, tuple[str, ...]] = {}
+
+
 def _per_group_table() -> dict[type, tuple[str, ...]]:
-    return {**_PER_GROUP_ATTRIBUTES, **scheduler_per_group_attributes()}
+    return {**TORCH_PER_GROUP_ATTRIBUTES, **scheduler_per_group_attributes(), **_REGISTERED}
 
 
 def _known_per_group_attributes(scheduler: Any) -> tuple[str, ...]:
@@ -71,7 +55,7 @@ def _known_per_group_attributes(scheduler: Any) -> tuple[str, ...]:
 def register_per_group_attributes(scheduler_class: type, *names: str) -> None:
     """Declare which attributes of ``scheduler_class`` hold one value per param group (besides those of the torch or
     DeepSpeed scheduler it subclasses), so that they follow the groups kept when fully frozen groups are dropped."""
-    _PER_GROUP_ATTRIBUTES[scheduler_class] = tuple(names)
+    _REGISTERED[scheduler_class] = tuple(names)
 
 
 def per_group_attributes(scheduler: Any, num_groups: int) -> tuple[str, ...]:
@@ -155,7 +139,7 @@ def _check_added_groups_have_keys(scheduler: Any, added: list[dict]) -> None:
 
 
 def _value_for_new_group(scheduler: Any, key: str, values: Sequence[Any], group: dict) -> Any:
-    if key == "_last_lr":
+    if key == LAST_LR:
         return group["lr"]
     if key in ("base_lrs", "org_lrs"):
         return group["initial_lr"]

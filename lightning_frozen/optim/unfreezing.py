@@ -21,14 +21,21 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetuning
 from torch import nn
 
+from lightning_frozen import lightning_seam
 from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.format import layout
-from lightning_frozen.zero import params as zero
 from lightning_frozen.zero.optimizers import engine_counters, inner_optimizer, set_engine_counters
+from lightning_frozen.zero.params import (
+    ensure_optimizer_state,
+    full_param,
+    optimizer_state_of,
+    set_full_param,
+    set_optimizer_state,
+)
 
 
 def _callbacks(module: nn.Module) -> list[Any]:
-    trainer = getattr(module, "_trainer", None)  # `LightningModule.trainer` raises when none is attached
+    trainer = lightning_seam.attached_trainer(module)
     return list(trainer.callbacks) if trainer is not None else []
 
 
@@ -159,8 +166,8 @@ def carry_state(engine: Any, module: nn.Module, names: Sequence[str]) -> Carried
     """Copy out the named params' fp32 master weights and optimizer state, and ``engine``'s counters. Collective."""
     params = dict(module.named_parameters())
     return CarriedState(
-        weights={n: zero.full_param(params[n], engine.optimizer) for n in names},
-        states={n: zero.optimizer_state_of(engine.optimizer, params[n]) for n in names},
+        weights={n: full_param(params[n], engine.optimizer) for n in names},
+        states={n: optimizer_state_of(engine.optimizer, params[n]) for n in names},
         counters=engine_counters(engine),
     )
 
@@ -174,11 +181,11 @@ def restore_state(engine: Any, module: nn.Module, carried: CarriedState) -> int:
     set_engine_counters(engine, carried.counters)
     params = dict(module.named_parameters())
     for name, weight in carried.weights.items():
-        zero.set_full_param(params[name], weight, engine.optimizer)
+        set_full_param(params[name], weight, engine.optimizer)
     with_state = [n for n, state in carried.states.items() if state]
-    zero.ensure_optimizer_state(engine.optimizer, [params[n] for n in with_state])
+    ensure_optimizer_state(engine.optimizer, [params[n] for n in with_state])
     for name in with_state:
-        zero.set_optimizer_state(engine.optimizer, params[name], carried.states[name])
+        set_optimizer_state(engine.optimizer, params[name], carried.states[name])
     return len(with_state)
 
 

@@ -1,4 +1,5 @@
-"""The DeepSpeed seam: everything that reaches into DeepSpeed lives in this subpackage, written for DeepSpeed 0.19.
+"""The DeepSpeed seam: everything that reaches into DeepSpeed lives in this subpackage, written for DeepSpeed 0.19, and
+so do the few private names of torch the package relies on (listed with the functions below).
 
 Outside it no module imports ``deepspeed`` (other than for type hints), touches a ``ds_*`` attribute of a ZeRO-3 param
 or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks it.
@@ -23,7 +24,8 @@ is defined where it is listed):
   ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``, ``full_param``,
   ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent: ``optimizer_state_of``,
   ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``scaler_state``, ``restore_loss_scaler``;
-  and ``check_has_trainable``, ``compute_dtype``.
+  and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (from a module's
+  non-persistent buffer set), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
   ``import_with_logs_to_stderr``, ``linear_restorer``.
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
@@ -32,7 +34,8 @@ is defined where it is listed):
   ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
-  ``set_engine_counters``, ``scheduler_per_group_attributes``.
+  ``set_engine_counters``, ``scheduler_per_group_attributes``; torch's schedulers: ``TORCH_PER_GROUP_ATTRIBUTES``,
+  ``LAST_LR`` (their last LRs), ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
 - ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
   ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``SourceValues``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.

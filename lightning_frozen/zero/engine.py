@@ -50,7 +50,7 @@ class Placement:
     offload_frozen: bool = True
     offload_optimizer: bool = False  # the optimizer steps on the CPU (the DeepSpeed config says so too)
     pin_memory: bool = False
-    frozen_dtype: Optional[str] = None  # "int8"/"nf4": frozen shards stored quantized (see `quant.py`)
+    frozen_dtype: Optional[str] = None  # "int8"/"nf4": frozen shards stored quantized (see `quantized.py`)
     fingerprint_mode: str = "checksum"  # how the base is fingerprinted: its source values are kept as they are encoded
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     fit_reduce_bucket: bool = False  # (when the user set no size)

@@ -1,6 +1,7 @@
 """DeepSpeed's optimizer side, as the rest of the package meets it: its CPU Adam (what ZeRO-Offload steps with), the
 torch optimizer inside a ZeRO optimizer, the step counters an engine keeps, and the per-group attributes of
-DeepSpeed's LR schedulers. The ZeRO-3 optimizer's partitions and state are ``params.py``'s.
+torch's and DeepSpeed's LR schedulers (private names included). The ZeRO-3 optimizer's partitions and state are
+``params.py``'s.
 """
 
 from __future__ import annotations
@@ -9,10 +10,38 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 # what a DeepSpeed engine counts (steps, samples, micro-steps, fp16 overflows skipped), carried to a rebuilt engine
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+# A scheduler's last LRs, one per param group (torch's and DeepSpeed's schedulers alike)
+LAST_LR = "_last_lr"
+# Scheduler attributes that hold sub-schedulers (SequentialLR, ChainedScheduler) rather than per-group values.
+SUB_SCHEDULER_KEYS = ("_schedulers",)
+
+# Attributes (beyond those of the base classes) that hold one value per param group, for each scheduler class, as
+# torch 2.13's lr_scheduler.py and DeepSpeed 0.19's lr_schedules.py define them. Values a scheduler keeps inside the
+# group dicts (OneCycleLR's max_lr/min_lr, momentum bounds) move with their group by themselves. Other list
+# attributes are not per group, whatever their length (OneCycleLR._schedule_phases, SequentialLR._milestones).
+TORCH_PER_GROUP_ATTRIBUTES: dict[type, tuple[str, ...]] = {
+    torch.optim.lr_scheduler.LRScheduler: ("base_lrs", LAST_LR),
+    torch.optim.lr_scheduler.LambdaLR: ("lr_lambdas",),
+    torch.optim.lr_scheduler.MultiplicativeLR: ("lr_lambdas",),
+    torch.optim.lr_scheduler.StepLR: (),
+    torch.optim.lr_scheduler.MultiStepLR: (),
+    torch.optim.lr_scheduler.ConstantLR: (),
+    torch.optim.lr_scheduler.LinearLR: (),
+    torch.optim.lr_scheduler.ExponentialLR: (),
+    torch.optim.lr_scheduler.PolynomialLR: (),
+    torch.optim.lr_scheduler.CosineAnnealingLR: (),
+    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts: (),
+    torch.optim.lr_scheduler.OneCycleLR: (),
+    torch.optim.lr_scheduler.CyclicLR: ("max_lrs", "base_momentums", "max_momentums"),
+    torch.optim.lr_scheduler.SequentialLR: (),
+    torch.optim.lr_scheduler.ChainedScheduler: (),
+    torch.optim.lr_scheduler.ReduceLROnPlateau: ("min_lrs",),
+}
 
 
 def is_cpu_adam(optimizer: Any) -> bool:

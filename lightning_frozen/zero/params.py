@@ -273,3 +273,19 @@ def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None
     for key, value in state.items():
         if key in _LOSS_SCALER_STATE and hasattr(scaler, key):
             setattr(scaler, key, value)
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers that ``state_dict()`` would save, by name."""
+    buffers: dict[str, torch.Tensor] = {}
+    for prefix, submodule in module.named_modules():
+        for name, buffer in submodule.named_buffers(recurse=False):
+            if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                buffers[f"{prefix}.{name}" if prefix else name] = buffer
+    return buffers
+
+
+def storage_identity(tensor: torch.Tensor) -> tuple[int, int]:
+    """Which storage ``tensor`` is and how often it was written in place (its ``_version``): a checksum taken of its
+    values holds while both are unchanged."""
+    return tensor.data_ptr(), tensor._version

@@ -1,5 +1,5 @@
 """Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"``, ``"nf4"``, or a ``"bf16"``/``"fp16"``
-cast under fp32 compute; the codecs are in ``base/codec.py``).
+cast under fp32 compute; the codecs are in ``format/codec.py``).
 
 Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
 ``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
