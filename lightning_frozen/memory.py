@@ -1,7 +1,8 @@
 """Memory accounting for frozen training: the per-rank estimate and the summary logged at the start of ``fit``.
 
-The model states follow the physical limit of ``shared/DESIGN.md``: frozen weights cost their storage dtype / N
-per rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a gradient.
+The model states follow the physical limit that docs/benchmarks.md measures against: frozen weights cost their
+storage dtype / N per rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a
+gradient.
 On top of them ZeRO-3 needs two working buffers on the accelerator: the params of the running module, gathered
 whole, and a gradient bucket of ``reduce_bucket_size`` elements that it allocates up front. Activations depend
 on the batch and are not counted.
@@ -68,7 +69,7 @@ class MemoryEstimate:
 
     @property
     def limit_bytes(self) -> int:
-        """The model states alone, wherever they live: the physical limit per rank of DESIGN.md."""
+        """The model states alone, wherever they live: the physical limit per rank."""
         return self.frozen_shards + self.trainable_weights + self.gradients + self.optimizer_state
 
     @property

@@ -1,6 +1,6 @@
 """``FrozenAwareDeepSpeedStrategy``: Lightning's DeepSpeed strategy, made to train a mostly frozen model well.
 
-The class only wires the package's modules into Lightning's hooks; README.md's module map says which does what.
+The class only wires the package's modules into Lightning's hooks; docs/internals.md's module map says which does what.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 transformers and PEFT are imported only in ``lightning_frozen/hf/``, and their internals are read only there; every
 private name the package takes from another package (DeepSpeed, Lightning, transformers, PEFT, torch) is listed in
-README.md's "Pinned:" paragraph. Each checker is a function over source text, shown to fail on a small example.
+docs/internals.md's section "Private names of other packages". Each checker is a function over source text, shown to
+fail on a small example.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from lightning_frozen.zero import accelerator
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 PACKAGE = Path(lightning_frozen.__file__).parent
-README = PACKAGE.parent / "README.md"
+INTERNALS = PACKAGE.parent / "docs" / "internals.md"
+PINNED_HEADING = "## Private names of other packages"
 HF_PACKAGES = ("transformers", "peft")
 # transformers' and PEFT's internals the package relies on: private names, and LoRA layer parts that are no API
 HF_INTERNALS = {
@@ -178,9 +180,11 @@ def overridden_private_methods(module_name: str, source: str) -> dict[str, list[
     return found
 
 
-def pinned_paragraph(readme: str) -> str:
-    """README.md's paragraph that starts its list of the private names used ("Pinned: ...")."""
-    return next(part for part in readme.split("\n\n") if "Pinned:" in part)
+def pinned_section(page: str) -> str:
+    """The text under :data:`PINNED_HEADING` in ``page`` (docs/internals.md), up to the next heading of its level."""
+    _, found, after = page.partition(f"\n{PINNED_HEADING}\n")
+    assert found, f"{INTERNALS} has no heading {PINNED_HEADING!r}: the private names of other packages are listed there"
+    return after.split("\n## ")[0]
 
 
 def missing_from(paragraph: str, names: Iterable[str]) -> list[str]:
@@ -249,6 +253,13 @@ def test_the_private_name_collector_tells_foreign_names_from_the_packages_own() 
     assert missing_from(paragraph, ["_PATH", "_run", "_theirs", "_also", "_PAT"]) == ["_PAT", "_also"]
 
 
+def test_the_pinned_section_ends_at_the_next_heading_and_its_absence_fails() -> None:
+    page = f"# Internals\n`_before`\n{PINNED_HEADING}\n\n- torch: `_version`\n\n- more: `_buffers`\n## Next\n`_after`\n"
+    assert missing_from(pinned_section(page), ["_before", "_version", "_buffers", "_after"]) == ["_after", "_before"]
+    with pytest.raises(AssertionError, match="has no heading"):
+        pinned_section("# Internals\n\n## Private names\n`_version`\n")
+
+
 def test_the_override_check_finds_lightning_hooks_the_strategy_overrides() -> None:
     source = (PACKAGE / "strategy.py").read_text()
     overridden = overridden_private_methods("strategy", source)
@@ -256,11 +267,11 @@ def test_the_override_check_finds_lightning_hooks_the_strategy_overrides() -> No
     assert "_placement" not in overridden  # the strategy's own property
 
 
-def test_every_private_name_of_another_package_is_listed_in_the_readme() -> None:
+def test_every_private_name_of_another_package_is_listed_in_docs_internals() -> None:
     used = package_private_names()
     assert {"_partition_param", "_cast_input_dtype", "_slurm_sigusr_handler_fn", "_version"} <= set(used)
-    paragraph = pinned_paragraph(README.read_text())
-    assert {name: used[name] for name in missing_from(paragraph, used)} == {}
+    section = pinned_section(INTERNALS.read_text())
+    assert {name: used[name] for name in missing_from(section, used)} == {}  # add each to docs/internals.md
 
 
 def test_dependency_deprecations_are_ignored_by_their_messages_only() -> None:
