@@ -4,8 +4,8 @@ The run gets its own process group (Lightning's launcher starts the other ranks 
 ``GUARD_SAMPLE_S``: on a timeout, when the group holds more anonymous + shared memory than the limit, when the
 machine's available memory falls below a floor, or when a rank reported an error and the group is still there a
 minute later, the whole group is killed and the outcome says which and why. So one configuration cannot take the
-machine down, and a hung rank does not hold the next one up. Standard library only: a driver that imports it holds
-no torch.
+machine down, and a hung rank does not hold the next one up. No torch here: a driver that imports it stays a light
+process.
 """
 
 from __future__ import annotations
