@@ -1,5 +1,5 @@
 """Models built on the ``meta`` device, so nothing is allocated: LLaMA-13B's shape with LoRA, for memory estimates
-(the test of ``estimate_memory`` and ``benchmarks/estimate_13b.py`` use the same model and the same verdict)."""
+(the test of ``estimate_memory`` and ``benchmarks/estimate_13b/run.py`` use the same model and the same verdict)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from lightning_frozen.zero.params import full_numel
 # each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
 # module): prefetch up to one such module ahead, hold no more than that gathered besides what runs, and gather a
 # module again rather than keep it for a later use (measured: 245M Llama, 2 ranks, whole fit 2.7x the frozen bytes
-# with 1/1/3, 1.98x with 1/0/1; benchmarks/load_memory.py)
+# with 1/1/3, 1.98x with 1/0/1; benchmarks/load_memory/run.py)
 GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20

@@ -1,6 +1,6 @@
 """Soak: CPU ranks train for a few hundred steps with a checkpoint every few steps; is resident memory flat?
 
-    python benchmarks/soak.py                                           # 2 ranks, 1000 steps, a save every 10: ~2 min
+    python benchmarks/soak/run.py                                       # 2 ranks, 1000 steps, a save every 10: ~2 min
     python tests/scripts/soak.py --steps 120 --every 1 --out x.json     # what tests/test_reliability.py runs
 
 Lightning's launcher re-runs the command for rank 1. Each rank reads its resident set size (``/proc/self/statm``)

@@ -4,19 +4,17 @@ A frozen backbone of ``--layers`` x ``--width``^2 params and a trainable head tr
 ``lightning_frozen.BaseFinetuning`` unfreezes the last ``--unfreeze`` layers. The rebuild (gather the trainable
 state, destroy the engine, initialise it again, restore the state) is timed inside
 ``FrozenAwareDeepSpeedStrategy.reconfigure_trainable`` and set against the time of one training step; peak
-resident memory (``ru_maxrss``) is read before and after it, and set against the bytes that start training.
+resident memory (``VmHWM``) is read before and after it, and set against the bytes that start training.
 
-    python benchmarks/unfreeze_switch.py            # 1 process, about a minute on 2 CPU cores
-    python benchmarks/unfreeze_switch.py --devices 2
+    python benchmarks/unfreeze_switch/run.py            # 1 process, about a minute on 2 CPU cores
+    python benchmarks/unfreeze_switch/run.py --devices 2 --out OUT   # results/unfreeze_switch_2proc.json here
 
-Each rank writes ``benchmarks/results/unfreeze_switch.json``-style figures; rank 0 prints a Markdown table.
+Rank 0 writes the figures to ``--out`` (default ``results/unfreeze_switch.json`` here) and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -27,9 +25,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning_frozen  # noqa: E402
+from benchmarks.harness.probes import proc_status_bytes  # noqa: E402
+from benchmarks.harness.records import write_json  # noqa: E402
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
 
 
@@ -70,10 +70,12 @@ class Timed(FrozenAwareDeepSpeedStrategy):
     switches: list[dict[str, float]] = []
 
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list) -> None:
-        rss_before = _max_rss()
+        rss_before = proc_status_bytes("VmHWM")
         start = time.perf_counter()
         super().reconfigure_trainable(param_groups, origins)
-        self.switches.append({"seconds": time.perf_counter() - start, "peak_rss_growth": _max_rss() - rss_before})
+        self.switches.append(
+            {"seconds": time.perf_counter() - start, "peak_rss_growth": proc_status_bytes("VmHWM") - rss_before}
+        )
 
 
 class StepTimer(L.Callback):
@@ -88,10 +90,6 @@ class StepTimer(L.Callback):
         self.durations.append(time.perf_counter() - self._start)
 
 
-def _max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=1)
@@ -99,7 +97,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--unfreeze", type=int, default=4)
     parser.add_argument("--steps-per-epoch", type=int, default=6)
-    parser.add_argument("--out", default="benchmarks/results/unfreeze_switch.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "unfreeze_switch.json")
     args = parser.parse_args()
 
     module = Backbone(args.width, args.layers)
@@ -138,9 +136,8 @@ def main() -> None:
         "new_trainable_state_bytes_per_rank": unfrozen * 16 // args.devices,
     }
     if trainer.is_global_zero:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(figures, indent=2))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.out, figures)
         print("| figure | value |\n|---|---|")
         for key, value in figures.items():
             print(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")

@@ -19,27 +19,25 @@ runs it (no allocator setting in the environment: what the package does itself i
 peaks follow live memory). ``--package DIR`` runs the workers on another checkout of the package (an earlier
 commit, for before/after figures, written side by side under ``--label``).
 
-    python benchmarks/load_memory.py          # ~15 min on 2 shared cores; writes results/load_memory.{md,json}
-    python benchmarks/load_memory.py --only frozen:configure_model --package /tmp/before --label before
+    python benchmarks/load_memory/run.py     # ~15 min on 2 shared cores; writes results/load_memory.{md,json}
+    python benchmarks/load_memory/run.py --only frozen:configure_model --package /tmp/before --label before
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.probes import PeakSampler, load_average, machine  # noqa: E402
+from benchmarks.harness.records import RankReport, now_utc, read_json, read_rank_reports, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SAMPLE_SECONDS = 0.05
@@ -53,45 +51,8 @@ MODELS = {
 # (strategy, where the model is built); stock's configure_model path is expected to fail, and is shown failing
 CONFIGS = (("frozen", "configure_model"), ("frozen", "init"), ("stock", "init"), ("stock", "configure_model"))
 SEQUENCE, BATCH, TOKENS = 32, 2, 1000
-# the environment each allocator setting adds; "user" removes the variable if the caller's environment has it
-ALLOCATORS = {"user": {}, "env": {"MALLOC_MMAP_THRESHOLD_": str(1024 * 1024)}}
-
-
-class PeakSampler(threading.Thread):
-    """Samples this process's USS and anonymous resident memory every ``SAMPLE_SECONDS``; keeps the peaks."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.process = psutil.Process()
-        self.peak_uss = self.peak_anon = 0
-        self.load_peaks: dict[str, int] = {}
-        self.stopped = threading.Event()
-
-    def sample(self) -> None:
-        self.peak_uss = max(self.peak_uss, self.process.memory_full_info().uss)
-        self.peak_anon = max(self.peak_anon, _status_bytes("RssAnon"))
-
-    def run(self) -> None:
-        while not self.stopped.wait(SAMPLE_SECONDS):
-            self.sample()
-
-    def end_of_load(self) -> None:
-        """Keep the peaks so far: the model built and loaded, the engine set up, before the first step."""
-        self.sample()
-        self.load_peaks = {"load_peak_uss": self.peak_uss, "load_peak_anon": self.peak_anon}
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join()
-        self.sample()
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+# whether each allocator setting sets glibc's mmap threshold to 1 MiB; "user" removes the caller's, if any
+ALLOCATORS = {"user": False, "env": True}
 
 
 def llama_config(sizes: dict[str, int]) -> dict[str, Any]:
@@ -122,9 +83,11 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
     load_seconds: list[float] = []
     step_seconds: list[float] = []
 
+    load_peaks: dict[str, int] = {}
+
     class EndOfLoad(L.Callback):
         def on_train_start(self, *args: Any) -> None:
-            sampler.end_of_load()
+            load_peaks.update(sampler.peaks())  # the model built and loaded, the engine set up, before a step
 
         def on_train_batch_start(self, *args: Any) -> None:
             self.started = time.perf_counter()
@@ -198,18 +161,17 @@ def worker(args: argparse.Namespace, sampler: PeakSampler) -> None:
     frozen = sum(
         p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters() if not p.requires_grad
     )
-    report = {
-        "rank": trainer.global_rank,
-        "peak_uss": sampler.peak_uss,
-        "peak_anon": sampler.peak_anon,
-        **sampler.load_peaks,
-        "load_s": round(load_seconds[0], 2) if load_seconds else None,
-        "step_s": round(statistics.median(step_seconds[1:]), 3) if len(step_seconds) > 1 else None,
-        "frozen_params": frozen,
-        "steps": trainer.global_step,
-        "error": error,
-    }
-    (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    peaks = sampler.peaks()
+    RankReport(Path(args.out)).update(
+        peak_uss=peaks["uss"],
+        peak_anon=peaks["anon"],
+        **({"load_peak_uss": load_peaks["uss"], "load_peak_anon": load_peaks["anon"]} if load_peaks else {}),
+        load_s=round(load_seconds[0], 2) if load_seconds else None,
+        step_s=round(statistics.median(step_seconds[1:]), 3) if len(step_seconds) > 1 else None,
+        frozen_params=frozen,
+        steps=trainer.global_step,
+        error=error,
+    )
 
 
 # --------------------------------------------------------------------------------------------------- the driver
@@ -220,22 +182,13 @@ def run_one(model: str, config: tuple[str, str, str], base: Path, scratch: Path,
     out = scratch / f"{args.label}-{model}-{strategy}-{where}-{allocator}"
     out.mkdir(parents=True)
     command = [sys.executable, __file__, "--worker", strategy, where, str(base), str(out), "--steps", str(args.steps)]
-    env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
-    env.update(ALLOCATORS[allocator], OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = launch.child_env(threads=1, mmap_1mib=ALLOCATORS[allocator], package=args.package)
     if args.package:
         command += ["--package", str(args.package)]
-        env["PYTHONPATH"] = str(args.package)
-    timeout_s = args.timeout
-    started, load_before = time.perf_counter(), _load_average()
-    with open(scratch / f"{out.name}.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        try:
-            returncode: Any = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            returncode = "timeout"
-    ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    started, load_before = time.perf_counter(), load_average()
+    outcome = launch.guarded_run(command, env, scratch / f"{out.name}.log", args.timeout / 60, reports_dir=out)
+    returncode = launch.exit_status(outcome)
+    ranks = read_rank_reports(out)
     record = dict(model=model, strategy=strategy, where=where, allocator=allocator, label=args.label)
     record.update(returncode=returncode, ranks=ranks)
     record.update(wall_s=round(time.perf_counter() - started, 1), load_before=load_before)
@@ -243,10 +196,6 @@ def run_one(model: str, config: tuple[str, str, str], base: Path, scratch: Path,
         record["log_tail"] = (scratch / f"{out.name}.log").read_text()[-2000:]
     print(f"{out.name}: exit {returncode} in {record['wall_s']} s", flush=True)
     return record
-
-
-def _load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def node_peak(record: dict, key: str) -> Optional[int]:
@@ -295,13 +244,13 @@ def summarize(runs: list[dict], params: dict[str, int]) -> list[dict]:
 
 
 def write_results(results: dict, out: Path) -> None:
-    (out / "load_memory.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "load_memory.json", results)
     meta = results["meta"]
     mib = 2**20
     lines = [
         "# Host memory of loading a pretrained model: `configure_model` vs `__init__`",
         "",
-        f"`python benchmarks/load_memory.py` on {meta['machine']}, {meta['date']}. Llama architecture, random"
+        f"`python benchmarks/load_memory/run.py` on {meta['machine']}, {meta['date']}. Llama architecture, random"
         f" weights, bf16, written with `save_pretrained`: {meta['params']['large']:,} params"
         f" ({meta['frozen_bytes'] / mib:,.0f} MiB frozen in bf16), floor model {meta['params']['floor']:,} params."
         f" 2 CPU ranks (gloo), LoRA r=8 on `q_proj`/`v_proj`, {meta['steps']} training steps, `bf16-mixed`.",
@@ -372,7 +321,7 @@ def scaling_notes(results: dict) -> list[str]:
     if ratio is None or init_ratio is None:
         return []
     gib = 2**30
-    base_13b = 13_015_864_320 * 2  # benchmarks/estimate_13b.py's Llama-2-13B shape, bf16
+    base_13b = 13_015_864_320 * 2  # benchmarks/estimate_13b/run.py's Llama-2-13B shape, bf16
     in_flight_13b = (5120 * 32000 * 9 // 8) * 2 + 13_107_200 * 4  # embedding whole + its 1/8 slice + fp32 LoRA
     return [
         "## How it scales",
@@ -424,15 +373,15 @@ def main() -> None:
     parser.add_argument("--package", type=Path, help="the checkout of the package the workers import")
     parser.add_argument("--label", default="this", help="the name of --package's code in the table")
     args = parser.parse_args()
-    sys.path.insert(0, str(args.package or HERE.parent))
+    sys.path.insert(0, str(args.package or HERE.parents[1]))
     if args.worker:
-        sampler = PeakSampler()
+        sampler = PeakSampler(SAMPLE_SECONDS)
         sampler.start()
         args.strategy, args.where, args.base, args.out = args.worker
         worker(args, sampler)
         return
     if args.report:
-        results = json.loads((args.out / "load_memory.json").read_text())
+        results = read_json(args.out / "load_memory.json")
         results["meta"]["estimate"] = estimate_load(MODELS["large"], devices=2)
         results["rows"] = summarize(results["runs"], results["meta"]["params"])
         write_results(results, args.out)
@@ -441,7 +390,7 @@ def main() -> None:
 
     pairs = [tuple(config.split(":")) for config in args.only] if args.only else list(CONFIGS)
     configs = [(strategy, where, allocator) for strategy, where in pairs for allocator in args.allocators]
-    started, load_before = time.perf_counter(), _load_average()
+    started, load_before = time.perf_counter(), load_average()
     with tempfile.TemporaryDirectory(prefix="load_memory_") as scratch:
         scratch_path = Path(scratch)
         params = {name: write_base(scratch_path / name, sizes) for name, sizes in MODELS.items()}
@@ -452,18 +401,18 @@ def main() -> None:
             if not (config[:2] == ("stock", "configure_model") and model == "floor")
         ]
     meta = dict(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=f"{os.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",
+        date=now_utc(),
+        machine=machine(),
         params=params,
         frozen_bytes=params["large"] * 2,
         steps=args.steps,
         load_before=load_before,
-        load_after=_load_average(),
+        load_after=load_average(),
         wall_s=round(time.perf_counter() - started, 1),
         estimate=estimate_load(MODELS["large"], devices=2),
     )
     if args.only:
-        previous = json.loads((args.out / "load_memory.json").read_text())
+        previous = read_json(args.out / "load_memory.json")
         for run in previous["runs"]:  # a run recorded without a label ran on the code of its own date
             run.setdefault("label", f"as of {previous['meta']['date']}")
         keys = {(args.label, *config) for config in configs}

@@ -1,46 +1,37 @@
 """Run the benchmark: every model x configuration x process count, each in a fresh process; write ``results/``.
 
-    python benchmarks/run.py            # 2 models x 6 configurations x 1 and 2 processes
-    python benchmarks/run.py --quick    # 1 process only
+    python benchmarks/strategies/run.py            # 2 models x 6 configurations x 1 and 2 processes
+    python benchmarks/strategies/run.py --quick    # 1 process only
 
-Each configuration runs ``worker.py`` in its own subprocess (2 processes: Lightning's launcher starts rank 1),
-one at a time; checkpoints go to a scratch folder that is deleted afterwards. Writes ``results.json`` (raw
-figures), ``results.md`` and ``results.png`` (through ``report.py``), and each run's log under ``results/logs/``.
+Each configuration runs ``worker.py`` in its own process group under the harness's guard (2 processes: Lightning's
+launcher starts rank 1), one at a time; checkpoints go to a scratch folder that is deleted afterwards. Writes
+``results.json`` (raw figures), ``results.md`` and ``results.png`` (through ``report.py``), and each run's log under
+``results/logs/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import report  # noqa: E402
-from benchmarks.configs import CONFIGS, CPU_DEVICES, CPU_MODELS  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import launch, records  # noqa: E402
+from benchmarks.harness.probes import load_average  # noqa: E402
+from benchmarks.strategies import report  # noqa: E402
+from benchmarks.strategies.configs import CONFIGS, CPU_DEVICES, CPU_MODELS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def worker_env(threads: Optional[int]) -> dict[str, str]:
     """The environment of every worker: torch threads per process (None: torch's default), and glibc's malloc
     mapping every buffer above 1 MiB, so that RSS follows live memory (``worker.keep_buffers_in_heap``)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024)}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    return launch.child_env(threads=threads, mmap_1mib=True)
 
 
 def run_one(
@@ -60,16 +51,9 @@ def run_one(
     command = [sys.executable, str(HERE / "worker.py"), model, config, str(devices), str(out_dir), *worker_args]
     started = time.perf_counter()
     load_before = load_average()
-    with open(logs / f"{name}.log", "w") as log:
-        # a session of its own, so a hung rank is stopped with its launcher on timeout
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            returncode = "timeout"
-    ranks = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
+    outcome = launch.guarded_run(command, env, logs / f"{name}.log", timeout_s / 60, reports_dir=out_dir)
+    returncode = launch.exit_status(outcome)
+    ranks = records.read_rank_reports(out_dir)
     shutil.rmtree(out_dir)
     record = {
         "model": model,
@@ -100,9 +84,9 @@ def main() -> None:
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": " ".join(["python", "benchmarks/run.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "benchmarks/strategies/run.py", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "host": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "host": records.host(),
         "setting": "CPU (DeepSpeed's CPU accelerator, gloo), fp32",
         "load_before": load_average(),
         "threads_per_process": args.threads,
@@ -119,17 +103,11 @@ def main() -> None:
         ]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    meta.update(load_after=load_average(), wall_s=round(time.perf_counter() - started, 1), versions=versions())
+    meta.update(load_after=load_average(), wall_s=round(time.perf_counter() - started, 1), versions=records.versions())
     results = {"meta": meta, "runs": runs}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    records.write_json(args.out / "results.json", results)
     report.write(results, args.out)
     print(f"wrote {args.out}/results.md, results.png, results.json in {meta['wall_s']} s")
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("torch", "lightning", "deepspeed", "peft", "transformers")}
 
 
 if __name__ == "__main__":

@@ -1,29 +1,31 @@
 """The peer a CPU user would run, side by side with ``frozen_deepspeed``: LoRA on a TinyLlama-1.1B-shaped folder.
 
-    python benchmarks/peer_qlora.py [--steps 4] [--warmup 1] [--data-dir /work/bench-data] [--out benchmarks/results]
+    python benchmarks/peer_qlora/run.py [--steps 4] [--warmup 1] [--data-dir /work/bench-data] [--out DIR]
 
-One run, one configuration at a time, each in fresh processes, on the same folder (written once with
-``big_model_checkpoint.py``: Llama, hidden 2048, 22 layers, grouped-query attention, bf16 safetensors), the same
-random tokens (64 per sequence, one sequence per rank and step), LoRA r=8 on ``q_proj``/``v_proj``, AdamW, fp32
+One run, one configuration at a time, each in fresh processes, on the same folder (written once by
+``benchmarks/big_model/run.py write``: Llama, hidden 2048, 22 layers, grouped-query attention, bf16 safetensors), the
+same random tokens (64 per sequence, one sequence per rank and step), LoRA r=8 on ``q_proj``/``v_proj``, AdamW, fp32
 compute, on all the machine's cores:
 
 - ``peer dense``: transformers + PEFT, the base loaded in fp32, a plain training loop;
 - ``peer QLoRA``: transformers + bitsandbytes NF4 (``BitsAndBytesConfig(load_in_4bit=True, nf4)``) + PEFT, plain loop;
-- ``ours NF4 1r`` / ``2r``: ``frozen_deepspeed`` with ``frozen_dtype="nf4"``, 1 and 2 ranks (``big_model.py``'s
+- ``ours NF4 1r`` / ``2r``: ``frozen_deepspeed`` with ``frozen_dtype="nf4"``, 1 and 2 ranks (``big_model/run.py``'s
   worker: ``from_pretrained`` in ``configure_model``; 2 ranks each take one core and one sequence);
 - ``ours bf16 1r``: ``frozen_dtype="bf16"`` (a cast) under fp32 compute.
 
 Step: median wall time of the timed steps (forward, backward, optimizer step); per token: step / tokens per step
 over all ranks. Memory: peak USS over the run, summed over the node's processes (USS adds up across processes),
-sampled every 0.1 s, as a user's processes hold it (no allocator variables). Writes ``<out>/peer_qlora.json`` and
-``<out>/peer_qlora.md``; the ``big_model.py`` records of our runs go to ``<out>/peer_qlora_ours.json``.
+sampled every 0.05 s for the peers and 0.1 s for ours (big_model's default), as a user's processes hold it (no
+allocator variables). Writes ``<out>/peer_qlora.json`` and ``<out>/peer_qlora.md``; the ``big_model/run.py`` records
+of our runs go to ``<out>/peer_qlora_ours.json``.
+
+The big-model study is run through its command line (``run`` and ``write``), not imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +35,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.probes import PeakSampler, load_average, machine  # noqa: E402
+from benchmarks.harness.records import now_utc, read_json, write_json  # noqa: E402
+
+BIG_MODEL = HERE.parent / "big_model" / "run.py"
 
 SIZE = "1.1b"
 SEQUENCE = 64
@@ -49,8 +56,6 @@ def peer_worker(spec: dict[str, Any]) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from benchmarks.load_memory import PeakSampler
 
     torch.manual_seed(0)
     sampler = PeakSampler()
@@ -85,7 +90,7 @@ def peer_worker(spec: dict[str, Any]) -> None:
             {
                 "load_s": load_s,
                 "steps_s": steps,
-                "peak_uss": sampler.peak_uss,
+                "peak_uss": sampler.peaks()["uss"],
                 "loss": float(loss.detach()),
                 "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             }
@@ -97,12 +102,13 @@ def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> di
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "peer.json"
         spec = dict(folder=str(folder), nf4=nf4, warmup=args.warmup, steps=args.steps, out=str(out))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE.parent)}
         print(f"\n=== {name}", flush=True)
-        result = subprocess.run([sys.executable, __file__, "--peer", json.dumps(spec)], env=env, timeout=args.timeout)
-        if result.returncode or not out.exists():
-            return {"name": name, "status": f"exit {result.returncode}"}
-        figures = json.loads(out.read_text())
+        command = [sys.executable, __file__, "--peer", json.dumps(spec)]
+        outcome = launch.guarded_run(command, launch.child_env(), Path(scratch) / "peer.log", args.timeout / 60)
+        if launch.exit_status(outcome) != 0 or not out.exists():
+            print((Path(scratch) / "peer.log").read_text()[-3000:], flush=True)
+            return {"name": name, "status": outcome.get("reason") or f"exit {outcome['returncode']}"}
+        figures = read_json(out)
     timed = figures["steps_s"][args.warmup :]
     return {
         "name": name,
@@ -120,7 +126,7 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
     records = args.out / "peer_qlora_ours.json"
     command = [
         sys.executable,
-        str(HERE / "big_model.py"),
+        str(BIG_MODEL),
         "run",
         "--size",
         SIZE,
@@ -143,10 +149,11 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
         str(args.out / "peer_qlora_ours"),
     ]
     print(f"\n=== {name}", flush=True)
-    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(HERE.parent)}, timeout=args.timeout * devices)
-    found = json.loads((args.out / "peer_qlora_ours" / "big_model.json").read_text())["records"][-1]
-    merged = json.loads(records.read_text()) if records.exists() else []
-    records.write_text(json.dumps([*merged, found], indent=1))
+    # big_model's driver guards its own processes (timeout, memory) and records why it stopped one
+    subprocess.run([*command, "--timeout-min", str(args.timeout * devices / 60)], env=launch.child_env())
+    found = read_json(args.out / "peer_qlora_ours" / "big_model.json")["records"][-1]
+    merged = read_json(records) if records.exists() else []
+    write_json(records, [*merged, found])
     summary = found["summary"]
     if summary["status"] != "ok":
         return {"name": name, "status": summary["status"], "reason": summary.get("reason")}
@@ -167,7 +174,7 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         "# LoRA on a TinyLlama-1.1B-shaped base: the CPU peer and `frozen_deepspeed`, side by side",
         "",
-        f"Written by `benchmarks/peer_qlora.py` on {result['date']} ({result['machine']}; load average"
+        f"Written by `benchmarks/peer_qlora/run.py` on {result['date']} ({result['machine']}; load average"
         f" {result['load_before']} before, {result['load_after']} after). {SEQUENCE} tokens per sequence, one per"
         " rank and step, fp32 compute, LoRA r=8 on q/v, AdamW. Ratios are to the QLoRA peer (transformers +"
         " bitsandbytes NF4 + PEFT).",
@@ -204,12 +211,14 @@ def main() -> None:
     if args.peer:
         peer_worker(json.loads(args.peer))
         return
-    from benchmarks.big_model_checkpoint import llama_config, write_checkpoint
-
-    folder = args.data_dir / f"llama-{SIZE}"
-    write_checkpoint(folder, llama_config(SIZE))
+    folder = args.data_dir / f"llama-{SIZE}"  # the folder big_model's ``write`` makes (or reuses) for this size
+    subprocess.run(
+        [sys.executable, str(BIG_MODEL), "write", "--size", SIZE, "--data-dir", str(args.data_dir)],
+        check=True,
+        env=launch.child_env(),
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = load_average()[0]
     rows = []
     for name, nf4 in PEERS:
         if not args.only or name in args.only:
@@ -218,13 +227,13 @@ def main() -> None:
         if not args.only or name in args.only:
             rows.append(run_ours(name, frozen_dtype, devices, args))
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": now_utc(),
         "load_before": load_before,
-        "load_after": round(os.getloadavg()[0], 2),
-        "machine": f"{os.cpu_count()} cores",
+        "load_after": load_average()[0],
+        "machine": machine(),
         "rows": rows,
     }
-    (args.out / "peer_qlora.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out / "peer_qlora.json", result)
     (args.out / "peer_qlora.md").write_text(report(result))
     print(report(result))
 

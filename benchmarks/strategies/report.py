@@ -1,17 +1,18 @@
 """Turn the raw figures of ``results.json`` into ``results.md`` (tables and goals) and ``results.png``.
 
-python benchmarks/report.py [RESULTS_DIR]    # redraw from RESULTS_DIR/results.json (default benchmarks/results)
+python benchmarks/strategies/report.py [RESULTS_DIR]    # redraw from RESULTS_DIR/results.json (default: results/ here)
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.configs import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import tables  # noqa: E402
+from benchmarks.harness.records import read_json  # noqa: E402
+from benchmarks.strategies.configs import (  # noqa: E402
     CHECKPOINT_FLOOR_BYTES_PER_TRAINABLE,
     CHECKPOINT_VS_FLOOR_GOAL,
     CONFIGS,
@@ -19,7 +20,7 @@ from benchmarks.configs import (  # noqa: E402
     MEMORY_VS_LIMIT_GOAL,
 )
 
-MiB = 1024 * 1024
+MiB = tables.MIB
 REFERENCE = "frozen"  # (a): every ratio "x (a)" divides by this configuration
 PLAIN = "plain"
 
@@ -65,10 +66,7 @@ def ratio(
     row: dict[str, Any], other: Optional[dict[str, Any]], key: str, other_key: Optional[str] = None
 ) -> Optional[float]:
     """``row[key] / other[other_key or key]``, or None when either is missing."""
-    other_key = other_key or key
-    if other is None or row.get(key) is None or not other.get(other_key):
-        return None
-    return row[key] / other[other_key]
+    return None if other is None else tables.ratio(row.get(key), other.get(other_key or key))
 
 
 def groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
@@ -78,19 +76,11 @@ def groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[s
     return grouped
 
 
-def _num(value: Optional[float], digits: int = 2) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
-def _mib(value: Optional[int]) -> str:
-    return "failed" if value is None else f"{value / MiB:.1f}"
-
-
 def _cell(value: Optional[float], *ratios: Optional[float], digits: int = 1, unit: float = 1) -> str:
     """``value / unit`` and its ratios in brackets, or "failed" when it was not measured."""
     if value is None:
         return "failed"
-    return f"{value / unit:.{digits}f} ({', '.join(_num(r) for r in ratios)})"
+    return f"{value / unit:.{digits}f} ({', '.join(tables.num(r) for r in ratios)})"
 
 
 def goal_rows(grouped: dict[tuple[str, int], dict[str, dict[str, Any]]]) -> list[tuple[str, str, str, Optional[bool]]]:
@@ -118,26 +108,28 @@ def goal_rows(grouped: dict[tuple[str, int], dict[str, dict[str, Any]]]) -> list
         else:
             memory_key, limit_key, what_memory, what_limit = "memory_bytes", "limit_bytes", "memory", "limit"
         mem_b = ratio(a, b, memory_key)
-        check(f"{what_memory} (a) ≤ (b)", mem_b, 1.0, f"{_num(mem_b)}× (b)")
+        check(f"{what_memory} (a) ≤ (b)", mem_b, 1.0, f"{tables.num(mem_b)}× (b)")
         mem_limit = ratio(a, a, memory_key, limit_key)
         check(
             f"{what_memory} (a) ≤ {MEMORY_VS_LIMIT_GOAL}× {what_limit}",
             mem_limit,
             MEMORY_VS_LIMIT_GOAL,
-            f"{_num(mem_limit)}× {what_limit}",
+            f"{tables.num(mem_limit)}× {what_limit}",
         )
         for key, what in ((memory_key, what_memory), ("step_s", "step time"), ("checkpoint_bytes", "checkpoint")):
             value = ratio(c, a, key) if c is not None else None
-            check(f"(c) under ours: {what} within 10% of (a)", value, LR_ZERO_VS_FROZEN_GOAL, f"{_num(value)}× (a)")
+            check(
+                f"(c) under ours: {what} within 10% of (a)", value, LR_ZERO_VS_FROZEN_GOAL, f"{tables.num(value)}× (a)"
+            )
         ckpt_floor = ratio(a, a, "checkpoint_bytes", "checkpoint_floor_bytes")
         check(
             f"checkpoint (a) ≤ {CHECKPOINT_VS_FLOOR_GOAL}× floor",
             ckpt_floor,
             CHECKPOINT_VS_FLOOR_GOAL,
-            f"{_num(ckpt_floor)}× floor",
+            f"{tables.num(ckpt_floor)}× floor",
         )
         step_b = ratio(a, b, "step_s")
-        check("step time (a) ≤ (b)", step_b, 1.0, f"{_num(step_b)}× (b)")
+        check("step time (a) ≤ (b)", step_b, 1.0, f"{tables.num(step_b)}× (b)")
     return out
 
 
@@ -157,7 +149,8 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         " that RSS follows live memory. Heap malloc: the same over the timed steps, where glibc keeps buffers up"
         " to 32 MiB in its heap, as its default does once warm. Setup: the peak up to `on_train_start` (model"
         " build + engine setup)."
-        " Limit: the physical limit of DESIGN.md per rank."
+        " Limit: the physical limit per rank (frozen bytes / N, plus weight, fp32 master, Adam moments and gradient"
+        " per trainable param)."
         " Checkpoint floor: 12 B per trainable param. Step: median of the 6 timed steps."
         " First save: the first `trainer.save_checkpoint` of the run; next save: the one right after it."
         " Resume: `fit(ckpt_path=...)` call → first batch. Ratios in brackets: × (a), then × limit/floor/(d).",
@@ -199,8 +192,8 @@ def markdown(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                             ratio(row, row, "memory_bytes", "limit_bytes"),
                             unit=MiB,
                         ),
-                        _mib(row.get("heap_malloc_memory_bytes")),
-                        _mib(row.get("setup_memory_bytes")),
+                        tables.mib(row.get("heap_malloc_memory_bytes"), missing="failed"),
+                        tables.mib(row.get("setup_memory_bytes"), missing="failed"),
                         _cell(
                             row.get("checkpoint_bytes"),
                             ratio(row, a, "checkpoint_bytes"),
@@ -319,4 +312,4 @@ def write(results: dict[str, Any], out_dir: Path) -> None:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results"
-    write(json.loads((out / "results.json").read_text()), out)
+    write(read_json(out / "results.json"), out)

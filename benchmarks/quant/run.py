@@ -1,7 +1,7 @@
 """The frozen base stored in bf16, int8 and NF4 (``frozen_dtype``), side by side on the MiniLM LoRA example task.
 
-    python benchmarks/quant.py [--devices 2] [--epochs 3] [--rounds 3] [--out benchmarks/results]
-    python benchmarks/quant.py --accelerator gpu --devices 1 --out benchmarks/results/gpu   # the CUDA version
+    python benchmarks/quant/run.py [--devices 2] [--epochs 3] [--rounds 3] [--out benchmarks/quant/results]
+    python benchmarks/quant/run.py --accelerator gpu --devices 1 --out benchmarks/quant/results/gpu   # on CUDA
 
 For each storage, a fresh process pair (Lightning's launcher re-runs this script for rank 1) fine-tunes the
 example's LoRA adapter on all-MiniLM-L6-v2 (``examples/minilm_lora/task.py``) in ``bf16-true`` with the same seed,
@@ -26,49 +26,36 @@ GPU; the worker takes the default torch threads. Writes ``<out>/quant.json`` and
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.probes import count_gathered_bytes, proc_status_bytes  # noqa: E402
+from benchmarks.harness.records import RankReport, read_rank_reports, write_json  # noqa: E402
 
 STORAGES = ("bf16", "int8", "nf4")
 SKIPPED_STEPS = 3
+TIMEOUT_MIN = 60  # per storage and round
 
 
-def _count_gathered_bytes(counter: dict[str, int]) -> None:
-    """Count the output bytes of every all-gather into a tensor made through ``deepspeed.comm``."""
-    import deepspeed.comm
-    import deepspeed.comm.comm
-
-    original = deepspeed.comm.comm.all_gather_into_tensor
-
-    def counting(output_tensor: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        counter["bytes"] += output_tensor.numel() * output_tensor.element_size()
-        return original(output_tensor, tensor, *args, **kwargs)
-
-    deepspeed.comm.comm.all_gather_into_tensor = counting
-    deepspeed.comm.all_gather_into_tensor = counting
-
-
-def worker(storage: str, devices: int, epochs: int, out: Path, accelerator: str = "cpu") -> None:
+def worker(storage: str, devices: int, epochs: int, run_dir: Path, accelerator: str = "cpu") -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from benchmarks.worker import proc_status_bytes
     from examples.minilm_lora.task import LoRASentimentClassifier, SentimentData
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
 
     if accelerator == "cpu":
         torch.set_num_threads(1)
     gathered = {"bytes": 0}
-    _count_gathered_bytes(gathered)
+    count_gathered_bytes(gathered)
 
     class Measure(Callback):
         def __init__(self) -> None:
@@ -113,23 +100,20 @@ def worker(storage: str, devices: int, epochs: int, out: Path, accelerator: str 
     rss_after_fit = proc_status_bytes("VmRSS")
     metrics = trainer.validate(model, data, verbose=False)[0]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    report = {
-        "storage": storage,
-        "rank": trainer.global_rank,
-        "world_size": trainer.world_size,
-        "frozen_params": sum(int(p.ds_numel) for p in frozen),
-        "frozen_host_bytes": sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in frozen),
-        "steps": len(measure.step_seconds),
-        "gathered_bytes_per_step": statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
-        "step_seconds_median": statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
-        "setup_peak_rss": measure.setup_peak_rss,
-        "rss_after_fit": rss_after_fit,
-        "val_acc": float(metrics["val_acc"]),
-        "val_loss": float(metrics["val_loss"]),
-        "last_epoch_train_loss": statistics.mean(measure.train_losses),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{storage}_rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+    RankReport(run_dir).update(
+        storage=storage,
+        world_size=trainer.world_size,
+        frozen_params=sum(int(p.ds_numel) for p in frozen),
+        frozen_host_bytes=sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in frozen),
+        steps=len(measure.step_seconds),
+        gathered_bytes_per_step=statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
+        step_seconds_median=statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
+        setup_peak_rss=measure.setup_peak_rss,
+        rss_after_fit=rss_after_fit,
+        val_acc=float(metrics["val_acc"]),
+        val_loss=float(metrics["val_loss"]),
+        last_epoch_train_loss=statistics.mean(measure.train_losses),
+    )
 
 
 def _step(reports: list[dict[str, Any]], rounds: list[dict[str, float]], storage: str) -> float:
@@ -178,8 +162,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--worker", choices=STORAGES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    runs = args.out / "tmp" / "quant"
     if args.worker:
-        worker(args.worker, args.devices, args.epochs, args.out / "tmp" / "quant", args.accelerator)
+        worker(args.worker, args.devices, args.epochs, runs / args.worker, args.accelerator)
         return
     results: dict[str, list[dict[str, Any]]] = {}
     rounds: list[dict[str, float]] = []
@@ -189,26 +174,24 @@ def main(argv: Optional[list[str]] = None) -> None:
             started = time.monotonic()
             command = [sys.executable, __file__, f"--worker={storage}", f"--devices={args.devices}"]
             command += [f"--epochs={args.epochs}", f"--out={args.out}", f"--accelerator={args.accelerator}"]
-            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-            if args.accelerator == "cpu":
-                env["OMP_NUM_THREADS"] = "1"
-            run = subprocess.run(command, env=env, capture_output=True, text=True)
-            if run.returncode != 0:
-                raise SystemExit(f"{storage} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}")
-            results[storage] = [
-                json.loads((args.out / "tmp" / "quant" / f"{storage}_rank{rank}.json").read_text())
-                for rank in range(args.devices)
-            ]
+            env = launch.child_env(threads=1 if args.accelerator == "cpu" else None)
+            shutil.rmtree(runs / storage, ignore_errors=True)  # no report of an earlier round is read as this one's
+            log = runs / storage / "worker.log"
+            outcome = launch.guarded_run(command, env, log, TIMEOUT_MIN, reports_dir=runs / storage)
+            results[storage] = read_rank_reports(runs / storage)
+            if launch.exit_status(outcome) != 0 or len(results[storage]) != args.devices:
+                reason = outcome.get("reason") or f"exit {outcome['returncode']}"
+                raise SystemExit(f"{storage} failed ({reason}):\n{log.read_text()[-5000:]}")
             steps[storage] = max(r["step_seconds_median"] for r in results[storage])
             print(f"round {number + 1}, {storage}: {time.monotonic() - started:.0f} s", flush=True)
         rounds.append(steps)
-    (args.out / "quant.json").write_text(json.dumps({**results, "rounds": rounds}, indent=1))
+    write_json(args.out / "quant.json", {**results, "rounds": rounds})
     table = _table(results, rounds)
     where = f"{args.devices} CPU ranks" if args.accelerator == "cpu" else f"{args.devices} CUDA GPU(s)"
     (args.out / "quant.md").write_text(
         f"# Frozen base storage: bf16 / int8 / NF4\n\nMiniLM LoRA example task, {where}, {args.epochs} epochs,"
         f" bf16-true, seed 0, {args.rounds} round(s), load average {list(os.getloadavg())} at the end. Written by"
-        f" `benchmarks/quant.py`.\n\n{table}\n"
+        f" `benchmarks/quant/run.py`.\n\n{table}\n"
     )
     print(table)
 

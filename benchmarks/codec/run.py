@@ -1,7 +1,7 @@
 """The frozen-storage codecs side by side, on one thread: ours (compiled kernels, and the tensor ops they replaced),
 bitsandbytes', and the copy floor.
 
-    python benchmarks/codec.py [--millions 16] [--repeats 7] [--out benchmarks/results]
+    python benchmarks/codec/run.py [--millions 16] [--repeats 7] [--out DIR]
 
 For NF4 and int8, encode (fp32 weights in) and decode (into fp32 and into bf16), each in millions of weights per
 second, median of ``--repeats`` calls on the same tensor of ``--millions`` M normal weights:
@@ -23,8 +23,6 @@ present) the same rows run on the GPU, timed with ``torch.cuda.synchronize``. Wr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import sys
@@ -35,7 +33,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness.probes import load_average  # noqa: E402
+from benchmarks.harness.records import write_json  # noqa: E402
 from lightning_frozen.format import codec, native_codec  # noqa: E402
 from lightning_frozen.zero.host_memory import return_freed_memory  # noqa: E402
 
@@ -152,7 +152,7 @@ def main() -> None:
     torch.set_num_threads(1)
     freed = return_freed_memory()  # as a fit does: every decoded buffer is then fresh pages
     count = int(args.millions * 1e6) // 256 * 256
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = load_average()[0]
     rows = measure(count, args.repeats, torch.device("cpu"))
     if torch.cuda.is_available():
         rows += measure(count, args.repeats, torch.device("cuda"))
@@ -161,13 +161,13 @@ def main() -> None:
         "repeats": args.repeats,
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
         "load_before": load_before,
-        "load_after": round(os.getloadavg()[0], 2),
+        "load_after": load_average()[0],
         "mmap_threshold_1mib": freed,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = "codec_gpu" if torch.cuda.is_available() else "codec"
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out / f"{name}.json", result)
     (args.out / f"{name}.md").write_text(report(result))
     print(report(result))
 

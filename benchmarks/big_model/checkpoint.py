@@ -8,7 +8,7 @@ tensor: normal(0, 0.02) from a generator seeded by the tensor's name, norm weigh
 Only one shard is in memory at a time. A marker file written last records what the folder holds; a folder whose
 marker matches is reused as it is.
 
-``python benchmarks/big_model.py check-writer`` loads a small folder with ``AutoModelForCausalLM.from_pretrained``
+``python benchmarks/big_model/run.py check-writer`` loads a small folder with ``AutoModelForCausalLM.from_pretrained``
 (no DeepSpeed) and checks every key and value: that is how we know the writer is right.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Optional
 # Llama-2 shapes (multi-head attention, untied head); "tiny" is for checking the plumbing
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4, vocab_size=32000),
-    # TinyLlama-1.1B's shape (grouped-query attention: 4 key/value heads), for benchmarks/peer_qlora.py
+    # TinyLlama-1.1B's shape (grouped-query attention: 4 key/value heads), for benchmarks/peer_qlora/run.py
     "1.1b": dict(
         hidden_size=2048,
         intermediate_size=5632,

@@ -1,6 +1,6 @@
 """One benchmark configuration in this process: train, save a checkpoint, resume from it.
 
-Run by ``run.py`` as ``python benchmarks/worker.py MODEL CONFIG DEVICES OUT_DIR`` (``gpu_benchmark.py`` adds
+Run by ``run.py`` as ``python benchmarks/strategies/worker.py MODEL CONFIG DEVICES OUT_DIR`` (``gpu.py`` adds
 ``--accelerator gpu --precision bf16-mixed``); with 2 devices Lightning's own launcher re-runs this script for
 rank 1. Each rank writes ``OUT_DIR/rank<R>.json`` after every phase, so a
 phase that fails or hangs still leaves the figures of the phases before it.
@@ -18,17 +18,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
-import os
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-import deepspeed
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (~40 MiB that `deepspeed.initialize` imports lazily)
 import lightning as L
 import peft  # noqa: F401  (imported for every configuration, so that every floor holds the same libraries)
@@ -36,10 +32,12 @@ import torch
 import transformers  # noqa: F401
 from lightning.pytorch.callbacks import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_frozen  # noqa: E402
-from benchmarks import models  # noqa: E402
-from benchmarks.configs import CONFIGS, Config  # noqa: E402
+from benchmarks.harness.probes import proc_status_bytes, reset_peak_rss, snapshot, tree_bytes  # noqa: E402
+from benchmarks.harness.records import RankReport  # noqa: E402
+from benchmarks.strategies import models  # noqa: E402
+from benchmarks.strategies.configs import CONFIGS, Config  # noqa: E402
 from tests.stock_cpu import stage_3_offload  # noqa: E402
 
 MEMORY_STEPS = 4  # first, with RSS following live memory
@@ -49,19 +47,6 @@ TOTAL_STEPS = MEMORY_STEPS + WARMUP_STEPS + TIMED_STEPS
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 HEAP_MMAP_THRESHOLD = 32 * 1024 * 1024  # the ceiling glibc's dynamic threshold climbs to
 LEARNING_RATE = 1e-3
-
-
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} is not in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
 
 
 def keep_buffers_in_heap() -> None:
@@ -113,14 +98,6 @@ def prepare_model(model: L.LightningModule, config: Config) -> None:
         for param in frozen:
             param.requires_grad_(True)
     model.optimizer_fn = make_optimizer_fn(config, frozen if config.lr_zero else [])
-
-
-def snapshot(module: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-    """Full copies of the named params, gathered from their ZeRO-3 shards when partitioned (a collective)."""
-    params = dict(module.named_parameters())
-    wanted = [params[name] for name in names]
-    with deepspeed.zero.GatheredParameters(wanted):
-        return {name: params[name].detach().clone() for name in names}
 
 
 class Probe(Callback):
@@ -193,36 +170,9 @@ def make_trainer(config: Config, args: argparse.Namespace, max_steps: int, probe
     )
 
 
-def tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-class Report:
-    """This rank's figures, rewritten to ``OUT_DIR/rank<R>.json`` after each phase."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.figures: dict[str, Any] = {"errors": {}}
-
-    def write(self) -> None:
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.figures["rank"] = rank
-        (self.out_dir / f"rank{rank}.json").write_text(json.dumps(self.figures, indent=1))
-
-    def update(self, **figures: Any) -> None:
-        self.figures.update(figures)
-        self.write()
-
-    def error(self, phase: str) -> None:
-        self.figures["errors"][phase] = traceback.format_exc(limit=-3)
-        self.write()
-
-
 def run(args: argparse.Namespace) -> None:
     config = CONFIGS[args.config]
-    report = Report(args.out_dir)
+    report = RankReport(args.out_dir)
     floor = proc_status_bytes("VmRSS")
     model = models.build(args.model)
     trainable_names = [name for name, p in model.named_parameters() if p.requires_grad]

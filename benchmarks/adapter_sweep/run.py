@@ -1,6 +1,6 @@
 """K LoRA adapters trained at once on one frozen base against K separate runs, on the MiniLM sweep example's task.
 
-    python benchmarks/adapter_sweep.py [--ks 1 2 4 8] [--devices 1] [--steps 8] [--out benchmarks/results]
+    python benchmarks/adapter_sweep/run.py [--ks 1 2 4 8] [--devices 1] [--steps 8] [--out DIR]
 
 For each K, a fresh process (a process pair with ``--devices 2``; Lightning's launcher re-runs this script for the
 other rank) trains ``examples/adapter_sweep/task.py``'s ``SentimentSweep`` with K adapters (ranks 4 and 8, learning
@@ -21,20 +21,22 @@ wall time adds up and their host peak is one run's; run side by side, their host
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 STARTED = time.monotonic()
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.probes import count_gathered_bytes, proc_status_bytes  # noqa: E402
+from benchmarks.harness.records import RankReport, read_rank_reports, write_json  # noqa: E402
 
 SKIPPED_STEPS = 2
 BATCH_SIZE = 16
+TIMEOUT_MIN = 60  # per K
 
 
 def adapter_specs(k: int) -> dict[str, dict[str, float]]:
@@ -46,19 +48,17 @@ def adapter_specs(k: int) -> dict[str, dict[str, float]]:
     }
 
 
-def worker(k: int, devices: int, steps: int, out: Path) -> None:
+def worker(k: int, devices: int, steps: int, run_dir: Path) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from benchmarks.quant import _count_gathered_bytes
-    from benchmarks.worker import proc_status_bytes
     from examples.adapter_sweep.task import SentimentSweep
     from examples.minilm_lora.task import SentimentData
 
     torch.set_num_threads(1)
     gathered = {"bytes": 0}
-    _count_gathered_bytes(gathered)
+    count_gathered_bytes(gathered)
 
     class Measure(Callback):
         def __init__(self) -> None:
@@ -92,17 +92,14 @@ def worker(k: int, devices: int, steps: int, out: Path) -> None:
     model = SentimentSweep(adapter_specs(k))
     model.configure_callbacks = list  # no per-adapter ModelCheckpoint: nothing is saved here
     trainer.fit(model, SentimentData(batch_size=BATCH_SIZE))
-    report = {
-        "k": k,
-        "rank": trainer.global_rank,
-        "world_size": trainer.world_size,
-        "wall_seconds": time.monotonic() - STARTED,
-        "step_seconds_median": statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
-        "gathered_bytes_per_step": statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
-        "host_peak_bytes": proc_status_bytes("VmHWM"),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"k{k}_rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+    RankReport(run_dir).update(
+        k=k,
+        world_size=trainer.world_size,
+        wall_seconds=time.monotonic() - STARTED,
+        step_seconds_median=statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
+        gathered_bytes_per_step=statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
+        host_peak_bytes=proc_status_bytes("VmHWM"),
+    )
 
 
 def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float]) -> dict[str, float]:
@@ -149,27 +146,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help=f"more than {SKIPPED_STEPS}: the first are not timed")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     raw = args.out / "adapter_sweep_runs"
     if args.worker is not None:
-        worker(args.worker, args.devices, args.steps, raw)
+        worker(args.worker, args.devices, args.steps, raw / f"k{args.worker}")
         return
     ks = sorted(set(args.ks) | {1})
+    runs = {}
     for k in ks:
         command = [sys.executable, __file__, "--worker", str(k), "--devices", str(args.devices)]
         command += ["--steps", str(args.steps), "--out", str(args.out)]
-        subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    runs = {k: [json.loads(p.read_text()) for p in sorted(raw.glob(f"k{k}_rank*.json"))] for k in ks}
+        shutil.rmtree(raw / f"k{k}", ignore_errors=True)
+        log = raw / f"k{k}" / "worker.log"
+        outcome = launch.guarded_run(command, launch.child_env(), log, TIMEOUT_MIN, reports_dir=raw / f"k{k}")
+        runs[k] = read_rank_reports(raw / f"k{k}")
+        if launch.exit_status(outcome) != 0 or len(runs[k]) != args.devices:
+            reason = outcome.get("reason") or f"exit {outcome['returncode']}"
+            raise SystemExit(f"K={k} failed ({reason}):\n{log.read_text()[-5000:]}")
     alone = runs[1]
     alone_summary = {
         "wall_seconds": max(run["wall_seconds"] for run in alone),
         "node_host_peak_bytes": sum(run["host_peak_bytes"] for run in alone),
     }
     rows = [_row(k, runs[k], alone_summary) for k in ks]
-    (args.out / "adapter_sweep.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
+    write_json(args.out / "adapter_sweep.json", {"rows": rows, "runs": runs})
     (args.out / "adapter_sweep.md").write_text(_markdown(rows, args.devices, args.steps))
     print(_markdown(rows, args.devices, args.steps))
 

@@ -1,20 +1,21 @@
 """LoRA on a 7B–13B Llama-2-shaped hub checkpoint on this CPU machine, end to end: load, train, save, resume.
 
-    python benchmarks/big_model.py run --size 7b --frozen-dtype none --precision bf16-true --devices 1 2
-    python benchmarks/big_model.py run --set issue          # the configurations of issue 17 (hours; see README)
-    python benchmarks/big_model.py run --set check          # tiny model, 8 configurations, ~15 min on 2 shared cores
-    python benchmarks/big_model.py run --dry-run --set issue   # what would run, and the arithmetic table
-    python benchmarks/big_model.py write --size 13b         # only write the checkpoint folder
-    python benchmarks/big_model.py check-writer             # from_pretrained (no DeepSpeed) on a tiny folder
-    python benchmarks/big_model.py report                   # rewrite results/big_model.md from big_model.json
+    python benchmarks/big_model/run.py run --size 7b --frozen-dtype none --precision bf16-true --devices 1 2
+    python benchmarks/big_model/run.py run --set issue          # the configurations of issue 17 (hours; see README)
+    python benchmarks/big_model/run.py run --set check          # tiny model, 8 configurations, ~15 min on 2 cores
+    python benchmarks/big_model/run.py run --dry-run --set issue   # what would run, and the arithmetic table
+    python benchmarks/big_model/run.py write --size 13b         # only write the checkpoint folder
+    python benchmarks/big_model/run.py check-writer             # from_pretrained (no DeepSpeed) on a tiny folder
+    python benchmarks/big_model/run.py report                   # rewrite results/big_model.md from big_model.json
 
 For each configuration the driver (this light process: no torch) makes sure the checkpoint folder is written
-(``big_model_checkpoint.py``, once, reused), times a plain sequential read of its shard files, then starts the worker
-(``big_model_worker.py``) in fresh processes and watches them: a wall-clock timeout and a memory guard (the sum of
-the run's processes' anonymous and shared memory, and the machine's available memory) kill the whole process group
-and record ``timeout`` or ``exceeded``, so one configuration cannot take the machine down. Every outcome, error
-included, is merged into ``results/big_model.json`` (one record per run, runs accumulate) and
-``results/big_model.md`` (the latest record of each configuration). ``big_model_report.py`` computes the figures.
+(``checkpoint.py``, once, reused), times a plain sequential read of its shard files, then starts the worker
+(``worker.py``) in fresh processes under the harness's guard (``benchmarks/harness/launch.py``): a wall-clock timeout
+and a memory guard (the sum of the run's processes' anonymous and shared memory, and the machine's available
+memory) kill the whole process group and record ``timeout`` or ``exceeded``, so one configuration cannot take the
+machine down. Every outcome, error included, is merged into ``results/big_model.json`` (one record per run, runs
+accumulate) and ``results/big_model.md`` (the latest record of each configuration). ``report.py`` computes the
+figures.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from benchmarks import big_model_report as report  # noqa: E402
-from benchmarks.big_model_checkpoint import (  # noqa: E402
+from benchmarks.big_model import report  # noqa: E402
+from benchmarks.big_model.checkpoint import (  # noqa: E402
     OVERRIDES,
     SIZES,
     check_writer,
@@ -45,7 +45,9 @@ from benchmarks.big_model_checkpoint import (  # noqa: E402
     size_key,
     write_checkpoint,
 )
-from benchmarks.big_model_guard import guarded_run, prepare_cache  # noqa: E402
+from benchmarks.harness.launch import child_env, guarded_run  # noqa: E402
+from benchmarks.harness.probes import load_average, machine, prepare_cache  # noqa: E402
+from benchmarks.harness.records import git_commit, now_utc, read_rank_reports  # noqa: E402
 
 DATA_DIR = Path("/work/bench-data")
 FROZEN_DTYPES = ("none", "bf16", "int8", "nf4")  # "bf16": bf16 storage under fp32 compute, where the strategy has it
@@ -93,15 +95,6 @@ def config_key(
     return key + (" mmap1m" if args.allocator == "mmap1m" else "")
 
 
-def _git_commit() -> str:
-    def git(*words: str) -> str:
-        return subprocess.run(["git", *words], cwd=HERE, capture_output=True, text=True).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + (
-        "+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
-    )
-
-
 def ensure_folder(size: str, overrides: dict[str, int], args: argparse.Namespace) -> Path:
     """The checkpoint folder of ``size`` with ``overrides`` under ``--data-dir``, written by a subprocess if needed
     (so this driver never holds torch or a shard)."""
@@ -110,7 +103,7 @@ def ensure_folder(size: str, overrides: dict[str, int], args: argparse.Namespace
         return folder
     command = [sys.executable, __file__, "write", "--size", size, "--data-dir", str(args.data_dir)]
     command += [f"--{key}={value}" for key, value in overrides.items()]
-    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    subprocess.run(command, check=True, env=child_env())
     return folder
 
 
@@ -121,10 +114,10 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
     print(f"\n=== {key}", flush=True)
     record: dict[str, Any] = {
         "key": key,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": _git_commit(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "machine": f"{os.cpu_count()} CPU cores, {report.total_memory_gib():.0f} GiB",
+        "date": now_utc(),
+        "commit": git_commit(),
+        "load_average_at_start": load_average(),
+        "machine": machine(),
         "config": dict(
             size=size,
             overrides=overrides,
@@ -167,29 +160,21 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         sample_s=args.sample_s,
         profile=args.profile,
     )
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONPATH": str(HERE.parent),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    if args.allocator == "mmap1m":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # glibc returns every freed buffer above 1 MiB at once
+    env = child_env(threads=threads, mmap_1mib=args.allocator == "mmap1m" or None)
     files_of_run = dict(
         checkpoint=str(run_dir / "adapter.ckpt"),
         trained_adapter=str(run_dir / "trained_adapter.pt"),
         saved_step_file=str(run_dir / "saved_step.json"),
     )
     record["outcome"] = _phase(dict(spec, phase="train", **files_of_run), run_dir, env, args)
-    record["ranks"] = _rank_reports(run_dir)
+    record["ranks"] = read_rank_reports(run_dir)
     if args.no_resume:
         pass
     elif record["outcome"]["status"] == "ok" and Path(files_of_run["saved_step_file"]).exists():
         # a fresh process, as a resumed job is: a second Trainer in this one would keep the first one's base
         resume_dir = run_dir / "resume"
         record["resume_outcome"] = _phase(dict(spec, phase="resume", **files_of_run), resume_dir, env, args)
-        resumed = {r["rank"]: r for r in _rank_reports(resume_dir)}
+        resumed = {r["rank"]: r for r in read_rank_reports(resume_dir)}
         for rank in record["ranks"]:
             extra = resumed.get(rank["rank"], {})
             rank["errors"].update(extra.get("errors", {}))
@@ -198,7 +183,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
                 rank["resume_running_peaks"] = extra["running_peaks"]
     else:
         record["resume_outcome"] = {"status": "not run", "reason": "the training phase did not save a checkpoint"}
-    record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    record["load_average_at_end"] = load_average()
     record["run_dir"] = str(run_dir)
     failed = [o for o in (record["outcome"], record.get("resume_outcome", {})) if o.get("status", "ok") != "ok"]
     if failed or any(r.get("errors") for r in record["ranks"]):
@@ -218,17 +203,15 @@ def _phase(spec: dict[str, Any], run_dir: Path, env: dict[str, str], args: argpa
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     command = [sys.executable, __file__, "--worker", str(run_dir / "spec.json")]
     timeout_min = args.timeout_min or TIMEOUT_MIN[spec["size"]]
-    return guarded_run(command, env, run_dir, timeout_min, args.memory_limit_gib, args.min_available_gib)
-
-
-def _rank_reports(run_dir: Path) -> list[dict[str, Any]]:
-    """Each rank's report, with the peaks its sampler last wrote for the phase it was in (``running_peaks``)."""
-    reports = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
-    for rank in reports:
-        running = run_dir / f"running{rank['rank']}.json"
-        if running.exists():
-            rank["running_peaks"] = json.loads(running.read_text())
-    return reports
+    return guarded_run(
+        command,
+        env,
+        run_dir / "worker.log",
+        timeout_min,
+        args.memory_limit_gib,
+        args.min_available_gib,
+        reports_dir=run_dir,
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, int]:
@@ -242,11 +225,9 @@ def _planned(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
 
 
 def arithmetic_rows() -> list[dict[str, Any]]:
-    """``big_model_report.arithmetic()``, computed in a subprocess: this driver stays free of torch."""
+    """``report.arithmetic()``, computed in a subprocess: this driver stays free of torch."""
     command = [sys.executable, __file__, "--arithmetic"]
-    done = subprocess.run(
-        command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)}
-    )
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=child_env())
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -273,7 +254,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":  # the worker, and rank 1 started by Lightning's launcher
-        from benchmarks.big_model_worker import run as run_worker
+        from benchmarks.big_model.worker import run as run_worker  # here only: the driver holds no torch
 
         run_worker(Path(sys.argv[2]))
         return
@@ -333,9 +314,7 @@ def main() -> None:
     )
     run_parser.add_argument("--sample-s", type=float, default=0.1, help="each rank's memory sampling interval")
     run_parser.add_argument("--no-resume", action="store_true", help="stop after the save (no second load)")
-    run_parser.add_argument(
-        "--profile", action="store_true", help="profile the last timed step (benchmarks/step_profile.py)"
-    )
+    run_parser.add_argument("--profile", action="store_true", help="profile the last timed step (step_profile.py)")
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")
     args = parser.parse_args()

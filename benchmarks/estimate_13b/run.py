@@ -1,6 +1,6 @@
 """Does a 13B model with LoRA at 0.1% trainable fit one 24 GB GPU under ``frozen_deepspeed``?
 
-    python benchmarks/estimate_13b.py
+    python benchmarks/estimate_13b/run.py
 
 Builds a LLaMA-13B-shaped model (transformers' ``LlamaForCausalLM``: 40 layers, hidden 5120, vocab 32000) with
 PEFT LoRA r=16 on ``q_proj``/``v_proj`` (13.1M trainable, 0.10%) on the ``meta`` device, so nothing is
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_frozen import estimate_memory  # noqa: E402
 from lightning_frozen.memory import format_bytes  # noqa: E402
 from tests.meta_models import fits, llama_13b_lora  # noqa: E402

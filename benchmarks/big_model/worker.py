@@ -1,9 +1,9 @@
-"""One configuration of ``big_model.py``, in this process: LoRA fit on the folder's base, save, resume.
+"""One configuration of ``run.py``, in this process: LoRA fit on the folder's base, save, resume.
 
-Started by the driver as ``python benchmarks/big_model.py --worker SPEC.json``; with 2 devices Lightning's launcher
-re-runs that command for rank 1. Each rank writes ``rank<R>.json`` next to the spec after every phase (through
-``benchmarks.worker.Report``), so a run killed by the driver's timeout or memory guard still leaves the figures of
-the phases it finished.
+Started by the driver as ``python benchmarks/big_model/run.py --worker SPEC.json``; with 2 devices Lightning's
+launcher re-runs that command for rank 1. Each rank writes ``rank<R>.json`` next to the spec after every phase
+(``benchmarks.harness.records.RankReport``), so a run killed by the driver's timeout or memory guard still leaves the
+figures of the phases it finished.
 
 Phases and what each records (times in seconds from rank 0's ``trainer.fit`` call, per rank):
 - **floor**: this process's memory after every import, before the model is built;
@@ -21,72 +21,24 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-import psutil
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.load_memory import PeakSampler
-from benchmarks.step_profile import StepProfile, floors
-from benchmarks.worker import Report, proc_status_bytes, snapshot, tree_bytes
+from benchmarks.big_model.step_profile import StepProfile, floors
+from benchmarks.harness.probes import PeakSampler, memory_now, snapshot, tree_bytes
+from benchmarks.harness.records import RankReport
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
 from lightning_frozen.zero.params import full_numel
 
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 LOG_LINES_KEPT = 60
-WRITE_EVERY_S = 2.0
-
-
-def memory_now() -> dict[str, int]:
-    """This process's USS, anonymous resident memory and RSS, in bytes."""
-    uss = psutil.Process().memory_full_info().uss
-    return {"uss": uss, "anon": proc_status_bytes("RssAnon"), "rss": proc_status_bytes("VmRSS")}
-
-
-class PhaseSampler(PeakSampler):
-    """``load_memory.PeakSampler`` with RSS too, a sampling interval, and the peaks of each phase. Every
-    ``WRITE_EVERY_S`` it also replaces ``running_file`` with the current phase's peaks so far, so that a run the
-    driver kills mid-phase (timeout, memory guard) still says how much each rank held."""
-
-    def __init__(self, interval_s: float, running_file: Path) -> None:
-        super().__init__()
-        self.interval_s = interval_s
-        self.running_file = running_file
-        self.peak_rss = 0
-        self.lock = threading.RLock()
-
-    def sample(self) -> None:
-        with self.lock:
-            super().sample()
-            self.peak_rss = max(self.peak_rss, proc_status_bytes("VmRSS"))
-
-    def run(self) -> None:
-        written = time.monotonic()
-        while not self.stopped.wait(self.interval_s):
-            self.sample()
-            if time.monotonic() - written > WRITE_EVERY_S:
-                written = time.monotonic()
-                with self.lock:
-                    peaks = {"uss": self.peak_uss, "anon": self.peak_anon, "rss": self.peak_rss, "at": time.time()}
-                partial = self.running_file.with_suffix(".partial")
-                partial.write_text(json.dumps(peaks))
-                os.replace(partial, self.running_file)
-
-    def end_phase(self) -> dict[str, int]:
-        """The peaks since the last call (or the start); the next phase's peaks start from what is held now."""
-        with self.lock:
-            self.sample()
-            peaks = {"uss": self.peak_uss, "anon": self.peak_anon, "rss": self.peak_rss}
-            self.peak_uss = self.peak_anon = self.peak_rss = 0
-            self.sample()
-        return peaks
 
 
 class LogLines(logging.Handler):
@@ -142,7 +94,7 @@ class LoRACausalLM(L.LightningModule):
 class Probe(Callback):
     """Phase boundaries, step times and the frozen shards held; on a resume, the adapter weights at the start."""
 
-    def __init__(self, prefix: str, sampler: PhaseSampler, report: Report, clock: dict[str, float]) -> None:
+    def __init__(self, prefix: str, sampler: PeakSampler, report: RankReport, clock: dict[str, float]) -> None:
         self.prefix, self.sampler, self.report, self.clock = prefix, sampler, report, clock
         self.snapshot_names: Optional[list[str]] = None
         self.start_snapshot: dict[str, torch.Tensor] = {}
@@ -233,9 +185,9 @@ def run(spec_path: Path) -> None:
     resume = spec["phase"] == "resume"
     prefix = "resume_" if resume else ""
     torch.set_num_threads(spec["threads"])
-    report = Report(spec_path.parent)
+    report = RankReport(spec_path.parent)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    sampler = PhaseSampler(spec["sample_s"], spec_path.parent / f"running{rank}.json")
+    sampler = PeakSampler(spec["sample_s"], spec_path.parent / f"running{rank}.json")
     report.update(**{f"{prefix}floor": memory_now(), f"{prefix}pid": os.getpid(), "threads": torch.get_num_threads()})
     sampler.start()
     clock: dict[str, float] = {}
@@ -301,8 +253,8 @@ def save(
     checkpoint: Path,
     adapter: Path,
     step_file: Path,
-    report: Report,
-    sampler: PhaseSampler,
+    report: RankReport,
+    sampler: PeakSampler,
 ) -> None:
     """Time ``trainer.save_checkpoint``; rank 0 also writes the adapter weights gathered from their shards and the
     global step, for the resume to compare with."""

@@ -1,7 +1,7 @@
 """The CPU benchmark's comparison in bf16 on one CUDA GPU, where device memory shows. UNTESTED: written on a
 machine without a GPU; nothing here has run on CUDA yet.
 
-    python benchmarks/gpu_benchmark.py      # one GPU; budgeted at about 6 minutes on an H200
+    python benchmarks/strategies/gpu.py      # one GPU; budgeted at about 6 minutes on an H200
 
 Trains ``lora_stack_xl`` (537M frozen params, 1.07 GB in bf16; 2.1M trainable) on 1 process under (a)
 ``frozen_deepspeed``, (b) Lightning's ``deepspeed_stage_3_offload``, the ``lr=0`` workaround under both, and (d)
@@ -13,7 +13,6 @@ Writes ``results/gpu/`` (results.json, results.md, results.png). Exits with a me
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import tempfile
@@ -22,9 +21,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import report  # noqa: E402
-from benchmarks.run import HERE, load_average, run_one, versions, worker_env  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import records  # noqa: E402
+from benchmarks.harness.probes import load_average  # noqa: E402
+from benchmarks.strategies import report  # noqa: E402
+from benchmarks.strategies.run import HERE, run_one, worker_env  # noqa: E402
 
 MODEL = "lora_stack_xl"
 GPU_CONFIGS = ("frozen", "stock", "stock_lr0", "frozen_lr0", "plain")
@@ -35,14 +36,14 @@ WORKER_ARGS = ("--accelerator", "gpu", "--precision", "bf16-mixed")
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit(
-            "gpu_benchmark.py needs a CUDA GPU, and torch.cuda.is_available() is False here"
-            f" (torch {torch.__version__}). The CPU benchmark is `python benchmarks/run.py`."
+            "benchmarks/strategies/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here"
+            f" (torch {torch.__version__}). The CPU benchmark is `python benchmarks/strategies/run.py`."
         )
     out = HERE / "results" / "gpu"
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": "python benchmarks/gpu_benchmark.py",
+        "command": "python benchmarks/strategies/gpu.py",
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": torch.cuda.get_device_name(0),
         "setting": "1 CUDA GPU, bf16-mixed",
@@ -56,9 +57,9 @@ def main() -> None:
         runs = [run_one(MODEL, config, 1, scratch, logs, TIMEOUT_S, env, WORKER_ARGS) for config in GPU_CONFIGS]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    meta.update(load_after=load_average(), wall_s=round(time.perf_counter() - started, 1), versions=versions())
+    meta.update(load_after=load_average(), wall_s=round(time.perf_counter() - started, 1), versions=records.versions())
     results = {"meta": meta, "runs": runs}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    records.write_json(out / "results.json", results)
     report.write(results, out)
     print(f"wrote {out}/results.md, results.png, results.json in {meta['wall_s']} s")
 

@@ -1,9 +1,9 @@
 """Where one training step's time goes, each part beside its floor measured in the same process.
 
-    python benchmarks/step_profile.py run --size 1.1b --frozen-dtype nf4 --devices 1 2   # big_model.py runs, profiled
-    python benchmarks/step_profile.py report                                            # rewrite step_profile.md
+    python benchmarks/big_model/step_profile.py run --size 1.1b --frozen-dtype nf4 --devices 1 2   # run.py, profiled
+    python benchmarks/big_model/step_profile.py report                                  # rewrite step_profile.md
 
-``run`` starts ``big_model.py run ... --profile`` (fp32 compute, 64 tokens per rank, LoRA r=8 q/v): its worker adds
+``run`` starts ``run.py run ... --profile`` (fp32 compute, 64 tokens per rank, LoRA r=8 q/v): its worker adds
 :class:`StepProfile`, which profiles the last timed step of each rank with ``torch.profiler`` and splits its wall
 time into:
 
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+from benchmarks.harness.records import read_json  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
 PHASES = ("forward", "backward", "optimizer")
@@ -232,7 +233,7 @@ def report(records: list[dict[str, Any]]) -> str:
     lines = [
         "# Where a step's time goes",
         "",
-        "Written by `benchmarks/step_profile.py` from `big_model.py --profile` runs: the last timed step of each"
+        "Written by `benchmarks/big_model/step_profile.py` from `run.py --profile` runs: the last timed step of each"
         " rank, profiled (`torch.profiler`, which slows a step by a few percent), in seconds, worst rank. Floors are"
         " measured in the same process after the fit. fp32 compute, 64 tokens per rank.",
         "",
@@ -290,7 +291,7 @@ def main() -> None:
     if args.command == "run":
         command = [
             sys.executable,
-            str(HERE / "big_model.py"),
+            str(HERE / "run.py"),
             "run",
             "--size",
             args.size,
@@ -312,7 +313,7 @@ def main() -> None:
             str(runs),
         ]
         subprocess.run(command, check=False)
-    records = json.loads((runs / "big_model.json").read_text())["records"]
+    records = read_json(runs / "big_model.json")["records"]
     latest = {r["key"]: r for r in records}
     (args.out / "step_profile.md").write_text(report(list(latest.values())))
     print(report(list(latest.values())))

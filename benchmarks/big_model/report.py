@@ -1,4 +1,4 @@
-"""The figures of ``big_model.py``: one summary per run record, the merged results files, and the GPU arithmetic.
+"""The figures of ``run.py``: one summary per run record, the merged results files, and the GPU arithmetic.
 
 Memory figures are per node: the sum over ranks of each rank's peak (ranks peak at different moments, so this is an
 upper bound of the simultaneous peak, which the driver's guard samples too: ``node_peak_anon_shmem``). "USS" is
@@ -14,23 +14,19 @@ Imports nothing heavy at module level: the driver stays a light process.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-GIB, MIB = 2**30, 2**20
+from benchmarks.harness.records import read_json, write_json
+from benchmarks.harness.tables import GIB, MIB, gib, mib, num
+
 # goals of issue 17, reported as met/missed, never asserted
 NF4_13B_NODE_PEAK_GIB = 9.0
 BF16_7B_LOAD_RATIO = 1.10
 FIRST_STEP_OVER_READ = 1.5
 FINGERPRINT_SHARE = 0.10
-
-
-def total_memory_gib() -> float:
-    with open("/proc/meminfo") as meminfo:
-        return int(meminfo.readline().split()[1]) / 2**20
 
 
 def _node(ranks: list[dict], phase: str, kind: str) -> Optional[int]:
@@ -43,7 +39,7 @@ def _ratio(value: Optional[int], floor: Optional[int], base: Optional[int]) -> O
 
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
-    """The figures of one run record (``big_model.py``'s ``run_config``); missing phases give None."""
+    """The figures of one run record (``run.py``'s ``run_config``); missing phases give None."""
     config, ranks = record["config"], record.get("ranks", [])
     rank0 = next((r for r in ranks if r.get("rank") == 0), {})
     errors = {
@@ -145,7 +141,7 @@ def one_line(record: dict[str, Any]) -> str:
 
 def load_records(out: Path) -> list[dict[str, Any]]:
     path = out / "big_model.json"
-    return json.loads(path.read_text())["records"] if path.exists() else []
+    return read_json(path)["records"] if path.exists() else []
 
 
 def done_keys(out: Path) -> set[str]:
@@ -158,11 +154,11 @@ def merge(record: dict[str, Any], out: Path, arithmetic_rows: Callable[[], list[
     file has no arithmetic yet."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "big_model.json"
-    data = json.loads(path.read_text()) if path.exists() else {"records": []}
+    data = read_json(path) if path.exists() else {"records": []}
     data["records"].append(record)
     if "arithmetic" not in data:
         data["arithmetic"] = arithmetic_rows()
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    write_json(path, data)
     write_markdown(out)
 
 
@@ -178,14 +174,6 @@ def _shown(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             shown.append(ok[-1])
         shown.append(runs[-1])
     return shown
-
-
-def _gib(value: Optional[int]) -> str:
-    return "" if value is None else f"{value / GIB:.2f}"
-
-
-def _x(value: Optional[float]) -> str:
-    return "" if value is None else f"{value:.2f}"
 
 
 def _goals(record: dict[str, Any]) -> list[str]:
@@ -218,15 +206,15 @@ def _goals(record: dict[str, Any]) -> list[str]:
 def write_markdown(out: Path) -> None:
     """``big_model.md``: memory, time and goals of the latest record per configuration, then the arithmetic; the
     records' summaries in ``big_model.json`` are recomputed first."""
-    data = json.loads((out / "big_model.json").read_text())
+    data = read_json(out / "big_model.json")
     for record in data["records"]:  # the summaries derive from the raw figures: recomputed with this code
         record["summary"] = summarize(record)
-    (out / "big_model.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_json(out / "big_model.json", data)
     shown = _shown(data["records"])
     lines = [
         "# LoRA on a Llama-2-shaped hub checkpoint, end to end on the CPU",
         "",
-        "Written by `benchmarks/big_model.py` (see `benchmarks/README.md`); every run is in `big_model.json`, the"
+        "Written by `benchmarks/big_model/run.py` (see `benchmarks/README.md`); every run is in `big_model.json`, the"
         " latest of each configuration is shown. Config: size, frozen storage (`none` = the compute dtype), precision,"
         " ranks, tokens per sequence (batch 1 per rank). LoRA r=8 on `q_proj`/`v_proj`, AdamW, random tokens.",
         "",
@@ -246,12 +234,12 @@ def write_markdown(out: Path) -> None:
         params = f"{s['frozen_params'] / 1e9:.2f}B" if s.get("frozen_params") else ""
         lines.append(
             f"| {record['key']} | {s['status']} | {params} | {s.get('stored_as') or ''}"
-            f" | {_gib(s.get('frozen_storage_bytes'))} | {_gib(s.get('floor_uss'))} | {_gib(s.get('load_peak_uss'))}"
-            f" | {_x(s.get('load_uss_over_storage'))} | {_x(s.get('load_uss_over_bf16'))}"
-            f" | {_x(s.get('load_anon_over_storage'))} | {_gib(s.get('train_peak_uss'))}"
-            f" | {_x(s.get('train_uss_over_storage'))} | {_x(s.get('train_uss_over_bf16'))}"
-            f" | {_x(s.get('train_anon_over_storage'))}"
-            f" | {_gib(record.get('outcome', {}).get('node_peak_anon_shmem'))} |"
+            f" | {gib(s.get('frozen_storage_bytes'))} | {gib(s.get('floor_uss'))} | {gib(s.get('load_peak_uss'))}"
+            f" | {num(s.get('load_uss_over_storage'), missing='')} | {num(s.get('load_uss_over_bf16'), missing='')}"
+            f" | {num(s.get('load_anon_over_storage'), missing='')} | {gib(s.get('train_peak_uss'))}"
+            f" | {num(s.get('train_uss_over_storage'), missing='')} | {num(s.get('train_uss_over_bf16'), missing='')}"
+            f" | {num(s.get('train_anon_over_storage'), missing='')}"
+            f" | {gib(record.get('outcome', {}).get('node_peak_anon_shmem'))} |"
         )
     lines += [
         "",
@@ -279,7 +267,7 @@ def write_markdown(out: Path) -> None:
             f"| {record['key']} | {record['date']}, {record['commit']} | {record['load_average_at_start'][0]}"
             f" | {_cache(cache)} | {read} | {load} | {v['fingerprint_s']} | {v['first_step_at_s']}"
             f" | {v.get('first_step_over_read', '')} | {v.get('load_to_first_step_over_read', '')}"
-            f" | {v.get('step_s', '')} | {v.get('tokens_per_s', '')} | {_mib(s.get('checkpoint_bytes'))}"
+            f" | {v.get('step_s', '')} | {v.get('tokens_per_s', '')} | {mib(s.get('checkpoint_bytes'))}"
             f" | {v['save_s']} | {resumed} |"
         )
     failures = [(r["key"], r["summary"]) for r in shown if r["summary"]["status"] != "ok"]
@@ -291,8 +279,8 @@ def write_markdown(out: Path) -> None:
             f"- {key}: {s['status']}; {s.get('reason') or ''} {'; '.join(f'{k}: {v}' for k, v in s['errors'].items())}"
             + (
                 " (peak of the phase it was in, summed over the ranks that reported:"
-                f" {_gib(s['last_phase_peak_uss'])} GiB USS,"
-                f" {_gib(s['last_phase_peak_anon'])} GiB anon)"
+                f" {gib(s['last_phase_peak_uss'])} GiB USS,"
+                f" {gib(s['last_phase_peak_anon'])} GiB anon)"
                 if s.get("last_phase_peak_uss")
                 else ""
             )
@@ -310,10 +298,6 @@ def _cache(cache: dict[str, Any]) -> str:
     )
 
 
-def _mib(value: Optional[int]) -> str:
-    return "" if value is None else f"{value / MIB:.1f}"
-
-
 # ------------------------------------------------------------------------------------------------ GPU arithmetic
 
 
@@ -323,14 +307,15 @@ ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN = 34  # one layer's activations in bf16 
 
 def arithmetic() -> list[dict[str, Any]]:
     """What a GPU node would need for 13B and 70B (Llama-2 shapes, LoRA r=8 on q/v, bf16 compute), from
-    ``lightning_frozen.estimate_memory`` (DESIGN.md's "physical limit" and "scale arithmetic"): formulas, not
-    measurements. One row per model, frozen storage and GPU count (one node)."""
+    ``lightning_frozen.estimate_memory`` (the physical limit: frozen bytes / N plus the trainable params' weight,
+    master, moments and gradient): formulas, not measurements. One row per model, frozen storage and GPU count
+    (one node)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.big_model_checkpoint import llama_config
-    from benchmarks.big_model_worker import LORA
+    from benchmarks.big_model.checkpoint import llama_config
+    from benchmarks.big_model.worker import LORA
     from lightning_frozen import estimate_memory
 
     rows = []
@@ -378,7 +363,7 @@ def arithmetic_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "## What a GPU machine would need: arithmetic, not measurement",
         "",
-        "From `lightning_frozen.estimate_memory` (DESIGN.md's physical limit and scale arithmetic) on Llama-2 shapes"
+        "From `lightning_frozen.estimate_memory` (the physical limit and its scale arithmetic) on Llama-2 shapes"
         " built on the `meta` device, LoRA r=8 on q/v, bf16 compute, one node. GiB. Host at load: the frozen base as"
         " stored plus, per rank, what is in flight (the largest module `zero.Init` creates whole, one tensor's slice,"
         " the fp32 adapters) — when the loader quantizes while it reads; `estimate` is what the package's estimate"
@@ -396,8 +381,8 @@ def arithmetic_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['size']} ({r['frozen_params'] / 1e9:.1f}B) | {r['storage']} | {r['gpus']}"
-            f" | {_gib(r['frozen_node_bytes'])} | {_gib(r['host_load_quantizing_while_loading'])}"
-            f" | {_gib(r['host_load_package_estimate'])} | {_gib(r['host_training_node'])}"
-            f" | {_gib(r['gpu_offloaded'])} | {_gib(r['gpu_not_offloaded'])} | {_gib(r['activations_per_gpu'])} |"
+            f" | {gib(r['frozen_node_bytes'])} | {gib(r['host_load_quantizing_while_loading'])}"
+            f" | {gib(r['host_load_package_estimate'])} | {gib(r['host_training_node'])}"
+            f" | {gib(r['gpu_offloaded'])} | {gib(r['gpu_not_offloaded'])} | {gib(r['activations_per_gpu'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,0 +1,226 @@
+"""What a benchmark reads off the machine: a process's memory (``/proc``, USS), load average, page cache, bytes.
+
+Linux only (``/proc``). Importing this module imports nothing heavy, so a driver that holds no torch can use it;
+:func:`count_gathered_bytes` and :func:`snapshot` import DeepSpeed when called, in the rank processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import psutil
+
+from benchmarks.harness.records import write_json
+
+MEMORY_KINDS = ("uss", "anon", "rss")  # what the sampler keeps a peak of
+
+
+def proc_status(fields: tuple[str, ...], pid: Union[int, str] = "self") -> dict[str, int]:
+    """``fields`` of ``/proc/<pid>/status`` in bytes (kB lines); 0 for a field that is missing or a process gone."""
+    values = dict.fromkeys(fields, 0)
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                name = line.split(":", 1)[0]
+                if name in values:
+                    values[name] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def proc_status_bytes(field: str) -> int:
+    """One field of this process's ``/proc/self/status`` in bytes (``VmRSS``, ``VmHWM``, ``RssAnon``...).
+
+    Raises:
+        RuntimeError: the kernel does not report ``field``.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def memory_now() -> dict[str, int]:
+    """This process's USS (pages no other process maps), anonymous resident memory and RSS, in bytes."""
+    uss = psutil.Process().memory_full_info().uss
+    status = proc_status(("RssAnon", "VmRSS"))
+    return {"uss": uss, "anon": status["RssAnon"], "rss": status["VmRSS"]}
+
+
+class PeakSampler(threading.Thread):
+    """Samples this process's :func:`memory_now` every ``interval_s`` in a thread and keeps the peaks.
+
+    :meth:`peaks` reads them; :meth:`end_phase` reads and starts the next phase's from what is held now. With a
+    ``running_file``, every ``write_every_s`` the current peaks replace that file, so that a run killed mid-phase
+    (timeout, memory guard) still says how much it held.
+    """
+
+    def __init__(
+        self, interval_s: float = 0.05, running_file: Optional[Path] = None, write_every_s: float = 2.0
+    ) -> None:
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.running_file = running_file
+        self.write_every_s = write_every_s
+        self.peak = dict.fromkeys(MEMORY_KINDS, 0)
+        self.lock = threading.RLock()
+        self.stopped = threading.Event()
+
+    def sample(self) -> None:
+        now = memory_now()
+        with self.lock:
+            self.peak = {kind: max(self.peak[kind], now[kind]) for kind in MEMORY_KINDS}
+
+    def peaks(self) -> dict[str, int]:
+        """The peaks of the phase so far, this moment included."""
+        self.sample()
+        with self.lock:
+            return dict(self.peak)
+
+    def end_phase(self) -> dict[str, int]:
+        """The peaks since the last call (or the start); the next phase's peaks start from what is held now."""
+        with self.lock:
+            peaks = self.peaks()
+            self.peak = dict.fromkeys(MEMORY_KINDS, 0)
+            self.sample()
+        return peaks
+
+    def run(self) -> None:
+        written = time.monotonic()
+        while not self.stopped.wait(self.interval_s):
+            self.sample()
+            if self.running_file is not None and time.monotonic() - written > self.write_every_s:
+                written = time.monotonic()
+                write_json(self.running_file, {**self.peaks(), "at": time.time()})
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.sample()
+
+
+def load_average() -> list[float]:
+    """The machine's load average over 1, 5 and 15 minutes."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def available_bytes() -> int:
+    """The machine's ``MemAvailable``."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def machine() -> str:
+    """The machine in a few words: cores and memory."""
+    return f"{os.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory (a sharded checkpoint)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# ------------------------------------------------------------------------------------------------ page cache
+
+
+def resident_bytes(paths: list[Path]) -> Optional[int]:
+    """Bytes of ``paths`` in the page cache (util-linux ``fincore``); None where it is missing."""
+    if not shutil.which("fincore"):
+        return None
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *map(str, paths)], capture_output=True, text=True)
+    return sum(int(line) for line in out.stdout.split()) if out.returncode == 0 else None
+
+
+def evict(paths: list[Path]) -> dict[str, Any]:
+    """Drop ``paths`` from the page cache: ``posix_fadvise(DONTNEED)`` per file, else (as root) ``drop_caches``."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+    method, left = "posix_fadvise", resident_bytes(paths)
+    if left and os.geteuid() == 0:
+        subprocess.run(["sync"])
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        method, left = "drop_caches", resident_bytes(paths)
+    return {"method": method, "resident_after": left}
+
+
+def plain_read(paths: list[Path]) -> dict[str, Any]:
+    """Read every file once, sequentially, into one 64 MiB buffer: the time a loader cannot beat."""
+    buffer = bytearray(64 * 2**20)
+    view = memoryview(buffer)
+    total, started = 0, time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while count := file.readinto(view):
+                total += count
+    seconds = time.perf_counter() - started
+    return {"bytes": total, "s": round(seconds, 2), "mib_s": round(total / 2**20 / seconds, 1)}
+
+
+def prepare_cache(paths: list[Path], mode: str) -> dict[str, Any]:
+    """The plain read of ``paths``, cold (evicted before it, and again before the run) or warm (read once first)."""
+    total = sum(p.stat().st_size for p in paths)
+    info: dict[str, Any] = {"mode": mode, "files_bytes": total, "resident_before_read": resident_bytes(paths)}
+    if mode == "cold":
+        info["evict_before_read"] = evict(paths)
+    else:
+        plain_read(paths)
+        info["resident_after_warming"] = resident_bytes(paths)
+    info["plain_read"] = plain_read(paths)
+    if mode == "cold":
+        info["evict_before_run"] = evict(paths)
+    info["resident_before_run"] = resident_bytes(paths)
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ in a rank
+
+
+def count_gathered_bytes(counter: dict[str, int]) -> None:
+    """From now on, add the output bytes of every all-gather into a tensor made through ``deepspeed.comm`` to
+    ``counter["bytes"]`` (what ZeRO-3 and the quantized gather move)."""
+    import deepspeed.comm
+    import deepspeed.comm.comm
+
+    original = deepspeed.comm.comm.all_gather_into_tensor
+
+    def counting(output_tensor: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        counter["bytes"] += output_tensor.numel() * output_tensor.element_size()
+        return original(output_tensor, tensor, *args, **kwargs)
+
+    deepspeed.comm.comm.all_gather_into_tensor = counting
+    deepspeed.comm.all_gather_into_tensor = counting
+
+
+def snapshot(module: Any, names: list[str]) -> dict[str, Any]:
+    """Full copies of ``module``'s named params, gathered from their ZeRO-3 shards when partitioned (a collective:
+    every rank calls it)."""
+    import deepspeed
+
+    params = dict(module.named_parameters())
+    wanted = [params[name] for name in names]
+    with deepspeed.zero.GatheredParameters(wanted):
+        return {name: params[name].detach().clone() for name in names}
