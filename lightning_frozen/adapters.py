@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_frozen.anatomy import Anatomy, adapter_param_names, trained_adapters
 from lightning_frozen.errors import AdapterSetupError, format_names
 from lightning_frozen.hf import peft_adapters, row_guard
 from lightning_frozen.hf.reference import find_peft_model
@@ -47,24 +48,6 @@ def _peft_model(model: nn.Module) -> Any:
             " `peft.get_peft_model(base, config, adapter_name=...)` and `add_adapter(name, config)`."
         )
     return found[1]
-
-
-def adapter_param_names(module: nn.Module) -> dict[str, list[str]]:
-    """Each adapter's params, by their names in ``module``, for every adapter of the PEFT model inside it (in the
-    order of its ``peft_config``); empty without a PEFT model."""
-    found = find_peft_model(module)
-    if found is None:
-        return {}
-    owned: dict[str, list[str]] = {name: [] for name in found[1].peft_config}
-    for adapter, names in peft_adapters.adapter_param_names(module).items():
-        owned.setdefault(adapter, []).extend(names)
-    return owned
-
-
-def trained_adapters(module: nn.Module) -> list[str]:
-    """The adapters of ``module``'s PEFT model that have trainable params, in the order of its ``peft_config``."""
-    params = dict(module.named_parameters())
-    return [a for a, names in adapter_param_names(module).items() if any(params[n].requires_grad for n in names)]
 
 
 def train_adapters(model: nn.Module, names: Sequence[str]) -> None:
@@ -253,14 +236,13 @@ def shared_rows(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def guard_rows(module: nn.Module, hooks: ExitStack) -> None:
-    """With two or more adapters of ``module`` training, a forward with gradients that adds two or more of them to
-    every row outside :func:`adapter_rows` and :func:`shared_rows` raises :class:`AdapterSetupError`
-    (``row_guard.py``); the check's hooks go into ``hooks``, and closing it removes them."""
-    found = find_peft_model(module)
-    trained = frozenset(trained_adapters(module))
-    if found is not None and len(trained) >= 2:
-        row_guard.guard(found[1], trained, hooks)
+def guard_rows(anatomy: Anatomy, hooks: ExitStack) -> None:
+    """With two or more adapters of the module training (its ``anatomy`` says), a forward with gradients that adds two
+    or more of them to every row outside :func:`adapter_rows` and :func:`shared_rows` raises
+    :class:`AdapterSetupError` (``row_guard.py``); the check's hooks go into ``hooks``, and closing it removes them."""
+    trained = frozenset(anatomy.trained_adapters)
+    if anatomy.peft is not None and len(trained) >= 2:
+        row_guard.guard(anatomy.peft[1], trained, hooks)
 
 
 def _row_forward(layer: Any, rows: AdapterRows, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -320,20 +302,19 @@ def adapter_param_groups(module: nn.Module, hyper_parameters: Mapping[str, Mappi
     return groups
 
 
-def group_adapters(module: nn.Module, group_names: Sequence[Sequence[str]]) -> list[str]:
-    """The adapter each optimizer param group trains (groups given by param names), or ``[]`` when fewer than two
-    adapters train (nothing to keep apart).
+def group_adapters(anatomy: Anatomy, group_names: Sequence[Sequence[str]]) -> list[str]:
+    """The adapter each optimizer param group of the module trains (groups given by param names; the module's
+    ``anatomy`` says which adapter owns each), or ``[]`` when fewer than two adapters train (nothing to keep apart).
 
     Raises:
         AdapterSetupError: a group holds params of several adapters, or a trainable param belongs to no adapter
             (shared by all, it would couple them).
     """
-    owned = adapter_param_names(module)
-    trained = trained_adapters(module)
+    trained = list(anatomy.trained_adapters)
     if len(trained) < 2:
         return []
-    owner = {name: adapter for adapter, names in owned.items() for name in names}
-    shared = [name for name, p in module.named_parameters() if p.requires_grad and name not in owner]
+    owner = {name: adapter for adapter, names in anatomy.adapter_params.items() for name in names}
+    shared = [name for name in anatomy.trainable if name not in owner]
     if shared:
         raise AdapterSetupError(
             f"Adapters {format_names(trained)} train at once, and trainable params {format_names(shared)} belong to"
@@ -353,9 +334,10 @@ def group_adapters(module: nn.Module, group_names: Sequence[Sequence[str]]) -> l
     return adapters
 
 
-def check_optimizer_groups(module: nn.Module, optimizer: Optimizer) -> None:
-    """:func:`group_adapters` for a torch optimizer over ``module``'s params (raises as it does), and the clipping
-    values of its groups (``gradient_clip_val``): one per adapter, and only where two or more adapters train.
+def check_optimizer_groups(module: nn.Module, anatomy: Anatomy, optimizer: Optimizer) -> None:
+    """:func:`group_adapters` for a torch optimizer over ``module``'s params (of that ``anatomy``; raises as it does),
+    and the clipping values of its groups (``gradient_clip_val``): one per adapter, and only where two or more adapters
+    train.
 
     Raises:
         AdapterSetupError: as :func:`group_adapters`; an adapter whose groups give different clipping values; a
@@ -363,17 +345,18 @@ def check_optimizer_groups(module: nn.Module, optimizer: Optimizer) -> None:
     """
     names = {id(p): name for name, p in module.named_parameters()}
     groups = optimizer.param_groups
-    adapters = group_adapters(module, [[names[id(p)] for p in group["params"]] for group in groups])
-    adapter_clipping.check_group_clips(adapters, groups, trained_adapters(module))
+    adapters = group_adapters(anatomy, [[names[id(p)] for p in group["params"]] for group in groups])
+    adapter_clipping.check_group_clips(adapters, groups, anatomy.trained_adapters)
 
 
 def engine_built(
-    zero_optimizer: Any, module: nn.Module, group_names: Sequence[Sequence[str]], row_hooks: ExitStack
+    zero_optimizer: Any, anatomy: Anatomy, group_names: Sequence[Sequence[str]], row_hooks: ExitStack
 ) -> None:
-    """Once the strategy built its engine (again, after a change of what trains), with two or more adapters training:
+    """Once the strategy built its engine over a module of that ``anatomy`` (again, after a change of what trains),
+    with two or more adapters training:
     clip each one's gradients in ``zero_optimizer`` by its own norm (``zero/adapter_clipping.py``) and refuse a
     training forward outside :func:`adapter_rows` (:func:`guard_rows`; ``row_hooks`` is emptied first, then holds the
     hooks). Raises as :func:`group_adapters` does."""
-    adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(module, group_names))
+    adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(anatomy, group_names))
     row_hooks.close()
-    guard_rows(module, row_hooks)
+    guard_rows(anatomy, row_hooks)

@@ -14,7 +14,8 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning_frozen.base.fingerprint import FINGERPRINT_MODES
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
 from lightning_frozen.format.codec import check_frozen_dtype
-from lightning_frozen.zero.config import ZeroSettings, zero_settings
+from lightning_frozen.spec import StrategySpec
+from lightning_frozen.zero.config import zero_settings
 
 # the names `import lightning_frozen` registers: (name, description, strategy arguments)
 REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -105,20 +106,29 @@ def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[A
         )
 
 
-def resolved_zero_settings(config: dict, config_given: bool, pin_memory: bool = False) -> ZeroSettings:
-    """:func:`zero_settings` of the strategy's resolved DeepSpeed config, refused unless its ZeRO stage is 3.
-    ``config_given``: the user passed ``config=`` (else the strategy's arguments built it, with ``pin_memory``).
+def resolve_spec(config: dict, config_given: bool, pin_memory: bool, **arguments: Any) -> StrategySpec:
+    """The strategy's :class:`StrategySpec`: ZeRO's stage, offloads, pinning and reduce bucket read from its resolved
+    DeepSpeed ``config`` (:func:`zero_settings`, refused unless the stage is 3), the rest from its ``arguments`` (the
+    spec's other fields, checked by :func:`check_strategy_arguments`). ``config_given``: the user passed ``config=``
+    (else the arguments built it, with ``pin_memory``, which then also pins the frozen shards the package offloads).
 
     Raises:
         InvalidArgumentValueError: another stage, or ZeRO off; the message names where it was set and the fix.
     """
     settings = zero_settings(config, pin_memory=pin_memory and not config_given)
-    if settings.stage == 3:
-        return settings
-    where = "the DeepSpeed config (`config=`)" if config_given else "the strategy's arguments"
-    found = f"ZeRO stage {settings.stage}" if settings.stage else "ZeRO switched off (`zero_optimization`)"
-    raise InvalidArgumentValueError(
-        f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3, but {where} sets {found}. Set"
-        ' `"zero_optimization": {"stage": 3, ...}` in the config (or leave `stage=3`, `zero_optimization=True`),'
-        " or use Lightning's `DeepSpeedStrategy` for stages 0 to 2."
+    if settings.stage != 3:
+        where = "the DeepSpeed config (`config=`)" if config_given else "the strategy's arguments"
+        found = f"ZeRO stage {settings.stage}" if settings.stage else "ZeRO switched off (`zero_optimization`)"
+        raise InvalidArgumentValueError(
+            f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3, but {where} sets {found}. Set"
+            ' `"zero_optimization": {"stage": 3, ...}` in the config (or leave `stage=3`, `zero_optimization=True`),'
+            " or use Lightning's `DeepSpeedStrategy` for stages 0 to 2."
+        )
+    return StrategySpec(
+        stage=settings.stage,
+        offload_optimizer=settings.offload_optimizer,
+        offload_param=settings.offload_param,
+        pin_memory=settings.pin_memory,
+        fit_reduce_bucket=settings.fit_reduce_bucket,
+        **arguments,
     )

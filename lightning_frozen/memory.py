@@ -24,11 +24,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError
 from lightning_frozen.format.codec import storage_bytes
 from lightning_frozen.optim import filtering
+from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero.config import fitted_reduce_bucket
-from lightning_frozen.zero.engine import Placement
 from lightning_frozen.zero.optimizers import inner_optimizer
 from lightning_frozen.zero.params import full_numel, local_shard
 from lightning_frozen.zero.quantized import frozen_dtype_of
@@ -274,11 +275,17 @@ def stored_as(frozen: list[nn.Parameter]) -> str:
 
 
 def run_summary(
-    module: nn.Module, deepspeed_optimizer: Any, where: Placement, precision: str, world_size: int, ranks_per_node: int
+    module: nn.Module,
+    deepspeed_optimizer: Any,
+    spec: StrategySpec,
+    loaded: Optional[LoadedBase],
+    precision: str,
+    world_size: int,
+    ranks_per_node: int,
 ) -> str:
     """The per-rank memory summary logged at the start of ``fit``: the estimate for the module's trainable and frozen
-    params and its optimizer (sharded over the ranks by ZeRO-3) placed as ``where`` says, and the frozen shard
-    bytes measured here."""
+    params and its optimizer (sharded over the ranks by ZeRO-3) placed as ``spec`` says, and the frozen shard
+    bytes measured here (``loaded``: what the sliced loader stored as it read)."""
     inner = inner_optimizer(deepspeed_optimizer)
     trainable, frozen = filtering.trainable_params(module), filtering.frozen_params(module)
     estimate = estimate_from_counts(
@@ -286,12 +293,12 @@ def run_summary(
         frozen_params=sum(full_numel(p) for p in frozen),
         world_size=world_size,
         precision=precision,
-        offload_frozen=where.offload_frozen,
-        offload_optimizer=where.offload_optimizer,
+        offload_frozen=spec.offload_frozen,
+        offload_optimizer=spec.offload_optimizer,
         optimizer_state_bytes=filtering.optimizer_state_bytes_per_param(inner),
         largest_module_params=largest_module_params(module),
         ranks_per_node=ranks_per_node,
-        frozen_dtype=where.frozen_dtype,
+        frozen_dtype=spec.frozen_dtype,
     )
     shard_bytes, shard_device = measured_frozen_shard_bytes(frozen)
     return (
@@ -301,25 +308,25 @@ def run_summary(
         " trainable weights"
         f" {format_bytes(estimate.trainable_weights)},"
         f" optimizer state (fp32 master + moments) {format_bytes(estimate.optimizer_state)} on"
-        f" {'host' if where.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
+        f" {'host' if spec.offload_optimizer else 'device'}; the `lr=0` workaround would have added"
         f" {format_bytes(estimate.lr_zero_workaround_extra)} of optimizer state and gradients. Loading the"
         f" base in `configure_model` needs about {format_bytes(estimate.host_load_bytes)} of host memory"
         f" per node ({estimate.ranks_per_node} rank(s), each with"
-        f" {format_bytes(estimate.load_in_flight)} in flight)." + _quantized_late(frozen, where)
+        f" {format_bytes(estimate.load_in_flight)} in flight)." + _quantized_late(frozen, spec.frozen_dtype, loaded)
     )
 
 
-def _quantized_late(frozen: list[nn.Parameter], where: Placement) -> str:
+def _quantized_late(frozen: list[nn.Parameter], frozen_dtype: Optional[str], loaded: Optional[LoadedBase]) -> str:
     """What frozen params that were not quantized while loading cost: the compute dtype until setup, per node."""
-    if not where.frozen_dtype:
+    if not frozen_dtype:
         return ""
-    late = [p for p in frozen if where.loaded is None or not where.loaded.stored_while_loading(p)]
+    late = [p for p in frozen if loaded is None or not loaded.stored_while_loading(p)]
     if not late:
-        return f" The frozen base was stored as {where.frozen_dtype} as it was read."
+        return f" The frozen base was stored as {frozen_dtype} as it was read."
     held = sum(full_numel(p) * (2 if p.dtype in (torch.bfloat16, torch.float16) else 4) for p in late)
     return (
         f" {len(late)} of {len(frozen)} frozen params arrived another way (built in `__init__`, a `.bin` file, or"
-        f" keys transformers converts) and were stored as {where.frozen_dtype} only at setup: until then the node"
+        f" keys transformers converts) and were stored as {frozen_dtype} only at setup: until then the node"
         f" held them in the compute dtype, {format_bytes(held)}. `from_pretrained` of safetensors files in"
         " `configure_model` stores them as they are read."
     )

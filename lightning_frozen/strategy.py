@@ -26,7 +26,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, arguments, loops, memory, preemption
+from lightning_frozen import adapters, anatomy, arguments, loops, memory, preemption
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
@@ -35,6 +35,7 @@ from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.format import layout
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
+from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, host_memory, optimizers
 from lightning_frozen.zero import engine as placement
 from lightning_frozen.zero import init as zero_init
@@ -121,13 +122,13 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             timeout=timeout,
             **kwargs,
         )
-        # the config that runs decides, whether the arguments built it or `config=` gave it
-        self._zero = arguments.resolved_zero_settings(self.config, config is not None, kwargs.get("pin_memory", False))
-        self.offload_frozen, self.convert_lr_zero_groups = offload_frozen, convert_lr_zero_groups
-        self.offload_optimizer, self.pin_memory = self._zero.offload_optimizer, self._zero.pin_memory
-        self.frozen_base, self.fingerprint, self.frozen_dtype = frozen_base, fingerprint, frozen_dtype
-        self.return_freed_memory = return_freed_memory
-        self._preemption = preemption.Preemption(preemption_grace)
+        # resolved once: for ZeRO the config that runs decides, whether the arguments built it or `config=` gave it
+        own = {name: flags[name] for name in ("offload_frozen", "convert_lr_zero_groups", "return_freed_memory")}
+        own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
+        pinned, given = kwargs.get("pin_memory", False), config is not None
+        self._spec = arguments.resolve_spec(self.config, given, pinned, **own, preemption_grace=preemption_grace)
+        self._preemption = preemption.Preemption(self._spec.preemption_grace)
+        self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
         self._optimized = trainable_groups.TrainableGroups()
         self._freezes: list[Callable[[Module], None]] = []  # this run's finetuning callbacks' `freeze_before_training`
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
@@ -135,6 +136,16 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
         self._run_settings = ExitStack()  # what a run changed in the process, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
+
+    @property
+    def spec(self) -> StrategySpec:
+        """The strategy's arguments and DeepSpeed config, resolved once (``lightning_frozen/spec.py``)."""
+        return self._spec
+
+    # the arguments users read back: views of the spec
+    offload_frozen, offload_optimizer, pin_memory = spec_fields("offload_frozen", "offload_optimizer", "pin_memory")
+    frozen_base, fingerprint, frozen_dtype = spec_fields("frozen_base", "fingerprint", "frozen_dtype")
+    convert_lr_zero_groups, return_freed_memory = spec_fields("convert_lr_zero_groups", "return_freed_memory")
 
     @classmethod
     @override
@@ -147,7 +158,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         # each run fingerprints the base again; another module must not meet this one's optimizer and param names
         self._fingerprints.clear()
-        self._freezes = []
+        self._freezes, self._anatomy = [], None  # found again once this run's freezes ran
         if self._connected is None or self._connected() is not model:
             self.optimizers, self.lr_scheduler_configs = [], []
             self._optimized.forget_groups()
@@ -189,20 +200,15 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         else:
             super().setup_distributed()
         accelerator.destroy_gloo_group_at_exit()
+        # CPU devices have no index: DeepSpeed's CPU accelerator takes the local rank
+        index = self.local_rank if self.root_device.index is None else self.root_device.index
+        self._placement = placement.Placement(self.root_device, index)
 
-    @property
-    def _placement(self) -> placement.Placement:
-        return placement.Placement(
-            device=self.root_device,  # CPU devices have no index: DeepSpeed's CPU accelerator takes the local rank
-            device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
-            offload_frozen=self.offload_frozen,
-            offload_optimizer=self.offload_optimizer,
-            pin_memory=self.pin_memory,
-            frozen_dtype=self.frozen_dtype,
-            fingerprint_mode=self.fingerprint,
-            fit_reduce_bucket=self._zero.fit_reduce_bucket,
-            loaded=self._loaded_base,
-        )
+    def _module_anatomy(self) -> anatomy.Anatomy:
+        """The module's anatomy: found once per setup, and again once what trains changed (a rebuild)."""
+        if self._anatomy is None:
+            self._anatomy = anatomy.anatomy_of(self._module, self.spec.frozen_base)
+        return self._anatomy
 
     # ------------------------------------------------------------------ optimizer and engine
 
@@ -216,9 +222,9 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         optimizer = optim.prepare_for_zero(
             module, optimizer, scheduler, self.convert_lr_zero_groups, type(self).__name__
         )
-        if self.offload_optimizer:
+        if self.spec.offload_optimizer:
             optimizer = optim.to_cpu_adam(optimizer, scheduler)
-        adapters.check_optimizer_groups(module, optimizer)
+        adapters.check_optimizer_groups(module, self._module_anatomy(), optimizer)
         self._optimized.record_groups(module, optimizer)
         return optimizer, scheduler_config
 
@@ -229,8 +235,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         zero.check_has_trainable(model)
         self._optimized.record_flags(model, optimizer)
         trainable = optim.trainable_params(model)
-        built = placement.initialize_engine(model, self.config, self._placement, optimizer, lr_scheduler, trainable)
-        adapters.engine_built(built[1], model, self._optimized.group_names, self._row_hooks)
+        built = placement.initialize_engine(
+            model, self.config, self.spec, self._placement, optimizer, lr_scheduler, trainable, self._loaded_base
+        )
+        adapters.engine_built(built[1], self._module_anatomy(), self._optimized.group_names, self._row_hooks)
         return built
 
     @contextmanager
@@ -239,11 +247,12 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         """``configure_model`` runs here: params are ZeRO-3 shards as they are created (frozen ones in CPU memory when
         offloaded), and ``from_pretrained`` loads each rank's slice of every tensor straight into its shard."""
         self._init_config_if_needed()
-        remote_device = self.remote_device or ("cpu" if self.offload_frozen else None)
-        plan = pretrained.LoadPlan(self._loaded_base, self.frozen_dtype, self.fingerprint)
+        remote_device = self.remote_device or ("cpu" if self.spec.offload_frozen else None)
+        plan = pretrained.LoadPlan(self._loaded_base, self.spec.frozen_dtype, self.spec.fingerprint)
         with pretrained.sharded_model_creation(self.config, remote_device, plan):
             yield
-        self.frozen_dtype = plan.frozen_dtype  # a bitsandbytes `quantization_config` there may have chosen it
+        # the one fact a setup may add to the spec: the frozen_dtype a bitsandbytes `quantization_config` chose
+        self._spec = self._spec.with_frozen_dtype(plan.frozen_dtype)
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
@@ -258,7 +267,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             freeze(self._module)
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
-        self.model, _ = placement.initialize_engine(model, inference_config(self.config), self._placement)
+        config, loaded = inference_config(self.config), self._loaded_base
+        self.model, _ = placement.initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
 
     # ------------------------------------------------------------------ training
 
@@ -284,6 +294,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         if self.lightning_module is not None:
             placement.release_engine(self.model, self.lightning_module)
         self._run_settings.close()
+        self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
         super().teardown()
 
     # ------------------------------------------------------------------ changing what trains
@@ -304,8 +315,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
         optimizer = optim.same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
-        placement.destroy_engine(self.deepspeed_engine, module, change.refrozen, self.offload_frozen)
-        self._optimized.group_names = change.group_names
+        placement.destroy_engine(self.deepspeed_engine, module, change.refrozen, self.spec.offload_frozen)
+        self._optimized.group_names, self._anatomy = change.group_names, None  # what trains changed
         self.model, deepspeed_optimizer = self._setup_model_and_optimizer(module, optimizer)
         self.optimizers = [deepspeed_optimizer]
         for config in self.lr_scheduler_configs:  # DeepSpeed runs one optimizer, so one scheduler at most
@@ -322,8 +333,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self, named: Optional[list[tuple[str, Any]]] = None, mode: Optional[str] = None
     ) -> dict[str, Any]:
         """The fingerprint of the module's frozen params (default: all, in this strategy's mode); collective, cached."""
-        named = named_frozen(self._module) if named is None else named
-        return self._fingerprints(named, mode or self.fingerprint)
+        named = named_frozen(self._module, copies=self._module_anatomy().trained_copies) if named is None else named
+        return self._fingerprints(named, mode or self.spec.fingerprint)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -343,8 +354,8 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
         written_with = {layout.WORLD_SIZE: self.world_size, layout.PRECISION: str(self.precision_plugin.precision)}
-        record = self.frozen_base_fingerprint()
-        full = trainable_state.saved_checkpoint(checkpoint_dict, self._module, record, self.frozen_base, **written_with)
+        record, found = self.frozen_base_fingerprint(), self._module_anatomy()
+        full = trainable_state.saved_checkpoint(checkpoint_dict, self._module, found, record, **written_with)
         if self.is_global_zero:
             checkpoint.save(full, filepath, checkpoint_io, storage_options)
 
@@ -353,9 +364,10 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
         checkpoint_path = self.broadcast(checkpoint_path)
         loaded = checkpoint.load(checkpoint_path, checkpoint.user_checkpoint_io(self.checkpoint_io))
-        trainable_state.warn_if_stored_otherwise(loaded, self.frozen_dtype, checkpoint_path)
-        if self.fingerprint != "none":
-            verify_checkpoint_base(loaded, self._module, str(checkpoint_path), take_fingerprint=self._fingerprints)
+        trainable_state.warn_if_stored_otherwise(loaded, self.spec.frozen_dtype, checkpoint_path)
+        if self.spec.fingerprint != "none":
+            copies = self._module_anatomy().trained_copies
+            verify_checkpoint_base(loaded, self._module, str(checkpoint_path), self._fingerprints, copies)
         return loaded
 
     @property
@@ -381,7 +393,6 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
 
     def memory_summary(self) -> str:
         """The per-rank memory summary logged on rank 0 at the start of ``fit``."""
-        where, precision = self._placement, str(self.precision_plugin.precision)
-        return memory.run_summary(
-            self._module, self._deepspeed_optimizer, where, precision, self.world_size, self.num_processes
-        )
+        module, optimizer, precision = self._module, self._deepspeed_optimizer, str(self.precision_plugin.precision)
+        loaded, ranks = self._loaded_base, self.num_processes
+        return memory.run_summary(module, optimizer, self.spec, loaded, precision, self.world_size, ranks)

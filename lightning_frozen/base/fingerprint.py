@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, Optional, Protocol
 
 import torch
@@ -61,14 +61,19 @@ TakeFingerprint = Callable[[list[tuple[str, torch.Tensor]], str], Fingerprint]
 
 
 def named_frozen(
-    module: nn.Module, recorded: Optional[Mapping[str, Any]] = None, trained: Optional[Mapping[str, Any]] = None
+    module: nn.Module,
+    recorded: Optional[Mapping[str, Any]] = None,
+    trained: Optional[Mapping[str, Any]] = None,
+    copies: Optional[Collection[str]] = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The module's tensors that the recorded fingerprint covers (by name), plus any other frozen ones; less those
-    the adapted model does not compute with (:func:`replaced_by_trained_copies`) and those the checkpoint holds
-    trained values for (a finetuning callback unfroze them; they are loaded, not verified)."""
+    the adapted model does not compute with (``copies``, found in the module when not given:
+    :func:`replaced_by_trained_copies`) and those the checkpoint holds trained values for (a finetuning callback
+    unfroze them; they are loaded, not verified)."""
     params = dict(module.named_parameters())
     names = set(layout.fingerprint_tensors(recorded or {})) | {n for n, p in params.items() if not p.requires_grad}
-    skipped = replaced_by_trained_copies(module) | set(trained or {})
+    copies = replaced_by_trained_copies(module) if copies is None else copies
+    skipped = set(copies) | set(trained or {})
     return [(n, params[n]) for n in sorted(names - skipped) if n in params]
 
 
@@ -319,19 +324,21 @@ def verify_checkpoint_base(
     module: nn.Module,
     source: str,
     take_fingerprint: TakeFingerprint = fingerprint_base,
+    copies: Optional[Collection[str]] = None,
 ) -> None:
     """:func:`verify_base` of ``module`` against a checkpoint's ``frozen_base`` entry; the params the checkpoint holds
-    trained values for are loaded, not verified. Collective when distributed.
+    trained values for are loaded, not verified, nor are ``copies`` (the module's
+    :func:`replaced_by_trained_copies`, found when not given). Collective when distributed.
 
     Raises:
         FrozenBaseMismatchError: as :func:`verify_base`.
     """
     recorded = layout.fingerprint_of(checkpoint)
-    skipped = replaced_by_trained_copies(module)
+    skipped = set(replaced_by_trained_copies(module) if copies is None else copies)
     recorded_tensors = layout.fingerprint_tensors(recorded)
     if skipped & set(recorded_tensors):  # recorded by 0.1.0 and by `convert`: compared tensor by tensor
         tensors = {n: v for n, v in recorded_tensors.items() if n not in skipped}
         recorded = {**recorded, layout.TENSORS: tensors, layout.DIGEST: None}
-    named = named_frozen(module, recorded, layout.state_dict_of(checkpoint))
+    named = named_frozen(module, recorded, layout.state_dict_of(checkpoint), skipped)
     reference, bases = layout.reference_of(checkpoint), layout.bases_of(checkpoint)
     verify_base(recorded, named, reference, source, take_fingerprint, bases=bases)

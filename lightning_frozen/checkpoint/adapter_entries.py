@@ -13,27 +13,26 @@ from typing import Any
 
 from torch import nn
 
-from lightning_frozen.adapters import adapter_param_names, trained_adapters
+from lightning_frozen.anatomy import Anatomy, adapter_param_names
 from lightning_frozen.checkpoint.peft_export import peft_entry, peft_entry_of
 from lightning_frozen.errors import AdapterSetupError, format_names
 from lightning_frozen.format import layout
 from lightning_frozen.hf.reference import find_peft_model
 
 
-def peft_entries(
-    module: nn.Module, prefix: str, peft_model: Any, trainable_names: Sequence[str], buffer_names: Sequence[str]
-) -> dict[str, Any]:
-    """The checkpoint's PEFT export entries, as keyword arguments of ``layout.new_frozen_base_entry``: ``peft`` for one
-    trained adapter (or a tuner whose adapter params are not in tuner layers, prompt learning), ``peft_adapters``
-    (name -> entry) for several."""
-    trained = trained_adapters(module)
+def peft_entries(anatomy: Anatomy, trainable_names: Sequence[str], buffer_names: Sequence[str]) -> dict[str, Any]:
+    """The checkpoint's PEFT export entries of a module of that ``anatomy`` (holding a PEFT model), as keyword
+    arguments of ``layout.new_frozen_base_entry``: ``peft`` for one trained adapter (or a tuner whose adapter params are
+    not in tuner layers, prompt learning), ``peft_adapters`` (name -> entry) for several."""
+    assert anatomy.peft is not None
+    prefix, peft_model = anatomy.peft
+    trained = anatomy.trained_adapters
     if len(trained) < 2:
         adapter = trained[0] if trained else None
         return dict(peft=peft_entry(prefix, peft_model, trainable_names, buffer_names, adapter_name=adapter))
-    owned = adapter_param_names(module)
     entries = {}
     for name in trained:
-        own = set(owned[name])
+        own = set(anatomy.adapter_params[name])
         names = [n for n in trainable_names if n in own]
         entries[name] = peft_entry(prefix, peft_model, names, buffer_names, adapter_name=name)
     return dict(peft_adapters=entries)

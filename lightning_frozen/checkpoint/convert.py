@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.base.fingerprint import fingerprint_base, replaced_by_trained_copies
+from lightning_frozen.anatomy import anatomy_of
+from lightning_frozen.base.fingerprint import fingerprint_base
 from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.checkpoint.file import (
     PathLike,
@@ -153,17 +154,18 @@ def convert_deepspeed_checkpoint(
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
     frozen = checkpoint_files.merge_frozen(world_size, model_states)
-    for name in replaced_by_trained_copies(module) if module is not None else ():
+    found = anatomy_of(module, reference) if module is not None else None
+    for name in found.trained_copies if found is not None else ():
         frozen.pop(name, None)  # as a save does: the adapted model computes with their trained copies instead
     if frozen:
         fingerprint = fingerprint_base(sorted(frozen.items()))
     else:
         log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
         fingerprint = layout.fingerprint_entry("none", None, {})
-    if module is None:
+    if module is None or found is None:
         frozen_base = layout.new_frozen_base_entry(reference, fingerprint)
     else:
-        frozen_base = trainable_state.frozen_base_entry(module, fingerprint, reference, list(per_name))
+        frozen_base = trainable_state.frozen_base_entry(module, found, fingerprint, list(per_name))
     lightning_entries = {key: value for key, value in client.items() if key not in checkpoint_files.ENGINE_STATE_KEYS}
     marker = layout.format_marker(**{layout.WORLD_SIZE: world_size, layout.CONVERTED_FROM: str(source)})
     converted = layout.assemble(lightning_entries, state_dict, [optimizer_entry], frozen_base, marker)

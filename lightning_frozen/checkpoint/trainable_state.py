@@ -13,12 +13,12 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_frozen.anatomy import Anatomy
 from lightning_frozen.checkpoint.adapter_entries import peft_entries
 from lightning_frozen.checkpoint.loading import check_keys
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.format import layout
 from lightning_frozen.format.codec import block_format
-from lightning_frozen.hf.reference import find_base_reference, find_base_references, find_peft_model
 from lightning_frozen.zero import params as zero
 from lightning_frozen.zero.params import persistent_buffers
 from lightning_frozen.zero.quantized import frozen_dtype_of
@@ -110,22 +110,21 @@ def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, sa
 
 def frozen_base_entry(
     module: nn.Module,
+    anatomy: Anatomy,
     fingerprint: dict[str, Any],
-    explicit_reference: Optional[str],
     trainable_names: Optional[list[str]] = None,
 ) -> dict[str, Any]:
-    """The ``frozen_base`` entry of ``module``: reference, fingerprint, each base's reference where it holds several
-    (a vision tower and a language model), what export needs for a PEFT model (``trainable_names``, the saved
-    params' names, default: those that require grad now) and how a quantized base is stored."""
-    if trainable_names is None:
-        trainable_names = [name for name, param in module.named_parameters() if param.requires_grad]
-    peft = find_peft_model(module)
-    exports = {} if peft is None else peft_entries(module, *peft, trainable_names, list(persistent_buffers(module)))
+    """The ``frozen_base`` entry of ``module`` (of that ``anatomy``): reference, fingerprint, each base's reference
+    where it holds several (a vision tower and a language model), what export needs for a PEFT model
+    (``trainable_names``, the saved params' names, default: those that train) and how a quantized base is stored."""
+    trainable_names = list(anatomy.trainable) if trainable_names is None else trainable_names
+    buffer_names = list(persistent_buffers(module)) if anatomy.peft is not None else []
+    exports = {} if anatomy.peft is None else peft_entries(anatomy, trainable_names, buffer_names)
     stored = sorted({frozen_dtype_of(p) for p in module.parameters() if not p.requires_grad} - {None})
     return layout.new_frozen_base_entry(
-        find_base_reference(module, explicit_reference),
+        anatomy.base_reference,
         fingerprint,
-        bases=find_base_references(module),
+        bases=dict(anatomy.base_references),
         quantization=block_format(stored[0]).describe() if stored else None,
         **exports,
     )
@@ -134,18 +133,18 @@ def frozen_base_entry(
 def saved_checkpoint(
     checkpoint_dict: Mapping[str, Any],
     module: nn.Module,
+    anatomy: Anatomy,
     fingerprint: dict[str, Any],
-    explicit_reference: Optional[str],
     **written_with: Any,
 ) -> dict[str, Any]:
     """The file a save writes: Lightning's ``checkpoint_dict`` (holding this package's ``state_dict`` and
-    ``optimizer_states``), the ``frozen_base`` entry and the format marker with ``written_with`` (world size,
-    precision), built by :func:`layout.assemble`."""
+    ``optimizer_states``), the ``frozen_base`` entry of ``module`` (of that ``anatomy``) and the format marker with
+    ``written_with`` (world size, precision), built by :func:`layout.assemble`."""
     return layout.assemble(
         checkpoint_dict,
         checkpoint_dict[layout.STATE_DICT],
         checkpoint_dict.get(layout.OPTIMIZER_STATES),
-        frozen_base_entry(module, fingerprint, explicit_reference),
+        frozen_base_entry(module, anatomy, fingerprint),
         layout.format_marker(**written_with),
     )
 

@@ -16,7 +16,16 @@ def find_base_reference(module: nn.Module, explicit: Optional[str] = None) -> Op
     :func:`find_base_references`, else a ``frozen_base_reference`` attribute of ``module``; None if none is known."""
     if explicit:
         return str(explicit)
-    bases, peft = find_base_references(module), find_peft_model(module)
+    return chosen_reference(None, find_base_references(module), find_peft_model(module), module)
+
+
+def chosen_reference(
+    explicit: Optional[str], bases: Mapping[str, str], peft: Optional[tuple[str, Any]], module: nn.Module
+) -> Optional[str]:
+    """:func:`find_base_reference` from what was found in ``module``: its ``bases`` (:func:`find_base_references`) and
+    its ``peft`` model (:func:`find_peft_model`)."""
+    if explicit:
+        return str(explicit)
     reference = (bases.get(peft[0]) if peft else None) or next(iter(bases.values()), None)
     reference = reference or getattr(module, "frozen_base_reference", None)
     return str(reference) if reference else None

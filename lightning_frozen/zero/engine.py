@@ -19,74 +19,70 @@ import torch
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
+from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import forward_trace, host_memory
 from lightning_frozen.zero import quantized as quant
-from lightning_frozen.zero.config import fit_reduce_bucket, zero_settings
+from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 
 
-def place_model(model: nn.Module, config: Optional[dict], device: torch.device, offload_frozen: bool) -> None:
+def place_model(model: nn.Module, config: Optional[dict], device: torch.device, spec: StrategySpec) -> None:
     """Shards and buffers where they belong, also for a model built under ``zero.Init`` in ``configure_model``."""
-    if not zero_settings(config or {}).offload_param:
-        place_shards(model, device, offload_frozen, compute_dtype(config or {}) or torch.float32)
+    if not spec.offload_param:
+        place_shards(model, device, spec.offload_frozen, compute_dtype(config or {}) or torch.float32)
     place_buffers(model, device)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """This rank's device, known once the ranks are set: where its trainable shards (and unoffloaded frozen ones) go."""
+
+    device: torch.device
+    device_rank: int  # what `deepspeed.initialize` takes as the device: the CUDA index, or the local rank on the CPU
+
+
 class LoadedShards(Protocol):
-    """What the sliced loader stored (``base/loaded.py`` builds it, the strategy hands it down): shards quantized
-    while loading, settled before the engine is built, and where quantization tells the source values to."""
+    """What the engine reads of the strategy's record of the loaded base (``base/loaded.LoadedBase``)."""
 
     def settle(self, model: nn.Module) -> None: ...
 
     def source_keeper(self, fingerprint_mode: str) -> quant.SourceValues: ...
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where the strategy keeps params and optimizer state, and how it stores the frozen shards."""
-
-    device: torch.device
-    device_rank: int  # what `deepspeed.initialize` takes as the device: the CUDA index, or the local rank on the CPU
-    offload_frozen: bool = True
-    offload_optimizer: bool = False  # the optimizer steps on the CPU (the DeepSpeed config says so too)
-    pin_memory: bool = False
-    frozen_dtype: Optional[str] = None  # "int8"/"nf4": frozen shards stored quantized (see `quantized.py`)
-    fingerprint_mode: str = "checksum"  # how the base is fingerprinted: its source values are kept as they are encoded
-    # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
-    fit_reduce_bucket: bool = False  # (when the user set no size)
-    loaded: Optional[LoadedShards] = None  # what the sliced loader stored: quantized while loading, settled at setup
-
-
 def initialize_engine(
     model: nn.Module,
     config: dict,
+    spec: StrategySpec,
     where: Placement,
     optimizer: Any = None,
     lr_scheduler: Any = None,
     model_parameters: Optional[list[nn.Parameter]] = None,
+    loaded: Optional[LoadedShards] = None,
 ) -> tuple[Any, Any]:
-    """Partition and place the model's params, then ``deepspeed.initialize`` over them (a training engine when
-    ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen params stay 1/N shards
-    afterwards (see :func:`release_frozen_persistence`), quantized when ``where.frozen_dtype`` says so. ZeRO-3's trace
+    """Partition and place the model's params as ``spec`` says, on ``where.device``, then ``deepspeed.initialize`` over
+    them (a training engine when ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen
+    params stay 1/N shards afterwards (see :func:`release_frozen_persistence`), quantized when ``spec.frozen_dtype``
+    says so; ``loaded`` (what the sliced loader stored) is settled first and keeps the source values. ZeRO-3's trace
     is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
     (:func:`forward_trace.reset_trace_at_outermost_call`). On the CPU, ZeRO-3's gather bounds the user left unset get
     CPU defaults (:func:`host_memory.bound_gathers_on_cpu`).
 
     Raises:
-        FrozenDtypeError: ``where.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
+        FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
     """
     import deepspeed
 
-    if model_parameters and where.fit_reduce_bucket:
+    # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
+    if model_parameters and spec.fit_reduce_bucket:
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
     if where.device.type == "cpu":
         host_memory.bound_gathers_on_cpu(config, model)  # there the gathered params are host memory, once per rank
-    if where.frozen_dtype:
-        quant.check_config(where.frozen_dtype, config, where.device)
-    if where.loaded is not None:
-        where.loaded.settle(model)
-    partition_frozen_and_trainable(model, config, where.offload_frozen, where.pin_memory)
-    place_model(model, config, where.device, where.offload_frozen)
+    if spec.frozen_dtype:
+        quant.check_config(spec.frozen_dtype, config, where.device)
+    if loaded is not None:
+        loaded.settle(model)
+    partition_frozen_and_trainable(model, config, spec)
+    place_model(model, config, where.device, spec)
     engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
         args=argparse.Namespace(device_rank=where.device_rank),
         config=config,
@@ -98,9 +94,9 @@ def initialize_engine(
     )
     release_frozen_persistence(engine, model)
     forward_trace.reset_trace_at_outermost_call(model, _param_offload(engine))
-    if where.frozen_dtype:
-        keeper = where.loaded.source_keeper(where.fingerprint_mode) if where.loaded is not None else None
-        quant.quantize_frozen_shards(model, where.frozen_dtype, keeper)
+    if spec.frozen_dtype:
+        keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
+        quant.quantize_frozen_shards(model, spec.frozen_dtype, keeper)
     return engine, deepspeed_optimizer
 
 
@@ -145,15 +141,16 @@ def _is_metric(module: nn.Module) -> bool:
     return metrics is not None and isinstance(module, metrics.Metric)
 
 
-def partition_frozen_and_trainable(model: nn.Module, config: dict, offload_frozen: bool, pin_memory: bool) -> None:
-    """Turn the model's params into ZeRO-3 shards: frozen ones in CPU memory if ``offload_frozen``.
+def partition_frozen_and_trainable(model: nn.Module, config: dict, spec: StrategySpec) -> None:
+    """Turn the model's params into ZeRO-3 shards: frozen ones in CPU memory if ``spec.offload_frozen`` (pinned with
+    ``spec.pin_memory``).
 
     Params already partitioned (built under ``deepspeed.zero.Init``) keep their placement. With
     ``offload_param`` in the config DeepSpeed offloads everything itself and nothing is done here.
     """
     import deepspeed
 
-    if not offload_frozen or zero_settings(config).offload_param:
+    if not spec.offload_frozen or spec.offload_param:
         return
     pending = [p for p in model.parameters() if not is_partitioned(p)]
     if not pending:
@@ -171,7 +168,7 @@ def partition_frozen_and_trainable(model: nn.Module, config: dict, offload_froze
             deepspeed.zero.Init(
                 module=nn.ParameterList(params),
                 remote_device=remote_device,
-                pin_memory=pin_memory and remote_device == "cpu",
+                pin_memory=spec.pin_memory and remote_device == "cpu",
                 config_dict_or_path=config,
                 dtype=dtype or torch.float32,
             )

@@ -1,0 +1,51 @@
+"""The strategy's one resolved spec: its own arguments and what the DeepSpeed config that runs says about ZeRO.
+
+Like Lightning's ``DeepSpeedStrategy``, which folds its arguments into one ``self.config`` at construction, the
+strategy resolves its arguments once (``arguments.resolve_spec``), and every module reads this object, or a field of it
+handed down as a value. Plain values only: any floor of the package may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """What a ``FrozenAwareDeepSpeedStrategy`` was asked for, resolved: read from the DeepSpeed config that runs where
+    the config decides (whether the strategy's arguments built it or ``config=`` gave it), else from the arguments.
+
+    Built at construction, where every fact it holds is known: Lightning completes the config at setup with the batch
+    size and precision only. One field may be completed at setup: ``frozen_dtype``, when a bitsandbytes
+    ``quantization_config`` in ``configure_model`` chooses it (:meth:`with_frozen_dtype` gives the new spec).
+    """
+
+    stage: int  # the ZeRO stage (always 3: the strategy refuses others)
+    offload_frozen: bool  # frozen shards in CPU memory
+    offload_optimizer: bool  # the optimizer steps on the CPU (or NVMe): the config's `offload_optimizer` section
+    offload_param: bool  # DeepSpeed offloads every param itself: the config's `offload_param` section
+    pin_memory: bool  # offloaded tensors in page-locked memory
+    fit_reduce_bucket: bool  # the config sets no `reduce_bucket_size` (or Lightning's): size it to the trainable params
+    convert_lr_zero_groups: bool  # params only in groups whose learning rate stays 0 are frozen
+    frozen_dtype: Optional[str]  # how frozen shards are stored: None (the compute dtype), "int8", "nf4", "bf16", "fp16"
+    fingerprint: str  # how checkpoints verify the frozen base: "checksum", "sha256" or "none"
+    frozen_base: Optional[Union[str, os.PathLike]]  # the base's reference as given; found from the module when None
+    return_freed_memory: bool  # on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS
+    preemption_grace: float  # seconds from a SIGTERM to a rank's exit
+
+    def with_frozen_dtype(self, frozen_dtype: Optional[str]) -> StrategySpec:
+        """This spec with ``frozen_dtype`` (itself when it is the same)."""
+        return self if frozen_dtype == self.frozen_dtype else dataclasses.replace(self, frozen_dtype=frozen_dtype)
+
+
+def spec_fields(*names: str) -> tuple[Any, ...]:
+    """Read-only properties of a class with a ``spec``, one per field of ``names``: public attributes kept as views of
+    the spec, nothing copied."""
+    return tuple(_field(name) for name in names)
+
+
+def _field(name: str) -> Any:
+    return property(lambda owner: getattr(owner.spec, name), doc=f"``spec.{name}``: see :class:`StrategySpec`.")
