@@ -1,5 +1,10 @@
-"""The Lightning seam: every private name of Lightning that the package outside the strategy's hooks relies on, in
-one module, written for Lightning 2.6 (2.6.6 tested). When Lightning changes, this is the one place to look.
+"""The Lightning seam: every private name of Lightning the package relies on, in one module, written for Lightning 2.6
+(2.6.6 tested). When Lightning changes, this is the one place to look.
+
+- ``DeepSpeedHooks``: ``DeepSpeedStrategy`` with its private hooks (``_init_optimizers``,
+  ``_setup_model_and_optimizer``, ``_initialize_deepspeed_train``, ``_initialize_deepspeed_inference``) handed to
+  public methods a subclass overrides, and its private helpers (``_init_deepspeed_distributed``,
+  ``_init_config_if_needed``) callable under public names.
 
 - ``attached_trainer``: ``LightningModule._trainer`` (``LightningModule.trainer`` raises when none is attached).
 - ``record_added_groups``: ``BaseFinetuning._store``, which remembers the param groups a ``finetune_function`` added.
@@ -19,9 +24,57 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal, _SignalConnector
+from torch.nn import Module
+from typing_extensions import override
 
 _TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
+
+
+class DeepSpeedHooks(DeepSpeedStrategy):
+    """``DeepSpeedStrategy`` whose private hooks call public methods: override ``build_optimizer``,
+    ``build_engine``, ``start_training`` and ``start_inference`` (calling ``super()`` for Lightning's own step)."""
+
+    def start_deepspeed_distributed(self) -> None:
+        """DeepSpeed's process group, as ``DeepSpeedStrategy.setup_distributed`` starts it."""
+        self._init_deepspeed_distributed()
+
+    def complete_config(self) -> None:
+        """The DeepSpeed config completed from the Trainer (batch size, precision), once."""
+        self._init_config_if_needed()
+
+    def build_optimizer(self) -> tuple[Any, Any]:
+        """The optimizer and LR scheduler config of ``configure_optimizers``, as Lightning builds them."""
+        return super()._init_optimizers()
+
+    def build_engine(self, model: Module, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
+        """The DeepSpeed engine over ``model`` and its ZeRO optimizer."""
+        return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+
+    def start_training(self, model: Module) -> None:
+        """The training engine set up, as ``fit`` does."""
+        super()._initialize_deepspeed_train(model)
+
+    def start_inference(self, model: Module) -> None:
+        """The engine set up for ``validate``/``test``/``predict``."""
+        super()._initialize_deepspeed_inference(model)
+
+    @override
+    def _init_optimizers(self) -> tuple[Any, Any]:
+        return self.build_optimizer()
+
+    @override
+    def _setup_model_and_optimizer(self, model: Module, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
+        return self.build_engine(model, optimizer, lr_scheduler)
+
+    @override
+    def _initialize_deepspeed_train(self, model: Module) -> None:
+        self.start_training(model)
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        self.start_inference(model)
 
 
 def attached_trainer(module: Any) -> Optional[pl.Trainer]:

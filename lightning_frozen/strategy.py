@@ -14,11 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -26,12 +24,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, anatomy, arguments, loops, memory, preemption
+from lightning_frozen import adapters, anatomy, arguments, lightning_seam, loops, memory, preemption
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file as checkpoint
 from lightning_frozen.checkpoint import trainable_state
+from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import StrategyRegistry
 
 
-class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
+class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     """DeepSpeed ZeRO-3 for models whose larger part is frozen: frozen params (``requires_grad=False``, or only in
     groups whose learning rate stays 0) get no gradients, fp32 master copies or optimizer state, whatever optimizer
     ``configure_optimizers`` returns, and are 1/N shards in the compute dtype, in CPU memory by default. Checkpoints
@@ -196,7 +195,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CPUAccelerator):  # no device index: DeepSpeedStrategy's check does not apply
             self.set_world_ranks()
-            self._init_deepspeed_distributed()
+            self.start_deepspeed_distributed()
         else:
             super().setup_distributed()
         accelerator.destroy_gloo_group_at_exit()
@@ -213,11 +212,11 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ optimizer and engine
 
     @override
-    def _init_optimizers(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
+    def build_optimizer(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
         module = self._module
         for freeze in self._freezes:  # finetuning callbacks' freezes, now that `configure_model` built the module
             freeze(module)
-        optimizer, scheduler_config = super()._init_optimizers()
+        optimizer, scheduler_config = super().build_optimizer()
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
         optimizer = optim.prepare_for_zero(
             module, optimizer, scheduler, self.convert_lr_zero_groups, type(self).__name__
@@ -229,7 +228,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         return optimizer, scheduler_config
 
     @override
-    def _setup_model_and_optimizer(
+    def build_engine(
         self, model: Module, optimizer: Optional[Optimizer], lr_scheduler: Optional[Any] = None
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
         zero.check_has_trainable(model)
@@ -246,7 +245,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` runs here: params are ZeRO-3 shards as they are created (frozen ones in CPU memory when
         offloaded), and ``from_pretrained`` loads each rank's slice of every tensor straight into its shard."""
-        self._init_config_if_needed()
+        self.complete_config()
         remote_device = self.remote_device or ("cpu" if self.spec.offload_frozen else None)
         plan = pretrained.LoadPlan(self._loaded_base, self.spec.frozen_dtype, self.spec.fingerprint)
         with pretrained.sharded_model_creation(self.config, remote_device, plan):
@@ -255,14 +254,14 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         self._spec = self._spec.with_frozen_dtype(plan.frozen_dtype)
 
     @override
-    def _initialize_deepspeed_train(self, model: Module) -> None:
-        super()._initialize_deepspeed_train(model)
+    def start_training(self, model: Module) -> None:
+        super().start_training(model)
         if self.is_global_zero:
             rank_zero_info(self.memory_summary())
         self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
 
     @override
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
+    def start_inference(self, model: Module) -> None:
         for freeze in self._freezes:
             freeze(self._module)
         assert isinstance(self.config, dict)
@@ -317,7 +316,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         optimizer = optim.same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
         placement.destroy_engine(self.deepspeed_engine, module, change.refrozen, self.spec.offload_frozen)
         self._optimized.group_names, self._anatomy = change.group_names, None  # what trains changed
-        self.model, deepspeed_optimizer = self._setup_model_and_optimizer(module, optimizer)
+        self.model, deepspeed_optimizer = self.build_engine(module, optimizer)
         self.optimizers = [deepspeed_optimizer]
         for config in self.lr_scheduler_configs:  # DeepSpeed runs one optimizer, so one scheduler at most
             schedulers.regroup_scheduler(config.scheduler, optimizer, change.continued, change.replaced_groups)
@@ -348,7 +347,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
         return trainable_state.optimizer_state_by_name(optimizer, self._module, self._optimized.group_names)
 
     @override
-    def save_checkpoint(self, checkpoint_dict: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint_dict: dict, filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0,
         atomically (a local path, an fsspec URL, or the Trainer's ``CheckpointIO`` plugin). Collective."""
         checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
@@ -360,7 +359,7 @@ class FrozenAwareDeepSpeedStrategy(DeepSpeedStrategy):
             checkpoint.save(full, filepath, checkpoint_io, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
         checkpoint_path = self.broadcast(checkpoint_path)
         loaded = checkpoint.load(checkpoint_path, checkpoint.user_checkpoint_io(self.checkpoint_io))

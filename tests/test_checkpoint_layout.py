@@ -1,4 +1,4 @@
-"""The checkpoint layout has one owner (``checkpoint/layout.py``): a converted stock DeepSpeed directory holds the
+"""The checkpoint layout has one owner (``format/layout.py``): a converted stock DeepSpeed directory holds the
 entries a save of the same run writes, and no other package module spells a checkpoint key."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_convert_without_the_module_leaves_out_only_what_the_directory_lacks(
 # ---------------------------------------------------------------------------------------------- one owner
 
 _PACKAGE = Path(lightning_frozen.__file__).parent
-_LAYOUT = _PACKAGE / "checkpoint" / "layout.py"
+_LAYOUT = _PACKAGE / "format" / "layout.py"
 # spelled by modules for the torch optimizers and DeepSpeed configs they handle, which use the same names
 _SHARED_WITH_TORCH_AND_DEEPSPEED = {"params", "state", "param_groups", "config"}
 
@@ -144,7 +144,7 @@ def test_no_module_but_layout_spells_a_checkpoint_key() -> None:
         for line, key in _spelled_keys(ast.parse(path.read_text()))
         if key in keys
     ]
-    assert not problems, "use checkpoint/layout.py's constants or accessors: " + "; ".join(problems)
+    assert not problems, "use format/layout.py's constants or accessors: " + "; ".join(problems)
 
 
 def test_the_scan_finds_a_spelled_key() -> None:

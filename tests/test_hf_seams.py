@@ -260,11 +260,28 @@ def test_the_pinned_section_ends_at_the_next_heading_and_its_absence_fails() -> 
         pinned_section("# Internals\n\n## Private names\n`_version`\n")
 
 
-def test_the_override_check_finds_lightning_hooks_the_strategy_overrides() -> None:
-    source = (PACKAGE / "strategy.py").read_text()
-    overridden = overridden_private_methods("strategy", source)
+def test_the_override_check_finds_lightning_hooks_the_seam_overrides() -> None:
+    source = (PACKAGE / "lightning_seam.py").read_text()
+    overridden = overridden_private_methods("lightning_seam", source)
     assert {"_init_optimizers", "_setup_model_and_optimizer", "_initialize_deepspeed_train"} <= set(overridden)
-    assert "_placement" not in overridden  # the strategy's own property
+    strategy = overridden_private_methods("strategy", (PACKAGE / "strategy.py").read_text())
+    assert "_placement" not in strategy  # the strategy's own property
+
+
+# the homes of other packages' private names (issue 26): the DeepSpeed seam (with torch's few), the Hugging Face
+# seam, and the Lightning seam
+PRIVATE_NAME_HOMES = ("zero", "hf", "lightning_seam")
+
+
+def test_private_names_of_other_packages_live_in_the_three_seams() -> None:
+    used = package_private_names()
+    elsewhere = {
+        name: [where for where in places if where.split(".")[0].split(":")[0] not in PRIVATE_NAME_HOMES]
+        for name, places in used.items()
+    }
+    assert {name: places for name, places in elsewhere.items() if places} == {}
+    homes = {where.split(".")[0].split(":")[0] for places in used.values() for where in places}
+    assert homes == set(PRIVATE_NAME_HOMES)  # each seam is still in use: the check reads the right modules
 
 
 def test_every_private_name_of_another_package_is_listed_in_docs_internals() -> None:
