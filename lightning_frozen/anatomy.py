@@ -66,7 +66,7 @@ def _adapter_param_names(module: nn.Module, peft: Optional[tuple[str, Any]]) -> 
     if peft is None:
         return {}
     owned: dict[str, list[str]] = {name: [] for name in peft[1].peft_config}
-    for adapter, names in peft_adapters.adapter_param_names(module).items():
+    for adapter, names in peft_adapters.tuner_layer_params(module).items():
         owned.setdefault(adapter, []).extend(names)
     return owned
 

@@ -28,18 +28,17 @@ from lightning_frozen import adapters, anatomy, arguments, lightning_seam, loops
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
-from lightning_frozen.checkpoint import file as checkpoint
-from lightning_frozen.checkpoint import trainable_state
+from lightning_frozen.checkpoint import file, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
-from lightning_frozen.optim import filtering as optim
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
+from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
 from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, host_memory, optimizers
-from lightning_frozen.zero import engine as placement
-from lightning_frozen.zero import init as zero_init
-from lightning_frozen.zero import params as zero
 from lightning_frozen.zero.config import inference_config
+from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
+from lightning_frozen.zero.init import linear_restorer
+from lightning_frozen.zero.params import check_has_trainable
 
 if TYPE_CHECKING:
     import deepspeed
@@ -179,9 +178,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
-        checkpoint.require_restore_path(self._module.trainer, self.checkpoint_io)
+        file.require_restore_path(self._module.trainer, self.checkpoint_io)
         self._run_settings.callback(accelerator.ignore_dependency_deprecations())
-        self._run_settings.callback(zero_init.linear_restorer())  # `zero.Init` replaces `F.linear` for good
+        self._run_settings.callback(linear_restorer())  # `zero.Init` replaces `F.linear` for good
         accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()
@@ -201,7 +200,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         accelerator.destroy_gloo_group_at_exit()
         # CPU devices have no index: DeepSpeed's CPU accelerator takes the local rank
         index = self.local_rank if self.root_device.index is None else self.root_device.index
-        self._placement = placement.Placement(self.root_device, index)
+        self._placement = Placement(self.root_device, index)
 
     def _module_anatomy(self) -> anatomy.Anatomy:
         """The module's anatomy: found once per setup, and again once what trains changed (a rebuild)."""
@@ -218,11 +217,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             freeze(module)
         optimizer, scheduler_config = super().build_optimizer()
         scheduler = scheduler_config.scheduler if scheduler_config is not None else None
-        optimizer = optim.prepare_for_zero(
-            module, optimizer, scheduler, self.convert_lr_zero_groups, type(self).__name__
-        )
+        optimizer = prepare_for_zero(module, optimizer, scheduler, self.convert_lr_zero_groups, type(self).__name__)
         if self.spec.offload_optimizer:
-            optimizer = optim.to_cpu_adam(optimizer, scheduler)
+            optimizer = to_cpu_adam(optimizer, scheduler)
         adapters.check_optimizer_groups(module, self._module_anatomy(), optimizer)
         self._optimized.record_groups(module, optimizer)
         return optimizer, scheduler_config
@@ -231,10 +228,10 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def build_engine(
         self, model: Module, optimizer: Optional[Optimizer], lr_scheduler: Optional[Any] = None
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
-        zero.check_has_trainable(model)
+        check_has_trainable(model)
         self._optimized.record_flags(model, optimizer)
-        trainable = optim.trainable_params(model)
-        built = placement.initialize_engine(
+        trainable = trainable_params(model)
+        built = initialize_engine(
             model, self.config, self.spec, self._placement, optimizer, lr_scheduler, trainable, self._loaded_base
         )
         adapters.engine_built(built[1], self._module_anatomy(), self._optimized.group_names, self._row_hooks)
@@ -267,7 +264,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
         config, loaded = inference_config(self.config), self._loaded_base
-        self.model, _ = placement.initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
+        self.model, _ = initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
 
     # ------------------------------------------------------------------ training
 
@@ -291,7 +288,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone."""
         self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
         if self.lightning_module is not None:
-            placement.release_engine(self.model, self.lightning_module)
+            release_engine(self.model, self.lightning_module)
         self._run_settings.close()
         self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
         super().teardown()
@@ -313,8 +310,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         module = self._module
         change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
-        optimizer = optim.same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
-        placement.destroy_engine(self.deepspeed_engine, module, change.refrozen, self.spec.offload_frozen)
+        optimizer = same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
+        destroy_engine(self.deepspeed_engine, module, change.refrozen, self.spec.offload_frozen)
         self._optimized.group_names, self._anatomy = change.group_names, None  # what trains changed
         self.model, deepspeed_optimizer = self.build_engine(module, optimizer)
         self.optimizers = [deepspeed_optimizer]
@@ -350,19 +347,19 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def save_checkpoint(self, checkpoint_dict: dict, filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0,
         atomically (a local path, an fsspec URL, or the Trainer's ``CheckpointIO`` plugin). Collective."""
-        checkpoint_io = checkpoint.user_checkpoint_io(self.checkpoint_io, storage_options)
+        checkpoint_io = file.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
         written_with = {layout.WORLD_SIZE: self.world_size, layout.PRECISION: str(self.precision_plugin.precision)}
         record, found = self.frozen_base_fingerprint(), self._module_anatomy()
         full = trainable_state.saved_checkpoint(checkpoint_dict, self._module, found, record, **written_with)
         if self.is_global_zero:
-            checkpoint.save(full, filepath, checkpoint_io, storage_options)
+            file.save(full, filepath, checkpoint_io, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a lightning-frozen file on every rank and verify the frozen base against it (collective)."""
         checkpoint_path = self.broadcast(checkpoint_path)
-        loaded = checkpoint.load(checkpoint_path, checkpoint.user_checkpoint_io(self.checkpoint_io))
+        loaded = file.load(checkpoint_path, file.user_checkpoint_io(self.checkpoint_io))
         trainable_state.warn_if_stored_otherwise(loaded, self.spec.frozen_dtype, checkpoint_path)
         if self.spec.fingerprint != "none":
             copies = self._module_anatomy().trained_copies

@@ -19,8 +19,16 @@ from lightning_frozen.checkpoint.loading import check_keys
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.format import layout
 from lightning_frozen.format.codec import block_format
-from lightning_frozen.zero import params as zero
-from lightning_frozen.zero.params import persistent_buffers
+from lightning_frozen.zero.params import (
+    ensure_optimizer_state,
+    full_param,
+    loss_scaler_state,
+    optimizer_state_of,
+    persistent_buffers,
+    restore_loss_scaler,
+    set_full_param,
+    set_optimizer_state,
+)
 from lightning_frozen.zero.quantized import frozen_dtype_of
 
 
@@ -34,7 +42,7 @@ def trainable_state_dict(
 ) -> dict[str, Any]:
     """The trainable params (whole fp32 values) and persistent buffers; never a frozen weight. Collective."""
     state = {
-        name: zero.full_param(param, optimizer_holding(name, deepspeed_optimizer, ungrouped_names))
+        name: full_param(param, optimizer_holding(name, deepspeed_optimizer, ungrouped_names))
         for name, param in module.named_parameters()
         if param.requires_grad
     }
@@ -62,7 +70,7 @@ def load_trainable_state(
     for name, value in state_dict.items():
         if name in trainable:
             holder = optimizer_holding(name, deepspeed_optimizer, ungrouped_names)
-            zero.set_full_param(trainable[name], value, holder)
+            set_full_param(trainable[name], value, holder)
         elif name in buffers:
             buffers[name].data.copy_(value.to(device=buffers[name].device, dtype=buffers[name].dtype))
 
@@ -77,11 +85,9 @@ def optimizer_state_by_name(
         for group, names in zip(deepspeed_optimizer.param_groups, group_param_names)
     ]
     state = {
-        name: zero.optimizer_state_of(deepspeed_optimizer, params[name])
-        for names in group_param_names
-        for name in names
+        name: optimizer_state_of(deepspeed_optimizer, params[name]) for names in group_param_names for name in names
     }
-    return layout.optimizer_entry(state, groups, zero.loss_scaler_state(deepspeed_optimizer))
+    return layout.optimizer_entry(state, groups, loss_scaler_state(deepspeed_optimizer))
 
 
 def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, saved: Mapping[str, Any]) -> None:
@@ -101,11 +107,11 @@ def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, sa
     for group, saved_group in zip(deepspeed_optimizer.param_groups, saved_groups):
         group.update(layout.group_hyper_parameters(saved_group))
     params = dict(module.named_parameters())
-    zero.ensure_optimizer_state(deepspeed_optimizer)
+    ensure_optimizer_state(deepspeed_optimizer)
     for name, state in saved[layout.OPTIMIZER_STATE].items():
         if name in params and params[name].requires_grad and state:
-            zero.set_optimizer_state(deepspeed_optimizer, params[name], state)
-    zero.restore_loss_scaler(deepspeed_optimizer, saved.get(layout.LOSS_SCALER) or {})
+            set_optimizer_state(deepspeed_optimizer, params[name], state)
+    restore_loss_scaler(deepspeed_optimizer, saved.get(layout.LOSS_SCALER) or {})
 
 
 def frozen_base_entry(

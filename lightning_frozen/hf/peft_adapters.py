@@ -113,7 +113,7 @@ def modules_to_save_wrappers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, ModulesToSaveWrapper)]
 
 
-def adapter_param_names(module: nn.Module) -> dict[str, list[str]]:
+def tuner_layer_params(module: nn.Module) -> dict[str, list[str]]:
     """The params of each adapter in the PEFT tuner layers inside ``module``, by their names in ``module``, adapters in
     the order the layers hold them; empty without PEFT."""
     if "peft" not in sys.modules:

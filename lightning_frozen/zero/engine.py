@@ -20,8 +20,7 @@ from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
 from lightning_frozen.spec import StrategySpec
-from lightning_frozen.zero import forward_trace, host_memory
-from lightning_frozen.zero import quantized as quant
+from lightning_frozen.zero import forward_trace, host_memory, quantized
 from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 
@@ -46,7 +45,7 @@ class LoadedShards(Protocol):
 
     def settle(self, model: nn.Module) -> None: ...
 
-    def source_keeper(self, fingerprint_mode: str) -> quant.SourceValues: ...
+    def source_keeper(self, fingerprint_mode: str) -> quantized.SourceValues: ...
 
 
 def initialize_engine(
@@ -78,7 +77,7 @@ def initialize_engine(
     if where.device.type == "cpu":
         host_memory.bound_gathers_on_cpu(config, model)  # there the gathered params are host memory, once per rank
     if spec.frozen_dtype:
-        quant.check_config(spec.frozen_dtype, config, where.device)
+        quantized.check_config(spec.frozen_dtype, config, where.device)
     if loaded is not None:
         loaded.settle(model)
     partition_frozen_and_trainable(model, config, spec)
@@ -96,7 +95,7 @@ def initialize_engine(
     forward_trace.reset_trace_at_outermost_call(model, _param_offload(engine))
     if spec.frozen_dtype:
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
-        quant.quantize_frozen_shards(model, spec.frozen_dtype, keeper)
+        quantized.quantize_frozen_shards(model, spec.frozen_dtype, keeper)
     return engine, deepspeed_optimizer
 
 
