@@ -14,6 +14,10 @@ Written for transformers 5.x (5.24 tested) and PEFT 0.21 (0.21.2 tested). Module
   (else it warns and wraps nothing); finding ``PeftModel`` and ``ModulesToSaveWrapper`` instances; each adapter's
   params in ``BaseTunerLayer``s; LoRA's forward on blocks of rows from ``base_layer``, ``lora_A``, ``lora_B``,
   ``lora_dropout``, ``scaling`` and ``_cast_input_dtype`` of ``lora.layer.Linear`` / ``lora.layer._ConvNd``.
+- ``reference``: where each frozen base came from (PEFT's ``base_model_name_or_path``, ``config._name_or_path``) and the
+  PEFT model inside a module.
+- ``row_guard``: a forward pre-hook on PEFT's LoRA layers that refuses a training forward of several adapters outside
+  ``adapter_rows`` / ``shared_rows``.
 - ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt
   encoders of ``PEFT_TYPE_TO_TUNER_MAPPING`` (built from ``PeftConfig.from_peft_type``).
 """
