@@ -98,11 +98,18 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     parser.add_argument("--log-every", type=float, help="seconds between progress lines (default: the package's)")
     args = parser.parse_args()
+    # the tests run this on one rank in their own process: the patches below are put back when it returns
+    interval, creation = progress.INTERVAL_SECONDS, pretrained.sharded_model_creation
+    try:
+        fit(args, creation)
+    finally:
+        progress.INTERVAL_SECONDS, pretrained.sharded_model_creation = interval, creation
+
+
+def fit(args: argparse.Namespace, creation: Any) -> None:
     if args.log_every is not None:
         progress.INTERVAL_SECONDS = args.log_every
-
     if args.after:  # the loader stores compute-dtype shards; setup quantizes them (the path of bases loaded otherwise)
-        creation = pretrained.sharded_model_creation
 
         def without_quantizing(config: dict, remote_device: Any, plan: Any) -> Any:
             return creation(config, remote_device, dataclasses.replace(plan, frozen_dtype=None))
