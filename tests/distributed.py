@@ -10,7 +10,7 @@ import runpy
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,23 @@ def run_script(
             f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def chained(*runs: Sequence[str]) -> list[str]:
+    """One command line for several runs of a script in one world, each a Trainer of its own: ``runs`` joined by
+    ``--then`` (the script splits them with :func:`runs_of`). Starting the ranks costs more than a small fit."""
+    return [argument for index, run in enumerate(runs) for argument in (["--then"] if index else []) + list(run)]
+
+
+def runs_of(arguments: Sequence[str]) -> list[list[str]]:
+    """The runs of a command line :func:`chained` joined."""
+    runs: list[list[str]] = [[]]
+    for argument in arguments:
+        if argument == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(argument)
+    return runs
 
 
 def run_in_this_process(name: str, *args: str) -> str:
