@@ -68,19 +68,16 @@ def runs_of(arguments: Sequence[str]) -> list[list[str]]:
     return runs
 
 
-def run_in_this_process(name: str, *args: str) -> str:
+def run_in_this_process(name: str, *args: str) -> None:
     """Run ``tests/scripts/<name>`` with ``args`` in this process, on one rank: the imports a subprocess pays for
-    at each start are paid once. Returns what Lightning and this package logged meanwhile, the lines a subprocess
-    would have printed. The script must put back any global it patches; a fresh process is for what depends on one
-    (several ranks, signals, memory per process, import-time behaviour)."""
+    at each start are paid once. The script must put back any global it patches; a fresh process is for what depends
+    on one (several ranks, signals, memory per process, import-time behaviour)."""
     argv, path = sys.argv, list(sys.path)
-    with logged_lines() as lines:
-        try:
-            sys.argv = [str(SCRIPTS / name), *args]
-            runpy.run_path(str(SCRIPTS / name), run_name="__main__")
-        finally:
-            sys.argv, sys.path[:] = argv, path  # the scripts put the repository first on sys.path
-    return lines.text
+    try:
+        sys.argv = [str(SCRIPTS / name), *args]
+        runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path  # the scripts put the repository first on sys.path
 
 
 class LoggedLines(logging.Handler):

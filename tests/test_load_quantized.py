@@ -13,23 +13,31 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import read_reports, run_in_this_process, run_script
+from tests.distributed import chained, read_reports, run_in_this_process, run_script
 from tests.pretrained_support import write_llama
 
 pytestmark = pytest.mark.slow  # each test loads and trains a Llama: 1 rank in this process, 2 in a subprocess world
 
 
-def _run(folder: Path, report: Path, devices: int, *args: str) -> list[dict[str, Any]]:
-    """``load_quantized.py`` on ``devices`` ranks: each rank's report, with the run's output."""
-    arguments = ("--folder", str(folder), "--report", str(report), "--devices", str(devices), *args)
+def _runs(folder: Path, devices: int, *runs: tuple[Any, ...]) -> list[list[dict[str, Any]]]:
+    """``load_quantized.py`` on ``devices`` ranks, one world for all ``runs`` (each its report folder, then its
+    arguments): per run, each rank's report, with what every rank logged in that run as ``output``."""
+    common = ("--folder", str(folder), "--devices", str(devices))
+    arguments = [(*common, "--report", str(report), *args) for report, *args in runs]
     if devices == 1:
-        output = run_in_this_process("load_quantized.py", *arguments)
+        run_in_this_process("load_quantized.py", *chained(*arguments))
     else:
-        result = run_script("load_quantized.py", *arguments, timeout=600)
-        output = result.stdout + result.stderr
-    reports = read_reports(report)
-    for each in reports:
-        each["output"] = output
+        run_script("load_quantized.py", *chained(*arguments), timeout=600)
+    found = []
+    for report, *_ in runs:
+        reports = read_reports(report)
+        output = "\n".join(line for each in reports for line in each["logged"])
+        found.append([{**each, "output": output} for each in reports])
+    return found
+
+
+def _run(folder: Path, report: Path, devices: int, *args: str) -> list[dict[str, Any]]:
+    (reports,) = _runs(folder, devices, (report, *args))
     return reports
 
 
@@ -38,10 +46,14 @@ def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_
     devices: int, frozen_dtype: str, tmp_path: Path
 ) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = (devices, "--log-every", "-1")  # a progress line for every tensor
-    at_load = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype)
-    after = _run(folder, tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after")
-    unquantized = _run(folder, tmp_path / "bf16", *common)
+    common = ("--log-every", "-1")  # a progress line for every tensor
+    at_load, after, unquantized = _runs(
+        folder,
+        devices,
+        (tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype),
+        (tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after"),
+        (tmp_path / "bf16", *common),
+    )
     assert len(at_load) == devices
     for loaded, quantized_later, plain in zip(at_load, after, unquantized):
         assert loaded["quantized_at_load"] > 0 and quantized_later["quantized_at_load"] == 0
