@@ -164,9 +164,13 @@ class PeftModule(L.LightningModule):
 def encoded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``SENTENCES`` through MiniLM's tokenizer: input ids, attention mask, labels (ids < 256 index the Llama too
     after a modulo, see ``batches``)."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_folder())
-    batch = tokenizer([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
+    batch = _minilm_tokenizer()([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"], torch.tensor([label for _, label in SENTENCES])
+
+
+@functools.cache
+def _minilm_tokenizer() -> Any:
+    return transformers.AutoTokenizer.from_pretrained(minilm_folder())  # read once: the tests tokenize often
 
 
 def batches(tuner: str) -> DataLoader:
