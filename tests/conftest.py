@@ -2,39 +2,22 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 
 import pytest
 
+from tests.distributed import LoggedLines, logged_lines
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
 @pytest.fixture
-def lightning_log() -> Iterator[_Lines]:
+def lightning_log() -> Iterator[LoggedLines]:
     """What Lightning's ``rank_zero_info`` / ``rank_zero_warn`` and this package's logger printed during the test."""
-    handler = _Lines()
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_frozen")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    yield handler
-    for logger in loggers:
-        logger.removeHandler(handler)
+    with logged_lines() as lines:
+        yield lines
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,17 @@
-"""Run a test script under Lightning's own multi-process launcher, in a subprocess, with a time limit."""
+"""Run a test script under Lightning's own multi-process launcher, in a subprocess, with a time limit; or, for one
+rank where a fresh process is not what is tested, in this process."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import runpy
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,64 @@ def run_script(
             f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def chained(*runs: Sequence[str]) -> list[str]:
+    """One command line for several runs of a script in one world, each a Trainer of its own: ``runs`` joined by
+    ``--then`` (the script splits them with :func:`runs_of`). Starting the ranks costs more than a small fit."""
+    return [argument for index, run in enumerate(runs) for argument in (["--then"] if index else []) + list(run)]
+
+
+def runs_of(arguments: Sequence[str]) -> list[list[str]]:
+    """The runs of a command line :func:`chained` joined."""
+    runs: list[list[str]] = [[]]
+    for argument in arguments:
+        if argument == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(argument)
+    return runs
+
+
+def run_in_this_process(name: str, *args: str) -> None:
+    """Run ``tests/scripts/<name>`` with ``args`` in this process, on one rank: the imports a subprocess pays for
+    at each start are paid once. The script must put back any global it patches; a fresh process is for what depends
+    on one (several ranks, signals, memory per process, import-time behaviour)."""
+    argv, path = sys.argv, list(sys.path)
+    try:
+        sys.argv = [str(SCRIPTS / name), *args]
+        runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path  # the scripts put the repository first on sys.path
+
+
+class LoggedLines(logging.Handler):
+    """The messages of the records it is given, from INFO up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@contextmanager
+def logged_lines() -> Iterator[LoggedLines]:
+    """What Lightning's ``rank_zero_info`` / ``rank_zero_warn`` and this package's logger print inside the block."""
+    handler = LoggedLines()
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_frozen")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def write_report(folder: Path, rank: int, report: dict[str, Any]) -> None:

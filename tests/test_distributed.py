@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import read_reports, run_script
+from tests.distributed import chained, read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 pytestmark = pytest.mark.slow  # every test here starts a 2-rank world
@@ -37,8 +37,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             f"--report={tmp / 'o'}",
         ],
     ]
-    then = [arg for run in runs[1:] for arg in ("--then", *run)]
-    run_script("train_adapter.py", "--devices=2", *runs[0], *then, timeout=600)
+    run_script("train_adapter.py", "--devices=2", *chained(*runs), timeout=600)
     names = ("one", "resumed", "two", "one_rank", "two_ranks")
     return {"dir": tmp, **{name: tmp / f"{name}.ckpt" for name in names}}
 

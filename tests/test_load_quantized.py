@@ -1,6 +1,6 @@
 """``frozen_dtype`` with ``from_pretrained`` in ``configure_model``: each rank encodes its slices as it reads them.
 
-Checked against quantizing after loading (the path of bases that arrive another way), on 1 and 2 CPU processes with
+Checked against quantizing after loading (the path of bases that arrive another way), on 1 and 2 CPU ranks with
 a Llama written by ``save_pretrained`` and PEFT LoRA with ``modules_to_save`` and a trainable base norm: the same
 codes bit for bit, the same fingerprint, trainable params holding the file's exact values, and an exact resume."""
 
@@ -13,17 +13,31 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import read_reports, run_script
+from tests.distributed import chained, read_reports, run_in_this_process, run_script
 from tests.pretrained_support import write_llama
 
-pytestmark = pytest.mark.slow  # each test loads and trains a Llama, most in 1- and 2-rank subprocess worlds
+pytestmark = pytest.mark.slow  # each test loads and trains a Llama: 1 rank in this process, 2 in a subprocess world
 
 
-def _run(folder: Path, report: Path, *args: str) -> list[dict[str, Any]]:
-    result = run_script("load_quantized.py", "--folder", str(folder), "--report", str(report), *args, timeout=600)
-    reports = read_reports(report)
-    for each in reports:
-        each["output"] = result.stdout + result.stderr
+def _runs(folder: Path, devices: int, *runs: tuple[Any, ...]) -> list[list[dict[str, Any]]]:
+    """``load_quantized.py`` on ``devices`` ranks, one world for all ``runs`` (each its report folder, then its
+    arguments): per run, each rank's report, with what every rank logged in that run as ``output``."""
+    common = ("--folder", str(folder), "--devices", str(devices))
+    arguments = [(*common, "--report", str(report), *args) for report, *args in runs]
+    if devices == 1:
+        run_in_this_process("load_quantized.py", *chained(*arguments))
+    else:
+        run_script("load_quantized.py", *chained(*arguments), timeout=600)
+    found = []
+    for report, *_ in runs:
+        reports = read_reports(report)
+        output = "\n".join(line for each in reports for line in each["logged"])
+        found.append([{**each, "output": output} for each in reports])
+    return found
+
+
+def _run(folder: Path, report: Path, devices: int, *args: str) -> list[dict[str, Any]]:
+    (reports,) = _runs(folder, devices, (report, *args))
     return reports
 
 
@@ -32,10 +46,14 @@ def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_
     devices: int, frozen_dtype: str, tmp_path: Path
 ) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = ("--devices", str(devices), "--log-every", "-1")  # a progress line for every tensor
-    at_load = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype)
-    after = _run(folder, tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after")
-    unquantized = _run(folder, tmp_path / "bf16", *common)
+    common = ("--log-every", "-1")  # a progress line for every tensor
+    at_load, after, unquantized = _runs(
+        folder,
+        devices,
+        (tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype),
+        (tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after"),
+        (tmp_path / "bf16", *common),
+    )
     assert len(at_load) == devices
     for loaded, quantized_later, plain in zip(at_load, after, unquantized):
         assert loaded["quantized_at_load"] > 0 and quantized_later["quantized_at_load"] == 0
@@ -68,7 +86,7 @@ def _percents(output: str, prefix: str) -> list[int]:
 
 def test_a_bf16_file_loaded_into_fp32_records_the_fingerprint_of_a_separate_pass(tmp_path: Path) -> None:
     folder = write_llama(tmp_path / "llama")
-    (report,) = _run(folder, tmp_path / "fp32", "--devices", "1", "--precision", "32-true")
+    (report,) = _run(folder, tmp_path / "fp32", 1, "--precision", "32-true")
     assert report["quantized_at_load"] == 0
     assert {dtype for dtype, _ in report["codes"].values()} == {"torch.float32"}
     assert report["fingerprint"] == report["fingerprint_by_a_pass"]
@@ -76,7 +94,7 @@ def test_a_bf16_file_loaded_into_fp32_records_the_fingerprint_of_a_separate_pass
 
 def test_a_sha256_fingerprint_taken_while_loading_is_that_of_the_source_bytes(tmp_path: Path) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = ("--devices", "1", "--fingerprint", "sha256")
+    common = (1, "--fingerprint", "sha256")
     (at_load,) = _run(folder, tmp_path / "at_load", *common, "--frozen-dtype", "nf4")
     (after,) = _run(folder, tmp_path / "after", *common, "--frozen-dtype", "nf4", "--after")
     (plain,) = _run(folder, tmp_path / "bf16", *common)
@@ -86,7 +104,7 @@ def test_a_sha256_fingerprint_taken_while_loading_is_that_of_the_source_bytes(tm
 
 def test_a_run_quantized_while_loading_resumes_exactly(tmp_path: Path) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = ("--devices", "1", "--frozen-dtype", "nf4")
+    common = (1, "--frozen-dtype", "nf4")
     _run(folder, tmp_path / "half", *common, "--max-epochs", "1", "--save", str(tmp_path / "half.ckpt"))
     resume = ("--resume", str(tmp_path / "half.ckpt"))
     _run(folder, tmp_path / "resumed", *common, "--max-epochs", "2", *resume, "--save", str(tmp_path / "resumed.ckpt"))

@@ -3,8 +3,8 @@ without its projection MLP), IA3, and LoRA with ``modules_to_save``.
 
 Each is fit, saved, resumed, loaded with ``load_adapter`` and exported; ``PeftModel.from_pretrained`` on the export
 gives the logits of the module loaded with ``load_adapter``, and the export holds what PEFT's own ``save_pretrained``
-writes for that module. MiniLM (BERT, from its wheel) runs every tuner PEFT supports on it; prefix tuning runs on a
-tiny Llama, since PEFT refuses it on BERT (shown below, without the strategy).
+writes for that module. A tiny BERT (MiniLM's architecture, written with ``save_pretrained``) runs every tuner PEFT
+supports on it; prefix tuning runs on a tiny Llama, since PEFT refuses it on BERT (shown below, without the strategy).
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from tests.models import cpu_trainer
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tests.peft_models import TUNERS, PeftModule, base_model, batches, minilm_classifier, save_tiny_llama  # noqa: E402
+from tests.peft_models import (  # noqa: E402
+    TUNERS,
+    PeftModule,
+    base_model,
+    batches,
+    save_tiny_llama,
+    tiny_bert_classifier,
+)
 
 PROMPT_LEARNING = {"prompt_tuning", "p_tuning", "prefix_tuning", "prefix_tuning_projection"}
 
@@ -159,7 +166,8 @@ def test_export_holds_what_peft_save_pretrained_writes(trained: dict) -> None:
 
 def test_prefix_tuning_on_bert_is_refused_by_peft_itself() -> None:
     """Why prefix tuning is tested on Llama: PEFT alone, without the strategy, cannot run it on BERT."""
-    model = peft.get_peft_model(minilm_classifier(), peft.PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4))
+    config = peft.PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4)
+    model = peft.get_peft_model(tiny_bert_classifier(), config)
     input_ids = torch.tensor([[101, 2307, 102]])
     with pytest.raises(ValueError, match="does not support past key values"):
         model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
@@ -168,7 +176,7 @@ def test_prefix_tuning_on_bert_is_refused_by_peft_itself() -> None:
 def test_export_refuses_a_prompt_method_it_cannot_compute(tmp_path: Path) -> None:
     """Multitask prompt tuning saves a form export does not compute: saving works, export says so."""
     config = peft.MultitaskPromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4, num_tasks=2)
-    model = peft.get_peft_model(minilm_classifier(), config)
+    model = peft.get_peft_model(tiny_bert_classifier(), config)
     names = [name for name, param in model.named_parameters() if param.requires_grad]
     entry = peft_entry("", model, names)
     assert "MULTITASK_PROMPT_TUNING" in entry["not_exportable"]
@@ -262,7 +270,7 @@ class VBLoRAModule(PeftModule):
 
     def _build(self) -> Any:
         config = peft.VBLoRAConfig(task_type="SEQ_CLS", target_modules=["query"], num_vectors=16, vector_length=128)
-        return peft.get_peft_model(minilm_classifier(), config)
+        return peft.get_peft_model(tiny_bert_classifier(), config)
 
 
 def test_a_tuner_export_cannot_map_still_saves_resumes_and_loads(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,16 @@ def test_one_rank_without_a_model_checkpoint_stops_into_the_root_dir_and_runs_th
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.fixture
+def sigusr1_default() -> Iterator[None]:
+    """SIGUSR1's default action in this process for the test, whatever the suite was started under (a runner may
+    ignore it), and the previous disposition back afterwards."""
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.usefixtures("sigusr1_default")
 def test_slurm_requeue_saves_the_hpc_checkpoint_requeues_and_the_job_resumes_from_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,7 +18,7 @@ from lightning_frozen import progress
 from lightning_frozen.base import pretrained
 from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero import engine as placement
-from tests.distributed import read_reports, run_script
+from tests.distributed import read_reports, run_in_this_process, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import TINY_LLAMA, PretrainedLoRA, folder_tensors, token_data, write_llama
 
@@ -101,7 +101,7 @@ def test_two_ranks_load_their_own_halves_then_resume_on_one(llama_folder: Path, 
     assert [r["global_step"] for r in reports] == [2, 2]
     assert reports[0]["val_loss"] == pytest.approx(reports[1]["val_loss"])  # one base, one adapter on both ranks
 
-    run_script(
+    run_in_this_process(
         "pretrained_lora.py",
         *("--folder", str(llama_folder), "--devices", "1", "--max-steps", "4"),
         *("--resume", str(checkpoint), "--report", str(one)),

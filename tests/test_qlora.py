@@ -16,7 +16,7 @@ import lightning_frozen
 from lightning_frozen import BitsAndBytesConfigError, FrozenAwareDeepSpeedStrategy
 from lightning_frozen.base import qlora
 from lightning_frozen.hf import transformers_loading
-from tests.distributed import read_reports, run_script
+from tests.distributed import chained, read_reports, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import QLoRA, folder_tensors, token_data, write_llama
 
@@ -194,13 +194,16 @@ def _literal(text: str) -> str:
 
 @pytest.mark.slow
 def test_two_ranks_train_resume_and_load_the_guides_qlora_code(llama_folder: Path, tmp_path: Path) -> None:
-    def run(name: str, *args: str) -> list[dict]:
-        run_script("qlora.py", "--folder", str(llama_folder), "--report", str(tmp_path / name), *args, timeout=600)
-        return read_reports(tmp_path / name)
+    def arguments(name: str, *args: str) -> list[str]:
+        return ["--folder", str(llama_folder), "--report", str(tmp_path / name), *args]
 
-    qlora_run = run("qlora", "--save", str(tmp_path / "qlora.ckpt"))
-    plain = run("plain", "--plain-nf4")
-    resumed = run("resumed", "--resume", str(tmp_path / "qlora.ckpt"), "--max-steps", "4")
+    runs = [
+        arguments("qlora", "--save", str(tmp_path / "qlora.ckpt")),
+        arguments("plain", "--plain-nf4"),
+        arguments("resumed", "--resume", str(tmp_path / "qlora.ckpt"), "--max-steps", "4"),
+    ]
+    run_script("qlora.py", *chained(*runs), timeout=600)  # one world for the three runs
+    qlora_run, plain, resumed = (read_reports(tmp_path / name) for name in ("qlora", "plain", "resumed"))
     assert len(qlora_run) == len(plain) == 2
     for ours, theirs in zip(qlora_run, plain):  # rank by rank
         assert ours["frozen_dtype"] == "nf4" and ours["quantized_at_load"] == 21

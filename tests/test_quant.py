@@ -488,9 +488,12 @@ def test_fp16_storage_refuses_weights_beyond_its_range() -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """nf4 and int8 fits on 2 ranks, each saved, then nf4 resumed on 2 ranks for a second epoch (one script run)."""
+    """nf4 and int8 fits on 2 ranks, each saved, then nf4 resumed on 2 ranks for a second epoch; then, in the same
+    world (the file's only one), the fits of ``prefetched`` into ``prefetch/``."""
     tmp = tmp_path_factory.mktemp("quant_two_ranks")
-    run_script("train_quantized.py", "--frozen-dtypes", "nf4", "int8", f"--out={tmp}")
+    run_script(
+        "train_quantized.py", "--frozen-dtypes", "nf4", "int8", f"--out={tmp}", f"--prefetch-out={tmp / 'prefetch'}"
+    )
     return tmp
 
 
@@ -557,11 +560,9 @@ def test_a_quantized_llama_from_configure_model_trains_and_validates(
 
 
 @pytest.fixture(scope="module")
-def prefetched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def prefetched(two_ranks: Path) -> Path:
     """An NF4 fit on 2 ranks with the asynchronous quantized gather, then one whose gathers wait inside the call."""
-    tmp = tmp_path_factory.mktemp("quant_prefetch")
-    run_script("quantized_prefetch.py", f"--out={tmp}")
-    return tmp
+    return two_ranks / "prefetch"
 
 
 @pytest.mark.slow

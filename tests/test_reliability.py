@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -457,31 +458,32 @@ def test_resident_memory_stays_flat_with_a_save_every_step(tmp_path: Path) -> No
         assert figures["rss_end_mib"] - figures["rss_warm_mib"] < 16, (rank, figures)
 
 
-_SIGNALLED_WRITER = """
-import os, pathlib, signal, sys
-sys.path.insert(0, {repo!r})
-from lightning_frozen.checkpoint import atomic_files
+def _write_twice_and_signal_mid_write(target: Path, signum: int) -> None:
+    """In a forked child: write ``target`` whole, then half of it again and send ``signum`` to the child itself.
+    Forked, not started: the child holds the imports already, and only this process's files are shared with it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if signum != signal.SIGKILL:  # its default action (death), even under `nohup` (SIGHUP ignored)
+                signal.signal(signum, signal.SIG_DFL)
+            atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
 
-if {signum} != signal.SIGKILL:  # its default action (death), even when started from `nohup` (SIGHUP ignored)
-    signal.signal({signum}, signal.SIG_DFL)
+            def write(handle: Any) -> None:
+                handle.write(b"half of the next one")
+                handle.flush()
+                os.kill(os.getpid(), signum)
 
-target = pathlib.Path({target!r})
-atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
-
-def write(handle):
-    handle.write(b"half of the next one")
-    handle.flush()
-    os.kill(os.getpid(), {signum})
-
-atomic_files.write_file_atomic(target, write)
-"""
+            atomic_files.write_file_atomic(target, write)
+        finally:
+            os._exit(1)  # never back into pytest: the signal should have ended the child before
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signum, status
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_a_signal_mid_write_leaves_the_previous_file_whole_and_no_temp_file(tmp_path: Path, signum: int) -> None:
     target = tmp_path / "last.ckpt"
-    script = _SIGNALLED_WRITER.format(repo=str(Path(__file__).parents[1]), target=str(target), signum=int(signum))
-    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == -signum
+    _write_twice_and_signal_mid_write(target, signum)
     assert target.read_bytes() == b"the previous checkpoint"
     if signum == signal.SIGKILL:  # nothing can run at SIGKILL: the next write into the folder removes what it left
         assert len(_temp_files(tmp_path)) == 1

@@ -15,7 +15,7 @@ from torch import nn
 
 import lightning_frozen
 from lightning_frozen.base.fingerprint import fingerprint_base
-from tests.distributed import run_script
+from tests.distributed import chained, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 
@@ -257,7 +257,7 @@ def test_odd_sized_tensors_on_two_ranks_fingerprint_and_round_trip_exactly(tmp_p
     # what was loaded
     again = (f"--resume={tmp_path / 'one.ckpt'}", f"--save={tmp_path / 'again.ckpt'}", f"--report={tmp_path / 'again'}")
     one = (f"--save={tmp_path / 'one.ckpt'}", f"--report={tmp_path / 'one'}")
-    run_script("train_adapter.py", *odd, *one, "--then", *odd, *again)
+    run_script("train_adapter.py", *chained((*odd, *one), (*odd, *again)))
     saved, reloaded = _load(tmp_path / "one.ckpt"), _load(tmp_path / "again.ckpt")
     assert saved["state_dict"]["layers.0.lora_a"].shape == (3, 7)
     assert not torch.equal(saved["state_dict"]["layers.0.lora_b"], torch.zeros(7, 3))  # it trained

@@ -17,7 +17,7 @@ from torch import nn
 import lightning_frozen
 from lightning_frozen import FrozenBaseMismatchError
 from lightning_frozen.base.fingerprint import fingerprint_base
-from tests.distributed import read_reports, run_script
+from tests.distributed import chained, read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 
@@ -77,23 +77,28 @@ def test_one_trainer_fit_then_validate_test_predict_fit_with_other_models(tmp_pa
     assert saved["digest"] == recorded["digest"]
 
 
-def _many_fits(folder: Path, *args: str) -> dict[str, Any]:
-    run_script("many_fits.py", str(folder), *args, timeout=400)
-    (report,) = read_reports(folder)
-    return report
+@pytest.fixture(scope="module")
+def many_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``many_fits.py`` in one fresh process: five fits, then two more, the second raising mid-forward."""
+    tmp = tmp_path_factory.mktemp("many_fits")
+    series = {"five": ("--fits", "5"), "raising": ("--fits", "2", "--raise-last")}
+    run_script("many_fits.py", *chained(*[(str(tmp / name), *args) for name, args in series.items()]), timeout=400)
+    return {name: read_reports(tmp / name)[0] for name in series}
 
 
-def test_five_fits_in_one_process_keep_no_earlier_base_and_leave_no_function_replaced(tmp_path: Path) -> None:
+def test_five_fits_in_one_process_keep_no_earlier_base_and_leave_no_function_replaced(
+    many_fits: dict[str, dict[str, Any]],
+) -> None:
     # a sweep or a notebook: a new Trainer and module per fit, each base 48 MiB; DeepSpeed kept every one of them
-    report = _many_fits(tmp_path, "--fits", "5")
+    report = many_fits["five"]
     assert report["alive"] == [[False] * 4] * 5  # module, engine, a frozen param and its shard: freed once dropped
     first, fifth = report["memory"][0], report["memory"][-1]
     assert fifth["uss"] < 1.1 * first["uss"] and fifth["rss"] < 1.1 * first["rss"], report["memory"]
     assert report["changed"] == []  # torch's, DeepSpeed's, transformers' and PEFT's functions are the originals
 
 
-def test_a_fit_that_raises_mid_forward_releases_too(tmp_path: Path) -> None:
-    report = _many_fits(tmp_path, "--fits", "2", "--raise-last")
+def test_a_fit_that_raises_mid_forward_releases_too(many_fits: dict[str, dict[str, Any]]) -> None:
+    report = many_fits["raising"]
     assert report["raised"] == "raised mid-forward"
     assert report["alive"] == [[False] * 4] * 2
     assert report["memory"][-1]["uss"] < 1.1 * report["memory"][0]["uss"], report["memory"]

@@ -1,7 +1,9 @@
 """Fit LoRA (with ``modules_to_save=["lm_head"]`` and a trainable final norm) over a ``save_pretrained`` Llama
 loaded in ``configure_model`` with ``frozen_dtype`` on N CPU processes: quantized while loading (the default) or, with
 ``--after``, loaded in the compute dtype and quantized at setup. Each rank writes ``<report>/rank<R>.json``: the
-sha256 of each frozen param's codes, the fingerprint, and whether each trainable param holds the file's values."""
+sha256 of each frozen param's codes, the fingerprint, whether each trainable param holds the file's values, and the
+lines Lightning and this package logged on that rank. ``--then`` starts the arguments of a next run in the same world
+(a Trainer of its own), which saves starting the processes again."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch  # noqa: E402
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, progress  # noqa: E402
 from lightning_frozen.base import fingerprint as frozen_base  # noqa: E402
 from lightning_frozen.base import pretrained  # noqa: E402
-from tests.distributed import write_report  # noqa: E402
+from tests.distributed import logged_lines, runs_of, write_report  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data  # noqa: E402
 
@@ -81,6 +83,11 @@ def held(module: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    for arguments in runs_of(sys.argv[1:]):
+        run(arguments)
+
+
+def run(arguments: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -97,12 +104,23 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--report", required=True)
     parser.add_argument("--log-every", type=float, help="seconds between progress lines (default: the package's)")
-    args = parser.parse_args()
+    args = parser.parse_args(arguments)
+    # the tests run this on one rank in their own process: the patches below are put back when it returns
+    interval, creation = progress.INTERVAL_SECONDS, pretrained.sharded_model_creation
+    try:
+        with logged_lines() as lines:
+            trainer, model = fit(args, creation)
+        report = {"global_step": trainer.global_step, **model.seen_at_start, "logged": lines.lines}
+        write_report(Path(args.report), trainer.global_rank, report)
+        torch.distributed.barrier()
+    finally:
+        progress.INTERVAL_SECONDS, pretrained.sharded_model_creation = interval, creation
+
+
+def fit(args: argparse.Namespace, creation: Any) -> tuple[Any, LoRAWithTrainedHead]:
     if args.log_every is not None:
         progress.INTERVAL_SECONDS = args.log_every
-
     if args.after:  # the loader stores compute-dtype shards; setup quantizes them (the path of bases loaded otherwise)
-        creation = pretrained.sharded_model_creation
 
         def without_quantizing(config: dict, remote_device: Any, plan: Any) -> Any:
             return creation(config, remote_device, dataclasses.replace(plan, frozen_dtype=None))
@@ -122,8 +140,7 @@ def main() -> None:
     trainer.fit(model, token_data(), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
-    write_report(Path(args.report), trainer.global_rank, {"global_step": trainer.global_step, **model.seen_at_start})
-    torch.distributed.barrier()
+    return trainer, model
 
 
 if __name__ == "__main__":

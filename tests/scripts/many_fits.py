@@ -1,7 +1,8 @@
 """Fit ``--fits`` fresh Trainers and modules one after another in this process, as a sweep or a notebook does, the
 last one raising mid-forward with ``--raise-last``; write ``<report>/rank0.json`` with host memory after each run
 (after ``gc``), whether each run's module, engine and a frozen shard are still alive, and the functions of torch,
-DeepSpeed, transformers and PEFT whose objects differ from before the first run."""
+DeepSpeed, transformers and PEFT whose objects differ from before the first run. ``--then`` starts the arguments of
+a next such series in the same process, measured from its own first run."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 import transformers.modeling_utils  # noqa: E402, F401
 from torch import nn  # noqa: E402
 
-from tests.distributed import write_report  # noqa: E402
+from tests.distributed import runs_of, write_report  # noqa: E402
 from tests.models import AdapterModel, LoRALinear, cpu_trainer, regression_data  # noqa: E402
 
 PATCHED_PACKAGES = ("torch", "deepspeed", "transformers", "peft")
@@ -74,11 +75,16 @@ def host_mib() -> dict[str, float]:
 
 
 def main() -> None:
+    for arguments in runs_of(sys.argv[1:]):
+        series(arguments)
+
+
+def series(arguments: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("report", type=Path)
     parser.add_argument("--fits", type=int, default=5)
     parser.add_argument("--raise-last", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(arguments)
     before = functions()
     memory, alive, raised = [], [], None
     for run in range(args.fits):

@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--stuck", action="store_true")
     parser.add_argument("--grace", type=float, default=60.0)
     args = parser.parse_args()
+    # SIGTERM's default action before the strategy's handler, whatever the suite was started under (one that ignores it)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     periodic = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=1, save_top_k=1)
     trainer = cpu_trainer(

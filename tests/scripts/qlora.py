@@ -1,7 +1,8 @@
 """PEFT's DeepSpeed guide's QLoRA code (``tests.pretrained_support.QLoRA``) fitted on N CPU processes under
 ``frozen_deepspeed`` (``--plain-nf4``: the same module without ``quantization_config``, with ``frozen_dtype="nf4"``).
 Each rank writes ``<report>/rank<R>.json``: its frozen shards' codes, whether the weights in use are the folder's
-quantized, the fingerprint, the losses and whether each LoRA B trained."""
+quantized, the fingerprint, the losses and whether each LoRA B trained. ``--then`` starts the arguments of a next run
+in the same world (a Trainer of its own), which saves starting the processes again."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
-from tests.distributed import write_report  # noqa: E402
+from tests.distributed import runs_of, write_report  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import QLoRA, token_data  # noqa: E402
 
 
 def main() -> None:
+    for arguments in runs_of(sys.argv[1:]):
+        run(arguments)
+
+
+def run(arguments: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -29,7 +35,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--save")
     parser.add_argument("--report", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(arguments)
 
     torch.manual_seed(0)
     model = QLoRA(args.folder, quantization=None if args.plain_nf4 else "nf4")

@@ -1,7 +1,7 @@
 """Train a ``tests.models.AdapterModel`` (4 layers; its ``training_step`` calls ``self(x)``) over an NF4 base on N
 CPU processes, twice: with the quantized gather as shipped (asynchronous: DeepSpeed's coordinator prefetches through
 its handle) and with every gather's collective waited on inside the call (the synchronous path). Each rank writes
-``<out>/<run>/rank<R>.json``.
+``<out>/<run>/rank<R>.json``. ``train_quantized.py --prefetch-out`` runs the two in its own world after its fits.
 
 Every gather is recorded (``tests.gather_recording``): whether it was started with ``async_op=True``, and how many
 frozen layers' forwards began between its start and the wait on its work. A gather that DeepSpeed prefetched and
@@ -61,9 +61,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    out = Path(args.out)
+    fit_both(args.devices, Path(args.out))
+
+
+def fit_both(devices: int, out: Path) -> None:
+    """The asynchronous run, then the synchronous one (the gather patched, and put back after)."""
     recorder = GatherRecorder()
-    fit("async", args.devices, out, recorder)
+    fit("async", devices, out, recorder)
 
     asynchronous = quant._gather
 
@@ -75,7 +79,10 @@ def main() -> None:
         return handle
 
     quant._gather = synchronous
-    fit("sync", args.devices, out, recorder)
+    try:
+        fit("sync", devices, out, recorder)
+    finally:
+        quant._gather = asynchronous
 
 
 if __name__ == "__main__":

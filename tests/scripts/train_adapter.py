@@ -16,18 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
-from tests.distributed import write_report  # noqa: E402
+from tests.distributed import runs_of, write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
 
 def main() -> None:
-    runs: list[list[str]] = [[]]
-    for argument in sys.argv[1:]:
-        if argument == "--then":
-            runs.append([])
-        else:
-            runs[-1].append(argument)
-    for arguments in runs:
+    for arguments in runs_of(sys.argv[1:]):
         run(arguments)
 
 

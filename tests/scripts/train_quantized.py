@@ -3,7 +3,8 @@
 Lightning's launcher starts the other ranks by running this file again. For each ``--frozen-dtypes`` entry one
 Trainer fits and saves ``<out>/<dtype>.ckpt``; then one more resumes the first of them for a second epoch. Each
 rank writes ``<out>/<run>/rank<R>.json`` with its frozen shards' bytes, their codes' hash and the weight the first
-layer's forward saw. One process pair for all runs: starting ranks costs more than these small fits.
+layer's forward saw. One process pair for all runs: starting ranks costs more than these small fits; with
+``--prefetch-out`` the pair also runs ``quantized_prefetch.py``'s two fits after these.
 """
 
 from __future__ import annotations
@@ -62,12 +63,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--frozen-dtypes", nargs="+", default=["nf4", "int8"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--prefetch-out", help="then quantized_prefetch.py's fits, in this world, into this folder")
     args = parser.parse_args()
     out = Path(args.out)
     for frozen_dtype in args.frozen_dtypes:
         fit(frozen_dtype, args.devices, out, frozen_dtype, max_epochs=1, resume=None)
     first = args.frozen_dtypes[0]
     fit(first, args.devices, out, "resumed", max_epochs=2, resume=out / f"{first}.ckpt")
+    if args.prefetch_out:
+        import quantized_prefetch  # beside this file, which is first on sys.path
+
+        quantized_prefetch.fit_both(args.devices, Path(args.prefetch_out))
 
 
 if __name__ == "__main__":
