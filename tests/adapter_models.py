@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_frozen import adapters as multi
+from lightning_frozen import adapters
 from tests.peft_models import tiny_llama
 
 # per adapter: LoRA rank, seed of its init, AdamW hyper-parameters, warm-up steps of its LambdaLR
@@ -65,7 +65,7 @@ class CausalAdapters(L.LightningModule):
     def _build(self) -> Any:
         model = peft_with_adapters(self.hparams.llama_folder, self.hparams.names)
         if self.hparams.together:
-            multi.train_adapters(model, self.hparams.names)
+            adapters.train_adapters(model, self.hparams.names)
         return model
 
     def configure_model(self) -> None:
@@ -84,16 +84,16 @@ class CausalAdapters(L.LightningModule):
             mask = attention_mask[:, 1:].float()
             loss = (self._token_losses(input_ids, attention_mask) * mask).sum() / mask.sum()
             return {self.hparams.names[0]: loss}
-        (input_ids, attention_mask), rows = multi.sweep_batch(batch, self.hparams.names)
-        with multi.adapter_rows(self.model, rows):
+        (input_ids, attention_mask), rows = adapters.sweep_batch(batch, self.hparams.names)
+        with adapters.adapter_rows(self.model, rows):
             token_losses = self._token_losses(input_ids, attention_mask)
-        return multi.adapter_losses(token_losses, rows, attention_mask[:, 1:])
+        return adapters.adapter_losses(token_losses, rows, attention_mask[:, 1:])
 
     def _multitask_losses(self, batches: dict[str, Any]) -> dict[str, torch.Tensor]:
-        (input_ids, attention_mask), rows = multi.multitask_batch(batches)
-        with multi.adapter_rows(self.model, rows):
+        (input_ids, attention_mask), rows = adapters.multitask_batch(batches)
+        with adapters.adapter_rows(self.model, rows):
             token_losses = self._token_losses(input_ids, attention_mask)
-        return multi.adapter_losses(token_losses, rows, attention_mask[:, 1:])
+        return adapters.adapter_losses(token_losses, rows, attention_mask[:, 1:])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         losses = self._losses(batch)
@@ -107,7 +107,7 @@ class CausalAdapters(L.LightningModule):
         names = self.hparams.names
         keys = ("lr", "weight_decay", "betas")
         if self.hparams.together:
-            groups = multi.adapter_param_groups(self, {n: {k: SPECS[n][k] for k in keys} for n in names})
+            groups = adapters.adapter_param_groups(self, {n: {k: SPECS[n][k] for k in keys} for n in names})
         else:
             groups = [
                 {"params": [p for p in self.parameters() if p.requires_grad], **{k: SPECS[names[0]][k] for k in keys}}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lightning_frozen
-from lightning_frozen import adapters as multi
+from lightning_frozen import adapters
 from lightning_frozen.errors import AdapterSetupError
 from lightning_frozen.hf import row_guard
 from lightning_frozen.zero import adapter_clipping
@@ -104,7 +104,7 @@ def test_each_adapter_is_clipped_by_its_own_value_from_its_param_group(
 
 class ClipsDisagree(ClipsPerAdapter):
     def configure_optimizers(self) -> Any:
-        groups = multi.adapter_param_groups(self, {"x": {"lr": 1e-2}, "y": {"lr": 1e-2}})
+        groups = adapters.adapter_param_groups(self, {"x": {"lr": 1e-2}, "y": {"lr": 1e-2}})
         x_params = groups[0]["params"]
         groups[0:1] = [
             {"params": x_params[:1], "gradient_clip_val": 0.1},
@@ -178,7 +178,7 @@ def test_a_run_of_several_adapters_names_them_when_none_is_chosen(llama: str, to
 def test_an_adapter_name_the_model_lacks_is_refused_naming_the_fix(llama: str) -> None:
     model = peft_with_adapters(llama, ["x", "y"])
     with pytest.raises(AdapterSetupError, match=r"Adapters `w` are named.*holds `x`, `y`.*add_adapter\(name, config\)"):
-        multi.train_adapters(model, ["x", "w"])
+        adapters.train_adapters(model, ["x", "w"])
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,7 @@ def test_adapters_that_cannot_be_mixed_in_one_batch_are_refused(llama: str, conf
     model = peft.get_peft_model(tiny_llama(llama), config(), adapter_name="x")
     model.add_adapter("y", config())
     with pytest.raises(AdapterSetupError, match=rf"{message}.*Train it in a run of its own"):
-        multi.train_adapters(model, ["x", "y"])
+        adapters.train_adapters(model, ["x", "y"])
 
 
 class OneGroup(CausalAdapters):
@@ -273,12 +273,12 @@ def test_adapters_trained_at_once_on_their_own_data_equal_their_runs_alone(
 
 def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(llama: str) -> None:
     model = peft_with_adapters(llama, ["x", "y"])
-    multi.train_adapters(model, ["x", "y"])
-    (input_ids, attention_mask), rows = multi.sweep_batch(next(iter(token_batches())), ["x", "y"])
-    with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"), multi.adapter_rows(model, rows):
+    adapters.train_adapters(model, ["x", "y"])
+    (input_ids, attention_mask), rows = adapters.sweep_batch(next(iter(token_batches())), ["x", "y"])
+    with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"), adapters.adapter_rows(model, rows):
         model(input_ids=input_ids[:4], attention_mask=attention_mask[:4])
     model.gradient_checkpointing_enable()
-    with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), multi.adapter_rows(model, rows):
+    with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), adapters.adapter_rows(model, rows):
         pass
 
 
@@ -292,7 +292,7 @@ class ForgetsRows(CausalAdapters):
 
 class SharesRowsOnPurpose(ForgetsRows):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        with multi.shared_rows(self.model):  # both adapters on every row, as PEFT computes them, on purpose
+        with adapters.shared_rows(self.model):  # both adapters on every row, as PEFT computes them, on purpose
             return super().training_step(batch, batch_idx)
 
 
@@ -322,5 +322,5 @@ def test_lora_dropout_is_allowed_with_a_warning_that_runs_are_not_identical(llam
     model = peft.get_peft_model(tiny_llama(llama), peft.LoraConfig(target_modules=["q_proj"], lora_dropout=0.1))
     model.add_adapter("y", peft.LoraConfig(target_modules=["q_proj"]))
     with pytest.warns(UserWarning, match="set `lora_dropout=0`"):
-        multi.train_adapters(model, ["default", "y"])
-    assert multi.trained_adapters(model) == ["default", "y"]
+        adapters.train_adapters(model, ["default", "y"])
+    assert adapters.trained_adapters(model) == ["default", "y"]

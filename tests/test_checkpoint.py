@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_frozen
-from lightning_frozen.checkpoint import file as ckpt_module
+from lightning_frozen.checkpoint import file
 from lightning_frozen.errors import CheckpointFormatError, CheckpointKeysError, FrozenBaseMismatchError
 from lightning_frozen.format import layout
 from tests.models import AdapterModel, cpu_trainer, regression_data
@@ -166,7 +166,7 @@ def test_model_checkpoint_writes_single_files(tmp_path: Path) -> None:
 
 def test_a_failed_write_leaves_the_previous_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "last.ckpt"
-    ckpt_module.write_atomic({"value": torch.arange(4)}, path)
+    file.write_atomic({"value": torch.arange(4)}, path)
     before = path.read_bytes()
 
     def crash(obj: Any, handle: Any) -> None:
@@ -175,7 +175,7 @@ def test_a_failed_write_leaves_the_previous_file_whole(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
-        ckpt_module.write_atomic({"value": torch.arange(8)}, path)
+        file.write_atomic({"value": torch.arange(8)}, path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
@@ -237,16 +237,16 @@ def test_fingerprint_option_full_hash_or_none(tmp_path: Path) -> None:
 
 
 def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
-    from lightning_frozen.base import fingerprint as frozen_base
+    from lightning_frozen.base import fingerprint
 
     calls: list[int] = []
-    real = frozen_base.fingerprint_base
+    real = fingerprint.fingerprint_base
 
     def counting(named: Any, mode: str = "checksum", loaded: Any = None) -> dict:
         calls.append(len(named))
         return real(named, mode, loaded)
 
-    monkeypatch.setattr(frozen_base, "fingerprint_base", counting)
+    monkeypatch.setattr(fingerprint, "fingerprint_base", counting)
     trainer = cpu_trainer(max_epochs=2)
     trainer.fit(AdapterModel(optimizer_fn=_scheduled), regression_data(), ckpt_path=trained["one"])
     trainer.save_checkpoint(tmp_path / "a.ckpt")
@@ -360,16 +360,16 @@ def test_storage_options_need_a_checkpoint_io_plugin_and_a_plugin_writes_and_rea
     class PluginIO(TorchCheckpointIO):
         pass
 
-    assert ckpt_module.user_checkpoint_io(TorchCheckpointIO()) is None  # Lightning's default: our atomic write
+    assert file.user_checkpoint_io(TorchCheckpointIO()) is None  # Lightning's default: our atomic write
     with pytest.raises(lightning_frozen.InvalidArgumentTypeError, match="needs a `CheckpointIO` plugin"):
-        ckpt_module.user_checkpoint_io(TorchCheckpointIO(), storage_options={"tag": 1})
+        file.user_checkpoint_io(TorchCheckpointIO(), storage_options={"tag": 1})
     plugin = PluginIO()
-    assert ckpt_module.user_checkpoint_io(plugin, storage_options={"tag": 1}) is plugin
+    assert file.user_checkpoint_io(plugin, storage_options={"tag": 1}) is plugin
     marked = {"state_dict": {"w": torch.ones(2)}, "frozen_base": {}, "lightning_frozen": layout.format_marker()}
     for name, io in (("atomic.ckpt", None), ("plugin.ckpt", plugin)):
-        ckpt_module.save({**marked, "folder": tmp_path}, tmp_path / name, io)
-        loaded = ckpt_module.load(tmp_path / name, io)
+        file.save({**marked, "folder": tmp_path}, tmp_path / name, io)
+        loaded = file.load(tmp_path / name, io)
         assert torch.equal(loaded["state_dict"]["w"], torch.ones(2)) and loaded["folder"] == str(tmp_path)
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
     with pytest.raises(CheckpointFormatError, match="plain.ckpt is not a lightning-frozen checkpoint"):
-        ckpt_module.load(tmp_path / "plain.ckpt", plugin)
+        file.load(tmp_path / "plain.ckpt", plugin)

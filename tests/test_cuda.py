@@ -152,7 +152,7 @@ def test_fp16_loss_scale_round_trips_and_the_fp16_base_verifies_in_fp32(tmp_path
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(frozen_dtype: str) -> None:
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
-    from lightning_frozen.format import codec as quant_codec
+    from lightning_frozen.format import codec
 
     model = _big_model()
     source = model.layers[0].base.weight.detach().to(torch.bfloat16).clone()
@@ -168,7 +168,7 @@ def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(fr
     stored = sum(p.ds_tensor.numel() for p in frozen)
     assert stored / sum(p.ds_numel * 2 for p in frozen) <= {"int8": 0.52, "nf4": 0.28}[frozen_dtype]
     assert seen["weight"].device.type == "cuda" and seen["weight"].dtype == torch.bfloat16
-    expected = quant_codec.decode(quant_codec.encode(source.reshape(-1), frozen_dtype), source.numel(), frozen_dtype)
+    expected = codec.decode(codec.encode(source.reshape(-1), frozen_dtype), source.numel(), frozen_dtype)
     torch.testing.assert_close(seen["weight"].cpu(), expected.to(torch.bfloat16).view_as(source), rtol=0, atol=0)
 
 
@@ -176,14 +176,13 @@ def test_quantized_frozen_shards_stay_in_cpu_memory_and_dequantize_on_the_gpu(fr
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_codes_decode_on_cuda_to_the_cpu_kernels_values(frozen_dtype: str, dtype: torch.dtype) -> None:
     """NF4 on CUDA is bitsandbytes' kernel, int8 tensor ops; both must give the CPU kernels' values to the bit."""
-    from lightning_frozen.format import bitsandbytes_nf4
-    from lightning_frozen.format import codec as quant_codec
+    from lightning_frozen.format import bitsandbytes_nf4, codec
 
     values = torch.randn(64 * 1000 + 10, generator=torch.Generator().manual_seed(0)) * 0.05
-    stored = quant_codec.encode(values, frozen_dtype)
-    on_cpu = quant_codec.decode(torch.stack([stored, stored]), values.numel(), frozen_dtype, dtype)
-    on_gpu = quant_codec.decode(torch.stack([stored, stored]).cuda(), values.numel(), frozen_dtype, dtype)
+    stored = codec.encode(values, frozen_dtype)
+    on_cpu = codec.decode(torch.stack([stored, stored]), values.numel(), frozen_dtype, dtype)
+    on_gpu = codec.decode(torch.stack([stored, stored]).cuda(), values.numel(), frozen_dtype, dtype)
     assert torch.equal(on_gpu.cpu(), on_cpu)
-    assert torch.equal(quant_codec.encode(values.cuda(), frozen_dtype).cpu(), stored)
+    assert torch.equal(codec.encode(values.cuda(), frozen_dtype).cpu(), stored)
     if frozen_dtype == "nf4":
         assert bitsandbytes_nf4.usable(torch.device("cuda"))

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import lightning_frozen
-from lightning_frozen.zero import params as zero
+from lightning_frozen.zero import params
 from tests.distributed import read_reports, run_script
 from tests.models import BackboneModel, cpu_trainer, regression_data
 
@@ -39,7 +39,7 @@ class Recorder(Callback):
     def _snap(self, trainer: L.Trainer, module: L.LightningModule, when: str) -> None:
         optimizer = trainer.strategy.deepspeed_engine.optimizer
         self.weights[when] = {n: _full(p) for n, p in module.named_parameters()}
-        self.head_state[when] = zero.optimizer_state_of(optimizer, module.head.weight)
+        self.head_state[when] = params.optimizer_state_of(optimizer, module.head.weight)
         self.groups[when] = [list(g) for g in trainer.strategy.param_group_names]
         self.fp32_numel[when] = sum(f.numel() for f in optimizer.fp32_partitioned_groups_flat)
 

@@ -148,15 +148,15 @@ def test_the_checksum_frees_its_buffers_after_a_pass() -> None:
     import gc
     import weakref
 
-    from lightning_frozen.base import fingerprint as frozen_base
+    from lightning_frozen.base import fingerprint
 
-    checksummer = frozen_base.Checksummer()
+    checksummer = fingerprint.Checksummer()
     buffers = [weakref.ref(checksummer._wide), weakref.ref(checksummer._weights)]
     expected = checksummer(torch.arange(3000.0), 5)
     del checksummer
     gc.collect()
     assert all(ref() is None for ref in buffers)  # nothing cached for the life of the process
-    assert frozen_base.values_checksum(torch.arange(3000.0), 5) == expected
+    assert fingerprint.values_checksum(torch.arange(3000.0), 5) == expected
 
 
 class _VisionAndLanguage(L.LightningModule):

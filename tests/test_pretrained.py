@@ -17,7 +17,7 @@ from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import progress
 from lightning_frozen.base import pretrained
 from lightning_frozen.hf import transformers_loading
-from lightning_frozen.zero import engine as placement
+from lightning_frozen.zero import engine
 from tests.distributed import read_reports, run_in_this_process, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import TINY_LLAMA, PretrainedLoRA, folder_tensors, token_data, write_llama
@@ -182,7 +182,7 @@ def test_place_buffers_moves_buffers_and_metric_states_but_no_param() -> None:
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model.metric = MulticlassAccuracy(num_classes=3)
-    placement.place_buffers(model, torch.device("meta"))  # the CPU cannot show a GPU; the meta device shows the move
+    engine.place_buffers(model, torch.device("meta"))  # the CPU cannot show a GPU; the meta device shows the move
     assert {b.device.type for b in model.buffers()} == {"meta"}
     assert model.metric.tp.device.type == "meta"
     assert {p.device.type for p in model.parameters()} == {"cpu"}

@@ -16,18 +16,16 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
-from lightning_frozen.base import fingerprint as frozen_base
+from lightning_frozen.base import fingerprint
 from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
-from lightning_frozen.format import bitsandbytes_nf4, layout, native_codec
-from lightning_frozen.format import codec as quant_codec
-from lightning_frozen.zero import params as zero
-from lightning_frozen.zero import quantized as quant
+from lightning_frozen.format import bitsandbytes_nf4, codec, layout, native_codec
+from lightning_frozen.zero import params, quantized
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 WIDTH = 128  # frozen weight 128x128: whole blocks for both formats; the 128-element biases pad their last block
-NF4_HALF_GAP = max(b - a for a, b in zip(quant_codec.NF4_VALUES, quant_codec.NF4_VALUES[1:])) / 2
+NF4_HALF_GAP = max(b - a for a, b in zip(codec.NF4_VALUES, codec.NF4_VALUES[1:])) / 2
 RATIO_LIMIT = {"int8": 0.52, "nf4": 0.28}  # stored bytes / bf16 bytes of the frozen base, from issue 12
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,10 +49,10 @@ def _blocks(values: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def test_int8_error_per_block_is_at_most_absmax_over_254() -> None:
     values = _weights()
-    stored = quant_codec.encode(values, "int8")
-    error = _blocks(quant_codec.decode(stored, values.numel(), "int8") - values, 256).abs().amax(dim=1)
+    stored = codec.encode(values, "int8")
+    error = _blocks(codec.decode(stored, values.numel(), "int8") - values, 256).abs().amax(dim=1)
     absmax = _blocks(values, 256).abs().amax(dim=1)
-    _, scales = quant_codec.split(stored, "int8")
+    _, scales = codec.split(stored, "int8")
     torch.testing.assert_close(scales, absmax)  # fp32 scale: the block's absmax exactly
     assert bool((error <= absmax / 254 * (1 + 1e-6)).all())
     assert float(error[1]) == 0.0  # the all-zero block decodes to zeros
@@ -63,10 +61,10 @@ def test_int8_error_per_block_is_at_most_absmax_over_254() -> None:
 
 def test_nf4_error_per_block_is_at_most_half_the_largest_code_gap() -> None:
     values = _weights()
-    stored = quant_codec.encode(values, "nf4")
-    error = _blocks(quant_codec.decode(stored, values.numel(), "nf4") - values, 64).abs().amax(dim=1)
+    stored = codec.encode(values, "nf4")
+    error = _blocks(codec.decode(stored, values.numel(), "nf4") - values, 64).abs().amax(dim=1)
     absmax = _blocks(values, 64).abs().amax(dim=1)
-    _, scales = quant_codec.split(stored, "nf4")
+    _, scales = codec.split(stored, "nf4")
     scale = scales.float()
     assert scales.dtype == torch.float16
     assert bool((scale >= absmax).all())  # rounded up: every normalized weight stays in [-1, 1]
@@ -78,42 +76,42 @@ def test_nf4_error_per_block_is_at_most_half_the_largest_code_gap() -> None:
 
 
 def test_nf4_has_sixteen_code_values_with_exact_zero_and_decodes_them_exactly() -> None:
-    assert len(quant_codec.NF4_VALUES) == 16 and 0.0 in quant_codec.NF4_VALUES
-    assert quant_codec.NF4_VALUES[0] == -1.0 and quant_codec.NF4_VALUES[-1] == 1.0
-    table = torch.tensor(quant_codec.NF4_VALUES)
+    assert len(codec.NF4_VALUES) == 16 and 0.0 in codec.NF4_VALUES
+    assert codec.NF4_VALUES[0] == -1.0 and codec.NF4_VALUES[-1] == 1.0
+    table = torch.tensor(codec.NF4_VALUES)
     values = table.repeat(8) * 2.0  # 128 weights, absmax 2 (an fp16 value): each is a code value times the scale
-    assert torch.equal(quant_codec.decode(quant_codec.encode(values, "nf4"), 128, "nf4"), values)
+    assert torch.equal(codec.decode(codec.encode(values, "nf4"), 128, "nf4"), values)
 
 
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4", "bf16", "fp16"])
 def test_codes_round_trip_exactly_and_encoding_is_deterministic(frozen_dtype: str) -> None:
     values = _weights()
-    stored = quant_codec.encode(values, frozen_dtype)
+    stored = codec.encode(values, frozen_dtype)
     assert stored.dtype == torch.uint8
-    assert torch.equal(quant_codec.encode(values.clone(), frozen_dtype), stored)
-    decoded = quant_codec.decode(stored, values.numel(), frozen_dtype)
-    assert torch.equal(quant_codec.encode(decoded, frozen_dtype), stored)  # decoded values re-encode to the same codes
+    assert torch.equal(codec.encode(values.clone(), frozen_dtype), stored)
+    decoded = codec.decode(stored, values.numel(), frozen_dtype)
+    assert torch.equal(codec.encode(decoded, frozen_dtype), stored)  # decoded values re-encode to the same codes
 
 
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 def test_working_in_chunks_gives_the_same_bytes_and_values(frozen_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     values = _weights()
-    whole = quant_codec.encode(values, frozen_dtype)
-    decoded = quant_codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
-    monkeypatch.setattr(quant_codec, "_CHUNK_ELEMENTS", 1024)  # 16 chunks instead of one
-    assert torch.equal(quant_codec.encode(values, frozen_dtype), whole)
-    chunked = quant_codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
+    whole = codec.encode(values, frozen_dtype)
+    decoded = codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
+    monkeypatch.setattr(codec, "_CHUNK_ELEMENTS", 1024)  # 16 chunks instead of one
+    assert torch.equal(codec.encode(values, frozen_dtype), whole)
+    chunked = codec.decode(torch.stack([whole, whole]), values.numel(), frozen_dtype, torch.bfloat16)
     assert torch.equal(chunked, decoded) and chunked.numel() == 2 * values.numel()
 
 
 def test_nf4_packs_two_codes_per_byte_high_nibble_first_as_bitsandbytes_does() -> None:
     values = torch.zeros(64)
     values[0], values[1] = -1.0, 1.0  # codes 0 and 15
-    codes, _ = quant_codec.split(quant_codec.encode(values, "nf4"), "nf4")
+    codes, _ = codec.split(codec.encode(values, "nf4"), "nf4")
     assert codes.numel() == 32
     assert int(codes[0]) == (0 << 4) | 15
     assert int(codes[1]) == (7 << 4) | 7  # exact zero is code 7
-    assert quant_codec.FORMATS["nf4"].describe()["packing"] == "high nibble first"
+    assert codec.FORMATS["nf4"].describe()["packing"] == "high nibble first"
 
 
 def _tensor_op_codec(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,13 +128,13 @@ def test_compiled_kernels_give_the_tensor_ops_codes_and_values_to_the_bit(
     values = (_weights(count) * 0.05).to(source_dtype)
     values[:3] = torch.tensor([0.0, -0.0, 1e-30])  # zero, signed zero and a tiny weight share a block
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads split the blocks
-    native = quant_codec.encode(values, frozen_dtype, numel=count + 300)
-    native_values = {d: quant_codec.decode(torch.stack([native, native]), count - 5, frozen_dtype, d) for d in DTYPES}
+    native = codec.encode(values, frozen_dtype, numel=count + 300)
+    native_values = {d: codec.decode(torch.stack([native, native]), count - 5, frozen_dtype, d) for d in DTYPES}
     _tensor_op_codec(monkeypatch)
-    reference = quant_codec.encode(values, frozen_dtype, numel=count + 300)
+    reference = codec.encode(values, frozen_dtype, numel=count + 300)
     assert torch.equal(native, reference)
     for dtype in DTYPES:
-        expected = quant_codec.decode(torch.stack([reference, reference]), count - 5, frozen_dtype, dtype)
+        expected = codec.decode(torch.stack([reference, reference]), count - 5, frozen_dtype, dtype)
         assert torch.equal(native_values[dtype], expected), dtype
 
 
@@ -144,17 +142,17 @@ def test_the_compiled_nf4_encoder_refuses_a_block_beyond_fp16_range() -> None:
     values = torch.zeros(256)
     values[130] = 70000.0
     with pytest.raises(FrozenDtypeError, match="7e\\+04.*frozen_dtype='int8'"):
-        quant_codec.encode(values, "nf4")
+        codec.encode(values, "nf4")
 
 
 def test_bitsandbytes_reads_the_nf4_codes_as_they_are_stored() -> None:
     """bitsandbytes decodes on CUDA; its CPU kernel (run here) reads the same layout, so this checks the layout."""
     values = _weights(64 * 100 + 10)
-    codes, scales = quant_codec.split(quant_codec.encode(values, "nf4"), "nf4")
+    codes, scales = codec.split(codec.encode(values, "nf4"), "nf4")
     for dtype in DTYPES:
         out = torch.empty(values.numel(), dtype=dtype)
-        bitsandbytes_nf4.dequantize(codes, scales, values.numel(), quant_codec.NF4_VALUES, out)
-        assert torch.equal(out, quant_codec.decode(quant_codec.encode(values, "nf4"), values.numel(), "nf4", dtype))
+        bitsandbytes_nf4.dequantize(codes, scales, values.numel(), codec.NF4_VALUES, out)
+        assert torch.equal(out, codec.decode(codec.encode(values, "nf4"), values.numel(), "nf4", dtype))
 
 
 def test_without_a_compiler_the_codec_warns_once_and_uses_tensor_ops(
@@ -168,15 +166,15 @@ def test_without_a_compiler_the_codec_warns_once_and_uses_tensor_ops(
         with pytest.warns(UserWarning, match="no C compiler.*apt-get install gcc"):
             assert native_codec.kernels() is None
         values = _weights()
-        with_tensor_ops = quant_codec.encode(values, "nf4")
-        decoded = quant_codec.decode(with_tensor_ops, values.numel(), "nf4")
+        with_tensor_ops = codec.encode(values, "nf4")
+        decoded = codec.decode(with_tensor_ops, values.numel(), "nf4")
     finally:
         native_codec.kernels.cache_clear()
     assert not list(tmp_path.iterdir())  # nothing was built
     monkeypatch.undo()
     assert native_codec.kernels() is not None
-    assert torch.equal(quant_codec.encode(values, "nf4"), with_tensor_ops)
-    assert torch.equal(quant_codec.decode(with_tensor_ops, values.numel(), "nf4"), decoded)
+    assert torch.equal(codec.encode(values, "nf4"), with_tensor_ops)
+    assert torch.equal(codec.decode(with_tensor_ops, values.numel(), "nf4"), decoded)
 
 
 def test_the_kernels_build_into_the_cache_once_and_leave_no_temporary_file(
@@ -196,12 +194,12 @@ def test_the_kernels_build_into_the_cache_once_and_leave_no_temporary_file(
 
 def test_stored_bytes_are_within_the_issue_ratios_of_bf16() -> None:
     numel = 4096 * 4096
-    assert quant_codec.storage_bytes(numel, "int8", 2) / (2 * numel) == pytest.approx(1.015625 / 2)
-    assert quant_codec.storage_bytes(numel, "nf4", 2) / (2 * numel) == pytest.approx(0.53125 / 2)
+    assert codec.storage_bytes(numel, "int8", 2) / (2 * numel) == pytest.approx(1.015625 / 2)
+    assert codec.storage_bytes(numel, "nf4", 2) / (2 * numel) == pytest.approx(0.53125 / 2)
     for frozen_dtype, limit in RATIO_LIMIT.items():
-        assert quant_codec.encode(torch.randn(numel // 64), frozen_dtype).numel() <= limit * 2 * numel // 64
-    assert quant_codec.storage_bytes(100, None, 2) == 200
-    assert quant_codec.storage_bytes(100, "bf16", 4) == quant_codec.storage_bytes(100, "fp16", 4) == 200
+        assert codec.encode(torch.randn(numel // 64), frozen_dtype).numel() <= limit * 2 * numel // 64
+    assert codec.storage_bytes(100, None, 2) == 200
+    assert codec.storage_bytes(100, "bf16", 4) == codec.storage_bytes(100, "fp16", 4) == 200
 
 
 def test_estimate_memory_counts_quantized_frozen_shards() -> None:
@@ -232,15 +230,15 @@ def test_unknown_frozen_dtype_is_refused_at_construction() -> None:
 def test_quantizing_a_trainable_param_is_refused() -> None:
     param = torch.nn.Parameter(torch.randn(8, 8))
     with pytest.raises(FrozenDtypeError, match=r"trainable param \(shape \(8, 8\)\) cannot be stored as nf4.*Freeze"):
-        quant.quantize_param_shard(param, "nf4")
+        quantized.quantize_param_shard(param, "nf4")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs an accelerator that cannot run the dequantization")
 def test_an_accelerator_that_cannot_run_the_dtype_is_named() -> None:
     # a CPU-only torch build has no CUDA: the probe fails there as it would on an accelerator without the ops
     with pytest.raises(FrozenDtypeError, match=r"`frozen_dtype='nf4'` cannot dequantize to torch.bfloat16 on `cuda"):
-        quant.check_runs_on("nf4", torch.device("cuda", 0), torch.bfloat16)
-    quant.check_runs_on("nf4", torch.device("cpu"), torch.bfloat16)
+        quantized.check_runs_on("nf4", torch.device("cuda", 0), torch.bfloat16)
+    quantized.check_runs_on("nf4", torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -253,7 +251,7 @@ def test_an_accelerator_that_cannot_run_the_dtype_is_named() -> None:
 )
 def test_configs_that_cannot_hold_quantized_shards_are_refused(zero_config: dict, message: str) -> None:
     with pytest.raises(FrozenDtypeError, match=message):
-        quant.check_config("int8", {"zero_optimization": zero_config}, torch.device("cpu"))
+        quantized.check_config("int8", {"zero_optimization": zero_config}, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------- 1 process
@@ -264,9 +262,7 @@ def _expected_weight(source: torch.Tensor, frozen_dtype: str, world_size: int) -
     flat = source.reshape(-1)
     shard = math.ceil(flat.numel() / world_size)
     pieces = [
-        quant_codec.decode(
-            quant_codec.encode(flat[r * shard : (r + 1) * shard], frozen_dtype, numel=shard), shard, frozen_dtype
-        )
+        codec.decode(codec.encode(flat[r * shard : (r + 1) * shard], frozen_dtype, numel=shard), shard, frozen_dtype)
         for r in range(world_size)
     ]
     return torch.cat(pieces)[: flat.numel()].to(torch.bfloat16).view_as(source)
@@ -305,7 +301,7 @@ def test_one_process_fit_stores_codes_and_computes_with_dequantized_bf16(
     bf16 = sum(int(p.ds_numel) * 2 for p in frozen.values())
     assert {p.ds_tensor.dtype for p in frozen.values()} == {torch.uint8}
     assert {p.ds_tensor.device.type for p in frozen.values()} == {"cpu"}
-    assert stored == sum(quant_codec.storage_bytes(int(p.ds_numel), frozen_dtype, 2) for p in frozen.values())
+    assert stored == sum(codec.storage_bytes(int(p.ds_numel), frozen_dtype, 2) for p in frozen.values())
     assert stored / bf16 <= RATIO_LIMIT[frozen_dtype]
     assert f"frozen shards {lightning_frozen.memory.format_bytes(stored)} ({frozen_dtype}) in cpu memory" in (
         lightning_log.text
@@ -318,7 +314,7 @@ def test_one_process_fit_stores_codes_and_computes_with_dequantized_bf16(
     assert seen["weight"].dtype == torch.bfloat16 and seen["weight"].shape == (WIDTH, WIDTH)
     assert torch.equal(seen["weight"], _expected_weight(source.layers[0].base.weight, frozen_dtype, 1))
     # a gather outside forward (GatheredParameters) decodes the same, then the shard is released again
-    whole = zero.full_param(model.layers[0].base.weight)
+    whole = params.full_param(model.layers[0].base.weight)
     assert torch.equal(whole, seen["weight"]) and model.layers[0].base.weight.numel() == 0
     # the adapter trained
     assert not torch.equal(model.layers[0].lora_b.ds_tensor, torch.zeros_like(model.layers[0].lora_b.ds_tensor))
@@ -331,7 +327,7 @@ def test_one_process_fit_stores_codes_and_computes_with_dequantized_bf16(
     assert quantization["block_size"] == {"int8": 256, "nf4": 64}[frozen_dtype]
     # the fingerprint is of the source weights: the unquantized base, in bf16 or fp32, verifies against it
     source_frozen = [(n, p) for n, p in source.named_parameters() if not p.requires_grad]
-    assert saved["frozen_base"]["fingerprint"]["digest"] == frozen_base.fingerprint_base(source_frozen)["digest"]
+    assert saved["frozen_base"]["fingerprint"]["digest"] == fingerprint.fingerprint_base(source_frozen)["digest"]
     reloaded = lightning_frozen.load_adapter(AdapterModel(width=WIDTH), path)
     for name, value in saved["state_dict"].items():
         torch.testing.assert_close(dict(reloaded.named_parameters())[name].detach(), value)
@@ -365,7 +361,7 @@ def test_sha256_fingerprint_is_of_the_source_bytes(tmp_path: Path) -> None:
     trainer.save_checkpoint(path)
     recorded = torch.load(path, weights_only=True)["frozen_base"]["fingerprint"]
     source_frozen = [(n, p) for n, p in source.named_parameters() if not p.requires_grad]
-    assert recorded["digest"] == frozen_base.fingerprint_base(source_frozen, "sha256")["digest"]
+    assert recorded["digest"] == fingerprint.fingerprint_base(source_frozen, "sha256")["digest"]
 
 
 def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainable(tmp_path: Path) -> None:
@@ -380,24 +376,22 @@ def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainabl
         tensors = torch.load(tmp_path / name, weights_only=True)["frozen_base"]["fingerprint"]["tensors"]
         return tensors["layers.0.base.weight"]["value"]
 
-    assert recorded_value("source.ckpt") == frozen_base.tensor_sha256(source)  # of the source, not of the codes
-    before = zero.full_param(weight)
+    assert recorded_value("source.ckpt") == fingerprint.tensor_sha256(source)  # of the source, not of the codes
+    before = params.full_param(weight)
     with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
         weight.data.mul_(-2)
-    expected = quant_codec.decode(
-        quant_codec.encode(before.float() * -2, "int8"), weight.ds_numel, "int8", torch.bfloat16
-    )
+    expected = codec.decode(codec.encode(before.float() * -2, "int8"), weight.ds_numel, "int8", torch.bfloat16)
     assert weight.ds_tensor.dtype == torch.uint8
-    assert torch.equal(zero.full_param(weight), expected.view(WIDTH, WIDTH))
+    assert torch.equal(params.full_param(weight), expected.view(WIDTH, WIDTH))
     # a checkpoint now names the written values, in both modes (sha256 once kept the old values' hash)
-    assert recorded_value("written.ckpt") == frozen_base.tensor_sha256(before * -2)
+    assert recorded_value("written.ckpt") == fingerprint.tensor_sha256(before * -2)
     written = [("layers.0.base.weight", before * -2)]
     checksum = trainer.strategy.frozen_base_fingerprint([("layers.0.base.weight", weight)], "checksum")
-    assert checksum["tensors"] == frozen_base.fingerprint_base(written, "checksum")["tensors"]
+    assert checksum["tensors"] == fingerprint.fingerprint_base(written, "checksum")["tensors"]
 
     weight.requires_grad_(True)
     with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):
-        quant.quantize_frozen_shards(model, "int8")
+        quantized.quantize_frozen_shards(model, "int8")
 
 
 def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> None:
@@ -449,7 +443,7 @@ def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("frozen_dtype", ["bf16", "fp16"])
 def test_fp32_training_over_a_half_precision_base_is_fp32_training_over_the_rounded_base(frozen_dtype: str) -> None:
-    cast = quant_codec.FORMATS[frozen_dtype].cast_dtype
+    cast = codec.FORMATS[frozen_dtype].cast_dtype
     runs = {}
     for storage in (frozen_dtype, None):
         model = AdapterModel(width=WIDTH)
@@ -474,13 +468,13 @@ def test_fp32_training_over_a_half_precision_base_is_fp32_training_over_the_roun
     assert torch.equal(runs[frozen_dtype][1], runs[None][1])
     trained = [(n, p) for n, p in stored.named_parameters() if p.requires_grad]
     for (name, param), expected in zip(trained, (p for p in reference.parameters() if p.requires_grad)):
-        assert torch.equal(zero.full_param(param), zero.full_param(expected)), name
-    assert not torch.equal(zero.full_param(stored.layers[0].lora_b), torch.zeros(WIDTH, 4))
+        assert torch.equal(params.full_param(param), params.full_param(expected)), name
+    assert not torch.equal(params.full_param(stored.layers[0].lora_b), torch.zeros(WIDTH, 4))
 
 
 def test_fp16_storage_refuses_weights_beyond_its_range() -> None:
     with pytest.raises(FrozenDtypeError, match=r"magnitude 7e\+04, beyond fp16's range.*`frozen_dtype='bf16'`"):
-        quant_codec.encode(torch.tensor([1.0, -70000.0]), "fp16")
+        codec.encode(torch.tensor([1.0, -70000.0]), "fp16")
 
 
 # ---------------------------------------------------------------------------------------------- 2 processes
@@ -596,7 +590,7 @@ def _checkpoint_stored_as(quantization: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_checkpoint_of_the_older_nf4_layout_resumes_with_a_one_line_notice(caplog: pytest.LogCaptureFixture) -> None:
-    older = quant_codec.FORMATS["nf4"].describe()
+    older = codec.FORMATS["nf4"].describe()
     del older[layout.PACKING]  # 0.1.0 packed the low nibble first and did not record it
     with caplog.at_level(logging.INFO), warnings.catch_warnings():
         warnings.simplefilter("error")  # a notice, not a warning: the weights are the same
@@ -604,12 +598,12 @@ def test_a_checkpoint_of_the_older_nf4_layout_resumes_with_a_one_line_notice(cap
     notices = [r.getMessage() for r in caplog.records if "old.ckpt" in r.getMessage()]
     assert len(notices) == 1 and "low nibble first" in notices[0] and "high nibble first" in notices[0]
     caplog.clear()
-    current = _checkpoint_stored_as(quant_codec.FORMATS["nf4"].describe())
+    current = _checkpoint_stored_as(codec.FORMATS["nf4"].describe())
     trainable_state.warn_if_stored_otherwise(current, "nf4", "new.ckpt")
     assert not [r for r in caplog.records if "new.ckpt" in r.getMessage()]
 
 
 def test_a_checkpoint_of_another_block_size_warns_that_the_base_differs() -> None:
-    other = {**quant_codec.FORMATS["nf4"].describe(), layout.BLOCK_SIZE: 128}
+    other = {**codec.FORMATS["nf4"].describe(), layout.BLOCK_SIZE: 128}
     with pytest.warns(UserWarning, match="other block_size \\(128\\) than this version \\(64\\)"):
         trainable_state.warn_if_stored_otherwise(_checkpoint_stored_as(other), "nf4", "other.ckpt")

@@ -21,8 +21,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
-from lightning_frozen.checkpoint import atomic_files
-from lightning_frozen.checkpoint import file as ckpt_module
+from lightning_frozen.checkpoint import atomic_files, file
 from lightning_frozen.format import layout
 from tests.distributed import SCRIPTS, fresh_env, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
@@ -154,7 +153,7 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
     foreign = tmp_path / ".notes.tmp"  # not named like ours
     foreign.write_text("mine")
 
-    ckpt_module.write_atomic({"value": torch.arange(3)}, tmp_path / "last.ckpt")
+    file.write_atomic({"value": torch.arange(3)}, tmp_path / "last.ckpt")
 
     assert not any(path.exists() for path in stale)
     assert all(path.exists() for path in kept) and foreign.exists()
@@ -217,7 +216,7 @@ def test_a_live_writer_in_another_container_with_the_same_host_name_keeps_its_te
 def test_checkpoint_files_get_the_mode_the_umask_allows(tmp_path: Path) -> None:
     previous = os.umask(0o022)
     try:
-        ckpt_module.write_atomic({"value": torch.arange(3)}, tmp_path / "shared.ckpt")
+        file.write_atomic({"value": torch.arange(3)}, tmp_path / "shared.ckpt")
     finally:
         os.umask(previous)
     assert (tmp_path / "shared.ckpt").stat().st_mode & 0o777 == 0o644
@@ -236,7 +235,7 @@ def test_a_write_never_goes_through_a_planted_temp_name(tmp_path: Path, planted:
             target.symlink_to(outside)
         else:
             target.write_text("keep me")
-    ckpt_module.write_atomic({"value": torch.arange(3)}, folder / "last.ckpt")
+    file.write_atomic({"value": torch.arange(3)}, folder / "last.ckpt")
     assert outside.read_text() == "keep me"
 
 
@@ -311,7 +310,7 @@ def test_convert_refuses_a_deepspeed_shard_with_other_objects(hostile: dict[str,
 def _peft_checkpoint(path: Path) -> Path:
     """A minimal file export accepts: one LoRA weight and the mapping to its PEFT key (no model needed)."""
     peft = {"keys": {"lora_a": "base_model.model.layer.lora_A.weight"}, "config": {"peft_type": "LORA", "r": 4}}
-    ckpt_module.write_atomic(
+    file.write_atomic(
         {
             layout.FORMAT_KEY: {"format_version": layout.FORMAT_VERSION},
             "state_dict": {"lora_a": torch.ones(4, 8)},
@@ -487,5 +486,5 @@ def test_a_signal_mid_write_leaves_the_previous_file_whole_and_no_temp_file(tmp_
     assert target.read_bytes() == b"the previous checkpoint"
     if signum == signal.SIGKILL:  # nothing can run at SIGKILL: the next write into the folder removes what it left
         assert len(_temp_files(tmp_path)) == 1
-        ckpt_module.write_atomic({"value": torch.arange(3)}, tmp_path / "other.ckpt")
+        file.write_atomic({"value": torch.arange(3)}, tmp_path / "other.ckpt")
     assert not _temp_files(tmp_path)

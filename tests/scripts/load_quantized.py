@@ -19,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, progress  # noqa: E402
-from lightning_frozen.base import fingerprint as frozen_base  # noqa: E402
-from lightning_frozen.base import pretrained  # noqa: E402
+from lightning_frozen.base import (
+    fingerprint,  # noqa: E402
+    pretrained,  # noqa: E402
+)
 from tests.distributed import logged_lines, runs_of, write_report  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, folder_tensors, token_data  # noqa: E402
@@ -68,7 +70,7 @@ def held(module: Any) -> dict[str, Any]:
                 hashlib.sha256(param.ds_tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
             ]
     strategy = module.trainer.strategy
-    named = frozen_base.named_frozen(module)
+    named = fingerprint.named_frozen(module)
     return {
         "codes": codes,
         "trainable_exact": exact,
@@ -77,7 +79,7 @@ def held(module: Any) -> dict[str, Any]:
         # a pass over the shards, without the loader's record (when they hold values, not codes)
         "fingerprint_by_a_pass": None
         if strategy.frozen_dtype
-        else frozen_base.fingerprint_base(named, strategy.fingerprint)["digest"],
+        else fingerprint.fingerprint_base(named, strategy.fingerprint)["digest"],
         "fingerprinted": len(named),
     }
 

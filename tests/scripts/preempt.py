@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
-from lightning_frozen.checkpoint import file as checkpoint_module  # noqa: E402
+from lightning_frozen.checkpoint import file  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
@@ -57,7 +57,7 @@ class Signalling(AdapterModel):
     def on_train_start(self) -> None:
         inner = self.trainer.strategy.deepspeed_engine.optimizer.optimizer  # the torch AdamW ZeRO-3 steps
         inner.register_step_pre_hook(lambda *_: self._signal() if self._now("optimizer_step") else None)
-        write_file = checkpoint_module.write_file_atomic
+        write_file = file.write_file_atomic
 
         def write_file_signalling(path: Path, write: Any) -> None:
             def write_then_signal(handle: Any) -> None:
@@ -69,7 +69,7 @@ class Signalling(AdapterModel):
 
             write_file(path, write_then_signal)
 
-        checkpoint_module.write_file_atomic = write_file_signalling
+        file.write_file_atomic = write_file_signalling
 
 
 def main() -> None:

@@ -20,8 +20,10 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
-from lightning_frozen.zero import forward_trace  # noqa: E402
-from lightning_frozen.zero import params as zero  # noqa: E402
+from lightning_frozen.zero import (
+    forward_trace,  # noqa: E402
+    params,  # noqa: E402
+)
 from tests.distributed import write_report  # noqa: E402
 from tests.gather_recording import GatherRecorder  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
@@ -48,7 +50,7 @@ def fit(run: str, out: Path, devices: int, recorder: GatherRecorder) -> None:
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "gathers": recorder.gathers,
-        "trainable": {n: zero.full_param(p).tolist() for n, p in model.named_parameters() if p.requires_grad},
+        "trainable": {n: params.full_param(p).tolist() for n, p in model.named_parameters() if p.requires_grad},
     }
     write_report(out / run, trainer.global_rank, report)
     torch.distributed.barrier()

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
 from lightning_frozen.zero import params as zero  # noqa: E402
-from lightning_frozen.zero import quantized as quant  # noqa: E402
+from lightning_frozen.zero import quantized  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.gather_recording import GatherRecorder  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
@@ -69,7 +69,7 @@ def fit_both(devices: int, out: Path) -> None:
     recorder = GatherRecorder()
     fit("async", devices, out, recorder)
 
-    asynchronous = quant._gather
+    asynchronous = quantized._gather
 
     def synchronous(params: list) -> Any:
         handle = asynchronous(params)
@@ -78,11 +78,11 @@ def fit_both(devices: int, out: Path) -> None:
                 work.wait()
         return handle
 
-    quant._gather = synchronous
+    quantized._gather = synchronous
     try:
         fit("sync", devices, out, recorder)
     finally:
-        quant._gather = asynchronous
+        quantized._gather = asynchronous
 
 
 if __name__ == "__main__":
