@@ -21,8 +21,7 @@ from tests.models import BackboneModel, cpu_trainer
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from examples.minilm_lora.task import minilm_folder  # noqa: E402
-from tests.peft_models import PeftModule, batches  # noqa: E402
+from tests.peft_models import PeftModule, batches, tiny_bert_folder  # noqa: E402
 
 # walks of the whole module in a save with the anatomy found at setup: the trainable state (its params and buffers),
 # the optimizer state, the fingerprint's frozen params, the frozen params' storage, the buffers' names for the export
@@ -84,7 +83,7 @@ def test_a_save_in_a_run_reads_the_anatomy_found_at_setup(tmp_path: Path, monkey
     found = builds[0]
     assert found.peft is not None and found.peft[0] == "model" and found.trained_adapters == ("default",)
     assert "model.base_model.model.classifier.original_module.weight" in found.trained_copies
-    assert found.base_reference == str(minilm_folder())
+    assert found.base_reference == str(tiny_bert_folder())
     # what the record said is what the file holds: the export entry and the fingerprint without the originals
     saved = lightning_frozen.read_checkpoint(tmp_path / "run.ckpt")
     assert set(saved["frozen_base"]["peft"]["keys"]) <= set(found.trainable)
