@@ -100,7 +100,7 @@ def _top_level_names(module: Path) -> set[str]:
 
 
 def dotted_name_problem(dotted: str, root: Path = ROOT) -> str | None:
-    """Why ``dotted`` (``lightning_frozen.format.codec``, ``lightning_frozen.load_adapter``) names nothing of the
+    """Why ``dotted`` (``lightning_frozen.base.codec``, ``lightning_frozen.load_adapter``) names nothing of the
     package, or None: each part is a subpackage, a module, or then a name that module defines or imports."""
     folder: Path | None = root / "lightning_frozen"
     module = root / "lightning_frozen" / "__init__.py"
@@ -285,7 +285,7 @@ def test_the_path_checker_names_each_missing_module_path_and_dotted_name(tiny_re
         "`lightning_frozen/format/codec.py` and (format/layout.py), `hf/reference.py`, `benchmarks/nope/`\n"
         "`lightning_frozen.adapters`, `lightning_frozen.load_adapter`, `lightning_frozen.optim.schedulers.register_"
         "per_group_attributes`\n"
-        "`lightning_frozen.format.codec`, `lightning_frozen.nothing` and https://x.org/lightning_frozen/nope.py\n"
+        "`lightning_frozen.base.codec`, `lightning_frozen.nothing` and https://x.org/lightning_frozen/nope.py\n"
         "```python\nfrom lightning_frozen import adapters as multi, nope\n"
         "from lightning_frozen.zero import engine\n```\n"
         "adapter_config.json, `config.yaml`, `~/.cache/torch_extensions/*/deepspeed_shm_comm/lock`, `path/to/x.json`\n"
@@ -295,7 +295,7 @@ def test_the_path_checker_names_each_missing_module_path_and_dotted_name(tiny_re
         "README.md:2: 'format/layout.py' names the module lightning_frozen/format/layout.py, which does not exist",
         "README.md:2: 'hf/reference.py' names the module lightning_frozen/hf/reference.py, which does not exist",
         "README.md:2: 'benchmarks/nope/' names benchmarks/nope/, which does not exist",
-        "README.md:4: 'lightning_frozen.format.codec': lightning_frozen/base/__init__.py defines no 'codec' and "
+        "README.md:4: 'lightning_frozen.base.codec': lightning_frozen/base/__init__.py defines no 'codec' and "
         "lightning_frozen/base/codec.py does not exist",
         "README.md:4: 'lightning_frozen.nothing': lightning_frozen/__init__.py defines no 'nothing' and "
         "lightning_frozen/nothing.py does not exist",
