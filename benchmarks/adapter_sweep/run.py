@@ -31,7 +31,7 @@ from typing import Any
 STARTED = time.monotonic()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import count_gathered_bytes, proc_status_bytes  # noqa: E402
+from benchmarks.harness.probes import proc_status_bytes  # noqa: E402
 from benchmarks.harness.records import RankReport, read_rank_reports, write_json  # noqa: E402
 
 SKIPPED_STEPS = 2
@@ -51,29 +51,14 @@ def adapter_specs(k: int) -> dict[str, dict[str, float]]:
 def worker(k: int, devices: int, steps: int, run_dir: Path) -> None:
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
 
+    from benchmarks.harness.callbacks import StepMeter
     from examples.adapter_sweep.task import SentimentSweep
     from examples.minilm_lora.task import SentimentData
 
     torch.set_num_threads(1)
-    gathered = {"bytes": 0}
-    count_gathered_bytes(gathered)
-
-    class Measure(Callback):
-        def __init__(self) -> None:
-            self.step_seconds: list[float] = []
-            self.step_bytes: list[int] = []
-
-        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            self.started, self.bytes_before = time.perf_counter(), gathered["bytes"]
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.step_seconds.append(time.perf_counter() - self.started)
-            self.step_bytes.append(gathered["bytes"] - self.bytes_before)
-
     L.seed_everything(0)
-    measure = Measure()
+    measure = StepMeter()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import count_gathered_bytes, proc_status_bytes  # noqa: E402
+from benchmarks.harness.probes import proc_status_bytes  # noqa: E402
 from benchmarks.harness.records import RankReport, read_rank_reports, write_json  # noqa: E402
 
 STORAGES = ("bf16", "int8", "nf4")
@@ -47,32 +47,25 @@ TIMEOUT_MIN = 60  # per storage and round
 def worker(storage: str, devices: int, epochs: int, run_dir: Path, accelerator: str = "cpu") -> None:
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
 
+    from benchmarks.harness.callbacks import StepMeter
     from examples.minilm_lora.task import LoRASentimentClassifier, SentimentData
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
 
     if accelerator == "cpu":
         torch.set_num_threads(1)
-    gathered = {"bytes": 0}
-    count_gathered_bytes(gathered)
 
-    class Measure(Callback):
+    class Measure(StepMeter):
         def __init__(self) -> None:
-            self.step_seconds: list[float] = []
-            self.step_bytes: list[int] = []
+            super().__init__()
             self.train_losses: list[float] = []
             self.setup_peak_rss = 0
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             self.setup_peak_rss = proc_status_bytes("VmHWM")
 
-        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            self.started, self.bytes_before = time.perf_counter(), gathered["bytes"]
-
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.step_seconds.append(time.perf_counter() - self.started)
-            self.step_bytes.append(gathered["bytes"] - self.bytes_before)
+            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
             if trainer.current_epoch == trainer.max_epochs - 1:
                 self.train_losses.append(float(outputs["loss"]))
 
