@@ -121,13 +121,20 @@ def _tensor_op_codec(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 @pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("count", [1100, 3 * 65536 + 7])  # a padded last block, and more than a thread's share
+@pytest.mark.parametrize("split", ["openmp", "thread pool"])  # torch's OpenMP threads, or ours where it is missing
 def test_compiled_kernels_give_the_tensor_ops_codes_and_values_to_the_bit(
-    frozen_dtype: str, source_dtype: torch.dtype, count: int, monkeypatch: pytest.MonkeyPatch
+    frozen_dtype: str, source_dtype: torch.dtype, count: int, split: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert native_codec.kernels() is not None, "the CPU kernels did not build: is a C compiler installed?"
+    lib = native_codec.kernels()
+    assert lib is not None, "the CPU kernels did not build: is a C compiler installed?"
+    if split == "openmp" and not lib.lf_openmp():
+        pytest.skip("the kernels were built without OpenMP (the compiler takes no -fopenmp)")
     values = (_weights(count) * 0.05).to(source_dtype)
     values[:3] = torch.tensor([0.0, -0.0, 1e-30])  # zero, signed zero and a tiny weight share a block
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two threads split the blocks
+    monkeypatch.setattr(native_codec, "MIN_BLOCKS_PER_THREAD", 4)  # so that even 1100 weights are split
+    if split == "thread pool":
+        monkeypatch.setattr(lib, "lf_openmp", lambda: 0)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three threads split the blocks
     native = codec.encode(values, frozen_dtype, numel=count + 300)
     native_values = {d: codec.decode(torch.stack([native, native]), count - 5, frozen_dtype, d) for d in DTYPES}
     _tensor_op_codec(monkeypatch)

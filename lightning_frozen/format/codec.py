@@ -225,7 +225,9 @@ def _encode_native(
     source, bf16, count = flat.data_ptr(), int(flat.dtype == torch.bfloat16), flat.numel()
     if fmt.name == "int8":
         status = native_codec.over_blocks(
-            blocks, lambda a, b: lib.lf_int8_encode(source, bf16, count, a, b, codes.data_ptr(), scales.data_ptr())
+            blocks,
+            lambda a, b: lib.lf_int8_encode(source, bf16, count, a, b, codes.data_ptr(), scales.data_ptr()),
+            lambda m: lib.lf_int8_encode_all(source, bf16, count, blocks, m, codes.data_ptr(), scales.data_ptr()),
         )
     else:
         bounds = _nf4_bounds(torch.device("cpu"))
@@ -233,6 +235,9 @@ def _encode_native(
             blocks,
             lambda a, b: lib.lf_nf4_encode(
                 source, bf16, count, bounds.data_ptr(), a, b, codes.data_ptr(), scales.data_ptr()
+            ),
+            lambda m: lib.lf_nf4_encode_all(
+                source, bf16, count, bounds.data_ptr(), blocks, m, codes.data_ptr(), scales.data_ptr()
             ),
         )
     if status:
@@ -310,12 +315,16 @@ def _decode_native(
     source, scale_ptr, target = codes.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr()
     if fmt.name == "int8":
         native_codec.over_blocks(
-            blocks, lambda a, b: lib.lf_int8_decode(source, scale_ptr, a, b, numel, target, dtype_code)
+            blocks,
+            lambda a, b: lib.lf_int8_decode(source, scale_ptr, a, b, numel, target, dtype_code),
+            lambda m: lib.lf_int8_decode_all(source, scale_ptr, blocks, m, numel, target, dtype_code),
         )
     else:
         table = _nf4_table(torch.device("cpu"))
         native_codec.over_blocks(
-            blocks, lambda a, b: lib.lf_nf4_decode(source, scale_ptr, table.data_ptr(), a, b, numel, target, dtype_code)
+            blocks,
+            lambda a, b: lib.lf_nf4_decode(source, scale_ptr, table.data_ptr(), a, b, numel, target, dtype_code),
+            lambda m: lib.lf_nf4_decode_all(source, scale_ptr, table.data_ptr(), blocks, m, numel, target, dtype_code),
         )
 
 

@@ -1,7 +1,7 @@
 /* One-pass CPU kernels for the frozen-storage formats of codec.py: NF4 (64 weights a block, fp16 scale, high nibble
  * first) and int8 absmax (256 a block, fp32 scale). Plain C with AVX2 where the compiler offers it; codec.py
  * compiles this file once per machine (native_codec.py) and calls it through ctypes, which releases the GIL, so
- * several threads can each take a range of blocks. Every function works on whole blocks [first, last) and writes
+ * several threads can each take a range of blocks (the `_all` variants at the end split them with OpenMP). Every function works on whole blocks [first, last) and writes
  * values [first * block, min(last * block, n)); the arithmetic is the tensor-op codec's, so codes and values are
  * bit-identical to it. The code table and the NF4 bucket bounds come from Python, so both codecs use the same fp32
  * values. Returns 0, or the index + 1 of a block whose scale would overflow fp16 (NF4 encode). */
@@ -250,3 +250,55 @@ int lf_int8_encode(const void *values, int in_bf16, int64_t n, int64_t first, in
     }
     return 0;
 }
+
+/* The whole tensor, its blocks split over the threads of the OpenMP runtime already loaded in the process (torch's
+ * own: the loader reuses the libgomp.so.1 that torch brought), so a decode that follows a matmul shares torch's
+ * threads instead of competing with them while they spin. Each returns the first nonzero status of its ranges. */
+#ifdef _OPENMP
+#include <omp.h>
+enum { MAX_CHUNKS = 256 };
+
+int lf_openmp(void) { return 1; }
+
+static int64_t chunk_count(int64_t blocks, int64_t min_blocks) {
+    int64_t threads = omp_get_max_threads(), by_size = blocks / (min_blocks > 0 ? min_blocks : 1);
+    int64_t chunks = threads < by_size ? threads : by_size;
+    return chunks < 1 ? 1 : (chunks > MAX_CHUNKS ? MAX_CHUNKS : chunks);
+}
+
+#define LF_OVER_CHUNKS(blocks, min_blocks, call)                                                                     \
+    do {                                                                                                             \
+        const int64_t chunks = chunk_count(blocks, min_blocks);                                                      \
+        int statuses[MAX_CHUNKS] = {0};                                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(chunks) if(chunks > 1)")                              \
+        for (int64_t chunk = 0; chunk < chunks; ++chunk) {                                                           \
+            const int64_t first = blocks * chunk / chunks, last = blocks * (chunk + 1) / chunks;                     \
+            statuses[chunk] = (call);                                                                                \
+        }                                                                                                            \
+        for (int64_t chunk = 0; chunk < chunks; ++chunk)                                                             \
+            if (statuses[chunk]) return statuses[chunk];                                                             \
+        return 0;                                                                                                    \
+    } while (0)
+
+int lf_nf4_decode_all(const uint8_t *codes, const uint16_t *scales, const float *table, int64_t blocks,
+                      int64_t min_blocks, int64_t n, void *out, int out_dtype) {
+    LF_OVER_CHUNKS(blocks, min_blocks, lf_nf4_decode(codes, scales, table, first, last, n, out, out_dtype));
+}
+
+int lf_nf4_encode_all(const void *values, int in_bf16, int64_t n, const float *bounds, int64_t blocks,
+                      int64_t min_blocks, uint8_t *codes, uint16_t *scales) {
+    LF_OVER_CHUNKS(blocks, min_blocks, lf_nf4_encode(values, in_bf16, n, bounds, first, last, codes, scales));
+}
+
+int lf_int8_decode_all(const int8_t *codes, const float *scales, int64_t blocks, int64_t min_blocks, int64_t n,
+                       void *out, int out_dtype) {
+    LF_OVER_CHUNKS(blocks, min_blocks, lf_int8_decode(codes, scales, first, last, n, out, out_dtype));
+}
+
+int lf_int8_encode_all(const void *values, int in_bf16, int64_t n, int64_t blocks, int64_t min_blocks, int8_t *codes,
+                       float *scales) {
+    LF_OVER_CHUNKS(blocks, min_blocks, lf_int8_encode(values, in_bf16, n, first, last, codes, scales));
+}
+#else
+int lf_openmp(void) { return 0; }
+#endif
