@@ -9,9 +9,11 @@ import textwrap
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.zero import host_memory
+from lightning_frozen.zero.params import full_param, gathered
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 WIDTH = 64
@@ -102,3 +104,104 @@ def test_a_threshold_the_user_chose_is_kept() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert run.stdout.split()[-1] == "False"
+
+
+def test_decode_buffers_keep_an_unshared_tensor_of_a_repeated_size_for_the_next_of_that_size_within_budget() -> None:
+    buffers = host_memory.DecodeBuffers()
+    assert buffers.take(1000, torch.float32, asker=0) is None  # nothing kept yet
+    buffers.give(torch.ones(1000))
+    assert buffers.bytes_kept == 0  # one param of that size, like a model's embedding: not worth keeping
+    for asker in range(1, host_memory.PARAMS_PER_SIZE_KEPT):
+        buffers.take(1000, torch.float32, asker=asker)
+    released = torch.ones(10, 100)  # what a released param held, in its shape
+    pointer = released.data_ptr()
+    buffers.give(released)
+    del released
+    assert buffers.bytes_kept == 4000
+    assert buffers.take(1000, torch.bfloat16, asker=0) is None and buffers.take(999, torch.float32, asker=0) is None
+    again = buffers.take(1000, torch.float32, asker=0)
+    assert again is not None and again.data_ptr() == pointer and again.shape == (1000,)
+    assert buffers.bytes_kept == 0 and buffers.take(1000, torch.float32, asker=0) is None
+
+    shared = torch.ones(1000)
+    saved = shared.t()  # what autograd keeps of a weight a layer read as a view
+    buffers.give(shared)
+    assert buffers.bytes_kept == 0  # a view of it lives on: written again, it would change what backward reads
+    del saved
+
+    # the budget: DECODE_BUDGET_MULTIPLE times the largest size kept (4000 bytes); the least recently kept go first
+    kept = [torch.ones(1000) for _ in range(host_memory.DECODE_BUDGET_MULTIPLE + 1)]
+    pointers = [t.data_ptr() for t in kept]
+    while kept:
+        buffers.give(kept.pop(0))
+    assert buffers.bytes_kept == host_memory.DECODE_BUDGET_MULTIPLE * 4000
+    taken = {buffers.take(1000, torch.float32, asker=0).data_ptr() for _ in range(2)}
+    assert taken == set(pointers[1:])
+    buffers.give(torch.ones(1000))
+    buffers.clear()
+    assert buffers.bytes_kept == 0 and buffers.take(1000, torch.float32, asker=0) is None
+    buffers.give(torch.ones(1000))
+    assert buffers.bytes_kept == 0  # the sizes asked for are forgotten too
+
+
+class ViewLinear(torch.nn.Linear):
+    """A linear layer that multiplies by a view of its weight, which autograd saves for the backward pass (unlike
+    ZeRO-3's own linear function, which saves the param and gathers it again)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.bias
+
+
+@pytest.mark.parametrize("layer", ["linear", "view of the weight"])
+def test_an_nf4_fit_decodes_into_kept_buffers_and_trains_exactly_as_without(
+    layer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each gather after the first decodes into a tensor a released param left, and training is unchanged to the bit,
+    also where autograd saved a view of a released weight (that one is never handed out again)."""
+    seen: dict[str, list[int]] = {}
+    clear = host_memory.DecodeBuffers.clear
+
+    def count_then_clear(buffers: host_memory.DecodeBuffers) -> None:
+        seen.setdefault("hits", []).append(buffers.hits)
+        clear(buffers)
+
+    monkeypatch.setattr(host_memory.DecodeBuffers, "clear", count_then_clear)
+    trained, default = {}, host_memory.DECODE_BUDGET_MULTIPLE
+    for multiple in (default, 0):  # 0: nothing is kept, each decode is a new tensor
+        monkeypatch.setattr(host_memory, "DECODE_BUDGET_MULTIPLE", multiple)
+        host_memory.DECODE_BUFFERS.hits = 0
+        model = AdapterModel(width=WIDTH, depth=3)
+        if layer != "linear":
+            for block in model.layers:
+                block.base.__class__ = ViewLinear
+        trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), max_steps=4, precision="32-true")
+        trainer.fit(model, regression_data(width=WIDTH))
+        assert host_memory.DECODE_BUFFERS.bytes_kept == 0  # given back after the run
+        trained[multiple] = {n: full_param(p) for n, p in model.named_parameters() if p.requires_grad}
+    kept_hits, fresh_hits = seen["hits"][-2:]
+    assert fresh_hits == 0
+    if layer == "linear":  # 4 steps x 3 layers x 2 params (weight, bias), gathered for forward and for backward
+        assert kept_hits >= 4 * 3 * 2
+    for name, value in trained[0].items():
+        assert torch.equal(trained[default][name], value), name
+    assert not torch.equal(trained[0]["layers.0.lora_b"], torch.zeros_like(trained[0]["layers.0.lora_b"]))
+
+
+def test_a_released_weight_whose_view_lives_on_is_never_decoded_into() -> None:
+    model = AdapterModel(width=WIDTH, depth=3)
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), max_steps=1, precision="32-true")
+    trainer.fit(model, regression_data(width=WIDTH))
+    first, second, third = (layer.base.weight for layer in model.layers)
+    for other in (third, second):  # after the run the sizes asked for were forgotten: three params ask again
+        with gathered(other):
+            pass
+    with gathered(first):
+        transposed = first.data.t()  # a view that outlives the gather, as one autograd saved would
+        expected = transposed.clone()
+    with gathered(second):  # a new tensor: first's is still read through the view
+        assert not torch.equal(second.data.t(), expected) and torch.equal(transposed, expected)
+        pointer = second.data.data_ptr()
+    assert host_memory.DECODE_BUFFERS.bytes_kept == WIDTH * WIDTH * 4  # second's, kept once released
+    with gathered(first):  # decoded into what second left
+        assert first.data.data_ptr() == pointer and torch.equal(first.data.t(), expected)
+    host_memory.DECODE_BUFFERS.clear()

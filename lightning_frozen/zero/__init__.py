@@ -15,7 +15,9 @@ modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every 
 and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's ``ZeROOrderedDict``) that
 a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
 ``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s
-``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``).
+``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's
+``_storage_Use_Count`` whether a released param's decoded storage is held elsewhere before decoding into it again
+(``host_memory``).
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):

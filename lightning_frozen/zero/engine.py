@@ -241,6 +241,7 @@ def release_engine(engine: Any, model: nn.Module) -> None:
         for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
             if handle is not None:
                 handle.remove()
+    host_memory.DECODE_BUFFERS.clear()  # decoded tensors kept for the next gather: none comes after the run
     _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
     ours = {id(module) for module in model.modules()}
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]

@@ -8,6 +8,10 @@
   buffer is freed (up to 32 MiB), so a process goes on holding what it once used. :func:`return_freed_memory`
   fixes the threshold at 1 MiB, as ``MALLOC_MMAP_THRESHOLD_=1048576`` would: every larger buffer is a mapping of
   its own, given back to the OS when freed.
+- **Fresh pages.** The price of that threshold: each buffer's pages are new to the process, and the kernel zeroes
+  every page on first touch. A gathered frozen param is decoded into a new tensor at each of its uses (twice a step),
+  so that zeroing would double the decode's time. :data:`DECODE_BUFFERS` keeps the decoded tensors of released
+  params, within a budget, for the next gather of the same size.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import ctypes
 import functools
 import os
 import sys
+from collections import OrderedDict
+from typing import Optional
 
+import torch
 from torch import nn
 
 from lightning_frozen.zero.params import full_numel
@@ -66,3 +73,75 @@ def return_freed_memory() -> bool:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+# the most bytes kept, as a multiple of the largest size kept: at a transformer layer's turn from its attention to its
+# MLP, the other shape's buffers wait a layer for their next use
+DECODE_BUDGET_MULTIPLE = 2
+# a size is kept only once this many params decoded that many values: the repeated layers of a model, not its
+# embedding and head, whose decoded tensors (the largest of a model; TinyLlama-1.1B: 250 MiB each in fp32) would
+# wait a whole step for their next use (measured, benchmarks/peer_qlora/run.py, 1.1B NF4, 1 rank: keeping them too
+# raised the peak from 1.63 to 1.92 GiB)
+PARAMS_PER_SIZE_KEPT = 3
+
+
+class DecodeBuffers:
+    """Host tensors of released frozen params, each given again to the next gather that decodes as many values.
+
+    A tensor is kept only when nothing else holds its storage (a view autograd saved, a caller's reference), when at
+    least :data:`PARAMS_PER_SIZE_KEPT` params asked for its size, and only while the kept bytes stay within
+    :data:`DECODE_BUDGET_MULTIPLE` times the largest such size; beyond it the least recently kept go back to the
+    allocator. :meth:`clear` gives back all of them (after each run).
+    """
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[int, tuple[int, torch.dtype, torch.Tensor]] = OrderedDict()
+        self._askers: dict[tuple[int, torch.dtype], set[int]] = {}
+        self._largest = 0
+        self.bytes_kept = 0
+        self.hits = 0
+        self.misses = 0
+
+    def take(self, numel: int, dtype: torch.dtype, asker: int) -> Optional[torch.Tensor]:
+        """A flat CPU tensor of ``numel`` values of ``dtype`` kept before, else None (the caller allocates).
+        ``asker`` names the param it is for (its ``id``)."""
+        askers = self._askers.setdefault((numel, dtype), set())
+        if len(askers) < PARAMS_PER_SIZE_KEPT:
+            askers.add(asker)
+            if len(askers) == PARAMS_PER_SIZE_KEPT:
+                self._largest = max(self._largest, numel * dtype.itemsize)
+        for key, (kept_numel, kept_dtype, tensor) in self._kept.items():
+            if kept_numel == numel and kept_dtype == dtype:
+                del self._kept[key]
+                self.bytes_kept -= tensor.nbytes
+                self.hits += 1
+                return tensor
+        self.misses += 1
+        return None
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Keep the storage under ``tensor`` (a released param's decoded values) if nothing else holds it."""
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return
+        storage = tensor.untyped_storage()
+        # held by `storage` and the caller's `tensor`: more means a view or a reference lives elsewhere
+        if torch._C._storage_Use_Count(storage._cdata) > 2 or storage.nbytes() % tensor.element_size():
+            return
+        flat = tensor.new_empty(0).set_(storage)
+        del storage
+        if len(self._askers.get((flat.numel(), flat.dtype), ())) < PARAMS_PER_SIZE_KEPT:
+            return
+        self._kept[id(flat)] = (flat.numel(), flat.dtype, flat)
+        self.bytes_kept += flat.nbytes
+        while self.bytes_kept > DECODE_BUDGET_MULTIPLE * self._largest and self._kept:
+            _, (_, _, oldest) = self._kept.popitem(last=False)
+            self.bytes_kept -= oldest.nbytes
+
+    def clear(self) -> None:
+        """Give every kept tensor back to the allocator, and forget the sizes asked for."""
+        self._kept.clear()
+        self._askers.clear()
+        self.bytes_kept = self._largest = 0
+
+
+DECODE_BUFFERS = DecodeBuffers()

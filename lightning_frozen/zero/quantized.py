@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import BlockFormat, block_format, decode, encode, split
+from lightning_frozen.zero.host_memory import DECODE_BUFFERS
 from lightning_frozen.zero.params import (
     compute_dtype,
     full_shape,
@@ -215,7 +216,10 @@ def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]
             for p in ours:  # written under GatheredParameters(modifier_rank=...): quantize this rank's new slice
                 _requantize_from_full(p, before_encoding)
         if ours:
+            decoded = [p.data for p in ours if p.data.numel() == p.ds_numel > 0]
             original_partition(param_list=ours, hierarchy=hierarchy, has_been_updated=False, free_data=free_data)
+            while decoded:  # each on its own, so that only the one offered holds a reference
+                DECODE_BUFFERS.give(decoded.pop())
         if others:
             others[0].partition(
                 param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
@@ -267,7 +271,11 @@ class _GatherHandle:
             for param, rows in params:
                 frozen_dtype = frozen_dtype_of(param)
                 assert frozen_dtype is not None
-                values = decode(rows, shard_numel(param), frozen_dtype, param.dtype)
+                numel = shard_numel(param)
+                out = None
+                if rows.device.type == "cpu":
+                    out = DECODE_BUFFERS.take(rows.shape[0] * numel, param.dtype, asker=id(param))
+                values = decode(rows, numel, frozen_dtype, param.dtype, out=out)
                 mark_gathered(param, values[: param.ds_numel].view(param.ds_shape))
         self.groups, self.sent = [], []  # the codes are garbage once decoded
         self.complete = True
