@@ -17,7 +17,8 @@ time into:
 
 Floors, in the same process after the fit: the **dense matmuls** (every profiled matmul run again with its own
 shapes on dense fp32 tensors already in memory), the **decode** at the codec's own rate (``codec.decode`` of the
-same format on 16M weights into fresh buffers, as a gather decodes), and the **gather** at a copy's rate (the bytes
+same format on 16M weights into a buffer written before, as a gather decodes into a released param's; before
+2026-12-02 05:00 UTC into fresh buffers), and the **gather** at a copy's rate (the bytes
 gathered at ``torch.Tensor.copy_`` speed). Figures go into each rank's report (``profile``) and
 ``results/step_profile.md``.
 """
@@ -209,9 +210,10 @@ def floors(result: dict[str, Any], frozen_dtype: str, decoded_weights: int, gath
     out = {DENSE: matmul}
     if frozen_dtype not in ("none", None) and decoded_weights:
         sample = codec.encode(torch.randn(1 << 24) * 0.02, frozen_dtype)
+        written = codec.decode(sample, 1 << 24, frozen_dtype, torch.float32)
         started = time.perf_counter()
         for _ in range(3):
-            codec.decode(sample, 1 << 24, frozen_dtype, torch.float32)
+            codec.decode(sample, 1 << 24, frozen_dtype, torch.float32, out=written)
         rate = 3 * (1 << 24) / (time.perf_counter() - started)
         out[DECODE_FLOOR] = decoded_weights / rate
         out["codec M/s"] = rate / 1e6
