@@ -200,3 +200,53 @@ def test_each_of_two_bases_is_recorded_and_a_mismatch_names_the_base_it_is_in(tm
         with pytest.raises(FrozenBaseMismatchError, match=rf"`{re.escape(changed)}` \(of '{re.escape(owner)}'\) holds"):
             load_adapter(module, tmp_path / "adapter.ckpt")
     load_adapter(_VisionAndLanguage(**folders), tmp_path / "adapter.ckpt")  # the bases it was trained on
+
+
+def _edge_values(count: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    values = torch.randn(count) * 0.05
+    values[::97] *= 1e6  # beyond fp16's range: inf there
+    values[1::89] *= 1e-6  # fp16 subnormals, and zeros
+    special = [-0.0, float("inf"), -float("inf"), 65504.0, 65520.0, 3.4e38, 2.0**-25, 1.5 * 2.0**-24, 1e-38]
+    values[: len(special)] = torch.tensor(special)
+    return values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split", ["openmp", "thread pool"])  # torch's OpenMP threads, or ours where it is missing
+def test_the_compiled_checksum_gives_the_tensor_ops_sums(
+    dtype: torch.dtype, split: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fingerprint of every base ever saved is these sums: the one-pass kernel must give them to the bit, at any
+    start (the position weights wrap every 65521 values), over any length, rounding as torch casts."""
+    from lightning_frozen.base import fingerprint
+    from lightning_frozen.format import native_codec
+
+    lib = native_codec.kernels()
+    assert lib is not None, "the CPU kernels did not build: is a C compiler installed?"
+    if split == "openmp" and not lib.lf_openmp():
+        pytest.skip("the kernels were built without OpenMP (the compiler takes no -fopenmp)")
+    if split == "thread pool":
+        monkeypatch.setattr(lib, "lf_openmp", lambda: 0)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    values = _edge_values(2 * native_codec.CHECKSUM_UNIT + 65530).to(dtype)
+    checksummer = fingerprint.Checksummer()
+    compiled = {}
+    for start in (0, 65520, 65521 * 3 + 7, 10**10 + 3):
+        for count in (0, 1, 9, 65530, values.numel()):
+            compiled[start, count] = native_codec.checksum16(values[:count], start)
+    monkeypatch.setattr(native_codec, "checksum16", lambda values, start: None)  # the tensor ops from here on
+    for (start, count), sums in compiled.items():
+        assert sums == checksummer(values[:count], start), (start, count)
+    assert len(compiled[0, 9]) == (4 if dtype == torch.float32 else 2)
+
+
+def test_a_nan_weight_is_checksummed_by_the_tensor_ops() -> None:
+    from lightning_frozen.base import fingerprint
+    from lightning_frozen.format import native_codec
+
+    values = _edge_values(5000)
+    values[100] = float("nan")  # torch's scalar and vector casts to bf16 give it different patterns
+    assert native_codec.checksum16(values, 0) is None
+    expected = fingerprint.Checksummer()(values, 0)
+    assert native_codec.checksum16(values[:100], 0) is not None and len(expected) == 4

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
-from lightning_frozen.format import layout
+from lightning_frozen.format import layout, native_codec
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.hf.reference import base_of
 from lightning_frozen.progress import Progress
@@ -121,7 +121,12 @@ class Checksummer:
         self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
 
     def __call__(self, values: torch.Tensor, start: int) -> list[int]:
-        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order."""
+        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the CPU
+        kernels where they run (``format/native_codec.py``; the same sums, several times faster), else in chunks of
+        tensor ops."""
+        compiled = native_codec.checksum16(values, start)
+        if compiled is not None:
+            return compiled
         keys = checksum_keys(values.dtype)
         weights = self._weights
         sums = [0] * (2 * len(keys))

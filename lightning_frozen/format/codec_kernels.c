@@ -251,6 +251,98 @@ int lf_int8_encode(const void *values, int in_bf16, int64_t n, int64_t first, in
     return 0;
 }
 
+/* The checksums of base/fingerprint.py's `Checksummer`, in one pass: over the 16-bit pattern of each value (an fp32
+ * value cast to bf16 and to fp16, rounding to nearest even as torch does; a bf16 or fp16 value as it is), read as a
+ * signed integer, the plain sum and the sum weighted by (global index % WEIGHT_PERIOD) + 1, each modulo 2**61 - 1.
+ * Works on units [first, last) of CHECKSUM_UNIT values and writes its sums into out (fp32: bf16 plain, bf16 weighted,
+ * fp16 plain, fp16 weighted; a 16-bit dtype: plain, weighted). Returns 1 if an fp32 value is NaN (torch's casts do not
+ * agree on its pattern: the caller uses torch's), else 0. */
+enum { CHECKSUM_UNIT = 1 << 20, WEIGHT_PERIOD = 65521 };
+enum { IN_F32 = 0 };
+static const int64_t CHECKSUM_MODULUS = ((int64_t)1 << 61) - 1;
+
+static inline int64_t modulo(__int128 sum) {
+    const int64_t rest = (int64_t)(sum % CHECKSUM_MODULUS);
+    return rest < 0 ? rest + CHECKSUM_MODULUS : rest;
+}
+
+/* one run of weights phase + 1, phase + 2, ... (no wrap): each product fits int32 (32768 * 65521 < 2**31) */
+static int checksum_f32_run(const float *x, int64_t count, int32_t weight, int64_t sums[4]) {
+    int64_t j = 0;
+    int nan = 0;
+#ifdef LF_AVX2
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), step = _mm256_set1_epi32(8);
+    __m256i weights = _mm256_add_epi32(_mm256_set1_epi32(weight), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i plain_b = _mm256_setzero_si256(), plain_h = _mm256_setzero_si256();
+    __m256i wide_b = _mm256_setzero_si256(), wide_h = _mm256_setzero_si256();
+    for (; j + 8 <= count; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i even = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, even)), 16);
+        const __m256i b = _mm256_srai_epi32(_mm256_slli_epi32(rounded, 16), 16);
+        const __m256i h = _mm256_cvtepi16_epi32(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        plain_b = _mm256_add_epi32(plain_b, b); /* per lane at most 8191 values of 32768: no overflow in a run */
+        plain_h = _mm256_add_epi32(plain_h, h);
+        const __m256i pb = _mm256_mullo_epi32(b, weights), ph = _mm256_mullo_epi32(h, weights);
+        wide_b = _mm256_add_epi64(wide_b, _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(pb)),
+                                                           _mm256_cvtepi32_epi64(_mm256_extracti128_si256(pb, 1))));
+        wide_h = _mm256_add_epi64(wide_h, _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(ph)),
+                                                           _mm256_cvtepi32_epi64(_mm256_extracti128_si256(ph, 1))));
+        weights = _mm256_add_epi32(weights, step);
+    }
+    int32_t lanes32[8];
+    int64_t lanes64[4];
+    _mm256_storeu_si256((__m256i *)lanes32, plain_b);
+    for (int k = 0; k < 8; ++k) sums[0] += lanes32[k];
+    _mm256_storeu_si256((__m256i *)lanes32, plain_h);
+    for (int k = 0; k < 8; ++k) sums[2] += lanes32[k];
+    _mm256_storeu_si256((__m256i *)lanes64, wide_b);
+    for (int k = 0; k < 4; ++k) sums[1] += lanes64[k];
+    _mm256_storeu_si256((__m256i *)lanes64, wide_h);
+    for (int k = 0; k < 4; ++k) sums[3] += lanes64[k];
+#endif
+    for (; j < count; ++j) {
+        uint32_t bits;
+        memcpy(&bits, x + j, 4);
+        nan |= (bits & 0x7FFFFFFFu) > 0x7F800000u;
+        const int32_t b = (int16_t)float_to_bf16(x[j]), h = (int16_t)float_to_half(x[j]), w = weight + (int32_t)j;
+        sums[0] += b;
+        sums[1] += (int64_t)(b * w);
+        sums[2] += h;
+        sums[3] += (int64_t)(h * w);
+    }
+    return nan != 0;
+}
+
+static void checksum_16_run(const int16_t *x, int64_t count, int32_t weight, int64_t sums[2]) {
+    for (int64_t j = 0; j < count; ++j) {
+        sums[0] += x[j];
+        sums[1] += (int64_t)(x[j] * (weight + (int32_t)j));
+    }
+}
+
+int lf_checksum16(const void *values, int in_dtype, int64_t n, int64_t start, int64_t first, int64_t last,
+                  int64_t *out) {
+    const int64_t begin = first * CHECKSUM_UNIT, end = last * CHECKSUM_UNIT < n ? last * CHECKSUM_UNIT : n;
+    __int128 totals[4] = {0};
+    for (int64_t i = begin; i < end;) {
+        const int64_t phase = (start + i) % WEIGHT_PERIOD;
+        const int64_t stop = end - i < WEIGHT_PERIOD - phase ? end : i + (WEIGHT_PERIOD - phase);
+        int64_t sums[4] = {0};
+        if (in_dtype == IN_F32) {
+            if (checksum_f32_run((const float *)values + i, stop - i, (int32_t)phase + 1, sums)) return 1;
+        } else {
+            checksum_16_run((const int16_t *)values + i, stop - i, (int32_t)phase + 1, sums);
+        }
+        for (int k = 0; k < 4; ++k) totals[k] += sums[k];
+        i = stop;
+    }
+    for (int k = 0; k < (in_dtype == IN_F32 ? 4 : 2); ++k) out[k] = modulo(totals[k]);
+    return 0;
+}
+
 /* The whole tensor, its blocks split over the threads of the OpenMP runtime already loaded in the process (torch's
  * own: the loader reuses the libgomp.so.1 that torch brought), so a decode that follows a matmul shares torch's
  * threads instead of competing with them while they spin. Each returns the first nonzero status of its ranges. */
@@ -298,6 +390,12 @@ int lf_int8_decode_all(const int8_t *codes, const float *scales, int64_t blocks,
 int lf_int8_encode_all(const void *values, int in_bf16, int64_t n, int64_t blocks, int64_t min_blocks, int8_t *codes,
                        float *scales) {
     LF_OVER_CHUNKS(blocks, min_blocks, lf_int8_encode(values, in_bf16, n, first, last, codes, scales));
+}
+
+/* out: 4 sums per unit, each range writing at its first unit's row */
+int lf_checksum16_all(const void *values, int in_dtype, int64_t n, int64_t start, int64_t units, int64_t min_units,
+                      int64_t *out) {
+    LF_OVER_CHUNKS(units, min_units, lf_checksum16(values, in_dtype, n, start, first, last, out + 4 * first));
 }
 #else
 int lf_openmp(void) { return 0; }

@@ -47,6 +47,7 @@ _SIGNATURES = {
     "lf_int8_decode": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
     "lf_int8_encode": [_ptr, _int, _i64, _i64, _i64, _ptr, _ptr],
     "lf_advise_huge_pages": [_ptr, _i64],
+    "lf_checksum16": [_ptr, _int, _i64, _i64, _i64, _i64, _ptr],
     "lf_openmp": [],
 }
 # the same over the whole tensor, split on the OpenMP threads torch runs its ops on (a build with OpenMP only)
@@ -55,6 +56,7 @@ _WHOLE_SIGNATURES = {
     "lf_nf4_encode_all": [_ptr, _int, _i64, _ptr, _i64, _i64, _ptr, _ptr],
     "lf_int8_decode_all": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
     "lf_int8_encode_all": [_ptr, _int, _i64, _i64, _i64, _ptr, _ptr],
+    "lf_checksum16_all": [_ptr, _int, _i64, _i64, _i64, _i64, _ptr],
 }
 
 
@@ -127,14 +129,21 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lightning-frozen-codec")
 
 
-def over_blocks(blocks: int, work: Callable[[int, int], int], whole: Optional[Callable[[int], int]] = None) -> int:
-    """Run ``work(first, last)`` over ranges of ``blocks`` on up to ``torch.get_num_threads()`` threads; return the
-    first nonzero status (a kernel's error), else 0. With kernels built with OpenMP, ``whole(min_blocks)`` (the
-    kernel's ``_all`` variant) splits them itself, on torch's own threads."""
+def over_blocks(
+    blocks: int,
+    work: Callable[[int, int], int],
+    whole: Optional[Callable[[int], int]] = None,
+    min_blocks: int = 0,
+) -> int:
+    """Run ``work(first, last)`` over ranges of ``blocks`` on up to ``torch.get_num_threads()`` threads, each of at
+    least ``min_blocks`` (default :data:`MIN_BLOCKS_PER_THREAD`); return the first nonzero status (a kernel's error),
+    else 0. With kernels built with OpenMP, ``whole(min_blocks)`` (the kernel's ``_all`` variant) splits them itself,
+    on torch's own threads."""
     lib = kernels()
+    min_blocks = min_blocks or MIN_BLOCKS_PER_THREAD
     if whole is not None and lib is not None and lib.lf_openmp():
-        return whole(MIN_BLOCKS_PER_THREAD)
-    threads = max(1, min(torch.get_num_threads(), blocks // MIN_BLOCKS_PER_THREAD))
+        return whole(min_blocks)
+    threads = max(1, min(torch.get_num_threads(), blocks // min_blocks))
     if threads == 1:
         return work(0, blocks)
     bounds = [blocks * i // threads for i in range(threads + 1)]
@@ -152,3 +161,33 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if lib is not None and out.nbytes >= 4 << 20:
         lib.lf_advise_huge_pages(out.data_ptr(), out.nbytes)
     return out
+
+
+CHECKSUM_UNIT = 1 << 20  # the kernel's CHECKSUM_UNIT: values a thread's range is counted in
+CHECKSUM_MODULUS = (1 << 61) - 1
+_CHECKSUM_INPUTS = {torch.float32: (0, 4), torch.bfloat16: (1, 2), torch.float16: (2, 2)}  # code, sums
+
+
+def checksum16(values: torch.Tensor, start: int) -> Optional[list[int]]:
+    """``base/fingerprint.py``'s checksums of ``values`` (flat, from global index ``start``) in one compiled pass:
+    ``[plain, weighted]`` of the bf16 then the fp16 cast for fp32 values, of their own bits for bf16 or fp16. None
+    where the kernels cannot: no kernels, another dtype or device, a strided tensor, or a NaN (torch's own casts do not
+    agree on its pattern)."""
+    lib = kernels()
+    if lib is None or values.dtype not in _CHECKSUM_INPUTS or values.device.type != "cpu":
+        return None
+    if not values.is_contiguous():
+        return None
+    code, count = _CHECKSUM_INPUTS[values.dtype]
+    units = max(1, -(-values.numel() // CHECKSUM_UNIT))
+    partial = torch.zeros(units, 4, dtype=torch.int64)
+    pointer, numel, out = values.data_ptr(), values.numel(), partial.data_ptr()
+    status = over_blocks(
+        units,
+        lambda a, b: lib.lf_checksum16(pointer, code, numel, start, a, b, out + 32 * a),
+        lambda m: lib.lf_checksum16_all(pointer, code, numel, start, units, m, out),
+        min_blocks=1,
+    )
+    if status:
+        return None
+    return [sum(column) % CHECKSUM_MODULUS for column in zip(*partial[:, :count].tolist())]
