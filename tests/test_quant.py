@@ -614,3 +614,12 @@ def test_a_checkpoint_of_another_block_size_warns_that_the_base_differs() -> Non
     other = {**codec.FORMATS["nf4"].describe(), layout.BLOCK_SIZE: 128}
     with pytest.warns(UserWarning, match="other block_size \\(128\\) than this version \\(64\\)"):
         trainable_state.warn_if_stored_otherwise(_checkpoint_stored_as(other), "nf4", "other.ckpt")
+
+
+def test_decode_into_a_given_tensor_writes_it_and_refuses_one_of_another_size() -> None:
+    stored = codec.encode(torch.randn(1000) * 0.05, "nf4")
+    out = torch.full((1000,), 7.0)
+    assert codec.decode(stored, 1000, "nf4", out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, codec.decode(stored, 1000, "nf4"))
+    with pytest.raises(ValueError, match="`out` must be a contiguous torch.float32 tensor of 1000 values"):
+        codec.decode(stored, 1000, "nf4", out=torch.empty(999))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_frozen.errors import FrozenDtypeError
+from lightning_frozen.errors import FrozenDtypeError, InvalidArgumentValueError
 from lightning_frozen.format import bitsandbytes_nf4, layout, native_codec
 
 # QLoRA's NF4 code values (Dettmers et al. 2023, as bitsandbytes ships them): quantiles of N(0, 1) scaled to [-1, 1]
@@ -302,7 +302,7 @@ def decode(
     shape = (rows.shape[0], numel)
     if out is not None:
         if out.numel() != rows.shape[0] * numel or out.dtype != dtype or not out.is_contiguous():
-            raise ValueError(
+            raise InvalidArgumentValueError(
                 f"`out` must be a contiguous {dtype} tensor of {rows.shape[0] * numel} values, got"
                 f" {out.dtype} of {out.numel()}"
             )
