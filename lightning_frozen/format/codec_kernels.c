@@ -4,7 +4,8 @@
  * several threads can each take a range of blocks (the `_all` variants at the end split them with OpenMP). Every function works on whole blocks [first, last) and writes
  * values [first * block, min(last * block, n)); the arithmetic is the tensor-op codec's, so codes and values are
  * bit-identical to it. The code table and the NF4 bucket bounds come from Python, so both codecs use the same fp32
- * values. Returns 0, or the index + 1 of a block whose scale would overflow fp16 (NF4 encode). */
+ * values. Returns 0, or the index + 1 of a block whose scale would overflow fp16 (NF4 encode). The fingerprint's
+ * checksum (lf_checksum16) lives here too, to share the build. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

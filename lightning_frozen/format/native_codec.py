@@ -1,5 +1,7 @@
 """The CPU kernels of ``codec_kernels.c``: compiled once per machine with the system's C compiler, loaded with ctypes.
 
+They also take the fingerprint's checksum (:func:`checksum16`, for ``base/fingerprint.py``) in one pass.
+
 Why not bitsandbytes on the CPU: measured with ``benchmarks/codec/run.py`` on one core, its CPU ``dequantize_4bit``
 decodes NF4 into fp32 at about half, and its ``quantize_4bit`` encodes at about a twentieth, of these kernels' rate
 (it is used on CUDA, ``codec.py``). Why not a torch extension: a plain C file builds in about a second with no torch
