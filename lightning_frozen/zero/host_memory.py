@@ -95,12 +95,11 @@ class DecodeBuffers:
     """
 
     def __init__(self) -> None:
-        self._kept: OrderedDict[int, tuple[int, torch.dtype, torch.Tensor]] = OrderedDict()
+        self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # by id, least recently kept first
         self._askers: dict[tuple[int, torch.dtype], set[int]] = {}
         self._largest = 0
         self.bytes_kept = 0
         self.hits = 0
-        self.misses = 0
 
     def take(self, numel: int, dtype: torch.dtype, asker: int) -> Optional[torch.Tensor]:
         """A flat CPU tensor of ``numel`` values of ``dtype`` kept before, else None (the caller allocates).
@@ -110,13 +109,12 @@ class DecodeBuffers:
             askers.add(asker)
             if len(askers) == PARAMS_PER_SIZE_KEPT:
                 self._largest = max(self._largest, numel * dtype.itemsize)
-        for key, (kept_numel, kept_dtype, tensor) in self._kept.items():
-            if kept_numel == numel and kept_dtype == dtype:
+        for key, tensor in self._kept.items():
+            if tensor.numel() == numel and tensor.dtype == dtype:
                 del self._kept[key]
                 self.bytes_kept -= tensor.nbytes
                 self.hits += 1
                 return tensor
-        self.misses += 1
         return None
 
     def give(self, tensor: torch.Tensor) -> None:
@@ -131,10 +129,10 @@ class DecodeBuffers:
         del storage
         if len(self._askers.get((flat.numel(), flat.dtype), ())) < PARAMS_PER_SIZE_KEPT:
             return
-        self._kept[id(flat)] = (flat.numel(), flat.dtype, flat)
+        self._kept[id(flat)] = flat
         self.bytes_kept += flat.nbytes
         while self.bytes_kept > DECODE_BUDGET_MULTIPLE * self._largest and self._kept:
-            _, (_, _, oldest) = self._kept.popitem(last=False)
+            _, oldest = self._kept.popitem(last=False)
             self.bytes_kept -= oldest.nbytes
 
     def clear(self) -> None:
