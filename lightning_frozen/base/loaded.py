@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_frozen.base import slice_reads
 from lightning_frozen.base.fingerprint import Checksummer, param_sha256, tensor_sha256
 from lightning_frozen.errors import FrozenBaseFileError, FrozenDtypeError
 from lightning_frozen.zero import exact_gather
@@ -224,22 +225,7 @@ def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
 
 
 def _read_slice(param: nn.Parameter, path: str, key: str) -> torch.Tensor:
-    start, count = shard_range(param)
-    with open_safetensors(path) as handle:
-        piece = handle.get_slice(key)
-        return read_flat_range(piece, tuple(piece.get_shape()), start, count).to(param.dtype)
-
-
-def read_flat_range(piece: Any, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
-    """Elements ``[start, start + count)`` of the flattened tensor behind a safetensors slice, reading whole rows
-    of its first dimension (at most two rows more than asked for)."""
-    if len(shape) == 0:
-        return piece[:].reshape(-1)[start : start + count]
-    row = math.prod(shape[1:])
-    first, last = start // row, (start + count - 1) // row + 1
-    rows = piece[first:last].reshape(-1)
-    offset = start - first * row
-    return rows[offset : offset + count]
+    return slice_reads.read_slice(slice_reads.SliceRead(path, key, *shard_range(param))).to(param.dtype)
 
 
 def file_tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:

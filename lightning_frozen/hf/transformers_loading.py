@@ -3,7 +3,9 @@
 - ``from_pretrained`` under ZeRO-3 (:func:`zero3_loading`): an ``HfDeepSpeedConfig`` kept alive switches
   transformers' ZeRO-3 path on, and its two private loading steps ``modeling_utils.load_state_dict`` and
   ``modeling_utils._load_state_dict_into_zero3_model`` are replaced for the duration, only when their signatures are
-  the ones written for (transformers 5.x); with any other transformers its own ZeRO-3 loader runs.
+  the ones written for (transformers 5.x); with any other transformers its own ZeRO-3 loader runs. With them, the
+  model is built in the dtype DeepSpeed stores it in (``PreTrainedModel.get_init_context``'s ``dtype``), where
+  transformers would build it in the checkpoint's.
 - The key renamings its loader applies (``core_model_loading``): :func:`model_keys`.
 - Its safetensors reader, ``modeling_utils.safe_open``, wrapped while it loads a base (:func:`base_files_named`), so
   that a truncated or corrupt shard raises :class:`~lightning_frozen.errors.FrozenBaseFileError` naming the file.
@@ -36,6 +38,7 @@ from lightning_frozen.errors import FrozenBaseFileError
 # the signatures the replacements stand in for (transformers 5.x); other versions keep their own path
 LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
 LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
+GET_INIT_CONTEXT_PARAMS = ("dtype", "is_quantized", "_is_ds_init_called", "allow_all_kernels")
 GET_HF_QUANTIZER_PARAMS = ("config", "quantization_config", "device_map", "weights_only", "user_agent", "gguf_file")
 
 
@@ -61,12 +64,14 @@ def zero3_loading(
     config: dict,
     load_state_dict: Callable[..., dict],
     load_into_zero3: Callable[..., tuple[list[str], set[str]]],
+    build_dtype: Optional[torch.dtype] = None,
 ) -> Iterator[bool]:
     """While active, ``from_pretrained`` builds ZeRO-3 params for the DeepSpeed ``config`` (an ``HfDeepSpeedConfig``
     is alive; the one the caller made before is restored on exit), and transformers' two loading steps are replaced:
     ``modeling_utils.load_state_dict(checkpoint_file, ...)`` by ``load_state_dict(original, checkpoint_file, ...)``,
     ``modeling_utils._load_state_dict_into_zero3_model(model_to_load, state_dict, load_config)`` by
-    ``load_into_zero3(original, model_to_load, state_dict, load_config)``.
+    ``load_into_zero3(original, model_to_load, state_dict, load_config)``; with them, the model is built in
+    ``build_dtype`` (:func:`built_in`).
 
     Yields whether they were replaced: only where both have the signatures written for (:func:`replaceable`).
     Without transformers installed this does nothing and yields False.
@@ -85,13 +90,47 @@ def zero3_loading(
         modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
         modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
     try:
-        with base_files_named():  # where its own loader runs instead of ours (other versions, quantized bases)
+        with base_files_named(), built_in(build_dtype if patched else None):
             yield patched
     finally:
         if patched:
             modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
         hf_deepspeed._hf_deepspeed_config_weak_ref = previous
         del hf_config
+
+
+@contextmanager
+def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """While active, ``from_pretrained`` builds its model with ``dtype`` as torch's default (the dtype DeepSpeed's
+    ``zero.Init`` casts every new floating-point tensor to), not the checkpoint's.
+
+    transformers builds in the checkpoint's dtype (``dtype="auto"``) and ``zero.Init`` then casts each full tensor:
+    a bf16 folder under fp32 compute wrote every page of every full weight on every rank before a byte was read
+    (1.2 s of a 1.1B load on one rank; the whole model's fp32 bytes per rank at 13B). The values are never used: the
+    loader fills the shards. Only where ``PreTrainedModel.get_init_context`` has the parameters of
+    :data:`GET_INIT_CONTEXT_PARAMS` (transformers 5.x); None does nothing.
+    """
+    from transformers import modeling_utils
+
+    owner = modeling_utils.PreTrainedModel
+    original = owner.__dict__.get("get_init_context")
+    if dtype is None or not isinstance(original, classmethod):
+        yield
+        return
+    if tuple(inspect.signature(original.__func__).parameters)[1:] != GET_INIT_CONTEXT_PARAMS:
+        yield
+        return
+
+    def get_init_context(cls: type, checkpoint_dtype: Any, is_quantized: bool, *args: Any, **kwargs: Any) -> Any:
+        # a quantized model is built on the meta device by transformers' own loader: left as it is
+        build = dtype if isinstance(checkpoint_dtype, torch.dtype) and not is_quantized else checkpoint_dtype
+        return original.__func__(cls, build, is_quantized, *args, **kwargs)
+
+    owner.get_init_context = classmethod(get_init_context)
+    try:
+        yield
+    finally:
+        owner.get_init_context = original
 
 
 @contextmanager

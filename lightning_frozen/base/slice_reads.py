@@ -1,0 +1,171 @@
+"""Each rank's flat slices of safetensors tensors, read by positioned reads one tensor ahead of the loader.
+
+Read through safetensors' memory map, a slice arrives as page faults on the loading thread: the disk idles while a
+slice is checksummed and encoded, and the encoder idles while the next one is read. At 13B on 2 CPU ranks the load
+ran at 264 MiB/s against a 946 MiB/s plain read of the same files. Here a thread reads the next slice with
+``os.preadv`` (which releases the GIL) straight into a tensor while the loader works on the one before, and the
+file's pages are not mapped into the process, so they do not count as its memory.
+
+The byte offsets come from the file's header, whose layout the safetensors format fixes: 8 bytes of little-endian
+header length, then a JSON object ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}``
+with offsets counted from the end of the header. safetensors' Python API does not expose them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lightning_frozen.errors import FrozenBaseFileError
+
+# safetensors' dtype names, as torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_HEADER_LENGTH_BYTES = 8
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes lie in its safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte, from the start of the file
+    nbytes: int
+
+
+def read_header(path: str) -> dict[str, StoredTensor]:
+    """The tensors of the safetensors file at ``path`` whose dtype torch has, by key.
+
+    Raises:
+        FrozenBaseFileError: the header is cut short or malformed, or the file ends before a tensor's bytes do.
+    """
+    try:
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(_HEADER_LENGTH_BYTES))
+            if length > _MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(file.read(length))
+            size = os.fstat(file.fileno()).st_size
+    except (struct.error, ValueError) as error:  # json's JSONDecodeError is a ValueError
+        raise FrozenBaseFileError(path, f"its header cannot be read: {error}") from error
+    data_start = _HEADER_LENGTH_BYTES + length
+    stored = {}
+    for key, entry in header.items():
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        if key == "__metadata__" or dtype is None:
+            continue
+        begin, end = entry["data_offsets"]
+        if data_start + end > size:
+            raise FrozenBaseFileError(path, f"the file ends at byte {size}, before tensor `{key}` does")
+        stored[key] = StoredTensor(dtype, tuple(entry["shape"]), data_start + begin, end - begin)
+    return stored
+
+
+@dataclass(frozen=True)
+class SliceRead:
+    """Elements ``[start, start + count)`` of the flattened tensor ``key`` of the safetensors file at ``path``."""
+
+    path: str
+    key: str
+    start: int
+    count: int
+
+
+class _Reader:
+    """Positioned reads of slices, with one open descriptor and one parsed header per file."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[int, dict[str, StoredTensor]]] = {}
+
+    def read(self, wanted: SliceRead) -> torch.Tensor:
+        descriptor, header = self._open(wanted.path)
+        stored = header[wanted.key]
+        values = torch.empty(wanted.count, dtype=stored.dtype)
+        if wanted.count == 0:
+            return values
+        item = values.element_size()
+        assert wanted.start >= 0 and (wanted.start + wanted.count) * item <= stored.nbytes, wanted
+        buffer = memoryview(values.view(torch.uint8).numpy())
+        position, done = stored.offset + wanted.start * item, 0
+        while done < len(buffer):
+            got = os.preadv(descriptor, [buffer[done:]], position + done)
+            if got == 0:
+                raise FrozenBaseFileError(wanted.path, f"it ended while tensor `{wanted.key}` was being read")
+            done += got
+        return values
+
+    def _open(self, path: str) -> tuple[int, dict[str, StoredTensor]]:
+        if path not in self._files:
+            header = read_header(path)
+            descriptor = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # a larger read-ahead window; a hint only
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._files[path] = (descriptor, header)
+        return self._files[path]
+
+    def close(self) -> None:
+        for descriptor, _ in self._files.values():
+            os.close(descriptor)
+        self._files.clear()
+
+
+def read_slice(wanted: SliceRead) -> torch.Tensor:
+    """One slice, read now, as a tensor of the file's dtype.
+
+    Raises:
+        FrozenBaseFileError: the file is cut short or its header malformed.
+    """
+    reader = _Reader()
+    try:
+        return reader.read(wanted)
+    finally:
+        reader.close()
+
+
+@contextmanager
+def read_ahead(reads: Sequence[SliceRead]) -> Iterator[Iterator[torch.Tensor]]:
+    """The slices of ``reads`` in their order, each a tensor of the file's dtype; while the caller works on one, a
+    thread reads the next. Errors of a read (:class:`FrozenBaseFileError`) are raised where its slice is taken.
+    Leaving the block early closes the files after the read in flight ends."""
+    reader, pool = _Reader(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-frozen-read")
+
+    def slices() -> Iterator[torch.Tensor]:
+        pending: Optional[Future] = pool.submit(reader.read, reads[0]) if reads else None
+        for index in range(len(reads)):
+            assert pending is not None
+            values = pending.result()
+            pending = pool.submit(reader.read, reads[index + 1]) if index + 1 < len(reads) else None
+            yield values
+
+    try:
+        yield slices()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        reader.close()
+
+
+def file_order(path: str, key: str, headers: dict[str, dict[str, StoredTensor]]) -> tuple[str, int]:
+    """A sort key that reads files one after another, each from its start to its end (``headers`` caches them)."""
+    if path not in headers:
+        headers[path] = read_header(path)
+    return path, headers[path][key].offset
