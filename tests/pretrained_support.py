@@ -82,12 +82,14 @@ def describe(module: L.LightningModule) -> dict[str, Any]:
     import deepspeed
 
     reference = folder_tensors(Path(module.hparams.folder))
-    frozen_equal, lora_b_zero, shards, buffers = {}, {}, {}, {}
+    frozen_equal, lora_b_zero, shards, buffers, not_in_folder = {}, {}, {}, {}, {}
     for name, param in module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
             full = param.detach().cpu().clone()
         key = name.removeprefix("model.base_model.model.").replace(".base_layer", "")
-        if not param.requires_grad:
+        if not param.requires_grad and key not in reference:  # initialised by transformers: its sum and spread
+            not_in_folder[key] = [float(full.double().sum()), float(full.double().std())]
+        elif not param.requires_grad:
             frozen_equal[key] = torch.equal(full.to(reference[key].dtype), reference[key])
         if "lora_B" in name:
             lora_b_zero[name] = bool((full == 0).all())
@@ -100,7 +102,13 @@ def describe(module: L.LightningModule) -> dict[str, Any]:
         }
     for name, buffer in module.named_buffers():
         buffers[name] = buffer.device.type
-    return {"frozen_equal": frozen_equal, "lora_b_zero": lora_b_zero, "shards": shards, "buffers": buffers}
+    return {
+        "frozen_equal": frozen_equal,
+        "lora_b_zero": lora_b_zero,
+        "shards": shards,
+        "buffers": buffers,
+        "not_in_folder": not_in_folder,
+    }
 
 
 def token_data(samples: int = 8, length: int = 12, batch_size: int = 4) -> DataLoader:

@@ -122,6 +122,27 @@ def test_two_ranks_load_their_own_halves_then_resume_on_one(llama_folder: Path, 
     assert all(resumed["frozen_equal"].values())
 
 
+def test_a_weight_the_folder_lacks_is_initialised_once_for_both_ranks(llama_folder: Path, tmp_path: Path) -> None:
+    """The loader skips zero.Init's broadcast of each weight as it is built; a weight no file holds is still the same
+    on every rank, as transformers initialises it on rank 0 and broadcasts it."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "no_head"
+    folder.mkdir()
+    (folder / "config.json").write_text((llama_folder / "config.json").read_text())
+    tensors = folder_tensors(llama_folder)
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    run_script("pretrained_lora.py", "--folder", str(folder), "--report", str(tmp_path / "report"))
+    reports = read_reports(tmp_path / "report")
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(all(r["frozen_equal"].values()) and len(r["frozen_equal"]) == 20 for r in reports)
+    heads = [r["not_in_folder"]["lm_head.weight"] for r in reports]
+    assert heads[0] == heads[1], heads  # one initialisation, not one per rank
+    assert heads[0][1] > 0.0  # initialised, not left empty
+
+
 def test_a_bin_checkpoint_goes_through_transformers_own_loader(tmp_path: Path, lightning_log: object) -> None:
     folder = write_llama(tmp_path / "bin", safe_serialization=False)
     assert (folder / "pytorch_model.bin").exists() and not (folder / "model.safetensors").exists()

@@ -110,6 +110,7 @@ def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> I
             config, _shapes_only, functools.partial(_load_own_slices, plan), compute
         ) as patched,
         placeholders.untouched_while_loading(building_quantized, enabled=patched),
+        placeholders.not_broadcast_while_loading(transformers_loading.building_model, enabled=patched),
     ):
         yield
 
