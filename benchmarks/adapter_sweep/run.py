@@ -1,10 +1,17 @@
-"""K LoRA adapters trained at once on one frozen base against K separate runs, on the MiniLM sweep example's task.
+"""K LoRA adapters trained at once on one frozen base against K separate runs.
 
-    python benchmarks/adapter_sweep/run.py [--ks 1 2 4 8] [--devices 1] [--steps 8] [--out DIR]
+    python benchmarks/adapter_sweep/run.py [--task minilm|causal] [--ks 1 2 4 8] [--devices 1] [--steps 8] [--out DIR]
+
+Two tasks:
+- ``minilm``: ``examples/adapter_sweep/task.py``'s ``SentimentSweep`` (all-MiniLM-L6-v2, LoRA on query/value and
+  the head), batches of 16 sentences;
+- ``causal``: ``causal.py``'s ``CausalSweep``, LoRA on q/v of a TinyLlama-1.1B-shaped folder (written once by
+  ``benchmarks/big_model/run.py write --size 1.1b``, as ``peer_qlora`` uses it) loaded in ``configure_model`` and
+  stored as ``--frozen-dtype`` (NF4 by default), one sequence of 64 random tokens per adapter and step.
 
 For each K, a fresh process (a process pair with ``--devices 2``; Lightning's launcher re-runs this script for the
-other rank) trains ``examples/adapter_sweep/task.py``'s ``SentimentSweep`` with K adapters (ranks 4 and 8, learning
-rates apart) for ``--steps`` steps on the same batches, in fp32, 1 torch thread per rank. Each rank reports:
+other rank) trains the task with K adapters (ranks 4 and 8, learning rates apart) for ``--steps`` steps on the same
+batches, in fp32, 1 torch thread per rank. Each rank reports:
 
 - **wall time**: from the start of the worker (imports, the base's load, DeepSpeed's setup, the fingerprint) to the
   end of ``fit``: what a run costs;
@@ -15,7 +22,8 @@ rates apart) for ``--steps`` steps on the same batches, in fp32, 1 torch thread 
 
 K separate runs are K times the K = 1 run (same base, same steps, other hyper-parameters), one after another: their
 wall time adds up and their host peak is one run's; run side by side, their host peaks add up instead. Writes
-``<out>/adapter_sweep.json`` and ``<out>/adapter_sweep.md``.
+``<out>/adapter_sweep.json`` and ``<out>/adapter_sweep.md`` (``minilm``), ``<out>/adapter_sweep_causal.*``
+(``causal``), with the load average before and after: timings are only as good as the machine was quiet.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +40,19 @@ from typing import Any
 STARTED = time.monotonic()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import proc_status_bytes  # noqa: E402
-from benchmarks.harness.records import RankReport, read_rank_reports, write_json  # noqa: E402
+from benchmarks.harness.probes import load_average, proc_status_bytes  # noqa: E402
+from benchmarks.harness.records import RankReport, now_utc, read_rank_reports, write_json  # noqa: E402
 
 SKIPPED_STEPS = 2
-BATCH_SIZE = 16
+BATCH_SIZE = {"minilm": 16, "causal": 1}  # rows per adapter, rank and step
+TOKENS = 64  # per sequence of the causal task, as peer_qlora's
 TIMEOUT_MIN = 60  # per K
+BIG_MODEL = Path(__file__).resolve().parents[1] / "big_model" / "run.py"
+CAUSAL_SIZE = "1.1b"
+TITLES = {
+    "minilm": "MiniLM sweep task",
+    "causal": f"LoRA q/v on a TinyLlama-{CAUSAL_SIZE.upper()}-shaped causal LM, {TOKENS} tokens per sequence",
+}
 
 
 def adapter_specs(k: int) -> dict[str, dict[str, float]]:
@@ -48,24 +64,37 @@ def adapter_specs(k: int) -> dict[str, dict[str, float]]:
     }
 
 
-def worker(k: int, devices: int, steps: int, run_dir: Path) -> None:
+def worker(k: int, args: argparse.Namespace, run_dir: Path) -> None:
     import lightning as L
     import torch
 
     from benchmarks.harness.callbacks import StepMeter
-    from examples.adapter_sweep.task import SentimentSweep
-    from examples.minilm_lora.task import SentimentData
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
 
     torch.set_num_threads(1)
     L.seed_everything(0)
     measure = StepMeter()
+    if args.task == "causal":
+        from benchmarks.adapter_sweep.causal import CausalSweep, token_batches
+
+        model: L.LightningModule = CausalSweep(str(args.folder), adapter_specs(k))
+        data: object = token_batches(32000, TOKENS, args.steps, BATCH_SIZE["causal"])
+        strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=None if args.frozen_dtype == "none" else args.frozen_dtype)
+    else:
+        from examples.adapter_sweep.task import SentimentSweep
+        from examples.minilm_lora.task import SentimentData
+
+        model = SentimentSweep(adapter_specs(k))
+        model.configure_callbacks = list  # no per-adapter ModelCheckpoint: nothing is saved here
+        data = SentimentData(batch_size=BATCH_SIZE["minilm"])
+        strategy = FrozenAwareDeepSpeedStrategy()
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=devices,
-        strategy="frozen_deepspeed",
+        devices=args.devices,
+        strategy=strategy,
         precision="32-true",
         max_epochs=1,
-        limit_train_batches=steps,
+        limit_train_batches=args.steps,
         limit_val_batches=0,
         gradient_clip_val=1.0,
         logger=False,
@@ -74,9 +103,7 @@ def worker(k: int, devices: int, steps: int, run_dir: Path) -> None:
         enable_model_summary=False,
         callbacks=[measure],
     )
-    model = SentimentSweep(adapter_specs(k))
-    model.configure_callbacks = list  # no per-adapter ModelCheckpoint: nothing is saved here
-    trainer.fit(model, SentimentData(batch_size=BATCH_SIZE))
+    trainer.fit(model, data)
     RankReport(run_dir).update(
         k=k,
         world_size=trainer.world_size,
@@ -87,7 +114,7 @@ def worker(k: int, devices: int, steps: int, run_dir: Path) -> None:
     )
 
 
-def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float]) -> dict[str, float]:
+def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float], batch_size: int) -> dict[str, float]:
     wall = max(run["wall_seconds"] for run in runs)
     step = max(run["step_seconds_median"] for run in runs)
     peak = sum(run["host_peak_bytes"] for run in runs)
@@ -96,19 +123,24 @@ def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float]) -> dict[st
         "wall_seconds": wall,
         "separate_wall_seconds": k * alone["wall_seconds"],
         "step_seconds": step,
-        "seconds_per_sample_per_adapter": step / (BATCH_SIZE * runs[0]["world_size"] * k),
+        "seconds_per_sample_per_adapter": step / (batch_size * runs[0]["world_size"] * k),
         "node_host_peak_bytes": peak,
         "separate_node_host_peak_bytes_side_by_side": k * alone["node_host_peak_bytes"],
         "gathered_bytes_per_adapter_step": runs[0]["gathered_bytes_per_step"] / k,
     }
 
 
-def _markdown(rows: list[dict[str, float]], devices: int, steps: int) -> str:
+def _markdown(rows: list[dict[str, float]], args: argparse.Namespace, machine: dict[str, Any]) -> str:
     alone = rows[0]
+    storage = f", base stored as {args.frozen_dtype}" if args.task == "causal" else ""
     lines = [
-        f"# K adapters at once vs K separate runs (MiniLM sweep task, {devices} CPU rank(s), {steps} steps, fp32)",
+        f"# K adapters at once vs K separate runs ({TITLES[args.task]}{storage}, {args.devices} CPU rank(s),"
+        f" {args.steps} steps, fp32)",
         "",
-        "Measured on a shared 2-core machine (other jobs ran at the same time): timings are indicative only.",
+        f"Written by `benchmarks/adapter_sweep/run.py --task {args.task}` on {machine['date']} (2 CPU cores; load"
+        f" average {machine['load_before'][0]} before, {machine['load_after'][0]} after). K separate runs: K times the"
+        " K = 1 run, one after another (their wall times add up) or side by side (their host peaks add up). Goals"
+        " (issue 24): K = 4 at ≥ 2.5x the throughput of 4 separate runs, with ≤ 1.2x the host peak of one.",
         "",
         "| K | wall, one run | wall, K runs in a row | speed-up | step | per sample per adapter | node host peak"
         " | K runs side by side | gathered per adapter-step |",
@@ -129,21 +161,31 @@ def _markdown(rows: list[dict[str, float]], devices: int, steps: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(TITLES), default="minilm")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8, help=f"more than {SKIPPED_STEPS}: the first are not timed")
+    parser.add_argument("--frozen-dtype", choices=["none", "bf16", "int8", "nf4"], default="nf4", help="causal task")
+    parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"), help="causal task: its folder")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    raw = args.out / "adapter_sweep_runs"
+    args.folder = args.data_dir / f"llama-{CAUSAL_SIZE}"  # what big_model's ``write`` makes (or reuses)
+    stem = "adapter_sweep" if args.task == "minilm" else f"adapter_sweep_{args.task}"
+    raw = args.out / f"{stem}_runs"
     if args.worker is not None:
-        worker(args.worker, args.devices, args.steps, raw / f"k{args.worker}")
+        worker(args.worker, args, raw / f"k{args.worker}")
         return
+    if args.task == "causal":
+        write = [sys.executable, str(BIG_MODEL), "write", "--size", CAUSAL_SIZE, "--data-dir", str(args.data_dir)]
+        subprocess.run(write, check=True)
+    machine = {"date": now_utc(), "load_before": load_average()}
     ks = sorted(set(args.ks) | {1})
     runs = {}
     for k in ks:
-        command = [sys.executable, __file__, "--worker", str(k), "--devices", str(args.devices)]
-        command += ["--steps", str(args.steps), "--out", str(args.out)]
+        command = [sys.executable, __file__, "--worker", str(k), "--devices", str(args.devices), "--task", args.task]
+        command += ["--steps", str(args.steps), "--out", str(args.out), "--frozen-dtype", args.frozen_dtype]
+        command += ["--data-dir", str(args.data_dir)]
         shutil.rmtree(raw / f"k{k}", ignore_errors=True)
         log = raw / f"k{k}" / "worker.log"
         outcome = launch.guarded_run(command, launch.child_env(), log, TIMEOUT_MIN, reports_dir=raw / f"k{k}")
@@ -151,15 +193,16 @@ def main() -> None:
         if launch.exit_status(outcome) != 0 or len(runs[k]) != args.devices:
             reason = outcome.get("reason") or f"exit {outcome['returncode']}"
             raise SystemExit(f"K={k} failed ({reason}):\n{log.read_text()[-5000:]}")
+    machine["load_after"] = load_average()
     alone = runs[1]
     alone_summary = {
         "wall_seconds": max(run["wall_seconds"] for run in alone),
         "node_host_peak_bytes": sum(run["host_peak_bytes"] for run in alone),
     }
-    rows = [_row(k, runs[k], alone_summary) for k in ks]
-    write_json(args.out / "adapter_sweep.json", {"rows": rows, "runs": runs})
-    (args.out / "adapter_sweep.md").write_text(_markdown(rows, args.devices, args.steps))
-    print(_markdown(rows, args.devices, args.steps))
+    rows = [_row(k, runs[k], alone_summary, BATCH_SIZE[args.task]) for k in ks]
+    write_json(args.out / f"{stem}.json", {"machine": machine, "rows": rows, "runs": runs})
+    (args.out / f"{stem}.md").write_text(_markdown(rows, args, machine))
+    print(_markdown(rows, args, machine))
 
 
 if __name__ == "__main__":
