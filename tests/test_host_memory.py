@@ -6,13 +6,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
-from lightning_frozen.zero import host_memory
+from lightning_frozen.format import native_codec
+from lightning_frozen.zero import host_memory, quantized
 from lightning_frozen.zero.params import full_param, gathered
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -104,6 +106,46 @@ def test_a_threshold_the_user_chose_is_kept() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert run.stdout.split()[-1] == "False"
+
+
+def _thp_mode() -> str:
+    try:
+        modes = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "none"
+    return modes.split("[")[1].split("]")[0]
+
+
+def _huge_kib(tensor: torch.Tensor) -> int:
+    """KiB of transparent huge pages in the mappings that overlap ``tensor``'s bytes (``/proc/self/smaps``; advice
+    splits a mapping at the 2 MiB boundaries it names)."""
+    first, last = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            overlaps = start < last and first < end
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off or absent")
+def test_a_gathers_fresh_buffers_are_backed_by_huge_pages() -> None:
+    """The byte buffers a 2-rank gather writes the encoded base into, and decode's new outputs, ask for 2 MiB pages:
+    the kernel zeroes 4 KiB ones about five times slower (``zero/host_memory.py``)."""
+    if native_codec.kernels() is None:
+        pytest.skip("the advice is given by the compiled kernels, which need a C compiler")
+    size = 32 << 20
+    advised = [quantized._empty(size, torch.device("cpu")), native_codec.empty_output((size // 4,), torch.float32)]
+    plain = torch.empty(size, dtype=torch.uint8)
+    for buffer in (*advised, plain):
+        buffer.fill_(1)  # first touch: pages are chosen now
+    for buffer in advised:
+        assert _huge_kib(buffer) >= size // 1024 // 2, _huge_kib(buffer)  # most of it; the unaligned ends are not
+    if _thp_mode() == "madvise":  # only advised memory gets huge pages: the advice made the difference
+        assert _huge_kib(plain) == 0
 
 
 def test_decode_buffers_keep_an_unshared_tensor_of_a_repeated_size_for_the_next_of_that_size_within_budget() -> None:
