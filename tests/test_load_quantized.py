@@ -41,12 +41,16 @@ def _run(folder: Path, report: Path, devices: int, *args: str) -> list[dict[str,
     return reports
 
 
-@pytest.mark.parametrize(("devices", "frozen_dtype"), [(1, "int8"), (2, "nf4")])
+# under 32-true the bf16 file's values widen exactly into fp32 shards, and are encoded as read
+@pytest.mark.parametrize(
+    ("devices", "frozen_dtype", "precision"),
+    [(1, "int8", "bf16-mixed"), (2, "nf4", "bf16-mixed"), (1, "bf16", "32-true"), (2, "nf4", "32-true")],
+)
 def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_after(
-    devices: int, frozen_dtype: str, tmp_path: Path
+    devices: int, frozen_dtype: str, precision: str, tmp_path: Path
 ) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = ("--log-every", "-1")  # a progress line for every tensor
+    common = ("--log-every", "-1", "--precision", precision)  # a progress line for every tensor
     at_load, after, unquantized = _runs(
         folder,
         devices,

@@ -271,6 +271,7 @@ def store_slice(
     shard = local_shard(target)
     quantize = plan is not None and plan.frozen_dtype is not None and values.is_floating_point()
     with torch.no_grad():
+        read = values
         if quantize:
             values = (casts or CastBuffer()).cast(values, shard.dtype)
         else:  # the copy casts; the values as the param holds them are its shard's
@@ -285,7 +286,10 @@ def store_slice(
         plan.loaded.record(target, values, start, checksum or Checksummer(), sha256)
         if quantize:
             assert plan.frozen_dtype is not None
-            store_codes(target, values, plan.frozen_dtype)
+            # bf16 read into an fp32 shard: the cast is exact, so the codes of the values read are those of the
+            # cast ones, from half the bytes (for `frozen_dtype="bf16"` a copy instead of a rounding cast back)
+            exact = read.dtype == torch.bfloat16 and values.dtype == torch.float32
+            store_codes(target, read if exact else values, plan.frozen_dtype)
             plan.loaded.quantized(target, (path, key))
 
 

@@ -201,8 +201,12 @@ def _encode_cast(flat: torch.Tensor, blocks: int, fmt: BlockFormat) -> torch.Ten
                 f"This tensor holds a weight of magnitude {max(-float(low), float(high)):.3g}, beyond fp16's"
                 " range. Store this base with `frozen_dtype='bf16'`."
             )
-    cast = torch.zeros(blocks, dtype=fmt.cast_dtype, device=flat.device)
+    if flat.device.type == "cpu":  # written once, in huge pages where the kernel has them
+        cast = native_codec.empty_output((blocks,), fmt.cast_dtype)
+    else:
+        cast = torch.empty(blocks, dtype=fmt.cast_dtype, device=flat.device)
     cast[: flat.numel()] = flat
+    cast[flat.numel() :].zero_()
     return cast.view(torch.uint8)
 
 
