@@ -40,6 +40,8 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _HEADER_LENGTH_BYTES = 8
+# a tensor's fields in the safetensors header (the file format's names, not our checkpoint's keys)
+_DTYPE_FIELD, _SHAPE_FIELD, _OFFSETS_FIELD = "dtype", "shape", "data_offsets"
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
@@ -71,13 +73,13 @@ def read_header(path: str) -> dict[str, StoredTensor]:
     data_start = _HEADER_LENGTH_BYTES + length
     stored = {}
     for key, entry in header.items():
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        dtype = SAFETENSORS_DTYPES.get(entry.get(_DTYPE_FIELD)) if isinstance(entry, dict) else None
         if key == "__metadata__" or dtype is None:
             continue
-        begin, end = entry["data_offsets"]
+        begin, end = entry[_OFFSETS_FIELD]
         if data_start + end > size:
             raise FrozenBaseFileError(path, f"the file ends at byte {size}, before tensor `{key}` does")
-        stored[key] = StoredTensor(dtype, tuple(entry["shape"]), data_start + begin, end - begin)
+        stored[key] = StoredTensor(dtype, tuple(entry[_SHAPE_FIELD]), data_start + begin, end - begin)
     return stored
 
 
