@@ -65,7 +65,7 @@ def read_header(path: str) -> dict[str, StoredTensor]:
         with open(path, "rb") as file:
             (length,) = struct.unpack("<Q", file.read(_HEADER_LENGTH_BYTES))
             if length > _MAX_HEADER_BYTES:
-                raise ValueError(f"a header of {length} bytes")
+                raise FrozenBaseFileError(path, f"its header cannot be read: a header of {length} bytes")
             header = json.loads(file.read(length))
             size = os.fstat(file.fileno()).st_size
     except (struct.error, ValueError) as error:  # json's JSONDecodeError is a ValueError
