@@ -8,16 +8,15 @@ ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step`
 ``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
 ``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
-with its ``_aligned_size`` and ``_partition_world_size`` (``placeholders``); replaces the param offload's
-start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_forward_pre_hooks``) and adds a hook to its
-``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); takes a finished run's
-modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every ZeRO-3 engine adds its root module to
-and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's ``ZeROOrderedDict``) that
-a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
-``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s
-``_zero3_merge_trainable_params`` and ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's
-``_storage_Use_Count`` whether a released param's decoded storage is held elsewhere before decoding into it again
-(``host_memory``).
+with its ``_aligned_size`` and ``_partition_world_size``, and ``Init._zero_init_param`` (``placeholders``); replaces the
+param offload's start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_forward_pre_hooks``) and
+adds a hook to its ``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); takes a
+finished run's modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every ZeRO-3 engine adds its
+root module to and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's
+``ZeROOrderedDict``) that a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
+``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
+``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
+param's decoded storage is held elsewhere before decoding into it again (``host_memory``).
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -40,7 +39,8 @@ is defined where it is listed):
   ``LAST_LR`` (their last LRs), ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
 - ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
   ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``SourceValues``.
-- ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them: ``untouched_while_loading``.
+- ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them, and its broadcast of each
+  weight from rank 0 skipped meanwhile: ``untouched_while_loading``, ``not_broadcast_while_loading``.
 - ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``,
   ``restore_gathers``.
 - ``forward_trace``: ZeRO-3's trace reset once per outermost call, so a step calling ``self(x)`` prefetches:
