@@ -14,7 +14,7 @@ import torch
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.format import native_codec
-from lightning_frozen.zero import host_memory, quantized
+from lightning_frozen.zero import host_memory
 from lightning_frozen.zero.params import full_param, gathered
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -138,7 +138,7 @@ def test_a_gathers_fresh_buffers_are_backed_by_huge_pages() -> None:
     if native_codec.kernels() is None:
         pytest.skip("the advice is given by the compiled kernels, which need a C compiler")
     size = 32 << 20
-    advised = [quantized._empty(size, torch.device("cpu")), native_codec.empty_output((size // 4,), torch.float32)]
+    advised = [native_codec.empty_output((size,), torch.uint8), native_codec.empty_output((size // 4,), torch.float32)]
     plain = torch.empty(size, dtype=torch.uint8)
     for buffer in (*advised, plain):
         buffer.fill_(1)  # first touch: pages are chosen now

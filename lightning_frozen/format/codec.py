@@ -177,7 +177,7 @@ def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None)
     if fmt.cast_dtype is not None:
         return _encode_cast(flat, blocks, fmt)
     code_bytes = blocks * fmt.code_bytes_per_block
-    stored = _empty_bytes(code_bytes + blocks * fmt.scale_bytes, flat.device)
+    stored = native_codec.empty_output((code_bytes + blocks * fmt.scale_bytes,), torch.uint8, flat.device)
     codes, scales = stored[:code_bytes], stored[code_bytes:].view(fmt.scale_dtype)
     lib = native_codec.kernels() if flat.device.type == "cpu" else None
     if lib is not None and flat.dtype in (torch.float32, torch.bfloat16):
@@ -201,19 +201,10 @@ def _encode_cast(flat: torch.Tensor, blocks: int, fmt: BlockFormat) -> torch.Ten
                 f"This tensor holds a weight of magnitude {max(-float(low), float(high)):.3g}, beyond fp16's"
                 " range. Store this base with `frozen_dtype='bf16'`."
             )
-    cast = _empty_bytes(blocks * fmt.cast_dtype.itemsize, flat.device).view(fmt.cast_dtype)
+    cast = native_codec.empty_output((blocks,), fmt.cast_dtype, flat.device)
     cast[: flat.numel()] = flat  # one pass: no zeros written first
     cast[flat.numel() :].zero_()
     return cast.view(torch.uint8)
-
-
-def _empty_bytes(count: int, device: torch.device) -> torch.Tensor:
-    """A new byte tensor for codes. On the CPU its pages are asked to be huge ones: written once here, and read at
-    every gather for the rest of the run, where 2 MiB pages spare the TLB (7B stored as bf16 on 2 CPU ranks: a step
-    81 s against 104 s with the codes in 4 KiB pages, benchmarks/big_model/results/step_profile.md)."""
-    if device.type == "cpu":
-        return native_codec.empty_output((count,), torch.uint8)
-    return torch.empty(count, dtype=torch.uint8, device=device)
 
 
 def _encode_chunk(lib: Any, chunk: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,10 +308,8 @@ def decode(
                 f" {out.dtype} of {out.numel()}"
             )
         out = out.view(shape)
-    elif on_cpu:
-        out = native_codec.empty_output(shape, dtype)
     else:
-        out = torch.empty(shape, dtype=dtype, device=stored.device)
+        out = native_codec.empty_output(shape, dtype, stored.device)
     if fmt.cast_dtype is not None:
         for row in range(rows.shape[0]):  # a row of a gather's 2-D result is contiguous on its own
             out[row] = rows[row].view(fmt.cast_dtype)[:numel]

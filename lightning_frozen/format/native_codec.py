@@ -156,9 +156,13 @@ def over_blocks(
     return next((status for status in statuses if status), 0)
 
 
-def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor for decoded values, its fresh pages asked to be huge ones (fewer page faults)."""
-    out = torch.empty(shape, dtype=dtype)
+def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+    """An uninitialized tensor for decoded values, codes or a gather's bytes. On the CPU its fresh pages are asked to
+    be huge ones: the kernel zeroes each 4 KiB page before its first write, about five times slower than it fills a
+    2 MiB one, and codes read at every gather spare the TLB (``zero/host_memory.py``)."""
+    out = torch.empty(shape, dtype=dtype, device=device or "cpu")
+    if out.device.type != "cpu":
+        return out
     lib = kernels()
     if lib is not None and out.nbytes >= 4 << 20:
         lib.lf_advise_huge_pages(out.data_ptr(), out.nbytes)

@@ -282,15 +282,6 @@ class _GatherHandle:
         self.complete = True
 
 
-def _empty(numel: int, device: torch.device) -> torch.Tensor:
-    """A new byte buffer on ``device``; on the CPU its fresh pages are asked to be huge ones: the gathers of a step
-    write the whole base into new buffers twice (``local`` and ``gathered`` below), and the kernel zeroes each 4 KiB
-    page before it is written, at about a fifth of the rate it fills 2 MiB ones (``zero/host_memory.py``)."""
-    if device.type == "cpu":
-        return empty_output((numel,), torch.uint8)
-    return torch.empty(numel, dtype=torch.uint8, device=device)
-
-
 def _gather(params: list[nn.Parameter]) -> _GatherHandle:
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
@@ -315,8 +306,12 @@ def _gather(params: list[nn.Parameter]) -> _GatherHandle:
             groups.append((shards, None))
             continue
         pieces = [p.ds_tensor.data.to(device, non_blocking=True) for p in group_params]
-        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, out=_empty(sum(map(len, pieces)), device))
-        gathered = _empty(local.numel() * world_size, device)
+        local = (
+            pieces[0]
+            if len(pieces) == 1
+            else torch.cat(pieces, out=empty_output((sum(map(len, pieces)),), torch.uint8, device))
+        )
+        gathered = empty_output((local.numel() * world_size,), torch.uint8, device)  # in huge pages on the CPU
         work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
         rows, offset, shards = gathered.view(world_size, -1), 0, []
         for param in group_params:
