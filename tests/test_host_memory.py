@@ -222,8 +222,8 @@ def test_an_nf4_fit_decodes_into_kept_buffers_and_trains_exactly_as_without(
         trained[multiple] = {n: full_param(p) for n, p in model.named_parameters() if p.requires_grad}
     kept_hits, fresh_hits = seen["hits"][-2:]
     assert fresh_hits == 0
-    if layer == "linear":  # 4 steps x 3 layers x 2 params (weight, bias), gathered for forward and for backward
-        assert kept_hits >= 4 * 3 * 2
+    if layer == "linear":  # 4 steps x 3 layers x the bias, gathered for forward and for backward; the weights of
+        assert kept_hits >= 4 * 3  # plain linear layers are decoded a few rows at a time (zero/coded_linear.py)
     for name, value in trained[0].items():
         assert torch.equal(trained[default][name], value), name
     assert not torch.equal(trained[0]["layers.0.lora_b"], torch.zeros_like(trained[0]["layers.0.lora_b"]))

@@ -92,7 +92,8 @@ def config_key(
     size: str, overrides: dict[str, int], frozen_dtype: str, precision: str, devices: int, args: argparse.Namespace
 ) -> str:
     key = f"{size_key(size, overrides)} {frozen_dtype} {precision} {devices}r seq{args.sequence}"
-    return key + (" mmap1m" if args.allocator == "mmap1m" else "")
+    key += " mmap1m" if args.allocator == "mmap1m" else ""
+    return key + (" decode-whole" if args.decode_whole else "")
 
 
 def ensure_folder(size: str, overrides: dict[str, int], args: argparse.Namespace) -> Path:
@@ -159,6 +160,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         threads=threads,
         sample_s=args.sample_s,
         profile=args.profile,
+        decode_whole=args.decode_whole,
     )
     env = child_env(threads=threads, mmap_1mib=args.allocator == "mmap1m" or None)
     files_of_run = dict(
@@ -315,6 +317,11 @@ def main() -> None:
     run_parser.add_argument("--sample-s", type=float, default=0.1, help="each rank's memory sampling interval")
     run_parser.add_argument("--no-resume", action="store_true", help="stop after the save (no second load)")
     run_parser.add_argument("--profile", action="store_true", help="profile the last timed step (step_profile.py)")
+    run_parser.add_argument(
+        "--decode-whole",
+        action="store_true",
+        help="the alternative to zero/coded_linear.py: frozen linear weights decoded whole at each gather",
+    )
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """Where one training step's time goes, each part beside its floor measured in the same process.
 
     python benchmarks/big_model/step_profile.py run --size 1.1b --frozen-dtype nf4 --devices 1 2   # run.py, profiled
-    python benchmarks/big_model/step_profile.py report                                  # rewrite step_profile.md
+    python benchmarks/big_model/step_profile.py report --append "2026-12-03, ..."       # add to step_profile.md
 
 ``run`` starts ``run.py run ... --profile`` (fp32 compute, 64 tokens per rank, LoRA r=8 q/v): its worker adds
 :class:`StepProfile`, which profiles the last timed step of each rank with ``torch.profiler`` and splits its wall
@@ -10,7 +10,8 @@ time into:
 - **forward / backward / optimizer**: from the step's start to Lightning's ``on_before_backward``, to
   ``on_after_backward``, to the step's end (the optimizer step, ZeRO's reduce and the rest);
 - **matmuls** in forward and in backward (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``; attention's fused kernel);
-- **decode**: the frozen shards' dequantization (``codec.decode`` inside the quantized gather);
+- **decode**: the frozen shards' dequantization (``codec.decode`` inside the quantized gather, and
+  ``partial_decode.decode_range``: a linear layer's weight decoded a few rows at a time beside its matmuls);
 - **gather wait**: the quantized gather's wait less its decode (the collective, 2 ranks);
 - **ZeRO-3 hooks**: DeepSpeed's ``fetch_sub_module`` / ``release_sub_module`` less the gather and decode in them;
 - **other**: the rest (Python, autograd, elementwise ops, allocation).
@@ -40,9 +41,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 from benchmarks.harness.records import read_json  # noqa: E402
 
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+MATMULS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::addmm_",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+)
 PHASES = ("forward", "backward", "optimizer")
 DECODE, GATHER, HOOKS = "lf.decode", "lf.gather_wait", "lf.zero_hooks"
+DECODE_ROWS = "lf.decode_rows"  # in a layer's forward or backward, outside the gather
 DENSE, DECODE_FLOOR, GATHER_FLOOR = "dense matmuls", "decode at the codec's rate", "gather at a copy's rate"
 
 
@@ -106,10 +115,12 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         import torch
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
+        from lightning_frozen.format import partial_decode
         from lightning_frozen.zero import quantized
 
         self._patches = contextlib.ExitStack()
         self._patches.enter_context(_labelled(quantized, "decode", DECODE, self._count_decoded))
+        self._patches.enter_context(_labelled(partial_decode, "decode_range", DECODE_ROWS, self._count_decoded))
         for owner in (deepspeed.comm, deepspeed.comm.comm):  # DeepSpeed's own gathers call the latter
             self._patches.enter_context(
                 _labelled(owner, "all_gather_into_tensor", "lf.all_gather", self._count_gathered)
@@ -161,6 +172,8 @@ def breakdown(profiler: Any, marks: dict[str, float]) -> dict[str, Any]:
             shapes[json.dumps([event.name, event.input_shapes])] += 1
         elif event.name == DECODE:
             seconds["decode"] += total
+        elif event.name == DECODE_ROWS:
+            seconds["decode in layers"] += total
         elif event.name == GATHER:
             seconds["gather wait (with decode)"] += total
         elif event.name == HOOKS:
@@ -175,7 +188,7 @@ def breakdown(profiler: Any, marks: dict[str, float]) -> dict[str, Any]:
     parts = {
         "matmul forward": seconds["matmul forward"],
         "matmul backward": seconds["matmul backward"],
-        "decode": seconds["decode"],
+        "decode": seconds["decode"] + seconds["decode in layers"],
         "gather wait": gather,
         "ZeRO-3 hooks": hooks,
     }
@@ -197,10 +210,13 @@ def floors(result: dict[str, Any], frozen_dtype: str, decoded_weights: int, gath
         call = {
             "aten::mm": lambda a, b, *_: torch.mm(a, b),
             "aten::addmm": lambda c, a, b, *_: torch.addmm(c, a, b),
+            "aten::addmm_": lambda c, a, b, *_: c.addmm_(a, b),
             "aten::bmm": lambda a, b, *_: torch.bmm(a, b),
             "aten::baddbmm": lambda c, a, b, *_: torch.baddbmm(c, a, b),
         }.get(name)
-        if call is None or any(o is None for o in operands[: 3 if name in ("aten::addmm", "aten::baddbmm") else 2]):
+        if call is None or any(
+            o is None for o in operands[: 3 if name in ("aten::addmm", "aten::addmm_", "aten::baddbmm") else 2]
+        ):
             continue
         call(*operands)
         started = time.perf_counter()
@@ -286,7 +302,14 @@ def main() -> None:
     run_parser.add_argument("--devices", nargs="+", default=["1", "2"])
     run_parser.add_argument("--steps", type=int, default=2)
     run_parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
-    for sub in (run_parser, commands.add_parser("report")):
+    run_parser.add_argument("--decode-whole", action="store_true", help="see run.py --decode-whole")
+    report_parser = commands.add_parser("report")
+    report_parser.add_argument(
+        "--append",
+        metavar="HEADING",
+        help="add the table under this heading to step_profile.md (its earlier sections are kept as they are)",
+    )
+    for sub in (run_parser, report_parser):
         sub.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     runs = args.out / "step_profile_runs"
@@ -313,12 +336,16 @@ def main() -> None:
             str(args.data_dir),
             "--out",
             str(runs),
+            *(["--decode-whole"] if args.decode_whole else []),
         ]
         subprocess.run(command, check=False)
     records = read_json(runs / "big_model.json")["records"]
-    latest = {r["key"]: r for r in records}
-    (args.out / "step_profile.md").write_text(report(list(latest.values())))
-    print(report(list(latest.values())))
+    table = report(list({r["key"]: r for r in records}.values()))
+    print(table)
+    if args.command == "report" and args.append:
+        body = table.split("\n", 2)[2]  # the table without the file's title
+        with open(args.out / "step_profile.md", "a") as file:
+            file.write(f"\n## {args.append}\n\n{body}")
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def decode(
     for row in range(rows.shape[0]):
         codes, scales = split(rows[row], frozen_dtype)
         if lib is not None:
-            _decode_native(lib, codes, scales, numel, fmt, out[row])
+            decode_blocks_native(lib, codes, scales, numel, fmt, out[row])
         elif fmt.name == "nf4" and bitsandbytes_nf4.usable(stored.device):
             bitsandbytes_nf4.dequantize(codes, scales, numel, NF4_VALUES, out[row])
         else:
@@ -326,9 +326,11 @@ def decode(
     return out.view(-1)
 
 
-def _decode_native(
+def decode_blocks_native(
     lib: Any, codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor
 ) -> None:
+    """Decode the first ``numel`` values of ``codes`` and their block ``scales`` into ``out`` with the compiled
+    kernels ``lib`` (an int8 or NF4 ``fmt``; ``out`` contiguous, in one of ``native_codec.OUT_DTYPES``)."""
     blocks, dtype_code = fmt.blocks(numel), native_codec.OUT_DTYPES[out.dtype]
     source, scale_ptr, target = codes.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr()
     if fmt.name == "int8":

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import BlockFormat, block_format, decode, encode, split
 from lightning_frozen.format.native_codec import empty_output
+from lightning_frozen.zero import coded_linear
 from lightning_frozen.zero.host_memory import DECODE_BUFFERS
 from lightning_frozen.zero.params import (
     compute_dtype,
@@ -193,7 +194,7 @@ def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]
     def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False, quantize: bool = False) -> Any:
         params = list(params)
         others = [p for p in params if frozen_dtype_of(p) is None]
-        handles = [_gather([p for p in params if frozen_dtype_of(p) is not None])]
+        handles = [_gather([p for p in params if frozen_dtype_of(p) is not None], for_layer=True)]
         if others:
             handles.append(others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize))
         return _Handles(handles)
@@ -202,6 +203,8 @@ def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]
         param_list = [param] if param_list is None else list(param_list)
         ours = [p for p in param_list if frozen_dtype_of(p) is not None and is_released(p)]
         others = [p for p in param_list if frozen_dtype_of(p) is None]
+        for p in param_list:  # gathered for its layer as codes: whole values are wanted here
+            coded_linear.decode_whole(p)
         _gather(ours).wait()
         if others:
             return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
@@ -217,7 +220,8 @@ def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]
             for p in ours:  # written under GatheredParameters(modifier_rank=...): quantize this rank's new slice
                 _requantize_from_full(p, before_encoding)
         if ours:
-            decoded = [p.data for p in ours if p.data.numel() == p.ds_numel > 0]
+            coded = {id(p) for p in ours if coded_linear.drop_codes(p)}  # their data is a placeholder
+            decoded = [p.data for p in ours if p.data.numel() == p.ds_numel > 0 and id(p) not in coded]
             original_partition(param_list=ours, hierarchy=hierarchy, has_been_updated=False, free_data=free_data)
             while decoded:  # each on its own, so that only the one offered holds a reference
                 DECODE_BUFFERS.give(decoded.pop())
@@ -252,15 +256,22 @@ class _Handles:
 
 class _GatherHandle:
     """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: the collectives were started
-    when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once.
+    when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once. A param whose
+    layer computes from its codes (``zero/coded_linear.py``), gathered for that layer, keeps its codes instead.
 
     DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
     handle shared by several params is waited on again after some of them were released, which must not decode or
     mark those available again (their data is freed)."""
 
-    def __init__(self, groups: list[tuple[list[tuple[nn.Parameter, torch.Tensor]], Any]], sent: list[torch.Tensor]):
+    def __init__(
+        self,
+        groups: list[tuple[list[tuple[nn.Parameter, torch.Tensor]], Any]],
+        sent: list[torch.Tensor],
+        for_layer: bool = False,
+    ):
         self.groups = groups  # per process group: each param with its gathered rows (one per rank), and the work
         self.sent = sent  # the local codes each collective sends, alive until it is done
+        self.for_layer = for_layer  # gathered by ZeRO-3's hooks for a module's forward or backward
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
@@ -273,6 +284,9 @@ class _GatherHandle:
                 frozen_dtype = frozen_dtype_of(param)
                 assert frozen_dtype is not None
                 numel = shard_numel(param)
+                if self.for_layer and rows.device.type == "cpu" and coded_linear.computes_from_codes(param):
+                    mark_gathered(param, coded_linear.keep_codes(param, rows, numel, frozen_dtype))
+                    continue
                 out = None
                 if rows.device.type == "cpu":
                     out = DECODE_BUFFERS.take(rows.shape[0] * numel, param.dtype, asker=id(param))
@@ -282,10 +296,11 @@ class _GatherHandle:
         self.complete = True
 
 
-def _gather(params: list[nn.Parameter]) -> _GatherHandle:
+def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandle:
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
-    passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies."""
+    passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies.
+    ``for_layer``: gathered by ZeRO-3's hooks for a module, so a weight computed from its codes keeps them."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -319,4 +334,4 @@ def _gather(params: list[nn.Parameter]) -> _GatherHandle:
             offset += param.ds_tensor.numel()
         groups.append((shards, work))
         sent.append(local)
-    return _GatherHandle(groups, sent)
+    return _GatherHandle(groups, sent, for_layer)

@@ -34,12 +34,12 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
     model = AdapterModel(width=WIDTH, depth=DEPTH)
     seen: dict[str, torch.Tensor] = {}
 
-    def keep_last_weight(module: torch.nn.Module, inputs: tuple) -> None:
-        seen["weight"] = module.weight.detach().clone()
+    def keep_last_call(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        seen["input"], seen["output"] = inputs[0].detach().clone(), output.detach().clone()
 
     for layer in model.layers:
         recorder.watch(layer.base)
-    model.layers[DEPTH - 1].base.register_forward_pre_hook(keep_last_weight)
+    model.layers[DEPTH - 1].base.register_forward_hook(keep_last_call)
     trainer = cpu_trainer(
         FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), devices=devices, max_epochs=1, precision="bf16-true"
     )
@@ -50,7 +50,8 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
         "global_step": trainer.global_step,
         "gathers": recorder.gathers,
         "trainable": trainable,
-        "seen_weight": seen["weight"].float().tolist(),
+        "seen_input": seen["input"].float().tolist(),
+        "seen_output": seen["output"].float().tolist(),
     }
     write_report(out / run, trainer.global_rank, report)
     torch.distributed.barrier()
@@ -71,8 +72,8 @@ def fit_both(devices: int, out: Path) -> None:
 
     asynchronous = quantized._gather
 
-    def synchronous(params: list) -> Any:
-        handle = asynchronous(params)
+    def synchronous(params: list, for_layer: bool = False) -> Any:
+        handle = asynchronous(params, for_layer)
         for _, work in handle.groups:  # the collective completes inside the call; `wait` only decodes
             if work is not None:
                 work.wait()

@@ -1,0 +1,80 @@
+"""Part of a gathered frozen param decoded on its own: the values from one flat index to another of what
+``codec.decode`` would return for the same gathered rows, without decoding the rest.
+
+On the CPU only (a cast format, or the compiled kernels of ``native_codec.py``): ``zero/coded_linear.py`` decodes a
+layer's weight a few rows at a time, each right before its matmul, so that the decoded values are read from cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_frozen.errors import InvalidArgumentValueError
+from lightning_frozen.format import native_codec
+from lightning_frozen.format.codec import BlockFormat, block_format, decode_blocks_native, split
+
+
+def decode_range(stored: torch.Tensor, numel: int, frozen_dtype: str, start: int, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``out.numel()`` values from flat index ``start`` of what ``codec.decode`` would return for the same
+    ``stored`` and ``numel`` (one encoded shard of ``numel`` values a row), into ``out``.
+
+    Raises:
+        InvalidArgumentValueError: ``out`` is not a contiguous tensor on the CPU, or the range runs past the end.
+    """
+    fmt = block_format(frozen_dtype)
+    rows = stored.reshape(-1, stored.shape[-1])
+    count = out.numel()
+    if out.device.type != "cpu" or not out.is_contiguous() or start < 0 or start + count > rows.shape[0] * numel:
+        raise InvalidArgumentValueError(
+            f"`out` must be a contiguous CPU tensor within the {rows.shape[0] * numel} values, got {out.device}"
+            f" values {start}..{start + count}"
+        )
+    flat = out.view(-1)
+    lib = None if fmt.cast_dtype is not None else native_codec.kernels()
+    if fmt.cast_dtype is None and (lib is None or out.dtype not in native_codec.OUT_DTYPES):
+        raise InvalidArgumentValueError(f"decoding part of a {fmt.name} tensor needs the compiled kernels")
+    done = 0
+    while done < count:
+        row, first = divmod(start + done, numel)
+        take = min(count - done, numel - first)
+        piece = flat[done : done + take]
+        if fmt.cast_dtype is not None:
+            piece.copy_(rows[row].view(fmt.cast_dtype)[first : first + take])
+        else:
+            _decode_native_range(lib, rows[row], numel, fmt, first, piece)
+        done += take
+    return out
+
+
+def _decode_native_range(
+    lib: Any, stored: torch.Tensor, numel: int, fmt: BlockFormat, first: int, out: torch.Tensor
+) -> None:
+    """Values ``first`` to ``first + out.numel()`` of one encoded shard of ``numel`` values, into ``out``: whole blocks
+    straight into it, a partial block at either end through a one-block buffer."""
+    codes, scales = split(stored, fmt.name)
+    size, last = fmt.block_size, first + out.numel()
+    whole_first, whole_last = -(-first // size), last // size  # the blocks wholly inside the range
+    if whole_first >= whole_last:
+        whole_first = whole_last = last // size
+    for block in {first // size, *(() if last % size == 0 else (last // size,))}:
+        if whole_first <= block < whole_last:
+            continue
+        buffer = torch.empty(size, dtype=out.dtype)
+        decode_blocks_native(
+            lib, codes[block * fmt.code_bytes_per_block :], scales[block:], min(size, numel - block * size), fmt, buffer
+        )
+        low, high = max(first, block * size), min(last, (block + 1) * size)
+        out[low - first : high - first] = buffer[low - block * size : high - block * size]
+    if whole_last > whole_first:
+        offset = whole_first * size - first
+        span = min(whole_last * size, numel) - whole_first * size
+        decode_blocks_native(
+            lib,
+            codes[whole_first * fmt.code_bytes_per_block :],
+            scales[whole_first:],
+            span,
+            fmt,
+            out[offset : offset + span],
+        )

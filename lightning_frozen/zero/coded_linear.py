@@ -1,0 +1,166 @@
+"""Frozen ``nn.Linear`` layers computed from their gathered codes on the CPU, a few rows of the weight at a time.
+
+A quantized frozen weight gathered for a layer was decoded whole into the compute dtype (for fp32, 4 bytes a weight
+written to memory) and read back by the matmul: at 7B, twice a step, the base's size in fp32 went through memory
+twice more than the matmuls need. Here the layer's forward decodes ``TILE_ELEMENTS`` weights (a few output rows)
+into one small buffer and multiplies them while they are in cache, row block by row block; its backward does the
+same for the input's gradient. The gather keeps the layer's codes instead of decoding them (``zero/quantized.py``),
+and the weight's data is a placeholder of its shape that reads as NaN, so a reader we did not foresee fails loudly.
+
+Measured (benchmarks/big_model/step_profile.py; docs/large-models.md): one 4096 x 11008 layer, 64 tokens, one
+thread, both ranks of the 2-core machine busy: a bf16 weight decoded whole then multiplied in 160-166 ms forward
+and 134-147 ms backward, from its codes a block at a time in 117 ms and 102 ms, below the 123-131 ms of the same
+matmul over a dense fp32 weight already in memory.
+
+Only a plain ``nn.Linear`` whose weight no other module shares (a tied embedding reads it whole), on the CPU, is
+computed this way; a weight another component reads itself (PEFT's DoRA) is decoded whole as before, as is one
+gathered by ``GatheredParameters``, and any layer under CPU autocast.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_frozen.format import codec, native_codec, partial_decode
+
+TILE_ELEMENTS = 1 << 20  # weights decoded at a time: 4 MiB in fp32, in the L2/L3 caches of the matmul that reads them
+TILE_ROWS = 256  # but at least this many rows: each matmul packs the input again, for a long row a large cost
+_CODED = "lf_coded_compute"  # set on a weight whose layer computes from codes
+_GATHERED = "lf_gathered_codes"  # (rows, values per row, frozen dtype) while such a weight is gathered
+_tiles: dict[torch.dtype, torch.Tensor] = {}
+_placeholders: dict[torch.dtype, torch.Tensor] = {}
+
+
+def compute_from_codes(model: nn.Module, frozen_dtype_of: Any) -> int:
+    """Make every eligible frozen ``nn.Linear`` of ``model`` compute from its gathered codes; return how many.
+
+    ``frozen_dtype_of(param)`` names the format a weight is stored in (None: not quantized). Eligible: a plain
+    ``nn.Linear`` whose weight is stored quantized in CPU memory, used by no other module, and not read whole by
+    the module around it (PEFT's DoRA scales by the weight's norm). Safe to call again.
+    """
+    uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    parents = {id(child): module for module in model.modules() for child in module.children()}
+    done = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear:
+            continue
+        weight = module.weight
+        stored_as = frozen_dtype_of(weight)
+        if stored_as is None or uses[id(weight)] != 1 or weight.ds_tensor.device.type != "cpu":
+            continue
+        if not _decodes_in_parts(stored_as) or _reads_weight_whole(parents.get(id(module))):
+            continue
+        setattr(weight, _CODED, True)
+        module.forward = types.MethodType(_forward, module)
+        done += 1
+    return done
+
+
+def computes_from_codes(param: nn.Parameter) -> bool:
+    """Whether ``param``'s layer computes from its codes, so its gather for the layer may keep them undecoded."""
+    return bool(getattr(param, _CODED, False))
+
+
+def keep_codes(param: nn.Parameter, rows: torch.Tensor, numel: int, frozen_dtype: str) -> torch.Tensor:
+    """Hold ``param``'s gathered codes (``rows``, one encoded shard of ``numel`` values each) for its layer; return
+    the placeholder that stands as its data meanwhile: its shape and dtype, every element NaN, no memory of its own."""
+    setattr(param, _GATHERED, (rows, numel, frozen_dtype))
+    base = _placeholders.get(param.dtype)
+    if base is None:
+        base = _placeholders[param.dtype] = torch.full((1,), float("nan"), dtype=param.dtype)
+    return base.expand(param.ds_shape)
+
+
+def held_codes(param: nn.Parameter) -> Optional[tuple[torch.Tensor, int, str]]:
+    """The codes :func:`keep_codes` holds for ``param``, else None."""
+    return getattr(param, _GATHERED, None)
+
+
+def drop_codes(param: nn.Parameter) -> bool:
+    """Let go of the codes held for ``param`` (it is being released); return whether there were any."""
+    if held_codes(param) is None:
+        return False
+    delattr(param, _GATHERED)
+    return True
+
+
+def _decodes_in_parts(frozen_dtype: str) -> bool:
+    return codec.block_format(frozen_dtype).cast_dtype is not None or native_codec.kernels() is not None
+
+
+def _reads_weight_whole(parent: Optional[nn.Module]) -> bool:
+    use_dora = getattr(parent, "use_dora", None)
+    return isinstance(use_dora, dict) and any(use_dora.values())
+
+
+def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if held_codes(self.weight) is None or torch.is_autocast_enabled(input.device.type):
+        decode_whole(self.weight)
+        return F.linear(input, self.weight, self.bias)
+    output = _CodedMatmul.apply(input, self.weight)
+    return output if self.bias is None else output + self.bias
+
+
+def decode_whole(weight: nn.Parameter) -> None:
+    """Replace the placeholder by the whole decoded weight where codes are held (``GatheredParameters`` inside a
+    forward, autocast); else nothing."""
+    held = held_codes(weight)
+    if held is None:
+        return
+    rows, numel, frozen_dtype = held
+    whole = codec.decode(rows, numel, frozen_dtype, weight.dtype)[: weight.ds_numel].view(weight.ds_shape)
+    drop_codes(weight)
+    weight.data = whole
+
+
+class _CodedMatmul(torch.autograd.Function):
+    """``input @ weight.T`` with the weight decoded from its held codes a tile at a time; the gradient flows to
+    ``input`` only (the weight is frozen). Backward reads the codes ZeRO-3 gathered again for the layer's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+        ctx.weight = weight
+        out_features, in_features = weight.ds_shape
+        flat = input.reshape(-1, in_features).contiguous()
+        output = flat.new_empty(flat.shape[0], out_features)
+        for first, tile in _tiles_of(weight):
+            torch.mm(flat, tile.t(), out=output[:, first : first + tile.shape[0]])
+        return output.view(*input.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        weight = ctx.weight
+        out_features, in_features = weight.ds_shape
+        grad = grad_output.reshape(-1, out_features)
+        if held_codes(weight) is None:  # gathered whole for backward (GatheredParameters around it)
+            return (grad @ weight).view(*grad_output.shape[:-1], in_features), None
+        grad_input = grad.new_zeros(grad.shape[0], in_features)
+        for first, tile in _tiles_of(weight):
+            grad_input.addmm_(grad[:, first : first + tile.shape[0]], tile)
+        return grad_input.view(*grad_output.shape[:-1], in_features), None
+
+
+def _tiles_of(weight: nn.Parameter) -> Any:
+    """``(first row, tile)`` for each block of output rows of ``weight``, decoded from its held codes into one reused
+    buffer: a tile is valid until the next is yielded."""
+    held = held_codes(weight)
+    assert held is not None, "a coded layer's weight was not gathered as codes"
+    rows, numel, frozen_dtype = held
+    out_features, in_features = weight.ds_shape
+    per_tile = min(out_features, max(TILE_ROWS, TILE_ELEMENTS // in_features))
+    buffer = _tiles.get(weight.dtype)
+    if buffer is None or buffer.numel() < per_tile * in_features:
+        buffer = _tiles[weight.dtype] = torch.empty(per_tile * in_features, dtype=weight.dtype)
+    for first in range(0, out_features, per_tile):
+        count = min(per_tile, out_features - first)
+        tile = buffer[: count * in_features]
+        partial_decode.decode_range(rows, numel, frozen_dtype, first * in_features, tile)
+        yield first, tile.view(count, in_features)

@@ -1,0 +1,161 @@
+"""Frozen linear layers computed from their gathered codes, a few rows of the weight at a time (zero/coded_linear.py):
+the same values as decoding the weight whole, in real fits, and only where nothing else reads the weight."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.format import codec, partial_decode
+from lightning_frozen.zero import coded_linear
+from lightning_frozen.zero.params import full_param
+from tests.models import AdapterModel, cpu_trainer, regression_data
+
+WIDTH = 64
+
+
+def _rows(values: torch.Tensor, frozen_dtype: str, ranks: int) -> tuple[torch.Tensor, int]:
+    """``values`` as a gather of ``ranks`` shards returns them: one encoded shard a row, padded as ZeRO-3 pads."""
+    flat = values.reshape(-1)
+    numel = -(-flat.numel() // ranks)
+    padded = torch.cat([flat, flat.new_zeros(numel * ranks - flat.numel())])
+    return torch.stack([codec.encode(padded[r * numel : (r + 1) * numel], frozen_dtype) for r in range(ranks)]), numel
+
+
+@pytest.mark.parametrize("frozen_dtype", codec.FROZEN_DTYPES)
+def test_part_of_a_gathered_param_decodes_to_those_values_of_the_whole(frozen_dtype: str) -> None:
+    generator = random.Random(0)
+    for count in (1000, 64 * 37 + 5):  # one not a whole number of blocks: a shard's last block is padded
+        rows, numel = _rows(torch.randn(count), frozen_dtype, ranks=2)
+        whole = codec.decode(rows, numel, frozen_dtype)
+        for _ in range(100):  # any start and length, across the shards' boundary and the blocks'
+            start = generator.randrange(2 * numel)
+            out = torch.empty(generator.randrange(2 * numel - start + 1))
+            assert torch.equal(
+                partial_decode.decode_range(rows, numel, frozen_dtype, start, out), whole[start : start + len(out)]
+            )
+        part = partial_decode.decode_range(rows, numel, frozen_dtype, 17, torch.empty(300, dtype=torch.bfloat16))
+        assert torch.equal(part, codec.decode(rows, numel, frozen_dtype, torch.bfloat16)[17:317])
+    with pytest.raises(ValueError, match="within the"):
+        partial_decode.decode_range(rows, numel, frozen_dtype, 2 * numel - 1, torch.empty(2))
+
+
+def _coded_weight(weight: torch.Tensor, frozen_dtype: str) -> nn.Parameter:
+    """A frozen param as a 2-rank gather for its layer leaves it: codes held, a placeholder as its data."""
+    param = nn.Parameter(torch.empty(0), requires_grad=False)
+    param.ds_shape, param.ds_numel = weight.shape, weight.numel()
+    rows, numel = _rows(weight, frozen_dtype, ranks=2)
+    param.data = coded_linear.keep_codes(param, rows, numel, frozen_dtype)
+    return param
+
+
+@pytest.mark.parametrize("frozen_dtype", ["nf4", "bf16"])
+def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
+    frozen_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tiles of 3 rows of 100 weights: tiles straddle NF4's 64-weight blocks and the two shards
+    monkeypatch.setattr(coded_linear, "TILE_ROWS", 3)
+    monkeypatch.setattr(coded_linear, "TILE_ELEMENTS", 1)
+    coded_linear._tiles.clear()
+    weight = torch.randn(37, 100)
+    param = _coded_weight(weight, frozen_dtype)
+    assert torch.isnan(param).all() and param.shape == (37, 100)  # a reader we did not foresee sees NaN
+    rows, numel, _ = coded_linear.held_codes(param)
+    decoded = codec.decode(rows, numel, frozen_dtype)[: weight.numel()].view_as(weight)
+    x = torch.randn(2, 5, 100, requires_grad=True)
+    output = coded_linear._CodedMatmul.apply(x, param)
+    output.backward(torch.ones_like(output))
+    reference_x = x.detach().clone().requires_grad_(True)
+    reference = reference_x @ decoded.t()
+    reference.backward(torch.ones_like(reference))
+    # up to the order of fp32 sums: a narrow matmul may block its sums otherwise, and the input's gradient sums
+    # over the tiles in turn
+    torch.testing.assert_close(output, reference, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-6, atol=1e-5)
+    assert not torch.equal(decoded, weight)  # what was compared is the codes' values, not the source's
+    coded_linear._tiles.clear()
+
+
+def test_only_plain_linear_layers_nothing_else_reads_are_computed_from_codes() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    class Scaled(nn.Linear):  # a subclass may compute otherwise
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.tied = nn.Linear(8, 10, bias=False)
+            self.tied.weight = self.embed.weight  # read whole by the embedding too
+            self.plain = nn.Linear(8, 8)
+            self.dora = nn.Linear(8, 8)
+            self.lora = nn.Linear(8, 8)
+            self.subclass = Scaled(8, 8)
+
+    model = Towers()
+    model = get_peft_model(model, LoraConfig(target_modules=["dora"], use_dora=True, r=2))
+    model = get_peft_model(model.base_model.model, LoraConfig(target_modules=["lora"], r=2))
+    for param in model.parameters():
+        param.ds_tensor = torch.empty(1)  # a shard in CPU memory
+    stored_as = {id(p): "nf4" for p in model.parameters() if not p.requires_grad}
+    assert coded_linear.compute_from_codes(model, lambda p: stored_as.get(id(p))) == 2
+    towers = model.base_model.model
+    coded = {
+        name
+        for name, m in towers.named_modules()
+        if isinstance(m, nn.Linear) and coded_linear.computes_from_codes(m.weight)
+    }
+    assert coded == {"plain", "lora.base_layer"}
+
+
+def _fit(coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4") -> tuple[AdapterModel, dict]:
+    seen: dict[str, Any] = {"whole decodes": 0, "tile decodes": 0, "nan weights": 0}
+    decode, decode_range = codec.decode, partial_decode.decode_range
+
+    def counting_decode(stored: torch.Tensor, numel: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen["whole decodes"] += int(stored.reshape(-1, stored.shape[-1]).shape[0] * numel >= WIDTH * WIDTH)
+        return decode(stored, numel, *args, **kwargs)
+
+    def counting_range(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen["tile decodes"] += 1
+        return decode_range(*args, **kwargs)
+
+    monkeypatch.setattr(partial_decode, "decode_range", counting_range)
+    monkeypatch.setattr("lightning_frozen.zero.quantized.decode", counting_decode)
+    if not coded:
+        monkeypatch.setattr(coded_linear, "compute_from_codes", lambda model, stored_as: 0)
+    model = AdapterModel(width=WIDTH, depth=3, optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+
+    def during_forward(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        seen["nan weights"] += int(bool(torch.isnan(module.weight).all()))
+
+    model.layers[1].base.register_forward_hook(during_forward)
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype), max_steps=3, precision="32-true")
+    trainer.fit(model, regression_data(width=WIDTH))
+    monkeypatch.undo()
+    return model, seen
+
+
+def test_a_fit_computes_the_frozen_layers_from_codes_and_trains_as_with_whole_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, seen = _fit(True, monkeypatch)
+    assert all(coded_linear.computes_from_codes(layer.base.weight) for layer in model.layers)
+    assert seen["whole decodes"] == 0  # no frozen weight was decoded whole ...
+    # ... but in one tile each (64 x 64 weights), 3 steps x (3 forwards + 2 backwards: the first layer's input
+    # needs no gradient)
+    assert seen["tile decodes"] == 3 * (3 + 2)
+    assert seen["nan weights"] == 3  # the layer's data was the placeholder while it computed
+    reference, whole = _fit(False, monkeypatch)
+    assert whole["whole decodes"] >= 3 * 3 and whole["tile decodes"] == 0 and whole["nan weights"] == 0
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        if param.requires_grad:
+            torch.testing.assert_close(full_param(param), full_param(expected), rtol=1e-5, atol=1e-7, msg=name)
+    assert not torch.equal(full_param(model.layers[0].lora_b), torch.zeros(WIDTH, 4))
