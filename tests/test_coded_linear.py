@@ -153,6 +153,8 @@ def test_a_fit_computes_the_frozen_layers_from_codes_and_trains_as_with_whole_we
     # needs no gradient)
     assert seen["tile decodes"] == 3 * (3 + 2)
     assert seen["nan weights"] == 3  # the layer's data was the placeholder while it computed
+    assert not coded_linear._tiles  # the row buffer was given back after the run
+    assert all(coded_linear.held_codes(layer.base.weight) is None for layer in model.layers)  # and the codes
     reference, whole = _fit(False, monkeypatch)
     assert whole["whole decodes"] >= 3 * 3 and whole["tile decodes"] == 0 and whole["nan weights"] == 0
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):

@@ -90,6 +90,11 @@ def drop_codes(param: nn.Parameter) -> bool:
     return True
 
 
+def release_tiles() -> None:
+    """Give the row buffers back to the allocator (after a run)."""
+    _tiles.clear()
+
+
 def _decodes_in_parts(frozen_dtype: str) -> bool:
     return codec.block_format(frozen_dtype).cast_dtype is not None or native_codec.kernels() is not None
 

@@ -243,6 +243,7 @@ def release_engine(engine: Any, model: nn.Module) -> None:
             if handle is not None:
                 handle.remove()
     host_memory.DECODE_BUFFERS.clear()  # decoded tensors kept for the next gather: none comes after the run
+    coded_linear.release_tiles()  # likewise the coded layers' row buffers
     _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
     ours = {id(module) for module in model.modules()}
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
