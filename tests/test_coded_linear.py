@@ -81,7 +81,30 @@ def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     coded_linear._tiles.clear()
 
 
-def test_only_plain_linear_layers_nothing_else_reads_are_computed_from_codes() -> None:
+@pytest.mark.parametrize("frozen_dtype", ["nf4", "int8"])
+def test_an_embedding_decodes_only_the_rows_it_looks_up(frozen_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = torch.randn(50, 64)
+    embedding = nn.Embedding(50, 64, padding_idx=0)
+    embedding.weight = _coded_weight(table, frozen_dtype)
+    embedding.forward = coded_linear._FORWARDS[nn.Embedding].__get__(embedding)
+    rows, numel, _ = coded_linear.held_codes(embedding.weight)
+    decoded = codec.decode(rows, numel, frozen_dtype)[: table.numel()].view_as(table)
+    decoded_values = []
+    decode_range = partial_decode.decode_range
+
+    def counting(*args: Any) -> torch.Tensor:
+        decoded_values.append(args[-1].numel())
+        return decode_range(*args)
+
+    monkeypatch.setattr(partial_decode, "decode_range", counting)
+    ids = torch.tensor([[3, 7, 3, 0], [49, 7, 12, 3]])
+    assert torch.equal(embedding(ids), torch.nn.functional.embedding(ids, decoded))
+    assert decoded_values == [64] * 5  # the 5 distinct rows, each once
+    with pytest.raises(IndexError, match="index out of range"):  # torch's own error, from the whole table
+        embedding(torch.tensor([50]))
+
+
+def test_only_plain_layers_nothing_else_reads_are_computed_from_codes() -> None:
     from peft import LoraConfig, get_peft_model
 
     class Scaled(nn.Linear):  # a subclass may compute otherwise
@@ -98,6 +121,8 @@ def test_only_plain_linear_layers_nothing_else_reads_are_computed_from_codes() -
             self.dora = nn.Linear(8, 8)
             self.lora = nn.Linear(8, 8)
             self.subclass = Scaled(8, 8)
+            self.vocab = nn.Embedding(10, 8)
+            self.rescaled = nn.Embedding(10, 8, max_norm=1.0)  # rescales the rows it looks up, in place
 
     model = Towers()
     model = get_peft_model(model, LoraConfig(target_modules=["dora"], use_dora=True, r=2))
@@ -105,14 +130,14 @@ def test_only_plain_linear_layers_nothing_else_reads_are_computed_from_codes() -
     for param in model.parameters():
         param.ds_tensor = torch.empty(1)  # a shard in CPU memory
     stored_as = {id(p): "nf4" for p in model.parameters() if not p.requires_grad}
-    assert coded_linear.compute_from_codes(model, lambda p: stored_as.get(id(p))) == 2
+    assert coded_linear.compute_from_codes(model, lambda p: stored_as.get(id(p))) == 3
     towers = model.base_model.model
     coded = {
         name
         for name, m in towers.named_modules()
-        if isinstance(m, nn.Linear) and coded_linear.computes_from_codes(m.weight)
+        if isinstance(m, (nn.Linear, nn.Embedding)) and coded_linear.computes_from_codes(m.weight)
     }
-    assert coded == {"plain", "lora.base_layer"}
+    assert coded == {"plain", "lora.base_layer", "vocab"}
 
 
 def _fit(coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4") -> tuple[AdapterModel, dict]:

@@ -1,20 +1,22 @@
-"""Frozen ``nn.Linear`` layers computed from their gathered codes on the CPU, a few rows of the weight at a time.
+"""Frozen ``nn.Linear`` and ``nn.Embedding`` layers computed from their gathered codes on the CPU, a part of the
+weight at a time.
 
 A quantized frozen weight gathered for a layer was decoded whole into the compute dtype (for fp32, 4 bytes a weight
 written to memory) and read back by the matmul: at 7B, twice a step, the base's size in fp32 went through memory
-twice more than the matmuls need. Here the layer's forward decodes ``TILE_ELEMENTS`` weights (a few output rows)
-into one small buffer and multiplies them while they are in cache, row block by row block; its backward does the
-same for the input's gradient. The gather keeps the layer's codes instead of decoding them (``zero/quantized.py``),
-and the weight's data is a placeholder of its shape that reads as NaN, so a reader we did not foresee fails loudly.
+twice more than the matmuls need. Here a linear layer's forward decodes ``TILE_ELEMENTS`` weights (a few output
+rows) into one small buffer and multiplies them while they are in cache, row block by row block; its backward does
+the same for the input's gradient. An embedding decodes only the rows its input looks up. The gather keeps the
+layer's codes instead of decoding them (``zero/quantized.py``), and the weight's data is a placeholder of its shape
+that reads as NaN, so a reader we did not foresee fails loudly.
 
-Measured (benchmarks/big_model/step_profile.py; docs/large-models.md): one 4096 x 11008 layer, 64 tokens, one
-thread, both ranks of the 2-core machine busy: a bf16 weight decoded whole then multiplied in 160-166 ms forward
-and 134-147 ms backward, from its codes a block at a time in 117 ms and 102 ms, below the 123-131 ms of the same
-matmul over a dense fp32 weight already in memory.
+One 4096 x 11008 layer, 64 tokens, one thread, both ranks of the 2-core machine busy (a one-off timing beside the
+fits of docs/frozen-storage.md): a bf16 weight decoded whole then multiplied took 160-166 ms forward and 134-147 ms
+backward, from its codes a few rows at a time 117 ms and 102 ms, below the 123-131 ms of the same matmul over a
+dense fp32 weight already in memory.
 
-Only a plain ``nn.Linear`` whose weight no other module shares (a tied embedding reads it whole), on the CPU, is
-computed this way; a weight another component reads itself (PEFT's DoRA) is decoded whole as before, as is one
-gathered by ``GatheredParameters``, and any layer under CPU autocast.
+Only a plain layer whose weight no other module shares (tied embeddings read it whole), on the CPU, is computed
+this way; a weight another component reads itself (PEFT's DoRA) is decoded whole as before, as is one gathered by
+``GatheredParameters``, and any layer under CPU autocast.
 """
 
 from __future__ import annotations
@@ -38,17 +40,20 @@ _placeholders: dict[torch.dtype, torch.Tensor] = {}
 
 
 def compute_from_codes(model: nn.Module, frozen_dtype_of: Any) -> int:
-    """Make every eligible frozen ``nn.Linear`` of ``model`` compute from its gathered codes; return how many.
+    """Make every eligible frozen ``nn.Linear`` and ``nn.Embedding`` of ``model`` compute from its gathered codes;
+    return how many.
 
     ``frozen_dtype_of(param)`` names the format a weight is stored in (None: not quantized). Eligible: a plain
-    ``nn.Linear`` whose weight is stored quantized in CPU memory, used by no other module, and not read whole by
-    the module around it (PEFT's DoRA scales by the weight's norm). Safe to call again.
+    ``nn.Linear`` or ``nn.Embedding`` (without ``max_norm``) whose weight is stored quantized in CPU memory, used by
+    no other module, and not read whole by the module around it (PEFT's DoRA scales by the weight's norm). Safe to
+    call again.
     """
     uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
     parents = {id(child): module for module in model.modules() for child in module.children()}
     done = 0
     for module in model.modules():
-        if type(module) is not nn.Linear:
+        forward = _FORWARDS.get(type(module))
+        if forward is None or getattr(module, "max_norm", None) is not None:  # max_norm rescales rows in place
             continue
         weight = module.weight
         stored_as = frozen_dtype_of(weight)
@@ -57,7 +62,7 @@ def compute_from_codes(model: nn.Module, frozen_dtype_of: Any) -> int:
         if not _decodes_in_parts(stored_as) or _reads_weight_whole(parents.get(id(module))):
             continue
         setattr(weight, _CODED, True)
-        module.forward = types.MethodType(_forward, module)
+        module.forward = types.MethodType(forward, module)
         done += 1
     return done
 
@@ -122,6 +127,28 @@ def decode_whole(weight: nn.Parameter) -> None:
     whole = codec.decode(rows, numel, frozen_dtype, weight.dtype)[: weight.ds_numel].view(weight.ds_shape)
     drop_codes(weight)
     weight.data = whole
+
+
+def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    """The rows ``input`` looks up, each decoded on its own: the frozen table is never decoded whole."""
+    held = held_codes(self.weight)
+    rows_in_table = self.weight.ds_shape[0]
+    if held is not None and input.numel() and not torch.is_autocast_enabled(input.device.type):
+        ids, positions = torch.unique(input, return_inverse=True)
+        if int(ids[0]) >= 0 and int(ids[-1]) < rows_in_table:  # else F.embedding below raises its own error
+            stored, numel, frozen_dtype = held
+            width = self.weight.ds_shape[1]
+            table = torch.empty(len(ids), width, dtype=self.weight.dtype, device=input.device)
+            for row, token in enumerate(ids.tolist()):
+                partial_decode.decode_range(stored, numel, frozen_dtype, token * width, table[row])
+            return F.embedding(positions, table)  # the table is frozen: padding_idx only ever masks its gradient
+    decode_whole(self.weight)
+    return F.embedding(
+        input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+    )
+
+
+_FORWARDS = {nn.Linear: _forward, nn.Embedding: _embedding_forward}
 
 
 class _CodedMatmul(torch.autograd.Function):
