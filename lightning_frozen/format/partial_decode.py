@@ -55,10 +55,9 @@ def _decode_native_range(
     straight into it, a partial block at either end through a one-block buffer."""
     codes, scales = split(stored, fmt.name)
     size, last = fmt.block_size, first + out.numel()
-    whole_first, whole_last = -(-first // size), last // size  # the blocks wholly inside the range
-    if whole_first >= whole_last:
-        whole_first = whole_last = last // size
-    for block in {first // size, *(() if last % size == 0 else (last // size,))}:
+    whole_first = -(-first // size)
+    whole_last = max(whole_first, last // size)  # blocks whole_first..whole_last-1 lie wholly inside the range
+    for block in {first // size, (last - 1) // size}:
         if whole_first <= block < whole_last:
             continue
         buffer = torch.empty(size, dtype=out.dtype)
