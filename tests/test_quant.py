@@ -560,8 +560,28 @@ def test_a_quantized_llama_from_configure_model_trains_and_validates(
 
 @pytest.fixture(scope="module")
 def prefetched(two_ranks: Path) -> Path:
-    """An NF4 fit on 2 ranks with the asynchronous quantized gather, then one whose gathers wait inside the call."""
+    """NF4 fits on 2 ranks: reading each other's codes from shared memory (``shared``); then exchanging them through
+    the process group with the asynchronous quantized gather (``async``), and with gathers that wait inside the
+    call (``sync``)."""
     return two_ranks / "prefetch"
+
+
+@pytest.mark.slow
+def test_ranks_on_one_machine_read_each_others_codes_from_shared_memory(prefetched: Path) -> None:
+    shared, exchanged = read_reports(prefetched / "shared"), read_reports(prefetched / "async")
+    for fast, slow in zip(shared, exchanged):
+        assert fast["shared_params"] == fast["frozen_params"] > 0 and slow["shared_params"] == 0
+        assert fast["shards_are_their_rows"] and all(fast["shards_are_their_rows"])
+        assert not [g for g in fast["gathers"] if g["dtype"] == "torch.uint8"]  # no codes crossed the process group
+        assert [g for g in slow["gathers"] if g["dtype"] == "torch.uint8"]  # (the recorder sees them when they do)
+        assert fast["global_step"] == slow["global_step"] == 4
+        assert fast["trainable"] == slow["trainable"]  # the same codes decoded: bit-identical training
+        assert fast["shared_files_left"] == slow["shared_files_left"] == []  # unlinked once every rank mapped it
+        assert fast["exchange_warnings"] == []
+    # ranks that cannot open rank 0's file (another machine's /dev/shm) exchange codes, and rank 0 says why once
+    assert exchanged[1]["exchange_warnings"] == []
+    (why,) = exchanged[0]["exchange_warnings"]
+    assert "not every rank could open it" in why
 
 
 @pytest.mark.slow

@@ -93,6 +93,7 @@ def config_key(
 ) -> str:
     key = f"{size_key(size, overrides)} {frozen_dtype} {precision} {devices}r seq{args.sequence}"
     key += " mmap1m" if args.allocator == "mmap1m" else ""
+    key += " exchange-codes" if args.exchange_codes else ""
     return key + (" decode-whole" if args.decode_whole else "")
 
 
@@ -161,6 +162,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         sample_s=args.sample_s,
         profile=args.profile,
         decode_whole=args.decode_whole,
+        exchange_codes=args.exchange_codes,
     )
     env = child_env(threads=threads, mmap_1mib=args.allocator == "mmap1m" or None)
     files_of_run = dict(
@@ -321,6 +323,11 @@ def main() -> None:
         "--decode-whole",
         action="store_true",
         help="the alternative to zero/coded_linear.py: frozen linear weights decoded whole at each gather",
+    )
+    run_parser.add_argument(
+        "--exchange-codes",
+        action="store_true",
+        help="the alternative to zero/node_codes.py: ranks exchange frozen codes through gloo at each gather",
     )
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")

@@ -303,6 +303,7 @@ def main() -> None:
     run_parser.add_argument("--steps", type=int, default=2)
     run_parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
     run_parser.add_argument("--decode-whole", action="store_true", help="see run.py --decode-whole")
+    run_parser.add_argument("--exchange-codes", action="store_true", help="see run.py --exchange-codes")
     report_parser = commands.add_parser("report")
     report_parser.add_argument(
         "--append",
@@ -337,6 +338,7 @@ def main() -> None:
             "--out",
             str(runs),
             *(["--decode-whole"] if args.decode_whole else []),
+            *(["--exchange-codes"] if args.exchange_codes else []),
         ]
         subprocess.run(command, check=False)
     records = read_json(runs / "big_model.json")["records"]

@@ -189,6 +189,10 @@ def run(spec_path: Path) -> None:
         from lightning_frozen.zero import coded_linear
 
         coded_linear.compute_from_codes = lambda model, frozen_dtype_of: 0
+    if spec.get("exchange_codes"):  # likewise: the ranks do not share their codes, they all-gather them
+        from lightning_frozen.zero import node_codes
+
+        node_codes.share_codes = lambda params, frozen_dtype_of: 0
     report = RankReport(spec_path.parent)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     sampler = PeakSampler(spec["sample_s"], spec_path.parent / f"running{rank}.json")

@@ -1,7 +1,8 @@
 """One benchmark configuration in fresh processes: their environment, and the guarded run.
 
 The run gets its own process group (Lightning's launcher starts the other ranks inside it), watched every
-``GUARD_SAMPLE_S``: on a timeout, when the group holds more anonymous + shared memory than the limit, when the
+``GUARD_SAMPLE_S``: on a timeout, when the group holds more anonymous memory, plus the machine's shared memory
+that appeared since it started (counted once), than the limit, when the
 machine's available memory falls below a floor, or when a rank reported an error and the group is still there a
 minute later, the whole group is killed and the outcome says which and why. So one configuration cannot take the
 machine down, and a hung rank does not hold the next one up. No torch here: a driver that imports it stays a light
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.harness.probes import available_bytes, proc_status
+from benchmarks.harness.probes import available_bytes, meminfo_bytes, proc_status
 from benchmarks.harness.records import REPO, rank_errors
 
 GUARD_SAMPLE_S = 0.2
@@ -75,6 +76,7 @@ def guarded_run(
     limit = memory_limit_gib * 2**30 if memory_limit_gib is not None else float("inf")
     floor_available = min_available_gib * 2**30
     peaks = {"anon_shmem": 0, "rss": 0}
+    shmem_before = meminfo_bytes("Shmem")
     outcome: dict[str, Any] = {"status": "ok"}
     started = time.monotonic()
     error_seen: Optional[float] = None
@@ -85,8 +87,9 @@ def guarded_run(
         while process.poll() is None:
             time.sleep(GUARD_SAMPLE_S)
             polls += 1
-            fields = [proc_status(("RssAnon", "RssShmem", "VmRSS"), pid) for pid in _group_pids(process.pid)]
-            held = sum(f["RssAnon"] + f["RssShmem"] for f in fields)
+            fields = [proc_status(("RssAnon", "VmRSS"), pid) for pid in _group_pids(process.pid)]
+            # shared memory once, however many ranks map it (they all map the frozen codes: zero/node_codes.py)
+            held = sum(f["RssAnon"] for f in fields) + max(0, meminfo_bytes("Shmem") - shmem_before)
             peaks = {
                 "anon_shmem": max(peaks["anon_shmem"], held),
                 "rss": max(peaks["rss"], sum(f["VmRSS"] for f in fields)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -55,8 +56,16 @@ def reset_peak_rss() -> None:
 
 
 def memory_now() -> dict[str, int]:
-    """This process's USS (pages no other process maps), anonymous resident memory and RSS, in bytes."""
+    """This process's USS (pages no other process maps), anonymous resident memory and RSS, in bytes.
+
+    The frozen codes that ranks on one machine share (``zero/node_codes.py``) are mapped by every rank, so no rank's
+    USS holds them: each rank's USS here adds the bytes of its own shards in them, and the sum over ranks is the
+    machine's. Between writing its shards and the others mapping them (inside ``share_codes``) a rank counts them
+    twice: an upper bound."""
     uss = psutil.Process().memory_full_info().uss
+    node_codes = sys.modules.get("lightning_frozen.zero.node_codes")
+    if node_codes is not None:
+        uss += node_codes.owned_bytes()
     status = proc_status(("RssAnon", "VmRSS"))
     return {"uss": uss, "anon": status["RssAnon"], "rss": status["VmRSS"]}
 
@@ -118,13 +127,18 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def available_bytes() -> int:
-    """The machine's ``MemAvailable``."""
+def meminfo_bytes(field: str) -> int:
+    """A field of the machine's /proc/meminfo, in bytes (0 if absent)."""
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def available_bytes() -> int:
+    """The machine's ``MemAvailable``."""
+    return meminfo_bytes("MemAvailable")
 
 
 def machine() -> str:

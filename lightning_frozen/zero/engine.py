@@ -20,7 +20,7 @@ from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
 from lightning_frozen.spec import StrategySpec
-from lightning_frozen.zero import coded_linear, forward_trace, host_memory, quantized
+from lightning_frozen.zero import coded_linear, forward_trace, host_memory, node_codes, quantized
 from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 
@@ -96,6 +96,8 @@ def initialize_engine(
     if spec.frozen_dtype:
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
         quantized.quantize_frozen_shards(model, spec.frozen_dtype, keeper)
+        if where.device.type == "cpu":  # ranks on one machine read each other's codes, not copies of them
+            node_codes.share_codes(list(model.parameters()), quantized.frozen_dtype_of)
         coded_linear.compute_from_codes(model, quantized.frozen_dtype_of)
     return engine, deepspeed_optimizer
 

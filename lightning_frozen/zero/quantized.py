@@ -26,7 +26,7 @@ from torch import nn
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import BlockFormat, block_format, decode, encode, split
 from lightning_frozen.format.native_codec import empty_output
-from lightning_frozen.zero import coded_linear
+from lightning_frozen.zero import coded_linear, node_codes
 from lightning_frozen.zero.host_memory import DECODE_BUFFERS
 from lightning_frozen.zero.params import (
     compute_dtype,
@@ -162,6 +162,7 @@ def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) ->
 
 def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     """Put this rank's exact ``values`` of ``param`` (in its dtype) back in place of its codes, as an ordinary shard."""
+    node_codes.leave(param)
     shard = param.ds_tensor
     full = torch.zeros(shard_numel(param), dtype=param.dtype, device=shard.device)
     full[: values.numel()] = values.to(full.device)
@@ -180,6 +181,7 @@ def _store(param: nn.Parameter, stored: torch.Tensor, fmt: BlockFormat) -> None:
     """Put the encoded bytes in place of the shard; ``ds_quant_scale`` routes the param to the quantized gather."""
     from deepspeed.accelerator import get_accelerator
 
+    node_codes.leave(param)  # its rows in the shared file hold the old codes
     shard = param.ds_tensor
     if shard.device.type == "cpu" and shard.is_pinned():
         stored = get_accelerator().pin_memory(stored)
@@ -296,6 +298,9 @@ class _GatherHandle:
         self.complete = True
 
 
+_SHARED = -1  # the group of params whose codes every rank reads from shared memory
+
+
 def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandle:
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
@@ -311,8 +316,12 @@ def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandl
         # DeepSpeed's own gather asserts the same: only released params are fetched
         assert is_released(param), f"expected a released param, got {param.ds_summary()}"
         param.ds_status = ZeroParamStatus.INFLIGHT
-        by_group.setdefault(id(param.ds_process_group), []).append(param)
+        key = _SHARED if node_codes.rows_of(param) is not None else id(param.ds_process_group)
+        by_group.setdefault(key, []).append(param)
     groups, sent = [], []
+    shared = [(p, rows) for p in by_group.pop(_SHARED, []) if (rows := node_codes.rows_of(p)) is not None]
+    if shared:  # every rank's codes already in this machine's shared memory (`zero/node_codes.py`)
+        groups.append((shared, None))
     for group_params in by_group.values():
         group = group_params[0].ds_process_group
         world_size = dist.get_world_size(group=group)

@@ -4,7 +4,7 @@ Lightning's launcher starts the other ranks by running this file again. For each
 Trainer fits and saves ``<out>/<dtype>.ckpt``; then one more resumes the first of them for a second epoch. Each
 rank writes ``<out>/<run>/rank<R>.json`` with its frozen shards' bytes, their codes' hash and the weight the first
 layer's forward saw. One process pair for all runs: starting ranks costs more than these small fits; with
-``--prefetch-out`` the pair also runs ``quantized_prefetch.py``'s two fits after these.
+``--prefetch-out`` the pair also runs ``quantized_prefetch.py``'s three fits after these.
 """
 
 from __future__ import annotations
