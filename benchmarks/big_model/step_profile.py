@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -130,6 +131,7 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
             self._patches.enter_context(_labelled(PartitionedParameterCoordinator, hook, HOOKS))
         self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
         self._profiler.__enter__()
+        self._usage = resource.getrusage(resource.RUSAGE_SELF)
         self.marks = {"start": self._now()}
 
     def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
@@ -145,9 +147,20 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         if self._profiler is None:
             return
         self.marks["end"] = self._now()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         self._profiler.__exit__(None, None, None)
         self._patches.close()
         self.result = breakdown(self._profiler, self.marks)
+        self.result["process"] = {  # the whole process over the step, its other threads included
+            "user_s": round(usage.ru_utime - self._usage.ru_utime, 2),
+            "system_s": round(usage.ru_stime - self._usage.ru_stime, 2),
+            "minor_faults": usage.ru_minflt - self._usage.ru_minflt,
+            "involuntary_switches": usage.ru_nivcsw - self._usage.ru_nivcsw,
+        }
+        self.result["top_self_s"] = {
+            e.key: round(e.self_cpu_time_total / 1e6, 2)
+            for e in sorted(self._profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        }
         self._profiler = None
 
 

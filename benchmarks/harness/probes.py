@@ -70,8 +70,12 @@ def memory_now() -> dict[str, int]:
     return {"uss": uss, "anon": status["RssAnon"], "rss": status["VmRSS"]}
 
 
+SAMPLER_SHARE = 20  # a memory sample costs at most this fraction's inverse of one core's time
+
+
 class PeakSampler(threading.Thread):
-    """Samples this process's :func:`memory_now` every ``interval_s`` in a thread and keeps the peaks.
+    """Samples this process's :func:`memory_now` every ``interval_s`` (or less often, where a sample is slow: see
+    :data:`SAMPLER_SHARE`) in a thread and keeps the peaks.
 
     :meth:`peaks` reads them; :meth:`end_phase` reads and starts the next phase's from what is held now. With a
     ``running_file``, every ``write_every_s`` the current peaks replace that file, so that a run killed mid-phase
@@ -109,9 +113,14 @@ class PeakSampler(threading.Thread):
         return peaks
 
     def run(self) -> None:
-        written = time.monotonic()
-        while not self.stopped.wait(self.interval_s):
+        written, wait_s = time.monotonic(), self.interval_s
+        while not self.stopped.wait(wait_s):
+            began = time.perf_counter()
             self.sample()
+            # USS walks every page table entry of the process (the kernel's smaps): at 7B with the codes in shared
+            # 4 KiB pages one sample took most of a core's time at 10 a second (perf: smaps_pte_range), so wait long
+            # enough that sampling keeps within 1/SAMPLER_SHARE of a core
+            wait_s = max(self.interval_s, (time.perf_counter() - began) * SAMPLER_SHARE)
             if self.running_file is not None and time.monotonic() - written > self.write_every_s:
                 written = time.monotonic()
                 write_json(self.running_file, {**self.peaks(), "at": time.time()})
