@@ -304,7 +304,8 @@ _SHARED = -1  # the group of params whose codes every rank reads from shared mem
 def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandle:
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
-    passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies.
+    passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies, as do
+    params whose every rank's codes are in this machine's shared memory (``zero/node_codes.py``): nothing is sent.
     ``for_layer``: gathered by ZeRO-3's hooks for a module, so a weight computed from its codes keeps them."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -319,7 +320,7 @@ def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandl
         key = _SHARED if node_codes.rows_of(param) is not None else id(param.ds_process_group)
         by_group.setdefault(key, []).append(param)
     groups, sent = [], []
-    shared = [(p, rows) for p in by_group.pop(_SHARED, []) if (rows := node_codes.rows_of(p)) is not None]
+    shared = [(p, node_codes.rows_of(p)) for p in by_group.pop(_SHARED, [])]
     if shared:  # every rank's codes already in this machine's shared memory (`zero/node_codes.py`)
         groups.append((shared, None))
     for group_params in by_group.values():
