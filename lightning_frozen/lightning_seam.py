@@ -13,17 +13,19 @@
   strategy's setup (``trainer.ckpt_path`` is still the previous run's then); no public hook before setup hands it
   over, and a wrong path is worth refusing before a large base is loaded. Without ``_run``, nothing is read.
 - For preemption: ``_SignalConnector`` and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
-  ``trainer._signal_connector``; ``_get_sigkill_signal``; ``trainer._checkpoint_connector._hpc_resume_path``; and the
-  epoch loop's ``_should_accumulate``.
+  ``trainer._signal_connector``; ``_get_sigkill_signal``; ``trainer._checkpoint_connector._hpc_resume_path``; the
+  epoch loop's ``_should_accumulate``; and ``_ChildProcessObserver``'s list of the ranks it watches.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal, _SignalConnector
 from torch.nn import Module
@@ -117,3 +119,12 @@ def requeue(trainer: pl.Trainer, signum: int) -> Any:
 def sigkill_signal() -> int:
     """The signal Lightning ends its launched ranks with."""
     return _get_sigkill_signal()
+
+
+def stop_watching_ranks() -> None:
+    """Keep Lightning's observer of the ranks this process launched from SIGKILLing the run once one of them ends
+    with a stop's status: it polls every 5 s and kills every rank, this one included, as soon as one ended non-zero,
+    which races this rank's own stop. Ranks that outlive the stop are ended by ``preemption.end_launched_ranks``."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._child_processes = []  # nothing to watch: its next poll finds "all ended well" and returns

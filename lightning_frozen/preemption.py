@@ -139,6 +139,7 @@ class StopAtStepBoundary(Callback):
         terminate, requeue = self.preemption.agree(trainer.strategy)
         if not (terminate or requeue):
             return
+        lightning_seam.stop_watching_ranks()  # every rank now ends by itself, with a stop's non-zero status
         signum = signal.SIGTERM if terminate else self.preemption._requeue_signum or signal.SIGUSR1
         if terminate:
             path = stop_checkpoint_path(trainer)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, read_checkpoint
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, lightning_seam, read_checkpoint
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -85,6 +89,27 @@ def test_sigterm_at_every_point_of_a_step_stops_both_ranks_and_the_resumed_run_i
     _run(chain, "end", status=0)
     _same_training_state(read_checkpoint(straight / "final.ckpt"), read_checkpoint(chain / "final.ckpt"))
     assert read_checkpoint(chain / "final.ckpt")["global_step"] == 10
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_an_agreed_stop_keeps_lightnings_observer_from_killing_the_launching_rank(stopping: bool) -> None:
+    """Lightning's observer SIGKILLs the launching process once a rank it launched ended non-zero; when a rank ended
+    with the agreed stop's status, the launching rank is still finishing its own stop (the race seen in CI)."""
+    launching = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for rank 0
+    rank1 = subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep(0.5); sys.exit({SIGTERM_STATUS})"])
+    observer = _ChildProcessObserver(main_pid=launching.pid, child_processes=[rank1], sleep_period=0.2)
+    observer.start()
+    try:
+        if stopping:
+            lightning_seam.stop_watching_ranks()
+        rank1.wait()
+        observer.join(timeout=5)
+        time.sleep(0.5)
+        assert not observer.is_alive()
+        assert launching.poll() == (None if stopping else -signal.SIGKILL)
+    finally:
+        launching.kill()
+        launching.wait()
 
 
 class _SignalledAt(AdapterModel):
