@@ -67,8 +67,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise absmax,
             1.016 B/weight), ``"nf4"`` (4-bit NormalFloat, 0.531 B/weight) or ``"bf16"``/``"fp16"`` (a cast, 2 B/weight,
             for fp32 compute); decoded to the compute dtype for the layer computed (``zero/quantized.py``).
-        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS; a loop's steps reuse
-            theirs (``zero/host_memory.py``).
+        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``zero/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
