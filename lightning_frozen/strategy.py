@@ -133,7 +133,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
         self._run_settings = ExitStack()  # what a run changed in the process, undone at its teardown
-        self._reusing_step_buffers = False
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
 
     @property
@@ -278,26 +277,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def on_train_start(self) -> None:
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
-        self._reuse_step_buffers()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._reuse_step_buffers()
-
-    @override
-    def on_test_start(self) -> None:
-        self._reuse_step_buffers()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._reuse_step_buffers()
-
-    def _reuse_step_buffers(self) -> None:
-        """From a run's first loop to its teardown, a step reuses the host pages of the step before
-        (``zero/host_memory.py``), where the strategy set glibc's threshold."""
-        if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator) and not self._reusing_step_buffers:
-            self._reusing_step_buffers = True
-            self._run_settings.enter_context(host_memory.reuse_step_buffers())
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -311,7 +290,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         if self.lightning_module is not None:
             release_engine(self.model, self.lightning_module)
         self._run_settings.close()
-        self._reusing_step_buffers = False
         self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
         super().teardown()
 

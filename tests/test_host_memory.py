@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.format import native_codec
@@ -101,77 +99,6 @@ def test_freed_buffers_leave_the_process_once_the_allocator_is_set() -> None:
     assert held["call"][0] == "True" and held["skip"][0] == "False"
     assert held["skip"][1] > 100  # glibc's default keeps the freed 2 MiB buffers
     assert held["call"][1] < 10, held  # with the threshold at 1 MiB only the live buffer is held
-
-
-_STEPS = textwrap.dedent(
-    """
-    import resource, torch
-    from lightning_frozen.zero import host_memory
-
-    def faults():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-    def anon_mib():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-
-    def second_step_faults():  # a step's activations: 8 buffers of 4 MiB, written, then freed
-        for _ in range(2):
-            first = faults()
-            buffers = [torch.empty(4 << 20, dtype=torch.uint8).fill_(1) for _ in range(8)]
-            del buffers
-        return faults() - first
-
-    host_memory.return_freed_memory()
-    at_1mib = second_step_faults()
-    with host_memory.reuse_step_buffers() as did:
-        inside = second_step_faults()
-        held = anon_mib()
-    after = second_step_faults()
-    print(did, at_1mib, inside, after, held - anon_mib())
-    """
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_a_loop_reuses_its_step_buffers_and_gives_them_back_when_it_ends() -> None:
-    run = subprocess.run([sys.executable, "-c", _STEPS], capture_output=True, text=True, check=True)
-    did, *counts = run.stdout.split()
-    at_1mib, inside, after, released_mib = (float(c) for c in counts)
-    assert did == "True"
-    # 32 MiB written into fresh pages is 8,192 faults of 4 KiB (fewer where THP backs every mapping)
-    assert at_1mib >= 8 and after >= 8 and at_1mib > 20 * max(inside, 1), run.stdout
-    assert inside < 64, run.stdout  # the heap served the second step from the first step's pages
-    assert released_mib > 24, run.stdout  # and gave them back when the loop ended
-
-
-def _second_step_faults() -> int:
-    """Minor page faults of the second of two "steps" that each write 8 buffers of 4 MiB and free them."""
-    for _ in range(2):
-        first = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        buffers = [torch.empty(4 << 20, dtype=torch.uint8).fill_(1) for _ in range(8)]
-        del buffers
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - first
-
-
-class _StepFaults(Callback):
-    def __init__(self) -> None:
-        self.faults: list[int] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.faults.append(_second_step_faults())
-
-
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ, reason="glibc's allocator, ours"
-)
-def test_a_cpu_fit_reuses_step_buffers_only_while_its_loops_run() -> None:
-    probe = _StepFaults()
-    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), max_steps=2, callbacks=[probe])
-    trainer.fit(AdapterModel(width=WIDTH), regression_data(width=WIDTH))
-    after = _second_step_faults()
-    assert after >= 8 and all(after > 20 * max(f, 1) for f in probe.faults), (probe.faults, after)
 
 
 def test_a_threshold_the_user_chose_is_kept() -> None:

@@ -8,10 +8,6 @@
   buffer is freed (up to 32 MiB), so a process goes on holding what it once used. :func:`return_freed_memory`
   fixes the threshold at 1 MiB, as ``MALLOC_MMAP_THRESHOLD_=1048576`` would: every larger buffer is a mapping of
   its own, given back to the OS when freed.
-- **A loop's buffers.** While a loop runs (:func:`reuse_step_buffers`), buffers up to
-  :data:`STEP_MMAP_THRESHOLD_BYTES` come from the heap again and stay there when freed: a step's activations and
-  their gradients (at 7B and 64 tokens, 1-8 MiB each) would otherwise be fresh pages each time, 0.78M page faults a
-  step. When the run ends the threshold is 1 MiB again and the heap's free memory goes back to the OS.
 - **Fresh pages.** The price of that threshold: each buffer's pages are new to the process, and the kernel zeroes
   every page on first touch. A gathered frozen param is decoded into a new tensor at each of its uses (twice a step),
   so that zeroing would double the decode's time. :data:`DECODE_BUFFERS` keeps the decoded tensors of released
@@ -29,9 +25,7 @@ import functools
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -43,13 +37,8 @@ from lightning_frozen.zero.params import full_numel
 # module again rather than keep it for a later use (measured: 245M Llama, 2 ranks, whole fit 2.7x the frozen bytes
 # with 1/1/3, 1.98x with 1/0/1; benchmarks/load_memory/run.py)
 GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
-TRIM_THRESHOLD_BYTES = 128 << 10  # glibc's default
-# while a loop runs: the heap serves buffers below this size (a step's activations at short sequences; longer ones
-# are mappings as before), and keeps up to this much free at its top rather than give it back after every step
-STEP_MMAP_THRESHOLD_BYTES = 16 << 20
-STEP_TRIM_THRESHOLD_BYTES = 1 << 30
 
 
 def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
@@ -78,57 +67,16 @@ def return_freed_memory() -> bool:
     Called once per process.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in tunables:
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in tunables:
         return False
-    libc = _glibc()
-    global _threshold_set
-    _threshold_set = libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    return _threshold_set
-
-
-_threshold_set = False  # by return_freed_memory, in this process
-
-
-@contextmanager
-def reuse_step_buffers() -> Iterator[bool]:
-    """While active, the heap serves and keeps buffers up to :data:`STEP_MMAP_THRESHOLD_BYTES`, so that a step reuses
-    the pages of the step before; yields whether it did: only once :func:`return_freed_memory` set the threshold. A
-    trim threshold the user chose (``MALLOC_TRIM_THRESHOLD_``) is kept.
-
-    On exit the threshold is 1 MiB again, and the heap's free pages are given back to the OS (``malloc_trim``).
-    """
-    libc = _glibc() if _threshold_set else None
-    if libc is None:
-        yield False
-        return
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    own_trim = "MALLOC_TRIM_THRESHOLD_" not in os.environ and "trim_threshold" not in tunables
-    if own_trim:
-        libc.mallopt(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD_BYTES)
-    libc.mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD_BYTES)
-    try:
-        yield True
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        if own_trim:
-            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc() -> Optional[Any]:
-    """This process's C library, if it is glibc on Linux (musl's ``mallopt`` does nothing)."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         libc = ctypes.CDLL(None)
     except OSError:
-        return None
-    if not all(hasattr(libc, name) for name in ("gnu_get_libc_version", "mallopt", "malloc_trim")):
-        return None
+        return False
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):  # musl's mallopt does nothing
+        return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return libc
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 # the most bytes kept, as a multiple of the largest size kept: at a transformer layer's turn from its attention to its
