@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +58,7 @@ DECODE, GATHER, HOOKS = "lf.decode", "lf.gather_wait", "lf.zero_hooks"
 DECODE_ROWS = "lf.decode_rows"  # in a layer's forward or backward, outside the gather
 CODED = "lf.coded_matmul"  # a linear layer's matmul computed from its codes, row tile by row tile
 DENSE, DECODE_FLOOR, GATHER_FLOOR = "dense matmuls", "decode at the codec's rate", "gather at a copy's rate"
+FLOOR_TIMINGS = 5  # a shape's floor is the median of this many calls (three calls' mean before 2026-12-03 15:30 UTC)
 TILES_IN_CACHE = "dense matmuls of the row tiles, in cache"  # the floor as measured before 2026-12-03 15:00 UTC
 
 
@@ -252,8 +254,8 @@ def _inside(event: Any, label: str) -> bool:
 
 
 def _dense_matmuls(counts: dict[str, int]) -> float:
-    """Seconds for each of ``counts`` (``[op, input shapes]`` as JSON: times run), run on dense fp32 tensors, each
-    timed three times in a row after a first call."""
+    """Seconds for each of ``counts`` (``[op, input shapes]`` as JSON: times run), run on dense fp32 tensors: the
+    median of :data:`FLOOR_TIMINGS` calls after a first one, times its count."""
     import torch
 
     matmul = 0.0
@@ -272,10 +274,12 @@ def _dense_matmuls(counts: dict[str, int]) -> float:
         ):
             continue
         call(*operands)
-        started = time.perf_counter()
-        for _ in range(3):
+        timings = []
+        for _ in range(FLOOR_TIMINGS):
+            started = time.perf_counter()
             call(*operands)
-        matmul += (time.perf_counter() - started) / 3 * count
+            timings.append(time.perf_counter() - started)
+        matmul += statistics.median(timings) * count
     return matmul
 
 
