@@ -58,8 +58,8 @@ DECODE, GATHER, HOOKS = "lf.decode", "lf.gather_wait", "lf.zero_hooks"
 DECODE_ROWS = "lf.decode_rows"  # in a layer's forward or backward, outside the gather
 CODED = "lf.coded_matmul"  # a linear layer's matmul computed from its codes, row tile by row tile
 DENSE, DECODE_FLOOR, GATHER_FLOOR = "dense matmuls", "decode at the codec's rate", "gather at a copy's rate"
-FLOOR_TIMINGS = 5  # a shape's floor is the median of this many calls (three calls' mean before 2026-12-03 15:30 UTC)
-TILES_IN_CACHE = "dense matmuls of the row tiles, in cache"  # the floor as measured before 2026-12-03 15:00 UTC
+FLOOR_TIMINGS = 5  # a shape's floor is the median of this many calls (three calls' mean before 2026-12-03 15:15 UTC)
+TILES_IN_CACHE = "dense matmuls of the row tiles, in cache"  # the floor as measured before 2026-12-03 14:20 UTC
 
 
 def _callback_base() -> type:
@@ -321,8 +321,9 @@ def report(records: list[dict[str, Any]]) -> str:
         "# Where a step's time goes",
         "",
         "Written by `benchmarks/big_model/step_profile.py` from `run.py --profile` runs: the last timed step of each"
-        " rank, profiled (`torch.profiler`, which slows a step by a few percent), in seconds, worst rank. Floors are"
-        " measured in the same process after the fit. fp32 compute, 64 tokens per rank.",
+        " rank, profiled (`torch.profiler`, which slows a step by a few percent, and by up to a fifth where layers"
+        " compute from their codes in many small matmuls), in seconds, worst rank. Floors are measured in the same"
+        " process after the fit. fp32 compute, 64 tokens per rank.",
         "",
         "| config | date, commit | load avg | step s | fwd | bwd | opt | matmul fwd | matmul bwd | dense matmul floor"
         " | ÷ floor | decode | at codec rate | gather wait | at copy rate | ZeRO-3 hooks | optimizer+reduce | other"
@@ -361,7 +362,7 @@ def report(records: list[dict[str, Any]]) -> str:
         "÷ floor: the whole step over the same matmuls on dense weights (issue 24's goal at 13B NF4: ≤ 2.0). A layer"
         " computed from its codes counts as its one whole matmul, its dense weight read from memory as a dense model"
         " reads it; the last column times its row tiles instead, each again on a tile already in cache, as this"
-        " floor was measured before 2026-12-03 15:00 UTC.",
+        " floor was measured before 2026-12-03 14:20 UTC.",
         "",
     ]
     return "\n".join(lines)
