@@ -17,8 +17,9 @@ from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import progress
 from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero import engine
+from lightning_frozen.zero.init import outside_zero_init
 from tests.distributed import read_reports, run_in_this_process, run_script
-from tests.models import cpu_trainer
+from tests.models import AdapterModel, cpu_trainer, regression_data
 from tests.pretrained_support import TINY_LLAMA, PretrainedLoRA, folder_tensors, token_data, write_llama
 
 
@@ -230,3 +231,46 @@ def test_progress_counts_only_what_is_loaded_and_never_goes_backwards(
     assert len(loading) == 22 and loading == sorted(loading) and loading[-1] == 100
     # the fingerprint came from the values as they were read: no second pass over the base
     assert "fingerprinting the frozen base" not in lightning_log.text  # type: ignore[attr-defined]
+
+
+def _set_by_decorator(cls: type) -> type:
+    """A class decorator that works as the ``kernels`` package's ``use_kernelized_func`` (transformers 5.25's
+    attention layers): its ``__init__`` sets what its ``forward`` reads."""
+    own_init, own_forward = cls.__init__, cls.forward
+
+    def init(self: nn.Module, *args: object, **kwargs: object) -> None:
+        own_init(self, *args, **kwargs)
+        self.__dict__["set_by_decorator"] = True
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        assert self.__dict__.get("set_by_decorator"), "built without the decorator's __init__"
+        return own_forward(self, x)
+
+    cls.__init__, cls.forward = init, forward
+    return cls
+
+
+class _DecoratedInConfigureModel(AdapterModel):
+    """Defines a decorated module class inside ``configure_model`` (as a model class first imported there is), and
+    builds it there, again outside zero.Init within it, and keeps the class for after the fit."""
+
+    def configure_model(self) -> None:
+        @_set_by_decorator
+        class Block(nn.Linear):
+            def __init__(self, width: int) -> None:
+                super().__init__(width, width)
+
+        self.block_class = Block
+        self.inside = Block(8)
+        with outside_zero_init():
+            self.outside = Block(8)
+        self.after_outside = Block(8)
+
+
+def test_a_module_class_first_defined_in_configure_model_keeps_its_decorated_init() -> None:
+    module = _DecoratedInConfigureModel(width=8)
+    cpu_trainer(max_steps=1).fit(module, regression_data(width=8))
+    built = [module.inside, module.outside, module.after_outside, module.block_class(8)]
+    assert [b.__dict__.get("set_by_decorator") for b in built] == [True] * 4
+    assert hasattr(module.inside.weight, "ds_id") and not hasattr(built[-1].weight, "ds_id")  # shard vs plain
+    assert built[-1](torch.ones(1, 8)).shape == (1, 8)

@@ -4,6 +4,13 @@ While a ``zero.Init`` is active DeepSpeed patches ``nn.Module.__init__`` and tor
 is partitioned as soon as its module is built, and new tensors get the config's dtype and device. Code that must
 build ordinary tensors there (PEFT's adapter initialisation, the loader's checksum buffers) steps outside it for a
 while (:func:`outside_zero_init`).
+
+Both put DeepSpeed's patches back through :func:`_keep_decorated_inits`: on exit DeepSpeed restores each module
+class's ``__init__`` to the one it wrapped, which for a class first imported inside the context is its ``__init__``
+from before its class decorators ran. transformers 5.25 decorates its attention classes with the ``kernels``
+package's ``use_kernelized_func``, whose ``__init__`` sets the ``_kernel_funcs`` that its ``forward`` reads: a Llama
+first imported inside ``configure_model`` lost it, and every attention layer built after the context failed with
+"'LlamaAttention' object has no attribute '_kernel_funcs'".
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -24,7 +31,10 @@ def sharded_creation(config: dict, remote_device: Optional[str]) -> Iterator[Non
     import deepspeed
 
     with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
-        yield
+        try:
+            yield
+        finally:
+            _keep_decorated_inits()
 
 
 @contextmanager
@@ -36,12 +46,41 @@ def outside_zero_init() -> Iterator[None]:
     context = partition_parameters.top_level_context
     patched = context is not None and context.patched
     if patched:
+        _keep_decorated_inits()
         partition_parameters.shutdown_init_context()
     try:
         yield
     finally:
         if patched:
             partition_parameters.restore_init_context()
+
+
+def _keep_decorated_inits() -> None:
+    """Before DeepSpeed takes its patches off: for each module class whose ``__init__`` a decorator replaced after
+    DeepSpeed wrapped it (the class was created inside the context), make that decorated ``__init__`` call the
+    class's own again instead of DeepSpeed's wrapper, and have DeepSpeed restore it rather than the undecorated one."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    for cls in partition_parameters.get_all_subclasses(torch.nn.Module):
+        init, own = cls.__dict__.get("__init__"), cls.__dict__.get("_old_init")
+        if init is None or own is None or _is_partition_wrapper(init):
+            continue
+        for cell in getattr(init, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if _is_partition_wrapper(inner) and getattr(inner, "__wrapped__", None) is own:
+                cell.cell_contents = own
+                cls._old_init = init
+
+
+def _is_partition_wrapper(function: Any) -> bool:
+    """Whether ``function`` is the wrapper ``zero.Init`` puts around a module class's ``__init__``."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_name == "wrapper" and code.co_filename == partition_parameters.__file__
 
 
 def import_with_logs_to_stderr() -> None:
