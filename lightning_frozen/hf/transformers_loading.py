@@ -107,8 +107,9 @@ def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
     transformers builds in the checkpoint's dtype (``dtype="auto"``) and ``zero.Init`` then casts each full tensor:
     a bf16 folder under fp32 compute wrote every page of every full weight on every rank before a byte was read
     (1.2 s of a 1.1B load on one rank; the whole model's fp32 bytes per rank at 13B). The values are never used: the
-    loader fills the shards. Only where ``PreTrainedModel.get_init_context`` has the parameters of
-    :data:`GET_INIT_CONTEXT_PARAMS` (transformers 5.x); None does nothing.
+    loader fills the shards. Only where ``PreTrainedModel.get_init_context``'s parameters begin with those of
+    :data:`GET_INIT_CONTEXT_PARAMS` and any after them have defaults (transformers 5.x; 5.25 added ``config``); None
+    does nothing.
     """
     from transformers import modeling_utils
 
@@ -117,7 +118,7 @@ def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
     if dtype is None or not isinstance(original, classmethod):
         yield
         return
-    if tuple(inspect.signature(original.__func__).parameters)[1:] != GET_INIT_CONTEXT_PARAMS:
+    if not _starts_with(inspect.signature(original.__func__), GET_INIT_CONTEXT_PARAMS):
         yield
         return
 
@@ -131,6 +132,16 @@ def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
         yield
     finally:
         owner.get_init_context = original
+
+
+def _starts_with(signature: inspect.Signature, names: tuple[str, ...]) -> bool:
+    """Whether ``signature`` (after its first parameter, ``cls``) begins with ``names`` and every later parameter
+    has a default, so that a call passing ``names`` through means what it meant."""
+    parameters = list(signature.parameters.values())[1:]
+    later = parameters[len(names) :]
+    return tuple(p.name for p in parameters[: len(names)]) == names and all(
+        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in later
+    )
 
 
 @contextmanager
