@@ -5,7 +5,7 @@ is partitioned as soon as its module is built, and new tensors get the config's 
 build ordinary tensors there (PEFT's adapter initialisation, the loader's checksum buffers) steps outside it for a
 while (:func:`outside_zero_init`).
 
-Both put DeepSpeed's patches back through :func:`_keep_decorated_inits`: on exit DeepSpeed restores each module
+Both call :func:`_keep_decorated_inits` before DeepSpeed takes its patches off: on exit DeepSpeed restores each module
 class's ``__init__`` to the one it wrapped, which for a class first imported inside the context is its ``__init__``
 from before its class decorators ran. transformers 5.25 decorates its attention classes with the ``kernels``
 package's ``use_kernelized_func``, whose ``__init__`` sets the ``_kernel_funcs`` that its ``forward`` reads: a Llama
@@ -73,6 +73,7 @@ def _keep_decorated_inits() -> None:
             if _is_partition_wrapper(inner) and getattr(inner, "__wrapped__", None) is own:
                 cell.cell_contents = own
                 cls._old_init = init
+                break
 
 
 def _is_partition_wrapper(function: Any) -> bool:
