@@ -31,8 +31,13 @@ from torch.nn import functional as F
 
 from lightning_frozen.format import codec, native_codec, partial_decode
 
-TILE_ELEMENTS = 1 << 20  # weights decoded at a time: 4 MiB in fp32, in the L2/L3 caches of the matmul that reads them
-TILE_ROWS = 256  # but at least this many rows: each matmul packs the input again, for a long row a large cost
+# Weights decoded at a time (2 MiB in fp32), but at least TILE_ROWS rows: each matmul packs its input again, so a
+# long row wants a few rows a tile. Chosen by measurement on the project's 2-core AMD EPYC (1 thread a rank, 64
+# tokens): 2 MiB tiles stepped a 1.1B bf16 base on 2 ranks in 7.57 and 7.99 s against 8.90 and 8.60 s for 4 MiB
+# tiles of at least 256 rows (runs alternated). The backward, which adds every tile's product into one input
+# gradient, lost most with the larger tiles.
+TILE_ELEMENTS = 1 << 19
+TILE_ROWS = 64
 _CODED = "lf_coded_compute"  # set on a weight whose layer computes from codes
 _GATHERED = "lf_gathered_codes"  # (rows, values per row, frozen dtype) while such a weight is gathered
 _tiles: dict[torch.dtype, torch.Tensor] = {}
