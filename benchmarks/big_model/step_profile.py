@@ -2,6 +2,7 @@
 
     python benchmarks/big_model/step_profile.py run --size 1.1b --frozen-dtype nf4 --devices 1 2   # run.py, profiled
     python benchmarks/big_model/step_profile.py report --append "2026-12-03, ..."       # add to step_profile.md
+    python benchmarks/big_model/step_profile.py floor --key "7b bf16 32-true 2r seq64"  # a recorded floor again
 
 ``run`` starts ``run.py run ... --profile`` (fp32 compute, 64 tokens per rank, LoRA r=8 q/v): its worker adds
 :class:`StepProfile`, which profiles the last timed step of each rank with ``torch.profiler`` and splits its wall
@@ -24,6 +25,11 @@ the **decode** at the codec's own rate (``codec.decode`` of the same format on 1
 before, as a gather decodes into a released param's; before 2026-12-02 05:00 UTC into fresh buffers), and the
 **gather** at a copy's rate (the bytes gathered at ``torch.Tensor.copy_`` speed). Figures go into each rank's report
 (``profile``) and ``results/step_profile.md``.
+
+``floor`` times the dense-matmul floor again from the shapes of the latest profiled run of ``--key``, each rank's in
+a process of its own (1 torch thread each), all ranks at once as in a run, ``--rounds`` times: for a run whose
+profiled step cannot finish (at 7B the profiler's records took more memory than the machine had left), compared with
+that configuration's unprofiled steps. The shapes depend on the model and the tokens only.
 """
 
 from __future__ import annotations
@@ -368,6 +374,32 @@ def report(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _floor_again(args: argparse.Namespace, runs: Path) -> None:
+    """``floor``: the dense-matmul floor of ``args.key``'s latest profiled run, timed again (see the module's doc)."""
+    profiled = [r for r in read_json(runs / "big_model.json")["records"] if r["key"] == args.key]
+    profiled = [r for r in profiled if all(rank.get("profile", {}).get("matmul_shapes") for rank in r["ranks"])]
+    if not profiled:
+        raise SystemExit(f"no profiled run of {args.key!r} in {runs / 'big_model.json'}")
+    record = profiled[-1]
+    if args.rank is not None:
+        import torch
+
+        torch.set_num_threads(1)
+        profile = record["ranks"][args.rank]["profile"]
+        print(json.dumps(_dense_matmuls(profile["matmul_shapes"]) + _dense_matmuls(profile.get("coded_shapes", {}))))
+        return
+    ranks = range(len(record["ranks"]))
+    print(f"{args.key}: the shapes of the profiled run of {record['date']}; seconds per rank, all ranks at once")
+    readings = []
+    for round_ in range(args.rounds):
+        command = [sys.executable, __file__, "floor", "--key", args.key, "--out", str(args.out), "--rank"]
+        workers = [subprocess.Popen([*command, str(rank)], stdout=subprocess.PIPE, text=True) for rank in ranks]
+        seconds = [float(worker.communicate()[0].strip().splitlines()[-1]) for worker in workers]
+        readings += seconds
+        print(f"round {round_ + 1}: " + ", ".join(f"{value:.1f}" for value in seconds))
+    print(f"all readings: median {statistics.median(readings):.1f} s, {min(readings):.1f}-{max(readings):.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -385,10 +417,17 @@ def main() -> None:
         metavar="HEADING",
         help="add the table under this heading to step_profile.md (its earlier sections are kept as they are)",
     )
-    for sub in (run_parser, report_parser):
+    floor_parser = commands.add_parser("floor")
+    floor_parser.add_argument("--key", required=True, help='a profiled configuration, e.g. "7b bf16 32-true 2r seq64"')
+    floor_parser.add_argument("--rounds", type=int, default=4)
+    floor_parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a worker: that rank's floor, as JSON
+    for sub in (run_parser, report_parser, floor_parser):
         sub.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     runs = args.out / "step_profile_runs"
+    if args.command == "floor":
+        _floor_again(args, runs)
+        return
     if args.command == "run":
         command = [
             sys.executable,
