@@ -160,40 +160,41 @@ def _markdown(rows: list[dict[str, float]], args: argparse.Namespace, machine: d
 
 
 def _split_lines(rows: list[dict[str, float]]) -> list[str]:
-    """What K = 1 and K = 2 say about a step and a peak: the part the adapters share (the base's gathers and
-    decodes, the process) and the part each adapter adds (its rows' matmuls and activations), and what the goals
-    would need of that split. Linear in K by assumption; the K = 4 and 8 rows show how far that holds."""
-    by_k = {row["k"]: row for row in rows}
-    if 1 not in by_k or 2 not in by_k:
+    """What the measured K say about a step and a peak: the part the adapters share (the base's gathers and decodes,
+    the process) and the part each adapter adds (its rows' matmuls and activations), fitted as ``shared + K x each``
+    by least squares over every K, and what the goals would need of that split."""
+    if len(rows) < 2:
         return []
-    step_1, step_2 = by_k[1]["step_seconds"], by_k[2]["step_seconds"]
-    peak_1, peak_2 = by_k[1]["node_host_peak_bytes"], by_k[2]["node_host_peak_bytes"]
-    each, shared = step_2 - step_1, 2 * step_1 - step_2
-    each_peak = peak_2 - peak_1
-    lines = [
+    step_shared, step_each = _line([(row["k"], row["step_seconds"]) for row in rows])
+    peak_shared, peak_each = _line([(row["k"], row["node_host_peak_bytes"]) for row in rows])
+    step_1, peak_1 = step_shared + step_each, peak_shared + peak_each
+    fitted = ", ".join(
+        f"K = {row['k']}: {step_shared + row['k'] * step_each:.2f} s (measured {row['step_seconds']:.2f} s)"
+        for row in rows
+    )
+    return [
         "",
         "## What the goals ask of a step",
         "",
-        f"From K = 1 and K = 2: a step is {shared:.2f} s shared by the adapters ({shared / step_1:.0%} of the K = 1"
-        f" step) and {each:.2f} s per adapter; the host peak is {(peak_1 - each_peak) / 2**20:.0f} MiB shared and"
-        f" {each_peak / 2**20:.0f} MiB per adapter.",
+        f"Fitted over K = {', '.join(str(row['k']) for row in rows)} as shared + K x each (least squares): a step is"
+        f" {step_shared:.2f} s shared by the adapters and {step_each:.2f} s per adapter ({fitted}); the host peak"
+        f" is {peak_shared / 2**20:.0f} MiB shared and {peak_each / 2**20:.0f} MiB per adapter.",
+        "- 2.5x the steps of 4 runs needs the shared part to be at least 80% of a K = 1 step (4(M + S) ≥ 2.5(4M + S)"
+        " means S ≥ 4M); 1.2x the peak of one needs each adapter to add at most 6.7% of it (1 + 3a ≤ 1.2).",
+        f"- Here the shared part is {step_shared / step_1:.0%} of the fitted K = 1 step, which would allow"
+        f" {4 * step_1 / (step_shared + 4 * step_each):.2f}x at K = 4, and each adapter adds"
+        f" {peak_each / peak_1:.0%} of the fitted K = 1 peak: each adapter's own rows (their matmuls through every"
+        " layer, and the activations kept for the backward) grow with K, and with the base decoded near memory speed"
+        " and held as NF4 the base no longer dominates either.",
     ]
-    if 4 in by_k:
-        predicted, measured = 4 * each + shared, by_k[4]["step_seconds"]
-        lines += [
-            f"- K = 4 by that split: a {predicted:.2f} s step (measured {measured:.2f} s),"
-            f" {4 * step_1 / predicted:.2f}x the steps of 4 runs; a {(peak_1 + 3 * each_peak) / 2**20:.0f} MiB peak"
-            f" ({(peak_1 + 3 * each_peak) / peak_1:.2f}x of K = 1; measured"
-            f" {by_k[4]['node_host_peak_bytes'] / peak_1:.2f}x).",
-        ]
-    lines += [
-        "- 2.5x the steps of 4 runs needs the shared part to be at least 80% of the K = 1 step (4(M + S) ≥"
-        " 2.5(4M + S) means S ≥ 4M); 1.2x the peak of one needs each adapter to add at most 6.7% of it (1 + 3a ≤"
-        " 1.2). Here each adapter's own rows (their matmuls through every layer, and the activations kept for the"
-        f" backward) are {each / step_1:.0%} of the K = 1 step and {each_peak / peak_1:.0%} of its peak: with the"
-        " base decoded near memory speed and held as NF4, the base no longer dominates either.",
-    ]
-    return lines
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``points``."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - slope * mean_x, slope
 
 
 def main() -> None:
