@@ -165,8 +165,9 @@ def _split_lines(rows: list[dict[str, float]]) -> list[str]:
     by least squares over every K, and what the goals would need of that split."""
     if len(rows) < 2:
         return []
-    step_shared, step_each = _line([(row["k"], row["step_seconds"]) for row in rows])
-    peak_shared, peak_each = _line([(row["k"], row["node_host_peak_bytes"]) for row in rows])
+    ks = [row["k"] for row in rows]
+    step_each, step_shared = statistics.linear_regression(ks, [row["step_seconds"] for row in rows])
+    peak_each, peak_shared = statistics.linear_regression(ks, [row["node_host_peak_bytes"] for row in rows])
     step_1, peak_1 = step_shared + step_each, peak_shared + peak_each
     fitted = ", ".join(
         f"K = {row['k']}: {step_shared + row['k'] * step_each:.2f} s (measured {row['step_seconds']:.2f} s)"
@@ -187,14 +188,6 @@ def _split_lines(rows: list[dict[str, float]]) -> list[str]:
         " layer, and the activations kept for the backward) grow with K, and with the base decoded near memory speed"
         " and held as NF4 the base no longer dominates either.",
     ]
-
-
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of the least-squares line through ``points``."""
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    return mean_y - slope * mean_x, slope
 
 
 def main() -> None:
