@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from lightning_frozen.anatomy import Anatomy, adapter_param_names, trained_adapters
 from lightning_frozen.errors import AdapterSetupError, format_names
-from lightning_frozen.hf import peft_adapters, row_guard
+from lightning_frozen.hf import checkpointing, peft_adapters, row_guard
 from lightning_frozen.hf.reference import find_peft_model
 from lightning_frozen.zero import adapter_clipping
 
@@ -193,10 +193,14 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
     """Within the context, every LoRA layer of ``model`` adds to each row the adapter ``rows`` names for it (none
     where that adapter does not adapt the layer), in training and in evaluation.
 
+    With gradient checkpointing on (Hugging Face's ``gradient_checkpointing_enable()``), each checkpointed block's
+    forward carries ``rows`` with it, so that its recomputation during backward, after the context has ended, gives
+    every row its adapter again.
+
     Raises:
         AdapterSetupError: a layer's input has another number of rows than ``rows`` (a model that reshapes its batch
-            dimension before a LoRA layer), an adapter ``rows`` names is not in the model, or gradient checkpointing
-            is on while gradients are computed.
+            dimension before a LoRA layer), an adapter ``rows`` names is not in the model, or a module checkpoints
+            its forward in a way other than Hugging Face's, which cannot carry ``rows``.
     """
     peft_model = _peft_model(model)
     unknown = [name for name in rows.adapters if name not in peft_model.peft_config]
@@ -205,20 +209,33 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
             f"Rows for adapters {format_names(unknown)}, which the PEFT model does not hold (it holds"
             f" {format_names(list(peft_model.peft_config))})."
         )
-    if torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+    checkpointed, unreachable = checkpointing.checkpointing_modules(model)
+    if torch.is_grad_enabled() and unreachable:
         raise AdapterSetupError(
-            "Gradient checkpointing recomputes the forward during backward, after `adapter_rows` has ended, so the"
-            " recomputed rows would not see their adapters. Turn it off (`model.gradient_checkpointing_disable()`)"
-            " to train adapters at once."
+            "Gradient checkpointing recomputes the forward during backward, after `adapter_rows` has ended, and"
+            f" `{type(unreachable[0]).__name__}` checkpoints in a way (not Hugging Face's) through which its recomputed"
+            " rows cannot be given their adapters. Turn it off (`model.gradient_checkpointing_disable()`) to train"
+            " adapters at once."
         )
-    layers = peft_adapters.lora_row_layers(peft_model)
-    for layer in layers:
+    install = partial(_rows_installed, peft_model, peft_adapters.lora_row_layers(peft_model), rows)
+    with ExitStack() as stack:
+        for module in checkpointed:
+            stack.enter_context(checkpointing.recomputed_within(module, install))
+        stack.enter_context(install())
+        yield
+
+
+@contextmanager
+def _rows_installed(peft_model: Any, layers: list[nn.Module], rows: AdapterRows) -> Iterator[None]:
+    """``rows`` given to each of ``layers`` (those that have no rows already) and to the row guard, for the context."""
+    given = [layer for layer in layers if "forward" not in layer.__dict__]
+    for layer in given:
         layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
     try:
         with row_guard.rows_given(peft_model):
             yield
     finally:
-        for layer in layers:
+        for layer in given:
             del layer.forward
 
 

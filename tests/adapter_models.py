@@ -56,7 +56,14 @@ class CausalAdapters(L.LightningModule):
     """Next-token cross-entropy on the tiny Llama with LoRA adapters ``names``: with ``together``, all of them in one
     batch through ``lightning_frozen.adapters``; else exactly one adapter, the plain PEFT way."""
 
-    def __init__(self, llama_folder: str, names: list[str], together: bool = True, in_configure_model: bool = False):
+    def __init__(
+        self,
+        llama_folder: str,
+        names: list[str],
+        together: bool = True,
+        in_configure_model: bool = False,
+        checkpointing: bool = False,
+    ):
         super().__init__()
         self.save_hyperparameters()
         assert together or len(names) == 1
@@ -66,6 +73,9 @@ class CausalAdapters(L.LightningModule):
         model = peft_with_adapters(self.hparams.llama_folder, self.hparams.names)
         if self.hparams.together:
             adapters.train_adapters(model, self.hparams.names)
+        if self.hparams.checkpointing:  # Hugging Face's own switch, as a user turns it on
+            model.base_model.model.gradient_checkpointing_enable()
+            model.train()  # transformers checkpoints only in train mode; from_pretrained gives eval mode
         return model
 
     def configure_model(self) -> None:

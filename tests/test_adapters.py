@@ -271,13 +271,43 @@ def test_adapters_trained_at_once_on_their_own_data_equal_their_runs_alone(
     _same_adapters(state, torch.load(tmp_path / "y.ckpt", weights_only=True)["state_dict"], ["y"])
 
 
-def test_rows_refuse_gradient_checkpointing_and_layers_that_reshape_the_batch(llama: str) -> None:
+def test_with_gradient_checkpointing_each_adapter_still_trains_exactly_as_alone(
+    llama: str, alone: dict[str, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    # backward recomputes each decoder layer after `adapter_rows` has ended: the rows travel with the checkpointed
+    # forward. Were they lost, the row guard would refuse the recomputed forward (every row through x and y) or, past
+    # it, each adapter would get the other's rows' gradients.
+    module = CausalAdapters(llama, ["x", "y"], checkpointing=True)
+    recomputed = {"layers": 0}
+    model = module.model.base_model.model
+    layer = model.model.layers[0]
+    checkpoint = layer._gradient_checkpointing_func
+
+    def counting(function: Any, *args: Any, **kwargs: Any) -> Any:
+        def counted(*inner: Any, **inner_kwargs: Any) -> Any:
+            recomputed["layers"] += not row_guard._ROWS_GIVEN  # outside every rows context: a recomputation
+            return function(*inner, **inner_kwargs)
+
+        return checkpoint(counted, *args, **kwargs)
+
+    layer._gradient_checkpointing_func = counting
+    state = fit_and_save(module, tmp_path / "checkpointed.ckpt")
+    assert model.is_gradient_checkpointing and recomputed["layers"] > 0  # it ran outside the context, in backward
+    assert layer._gradient_checkpointing_func is counting  # restored after each step
+    for name in ["x", "y"]:
+        ours = adapter_weights(state, name)
+        assert ours.keys() == alone[name].keys() and ours
+        for key, value in ours.items():
+            torch.testing.assert_close(value, alone[name][key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_rows_refuse_checkpointing_they_cannot_reach_and_layers_that_reshape_the_batch(llama: str) -> None:
     model = peft_with_adapters(llama, ["x", "y"])
     adapters.train_adapters(model, ["x", "y"])
     (input_ids, attention_mask), rows = adapters.sweep_batch(next(iter(token_batches())), ["x", "y"])
     with pytest.raises(AdapterSetupError, match="got 4 rows where the batch has 8"), adapters.adapter_rows(model, rows):
         model(input_ids=input_ids[:4], attention_mask=attention_mask[:4])
-    model.gradient_checkpointing_enable()
+    model.base_model.model.model.gradient_checkpointing = True  # a module's own checkpointing, no function to wrap
     with pytest.raises(AdapterSetupError, match="gradient_checkpointing_disable"), adapters.adapter_rows(model, rows):
         pass
 

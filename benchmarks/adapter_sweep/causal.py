@@ -23,9 +23,10 @@ class CausalSweep(L.LightningModule):
     """A causal LM from ``folder`` with one LoRA adapter per entry of ``adapters`` (``{"rank", "alpha", "lr",
     "weight_decay"}``), trained at once on next-token prediction."""
 
-    def __init__(self, folder: str, adapters: dict[str, dict[str, float]]) -> None:
+    def __init__(self, folder: str, adapters: dict[str, dict[str, float]], checkpointing: bool = False) -> None:
         super().__init__()
         self.folder, self.specs, self.names = folder, adapters, list(adapters)
+        self.checkpointing = checkpointing
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -34,6 +35,8 @@ class CausalSweep(L.LightningModule):
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(self.folder)
+        if self.checkpointing:
+            base.gradient_checkpointing_enable()
         model: Any = None
         for name, spec in self.specs.items():
             lora = LoraConfig(r=int(spec["rank"]), lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=TARGETS)

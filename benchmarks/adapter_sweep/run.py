@@ -1,6 +1,7 @@
 """K LoRA adapters trained at once on one frozen base against K separate runs.
 
     python benchmarks/adapter_sweep/run.py [--task minilm|causal] [--ks 1 2 4 8] [--devices 1] [--steps 8] [--out DIR]
+    python benchmarks/adapter_sweep/run.py --task causal --checkpointing   # with Hugging Face's gradient checkpointing
 
 Two tasks:
 - ``minilm``: ``examples/adapter_sweep/task.py``'s ``SentimentSweep`` (all-MiniLM-L6-v2, LoRA on query/value and
@@ -17,13 +18,20 @@ batches, in fp32, 1 torch thread per rank. Each rank reports:
   end of ``fit``: what a run costs;
 - **step time**: median wall time of the steps after the first 2; **time per sample per adapter** is that over
   batch size x K;
-- **host peak**: the rank's RSS high-water mark (``VmHWM``); the node's is the sum over its ranks;
+- **host peak**: the rank's RSS high-water mark (``VmHWM``); the node's is the sum over its ranks; the **training
+  peak** is the same from the start of training on (the mark is reset there: ``/proc/self/clear_refs``), without the
+  base's load;
 - **gathered bytes per step**: the output bytes of every ZeRO-3 all-gather during a step.
 
 K separate runs are K times the K = 1 run (same base, same steps, other hyper-parameters), one after another: their
 wall time adds up and their host peak is one run's; run side by side, their host peaks add up instead. Writes
 ``<out>/adapter_sweep.json`` and ``<out>/adapter_sweep.md`` (``minilm``), ``<out>/adapter_sweep_causal.*``
 (``causal``), with the load average before and after: timings are only as good as the machine was quiet.
+
+``--checkpointing`` (causal task) turns on the model's gradient checkpointing (``gradient_checkpointing_enable()``):
+each decoder layer keeps only its input for the backward and runs its forward again there, so the activations that
+grow with K shrink to one layer's, at the price of a second forward. Results go to
+``adapter_sweep_causal_checkpointed.*``.
 """
 
 from __future__ import annotations
@@ -73,11 +81,11 @@ def worker(k: int, args: argparse.Namespace, run_dir: Path) -> None:
 
     torch.set_num_threads(1)
     L.seed_everything(0)
-    measure = StepMeter()
+    measure, peaks = StepMeter(), _training_peak_callback()()
     if args.task == "causal":
         from benchmarks.adapter_sweep.causal import CausalSweep, token_batches
 
-        model: L.LightningModule = CausalSweep(str(args.folder), adapter_specs(k))
+        model: L.LightningModule = CausalSweep(str(args.folder), adapter_specs(k), checkpointing=args.checkpointing)
         data: object = token_batches(32000, TOKENS, args.steps, BATCH_SIZE["causal"])
         strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=None if args.frozen_dtype == "none" else args.frozen_dtype)
     else:
@@ -101,7 +109,7 @@ def worker(k: int, args: argparse.Namespace, run_dir: Path) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[measure],
+        callbacks=[measure, peaks],
     )
     trainer.fit(model, data)
     RankReport(run_dir).update(
@@ -110,8 +118,26 @@ def worker(k: int, args: argparse.Namespace, run_dir: Path) -> None:
         wall_seconds=time.monotonic() - STARTED,
         step_seconds_median=statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
         gathered_bytes_per_step=statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
-        host_peak_bytes=proc_status_bytes("VmHWM"),
+        host_peak_bytes=max(peaks.before_training, proc_status_bytes("VmHWM")),
+        train_peak_bytes=proc_status_bytes("VmHWM"),
     )
+
+
+def _training_peak_callback() -> type:
+    from lightning.pytorch.callbacks import Callback
+
+    class TrainingPeak(Callback):
+        """Keeps the RSS high-water mark reached before training and resets it, so that ``VmHWM`` at the end is the
+        training's own peak."""
+
+        before_training = 0
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.before_training = proc_status_bytes("VmHWM")
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # 5: reset the peak resident set size to the current one
+
+    return TrainingPeak
 
 
 def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float], batch_size: int) -> dict[str, float]:
@@ -125,6 +151,7 @@ def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float], batch_size
         "step_seconds": step,
         "seconds_per_sample_per_adapter": step / (batch_size * runs[0]["world_size"] * k),
         "node_host_peak_bytes": peak,
+        "node_train_peak_bytes": sum(run.get("train_peak_bytes", 0) for run in runs),
         "separate_node_host_peak_bytes_side_by_side": k * alone["node_host_peak_bytes"],
         "gathered_bytes_per_adapter_step": runs[0]["gathered_bytes_per_step"] / k,
     }
@@ -133,6 +160,7 @@ def _row(k: int, runs: list[dict[str, Any]], alone: dict[str, float], batch_size
 def _markdown(rows: list[dict[str, float]], args: argparse.Namespace, machine: dict[str, Any]) -> str:
     alone = rows[0]
     storage = f", base stored as {args.frozen_dtype}" if args.task == "causal" else ""
+    storage += ", gradient checkpointing" if args.checkpointing else ""
     lines = [
         f"# K adapters at once vs K separate runs ({TITLES[args.task]}{storage}, {args.devices} CPU rank(s),"
         f" {args.steps} steps, fp32)",
@@ -143,8 +171,8 @@ def _markdown(rows: list[dict[str, float]], args: argparse.Namespace, machine: d
         " (issue 24): K = 4 at ≥ 2.5x the throughput of 4 separate runs, with ≤ 1.2x the host peak of one.",
         "",
         "| K | wall, one run | wall, K runs in a row | speed-up | step | per sample per adapter | node host peak"
-        " | K runs side by side | gathered per adapter-step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | K runs side by side | node training peak | gathered per adapter-step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
@@ -154,6 +182,8 @@ def _markdown(rows: list[dict[str, float]], args: argparse.Namespace, machine: d
             f" | {row['node_host_peak_bytes'] / 2**20:.0f} MiB"
             f" ({row['node_host_peak_bytes'] / alone['node_host_peak_bytes']:.2f}x of K=1)"
             f" | {row['separate_node_host_peak_bytes_side_by_side'] / 2**20:.0f} MiB"
+            f" | {row['node_train_peak_bytes'] / 2**20:.0f} MiB"
+            f" ({row['node_train_peak_bytes'] / alone['node_train_peak_bytes']:.2f}x)"
             f" | {row['gathered_bytes_per_adapter_step'] / 2**20:.1f} MiB |"
         )
     return "\n".join(lines + _split_lines(rows)) + "\n"
@@ -187,6 +217,20 @@ def _split_lines(rows: list[dict[str, float]]) -> list[str]:
         f" {peak_each / peak_1:.0%} of the fitted K = 1 peak: each adapter's own rows (their matmuls through every"
         " layer, and the activations kept for the backward) grow with K, and with the base decoded near memory speed"
         " and held as NF4 the base no longer dominates either.",
+        *_training_split(rows),
+    ]
+
+
+def _training_split(rows: list[dict[str, float]]) -> list[str]:
+    """The same split of the training peak alone, where the runs recorded it."""
+    if not all(row.get("node_train_peak_bytes") for row in rows):
+        return []
+    ks = [row["k"] for row in rows]
+    each, shared = statistics.linear_regression(ks, [row["node_train_peak_bytes"] for row in rows])
+    return [
+        f"- The training peak alone (the base's load left out) is {shared / 2**20:.0f} MiB shared and"
+        f" {each / 2**20:.0f} MiB per adapter: each adapter adds {each / (shared + each):.0%} of the fitted K = 1"
+        " training peak."
     ]
 
 
@@ -198,11 +242,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help=f"more than {SKIPPED_STEPS}: the first are not timed")
     parser.add_argument("--frozen-dtype", choices=["none", "bf16", "int8", "nf4"], default="nf4", help="causal task")
     parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"), help="causal task: its folder")
+    parser.add_argument("--checkpointing", action="store_true", help="causal task: gradient checkpointing on")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.folder = args.data_dir / f"llama-{CAUSAL_SIZE}"  # what big_model's ``write`` makes (or reuses)
+    if args.checkpointing and args.task != "causal":
+        parser.error("--checkpointing is for --task causal")
     stem = "adapter_sweep" if args.task == "minilm" else f"adapter_sweep_{args.task}"
+    stem += "_checkpointed" if args.checkpointing else ""
     raw = args.out / f"{stem}_runs"
     if args.worker is not None:
         worker(args.worker, args, raw / f"k{args.worker}")
@@ -216,7 +264,7 @@ def main() -> None:
     for k in ks:
         command = [sys.executable, __file__, "--worker", str(k), "--devices", str(args.devices), "--task", args.task]
         command += ["--steps", str(args.steps), "--out", str(args.out), "--frozen-dtype", args.frozen_dtype]
-        command += ["--data-dir", str(args.data_dir)]
+        command += ["--data-dir", str(args.data_dir), *(["--checkpointing"] if args.checkpointing else [])]
         shutil.rmtree(raw / f"k{k}", ignore_errors=True)
         log = raw / f"k{k}" / "worker.log"
         outcome = launch.guarded_run(command, launch.child_env(), log, TIMEOUT_MIN, reports_dir=raw / f"k{k}")

@@ -18,6 +18,8 @@ Written for transformers 5.x (5.24 tested) and PEFT 0.21 (0.21.2 tested). Module
   PEFT model inside a module.
 - ``row_guard``: a forward pre-hook on PEFT's LoRA layers that refuses a training forward of several adapters outside
   ``adapter_rows`` / ``shared_rows``.
+- ``checkpointing``: transformers' ``_gradient_checkpointing_func`` on each checkpointing module, wrapped while
+  ``adapter_rows`` is open so that a block recomputed in backward gets its rows' adapters again.
 - ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt
   encoders of ``PEFT_TYPE_TO_TUNER_MAPPING`` (built from ``PeftConfig.from_peft_type``).
 """
