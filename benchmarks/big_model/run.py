@@ -161,6 +161,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         threads=threads,
         sample_s=args.sample_s,
         profile=args.profile,
+        paired_floor=args.paired_floor,
         decode_whole=args.decode_whole,
         exchange_codes=args.exchange_codes,
     )
@@ -319,6 +320,11 @@ def main() -> None:
     run_parser.add_argument("--sample-s", type=float, default=0.1, help="each rank's memory sampling interval")
     run_parser.add_argument("--no-resume", action="store_true", help="stop after the save (no second load)")
     run_parser.add_argument("--profile", action="store_true", help="profile the last timed step (step_profile.py)")
+    run_parser.add_argument(
+        "--paired-floor",
+        action="store_true",
+        help="time the dense-matmul floor after every step after the first, in each rank (step_profile.py paired)",
+    )
     run_parser.add_argument(
         "--decode-whole",
         action="store_true",

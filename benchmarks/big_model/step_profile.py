@@ -3,6 +3,7 @@
     python benchmarks/big_model/step_profile.py run --size 1.1b --frozen-dtype nf4 --devices 1 2   # run.py, profiled
     python benchmarks/big_model/step_profile.py report --append "2026-12-03, ..."       # add to step_profile.md
     python benchmarks/big_model/step_profile.py floor --key "7b bf16 32-true 2r seq64"  # a recorded floor again
+    python benchmarks/big_model/step_profile.py paired --size 7b --frozen-dtype bf16  # each step beside its floor
 
 ``run`` starts ``run.py run ... --profile`` (fp32 compute, 64 tokens per rank, LoRA r=8 q/v): its worker adds
 :class:`StepProfile`, which profiles the last timed step of each rank with ``torch.profiler`` and splits its wall
@@ -30,6 +31,13 @@ before, as a gather decodes into a released param's; before 2026-12-02 05:00 UTC
 a process of its own (1 torch thread each), all ranks at once as in a run, ``--rounds`` times: for a run whose
 profiled step cannot finish (at 7B the profiler's records took more memory than the machine had left), compared with
 that configuration's unprofiled steps. The shapes depend on the model and the tokens only.
+
+``paired`` needs no profiler, so it fits where a profiled step does not: ``run.py --paired-floor`` records the matmul
+shapes of the warm-up step with a dispatch mode that keeps one count per shape (:class:`PairedFloor`), then after
+every timed step each rank times their dense floor, all ranks at once, before the next step starts. Each step is
+set beside a floor read seconds after it, in the same processes: on a machine whose memory bandwidth moves with its
+neighbours, a floor read minutes away can differ by 1.7x. Its table goes to ``results/paired_floor_runs`` and, with
+``--append``, to ``step_profile.md``.
 """
 
 from __future__ import annotations
@@ -75,17 +83,25 @@ def _callback_base() -> type:
 
 
 @contextmanager
-def _labelled(owner: Any, attribute: str, label: str, count: Any = None, static: bool = False) -> Iterator[None]:
+def _labelled(
+    owner: Any, attribute: str, label: str, count: Any = None, static: bool = False, depth: Any = None
+) -> Iterator[None]:
     """While active, every call of ``owner.attribute`` runs inside ``record_function(label)``; ``count`` is told
-    each call's arguments and result. ``static``: the attribute is a staticmethod of the class ``owner``."""
+    each call's arguments and result. ``static``: the attribute is a staticmethod of the class ``owner``. ``depth``
+    (a one-item list) is raised by one while a call runs."""
     import torch
 
     original = getattr(owner, attribute)
     restored = owner.__dict__[attribute] if static else original
+    depth = [0] if depth is None else depth
 
     def labelled(*args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(label):
-            result = original(*args, **kwargs)
+        depth[0] += 1
+        try:
+            with torch.profiler.record_function(label):
+                result = original(*args, **kwargs)
+        finally:
+            depth[0] -= 1
         if count is not None:
             count(args, result)
         return result
@@ -115,17 +131,10 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         self.decoded_weights += result.numel()
 
     def _count_coded_forward(self, args: Any, result: Any) -> None:
-        _, input, weight = args[:3]
-        out_features, in_features = weight.ds_shape
-        rows = input.numel() // in_features
-        self.coded_shapes[json.dumps(["aten::mm", [[rows, in_features], [in_features, out_features]]])] += 1
+        _count_coded_forward(self.coded_shapes, args)
 
     def _count_coded_backward(self, args: Any, result: Any) -> None:
-        ctx, grad_output = args[:2]
-        out_features, in_features = ctx.weight.ds_shape
-        if result[0] is not None:
-            rows = grad_output.numel() // out_features
-            self.coded_shapes[json.dumps(["aten::mm", [[rows, out_features], [out_features, in_features]]])] += 1
+        _count_coded_backward(self.coded_shapes, args, result)
 
     def _count_gathered(self, args: Any, result: Any) -> None:
         self.gathered_bytes += args[0].numel() * args[0].element_size()
@@ -192,6 +201,91 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
             for e in sorted(self._profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         }
         self._profiler = None
+
+
+def _count_coded_forward(counts: dict[str, int], args: Any) -> None:
+    """A layer computed from its codes, counted as the one whole matmul a dense model runs for its forward."""
+    _, input, weight = args[:3]
+    out_features, in_features = weight.ds_shape
+    rows = input.numel() // in_features
+    counts[json.dumps(["aten::mm", [[rows, in_features], [in_features, out_features]]])] += 1
+
+
+def _count_coded_backward(counts: dict[str, int], args: Any, result: Any) -> None:
+    """Likewise for its backward, when it computes the input's gradient."""
+    ctx, grad_output = args[:2]
+    out_features, in_features = ctx.weight.ds_shape
+    if result[0] is not None:
+        rows = grad_output.numel() // out_features
+        counts[json.dumps(["aten::mm", [[rows, out_features], [out_features, in_features]]])] += 1
+
+
+def _matmul_counter(counts: dict[str, int], inside_coded: list[int]) -> Any:
+    """A dispatch mode that counts every matmul of :data:`MATMULS` by its input shapes, as the profiler records them
+    (``[]`` for an argument that is not a tensor), except those run inside a layer computed from its codes
+    (``inside_coded[0] > 0``): those count as their whole matmul instead. It keeps one count per shape, where the
+    profiler keeps a record of every op: at 7B, with 2 MiB tiles, the profiler's records outgrew the machine."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulShapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func._schema.name
+            if name in MATMULS and not inside_coded[0]:
+                shapes = [list(a.shape) if isinstance(a, torch.Tensor) else [] for a in args]
+                counts[json.dumps([name, shapes])] += 1
+            return func(*args, **(kwargs or {}))
+
+    return MatmulShapes()
+
+
+class PairedFloor(_callback_base()):  # type: ignore[misc]
+    """The dense-matmul floor beside every step of the same run: records the matmul shapes of step ``record_step``
+    (a warm-up step: the counting slows it) without ``torch.profiler``, then at the end of every later step times
+    their dense floor (:func:`_dense_matmuls`) in this process, between that step and the next. Each step has a floor
+    read minutes, not hours, from it, by the same process under the same neighbours. The floor's operands (up to a
+    dense lm_head's fp32 weight) raise the rank's memory while it runs: read no memory figure from such a run."""
+
+    def __init__(self, record_step: int = 0) -> None:
+        super().__init__()
+        self.record_step = record_step
+        self.shapes: dict[str, int] = defaultdict(int)
+        self.coded_shapes: dict[str, int] = defaultdict(int)
+        self.floor_s: list[float] = []  # one per step after record_step
+        self._inside_coded = [0]
+        self._patches: Any = None
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
+        if self._step != self.record_step:
+            return
+        import contextlib
+
+        from lightning_frozen.zero import coded_linear
+
+        self._patches = contextlib.ExitStack()
+        coded, inside = coded_linear._CodedMatmul, self._inside_coded
+        forward = lambda args, result: _count_coded_forward(self.coded_shapes, args)  # noqa: E731
+        backward = lambda args, result: _count_coded_backward(self.coded_shapes, args, result)  # noqa: E731
+        self._patches.enter_context(_labelled(coded, "forward", CODED, forward, static=True, depth=inside))
+        self._patches.enter_context(_labelled(coded, "backward", CODED, backward, static=True, depth=inside))
+        self._patches.enter_context(_matmul_counter(self.shapes, inside))
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        step, self._step = self._step, self._step + 1
+        if self._patches is not None:
+            self._patches.close()
+            self._patches = None
+        elif step > self.record_step:
+            self.floor_s.append(round(_dense_matmuls(self.shapes) + _dense_matmuls(self.coded_shapes), 3))
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "record_step": self.record_step,
+            "floor_s": self.floor_s,  # after steps record_step + 1, record_step + 2, ...
+            "matmul_shapes": dict(self.shapes),
+            "coded_shapes": dict(self.coded_shapes),
+        }
 
 
 def breakdown(profiler: Any, marks: dict[str, float], coded_shapes: dict[str, int]) -> dict[str, Any]:
@@ -374,6 +468,31 @@ def report(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def paired_report(record: dict[str, Any]) -> str:
+    """A ``paired`` run's table: each step after the first beside the dense floors its ranks timed right after it."""
+    ranks = [r for r in record.get("ranks", []) if r.get("paired_floor", {}).get("floor_s")]
+    if not ranks:
+        return f"{record['key']}: no paired floor recorded ({record.get('outcome', {}).get('reason', 'no ranks')})"
+    first = ranks[0]["paired_floor"]["record_step"] + 1
+    count = min(len(r["paired_floor"]["floor_s"]) for r in ranks)
+    lines = [
+        f"`{record['key']}`, {record['date']}, {record['commit']}, load average {record['load_average_at_start'][0]}"
+        f" at the start. Step {first - 1} recorded the matmul shapes (and is not counted); after each later step every"
+        " rank timed their dense floor, all ranks at once.",
+        "",
+        "| step | step s (slowest rank) | dense floor s, each rank | step ÷ mean floor |",
+        "|---|---|---|---|",
+    ]
+    ratios = []
+    for i in range(count):
+        step = max(r["step_s"][first + i] for r in ranks)
+        floor = [r["paired_floor"]["floor_s"][i] for r in ranks]
+        ratios.append(step / statistics.mean(floor))
+        lines.append(f"| {first + i} | {step:.2f} | {', '.join(f'{f:.2f}' for f in floor)} | {ratios[-1]:.2f} |")
+    lines += ["", f"Median ratio {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})."]
+    return "\n".join(lines)
+
+
 def _floor_again(args: argparse.Namespace, runs: Path) -> None:
     """``floor``: the dense-matmul floor of ``args.key``'s latest profiled run, timed again (see the module's doc)."""
     profiled = [r for r in read_json(runs / "big_model.json")["records"] if r["key"] == args.key]
@@ -400,6 +519,20 @@ def _floor_again(args: argparse.Namespace, runs: Path) -> None:
     print(f"all readings: median {statistics.median(readings):.1f} s, {min(readings):.1f}-{max(readings):.1f} s")
 
 
+def _paired(args: argparse.Namespace) -> None:
+    """``paired``: run.py with ``--paired-floor`` (no profiler), then its table (see :class:`PairedFloor`)."""
+    runs = args.out / "paired_floor_runs"
+    command = [sys.executable, str(HERE / "run.py"), "run", "--size", args.size, "--precision", "32-true"]
+    command += ["--frozen-dtype", args.frozen_dtype, "--devices", args.devices, "--steps", str(args.steps)]
+    command += ["--warmup", "1", "--no-resume", "--paired-floor", "--data-dir", str(args.data_dir), "--out", str(runs)]
+    subprocess.run(command, check=False)
+    table = paired_report(read_json(runs / "big_model.json")["records"][-1])
+    print(table)
+    if args.append:
+        with open(args.out / "step_profile.md", "a") as file:
+            file.write(f"\n## {args.append}\n\n{table}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -421,12 +554,22 @@ def main() -> None:
     floor_parser.add_argument("--key", required=True, help='a profiled configuration, e.g. "7b bf16 32-true 2r seq64"')
     floor_parser.add_argument("--rounds", type=int, default=4)
     floor_parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a worker: that rank's floor, as JSON
-    for sub in (run_parser, report_parser, floor_parser):
+    paired_parser = commands.add_parser("paired")
+    paired_parser.add_argument("--size", default="7b")
+    paired_parser.add_argument("--frozen-dtype", default="bf16")
+    paired_parser.add_argument("--devices", default="2")
+    paired_parser.add_argument("--steps", type=int, default=4)
+    paired_parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
+    paired_parser.add_argument("--append", metavar="HEADING", help="add the table to step_profile.md under this")
+    for sub in (run_parser, report_parser, floor_parser, paired_parser):
         sub.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     runs = args.out / "step_profile_runs"
     if args.command == "floor":
         _floor_again(args, runs)
+        return
+    if args.command == "paired":
+        _paired(args)
         return
     if args.command == "run":
         command = [

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.big_model.step_profile import StepProfile, floors
+from benchmarks.big_model.step_profile import PairedFloor, StepProfile, floors
 from benchmarks.harness.probes import PeakSampler, memory_now, snapshot, tree_bytes
 from benchmarks.harness.records import RankReport
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
@@ -217,7 +217,8 @@ def run(spec_path: Path) -> None:
         saved_step = json.loads(Path(spec["saved_step_file"]).read_text())["global_step"]
     max_steps = saved_step + 1 if resume else spec["warmup"] + spec["steps"]
     profile = StepProfile(max_steps - 1) if spec.get("profile") and not resume else None
-    trainer = make_trainer(spec, strategy, max_steps, probe, *([profile] if profile else []))
+    paired = PairedFloor(record_step=0) if spec.get("paired_floor") and not resume else None
+    trainer = make_trainer(spec, strategy, max_steps, probe, *[c for c in (profile, paired) if c is not None])
     clock["fit"] = time.perf_counter()
     try:
         trainer.fit(module, random_tokens(spec, vocab), ckpt_path=checkpoint if resume else None)
@@ -251,6 +252,8 @@ def run(spec_path: Path) -> None:
             report.update(profile=profile.result)
             floor = floors(profile.result, spec["frozen_dtype"], profile.decoded_weights, profile.gathered_bytes)
             report.update(profile_floors=floor)
+        if paired is not None:
+            report.update(paired_floor=paired.result())
         save(trainer, module, checkpoint, adapter, Path(spec["saved_step_file"]), report, sampler)
     sampler.stop()
 
