@@ -94,6 +94,7 @@ def config_key(
     key = f"{size_key(size, overrides)} {frozen_dtype} {precision} {devices}r seq{args.sequence}"
     key += " mmap1m" if args.allocator == "mmap1m" else ""
     key += " exchange-codes" if args.exchange_codes else ""
+    key += " gpu" if args.accelerator == "gpu" else ""
     return key + (" decode-whole" if args.decode_whole else "")
 
 
@@ -162,6 +163,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         sample_s=args.sample_s,
         profile=args.profile,
         paired_floor=args.paired_floor,
+        accelerator=args.accelerator,
         decode_whole=args.decode_whole,
         exchange_codes=args.exchange_codes,
     )
@@ -320,6 +322,12 @@ def main() -> None:
     run_parser.add_argument("--sample-s", type=float, default=0.1, help="each rank's memory sampling interval")
     run_parser.add_argument("--no-resume", action="store_true", help="stop after the save (no second load)")
     run_parser.add_argument("--profile", action="store_true", help="profile the last timed step (step_profile.py)")
+    run_parser.add_argument(
+        "--accelerator",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: one CUDA device per rank, the frozen shards in CPU memory (scripts/gpu_check.sh)",
+    )
     run_parser.add_argument(
         "--paired-floor",
         action="store_true",

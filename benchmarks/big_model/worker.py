@@ -156,7 +156,7 @@ def make_strategy(spec: dict[str, Any], fingerprint_s: list[float]) -> FrozenAwa
 
 def make_trainer(spec: dict[str, Any], strategy: Any, max_steps: int, probe: Probe, *extra: Callback) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu",
+        accelerator=spec.get("accelerator", "cpu"),
         devices=spec["devices"],
         strategy=strategy,
         precision=spec["precision"],
