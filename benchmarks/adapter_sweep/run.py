@@ -19,7 +19,7 @@ batches, in fp32, 1 torch thread per rank. Each rank reports:
 - **step time**: median wall time of the steps after the first 2; **time per sample per adapter** is that over
   batch size x K;
 - **host peak**: the rank's RSS high-water mark (``VmHWM``); the node's is the sum over its ranks; the **training
-  peak** is the same from the start of training on (the mark is reset there: ``/proc/self/clear_refs``), without the
+  peak** is the same from the start of training on (the mark is reset there: ``probes.reset_peak_rss``), without the
   base's load;
 - **gathered bytes per step**: the output bytes of every ZeRO-3 all-gather during a step.
 
@@ -48,7 +48,7 @@ from typing import Any
 STARTED = time.monotonic()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import load_average, proc_status_bytes  # noqa: E402
+from benchmarks.harness.probes import load_average, proc_status_bytes, reset_peak_rss  # noqa: E402
 from benchmarks.harness.records import RankReport, now_utc, read_rank_reports, write_json  # noqa: E402
 
 SKIPPED_STEPS = 2
@@ -134,8 +134,7 @@ def _training_peak_callback() -> type:
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             self.before_training = proc_status_bytes("VmHWM")
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # 5: reset the peak resident set size to the current one
+            reset_peak_rss()
 
     return TrainingPeak
 
