@@ -227,16 +227,25 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
 
 @contextmanager
 def _rows_installed(peft_model: Any, layers: list[nn.Module], rows: AdapterRows) -> Iterator[None]:
-    """``rows`` given to each of ``layers`` (those that have no rows already) and to the row guard, for the context."""
-    given = [layer for layer in layers if "forward" not in layer.__dict__]
+    """``rows`` given to each of ``layers`` (those that have no rows already) and to the row guard, for the context.
+    A forward set on a layer instance before (another library's hook) is put back after."""
+    missing = object()
+    given = {
+        layer: layer.__dict__.get("forward", missing)
+        for layer in layers
+        if getattr(layer.__dict__.get("forward"), "func", None) is not _row_forward
+    }
     for layer in given:
         layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
     try:
         with row_guard.rows_given(peft_model):
             yield
     finally:
-        for layer in given:
-            del layer.forward
+        for layer, before in given.items():
+            if before is missing:
+                del layer.forward
+            else:
+                layer.forward = before
 
 
 @contextmanager

@@ -301,6 +301,19 @@ def test_with_gradient_checkpointing_each_adapter_still_trains_exactly_as_alone(
             torch.testing.assert_close(value, alone[name][key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
 
 
+def test_a_forward_another_library_set_on_a_lora_layer_is_put_back_after_the_rows(llama: str) -> None:
+    model = peft_with_adapters(llama, ["x", "y"])
+    adapters.train_adapters(model, ["x", "y"])
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    hooked = layer.forward  # a bound method set on the instance, as accelerate's hooks do
+    layer.forward = hooked
+    (input_ids, attention_mask), rows = adapters.sweep_batch(next(iter(token_batches())), ["x", "y"])
+    with adapters.adapter_rows(model, rows):
+        assert layer.forward is not hooked  # inside, the layer computes each block of rows with its adapter
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    assert layer.__dict__["forward"] is hooked
+
+
 def test_rows_refuse_checkpointing_they_cannot_reach_and_layers_that_reshape_the_batch(llama: str) -> None:
     model = peft_with_adapters(llama, ["x", "y"])
     adapters.train_adapters(model, ["x", "y"])
