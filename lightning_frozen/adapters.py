@@ -227,25 +227,21 @@ def adapter_rows(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
 
 @contextmanager
 def _rows_installed(peft_model: Any, layers: list[nn.Module], rows: AdapterRows) -> Iterator[None]:
-    """``rows`` given to each of ``layers`` (those that have no rows already) and to the row guard, for the context.
-    A forward set on a layer instance before (another library's hook) is put back after."""
+    """``rows`` given to each of ``layers`` and to the row guard, for the context; whatever forward a layer instance
+    held before (rows of an enclosing context, another library's hook) is put back after."""
     missing = object()
-    given = {
-        layer: layer.__dict__.get("forward", missing)
-        for layer in layers
-        if getattr(layer.__dict__.get("forward"), "func", None) is not _row_forward
-    }
-    for layer in given:
+    before = {layer: layer.__dict__.get("forward", missing) for layer in layers}
+    for layer in layers:
         layer.forward = partial(_row_forward, layer, rows)  # an instance attribute shadows the class's forward
     try:
         with row_guard.rows_given(peft_model):
             yield
     finally:
-        for layer, before in given.items():
-            if before is missing:
+        for layer, forward in before.items():
+            if forward is missing:
                 del layer.forward
             else:
-                layer.forward = before
+                layer.forward = forward
 
 
 @contextmanager

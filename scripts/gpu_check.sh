@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with CUDA and this project's packages installed (torch with CUDA, lightning,
 # deepspeed, peft, transformers): the CUDA tests, the GPU benchmark, then the frozen-storage step times.
-# About 9 minutes on one H200 (not yet run on one; the 1.1B folder is written first, about a minute).
+# About 9 minutes on one H200, an estimate: not yet run on one (the 1.1B folder is written first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

@@ -130,12 +130,6 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
     def _count_decoded(self, args: Any, result: Any) -> None:
         self.decoded_weights += result.numel()
 
-    def _count_coded_forward(self, args: Any, result: Any) -> None:
-        _count_coded_forward(self.coded_shapes, args)
-
-    def _count_coded_backward(self, args: Any, result: Any) -> None:
-        _count_coded_backward(self.coded_shapes, args, result)
-
     def _count_gathered(self, args: Any, result: Any) -> None:
         self.gathered_bytes += args[0].numel() * args[0].element_size()
 
@@ -153,12 +147,10 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
         from lightning_frozen.format import partial_decode
-        from lightning_frozen.zero import coded_linear, quantized
+        from lightning_frozen.zero import quantized
 
         self._patches = contextlib.ExitStack()
-        coded = coded_linear._CodedMatmul
-        self._patches.enter_context(_labelled(coded, "forward", CODED, self._count_coded_forward, static=True))
-        self._patches.enter_context(_labelled(coded, "backward", CODED, self._count_coded_backward, static=True))
+        _count_coded(self._patches, self.coded_shapes)
         self._patches.enter_context(_labelled(quantized, "decode", DECODE, self._count_decoded))
         self._patches.enter_context(_labelled(partial_decode, "decode_range", DECODE_ROWS, self._count_decoded))
         for owner in (deepspeed.comm, deepspeed.comm.comm):  # DeepSpeed's own gathers call the latter
@@ -203,21 +195,28 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         self._profiler = None
 
 
-def _count_coded_forward(counts: dict[str, int], args: Any) -> None:
-    """A layer computed from its codes, counted as the one whole matmul a dense model runs for its forward."""
-    _, input, weight = args[:3]
-    out_features, in_features = weight.ds_shape
-    rows = input.numel() // in_features
-    counts[json.dumps(["aten::mm", [[rows, in_features], [in_features, out_features]]])] += 1
+def _count_coded(patches: Any, counts: dict[str, int], depth: Any = None) -> None:
+    """Into the ExitStack ``patches``: each forward and backward of a layer computed from its codes
+    (``zero/coded_linear.py``) labelled :data:`CODED` and counted in ``counts`` as the one whole matmul a dense model
+    runs for it (the backward only where it computes the input's gradient); ``depth`` as :func:`_labelled` keeps it."""
+    from lightning_frozen.zero import coded_linear
 
+    def forward(args: Any, result: Any) -> None:
+        _, input, weight = args[:3]
+        out_features, in_features = weight.ds_shape
+        rows = input.numel() // in_features
+        counts[json.dumps(["aten::mm", [[rows, in_features], [in_features, out_features]]])] += 1
 
-def _count_coded_backward(counts: dict[str, int], args: Any, result: Any) -> None:
-    """Likewise for its backward, when it computes the input's gradient."""
-    ctx, grad_output = args[:2]
-    out_features, in_features = ctx.weight.ds_shape
-    if result[0] is not None:
-        rows = grad_output.numel() // out_features
-        counts[json.dumps(["aten::mm", [[rows, out_features], [out_features, in_features]]])] += 1
+    def backward(args: Any, result: Any) -> None:
+        ctx, grad_output = args[:2]
+        out_features, in_features = ctx.weight.ds_shape
+        if result[0] is not None:
+            rows = grad_output.numel() // out_features
+            counts[json.dumps(["aten::mm", [[rows, out_features], [out_features, in_features]]])] += 1
+
+    coded = coded_linear._CodedMatmul
+    patches.enter_context(_labelled(coded, "forward", CODED, forward, static=True, depth=depth))
+    patches.enter_context(_labelled(coded, "backward", CODED, backward, static=True, depth=depth))
 
 
 def _matmul_counter(counts: dict[str, int], inside_coded: list[int]) -> Any:
@@ -261,15 +260,9 @@ class PairedFloor(_callback_base()):  # type: ignore[misc]
             return
         import contextlib
 
-        from lightning_frozen.zero import coded_linear
-
         self._patches = contextlib.ExitStack()
-        coded, inside = coded_linear._CodedMatmul, self._inside_coded
-        forward = lambda args, result: _count_coded_forward(self.coded_shapes, args)  # noqa: E731
-        backward = lambda args, result: _count_coded_backward(self.coded_shapes, args, result)  # noqa: E731
-        self._patches.enter_context(_labelled(coded, "forward", CODED, forward, static=True, depth=inside))
-        self._patches.enter_context(_labelled(coded, "backward", CODED, backward, static=True, depth=inside))
-        self._patches.enter_context(_matmul_counter(self.shapes, inside))
+        _count_coded(self._patches, self.coded_shapes, self._inside_coded)
+        self._patches.enter_context(_matmul_counter(self.shapes, self._inside_coded))
 
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         step, self._step = self._step, self._step + 1

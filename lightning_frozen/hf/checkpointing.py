@@ -17,9 +17,12 @@ FUNC = "_gradient_checkpointing_func"
 def checkpointing_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """The modules of ``model`` with gradient checkpointing on: those that checkpoint through ``FUNC``, and those
     that do it some other way (whose recomputed forward cannot be reached)."""
-    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    reachable = [m for m in on if callable(getattr(m, FUNC, None))]
-    return reachable, [m for m in on if not callable(getattr(m, FUNC, None))]
+    reachable: list[nn.Module] = []
+    unreachable: list[nn.Module] = []
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            (reachable if callable(getattr(module, FUNC, None)) else unreachable).append(module)
+    return reachable, unreachable
 
 
 @contextmanager
