@@ -47,6 +47,7 @@ NF4_VALUES = (
 )
 NF4_PACKING = "high nibble first"
 _FP16_MAX = 65504.0
+_INT8_STEPS = torch.tensor(127.0)  # the int8 code of a block's absmax
 _CHUNK_ELEMENTS = 1 << 20  # weights encoded or decoded at a time: a multiple of every block size
 
 
@@ -357,7 +358,8 @@ def _decode_chunks(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: B
         chunk = codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
         if pairs is None:
             values = chunk.view(torch.int8).float().view(-1, fmt.block_size)
-            values = values * (scales[first:last].float() / 127.0)[:, None]
+            # CUDA divides by a Python number as a multiply by its reciprocal: divide by a tensor, as the CPU does
+            values = values * (scales[first:last].float() / _INT8_STEPS.to(scales.device))[:, None]
         else:  # one lookup per byte gives both of its code values
             values = pairs[chunk.int()].view(-1, fmt.block_size) * scales[first:last].float()[:, None]
         start = first * fmt.block_size

@@ -29,7 +29,20 @@ def place_model(model: nn.Module, config: Optional[dict], device: torch.device, 
     """Shards and buffers where they belong, also for a model built under ``zero.Init`` in ``configure_model``."""
     if not spec.offload_param:
         place_shards(model, device, spec.offload_frozen, compute_dtype(config or {}) or torch.float32)
+    place_placeholders(model, device)
     place_buffers(model, device)
+
+
+def place_placeholders(model: nn.Module, device: torch.device) -> None:
+    """Put each ZeRO-3 param's ``param.data`` on ``device``: its empty placeholder, or its whole value while gathered.
+
+    DeepSpeed gathers a param into ``param.device``, the placeholder's device. Lightning's teardown after a CUDA run
+    calls ``module.cpu()``, which moves placeholders and kept-whole (persistent) params but not shards; without this
+    the next run over the same module (``validate`` after ``fit``) would compute with CPU weights.
+    """
+    for param in model.parameters():
+        if is_partitioned(param) and param.data.device != device:
+            param.data = param.data.to(device)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,28 @@ def gathered(param: nn.Parameter) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- full tensors
 
 
+@contextmanager
+def placeholder_on_accelerator(param: nn.Parameter) -> Iterator[None]:
+    """While active, a ZeRO-3 param's empty placeholder (``param.data``) is on the accelerator.
+
+    DeepSpeed 0.19's ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state`` all-gather into a buffer made
+    on ``param.device``, the placeholder's device. Lightning's teardown calls ``module.cpu()``, which moves the
+    placeholders (not the shards) to the CPU, so a save after ``fit`` on CUDA would hand NCCL a CPU tensor.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    placeholder = param.data
+    if placeholder.device == device:
+        yield
+        return
+    param.data = torch.empty(0, dtype=placeholder.dtype, device=device)
+    try:
+        yield
+    finally:
+        param.data = placeholder
+
+
 def full_param(param: nn.Parameter, deepspeed_optimizer: Any = None) -> torch.Tensor:
     """The whole value of a param on the CPU; the fp32 master copy when the ZeRO optimizer holds one.
 
@@ -124,7 +146,8 @@ def full_param(param: nn.Parameter, deepspeed_optimizer: Any = None) -> torch.Te
     if deepspeed_optimizer is not None and param.requires_grad and is_partitioned(param):
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return safe_get_full_fp32_param(param).detach().reshape(param.ds_shape).cpu()
+        with placeholder_on_accelerator(param):
+            return safe_get_full_fp32_param(param).detach().reshape(param.ds_shape).cpu()
     with gathered(param):
         return param.detach().clone().cpu()
 
@@ -185,7 +208,8 @@ def optimizer_state_of(deepspeed_optimizer: Any, param: nn.Parameter) -> dict[st
     for key in sorted(inner):
         value = inner[key]
         if _is_per_element(value):
-            state[key] = safe_get_full_optimizer_state(param, key).detach().reshape(param.ds_shape).cpu()
+            with placeholder_on_accelerator(param):
+                state[key] = safe_get_full_optimizer_state(param, key).detach().reshape(param.ds_shape).cpu()
         else:
             state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
     return state
