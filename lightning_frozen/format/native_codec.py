@@ -1,4 +1,4 @@
-"""The CPU kernels of ``codec_kernels.c``: compiled once per machine with the system's C compiler, loaded with ctypes.
+"""The CPU kernels of ``codec_kernels.c``: built once per CPU target with the system's C compiler, loaded with ctypes.
 
 They also take the fingerprint's checksum (:func:`checksum16`, for ``base/fingerprint.py``) in one pass.
 
@@ -47,7 +47,7 @@ SOURCE = Path(__file__).with_name("codec_kernels.c")
 # -ffp-contract=off: no fused multiply-adds, so the values are the tensor-op codec's to the bit
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# a build takes a second or two; ranks building at once on a loaded node take longer, a hung compiler forever
+# a build takes about half a second; ranks building at once on a loaded node take longer, a hung compiler forever
 COMPILE_TIMEOUT_S = 120.0
 MIN_BLOCKS_PER_THREAD = 4096  # at least 256K NF4 weights, 1M int8 weights per thread: below that a thread costs more
 
@@ -176,7 +176,7 @@ def _library_dir() -> Iterator[Path]:
         f"lightning-frozen: no cache directory for the CPU codec kernels can be written ({_named(cache_dirs())}); they"
         " are built in a private temporary directory and removed once loaded, so every process builds them again. Set"
         " LIGHTNING_FROZEN_CACHE to a directory only you can write to keep them.",
-        stacklevel=2,
+        stacklevel=3,  # kernels(), past contextlib's __enter__
     )
     with tempfile.TemporaryDirectory(prefix="lightning_frozen-") as scratch:
         yield Path(scratch)
@@ -194,8 +194,8 @@ def _usable(directory: Path) -> bool:
 def _refused(path: Path) -> bool:
     """Whether another user could write ``path`` (a warning names it and the fix): its library is not loaded."""
     status = path.stat()
-    if status.st_uid != os.getuid():
-        why, fix = f"it is owned by uid {status.st_uid}", f"`chown {os.getuid()}`"
+    if status.st_uid != os.geteuid():
+        why, fix = f"it is owned by uid {status.st_uid}", f"`chown {os.geteuid()}`"
     elif status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         why, fix = f"its mode {stat.S_IMODE(status.st_mode):o} lets other users write it", "`chmod go-w`"
     else:
