@@ -1,4 +1,4 @@
-"""The CPU kernels of ``codec_kernels.c``: compiled once per machine with the system's C compiler, loaded with ctypes.
+"""The CPU kernels of ``codec_kernels.c``: built once per CPU target with the system's C compiler, loaded with ctypes.
 
 They also take the fingerprint's checksum (:func:`checksum16`, for ``base/fingerprint.py``) in one pass.
 
@@ -13,23 +13,30 @@ runs its ops on. A decode follows a matmul in every step, and torch's threads sp
 thread pool of our own competed with them (measured on 2 cores: NF4 decode after a matmul at 1.2-1.7 G weights/s with
 two pool threads, 2.9-3.4 G/s on torch's threads). Without OpenMP, a thread pool splits the blocks.
 
-The shared library is cached under ``$LIGHTNING_FROZEN_CACHE`` (default ``~/.cache/lightning_frozen``), named by a
-hash of the source, the flags and the compiler, written to a temporary name and renamed, so ranks that build at once
-do not see a half-written file. Where no compiler works, :func:`kernels` returns None (once, with a warning) and the
-codec uses tensor ops.
+The shared library is cached in the first of :func:`cache_dirs` that can be written and that no other user can write
+(a directory or library that another user could write is refused, with a warning: a library is code this process
+runs). Where none can, it is built in a private temporary directory, removed once the library is loaded. It is named
+by a hash of the source, the flags and the compiler's own account of what it builds for (its version and the ISA it
+resolves ``-march=native`` to, so nodes of several CPU generations sharing a home each load their own), written to a
+temporary name and renamed, so ranks that build at once do not see a half-written file. Where no compiler works (none
+found, or one that fails or runs past :data:`COMPILE_TIMEOUT_S`), :func:`kernels` returns None (once, with a warning)
+and the codec uses tensor ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -40,6 +47,8 @@ SOURCE = Path(__file__).with_name("codec_kernels.c")
 # -ffp-contract=off: no fused multiply-adds, so the values are the tensor-op codec's to the bit
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# a build takes about half a second; ranks building at once on a loaded node take longer, a hung compiler forever
+COMPILE_TIMEOUT_S = 120.0
 MIN_BLOCKS_PER_THREAD = 4096  # at least 256K NF4 weights, 1M int8 weights per thread: below that a thread costs more
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -62,8 +71,18 @@ _WHOLE_SIGNATURES = {
 }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LIGHTNING_FROZEN_CACHE", Path.home() / ".cache" / "lightning_frozen"))
+def cache_dirs() -> list[Path]:
+    """Where the kernels may be cached, in order: ``$LIGHTNING_FROZEN_CACHE``, ``$XDG_CACHE_HOME/lightning_frozen``,
+    ``~/.cache/lightning_frozen``, each where it is set."""
+    dirs = []
+    if os.environ.get("LIGHTNING_FROZEN_CACHE"):
+        dirs.append(Path(os.environ["LIGHTNING_FROZEN_CACHE"]))
+    if os.path.isabs(os.environ.get("XDG_CACHE_HOME", "")):  # the XDG spec ignores a relative one
+        dirs.append(Path(os.environ["XDG_CACHE_HOME"]) / "lightning_frozen")
+    home = os.path.expanduser("~")  # not Path.home(): it raises where HOME is unset and the uid has no account
+    if os.path.isabs(home):
+        dirs.append(Path(home) / ".cache" / "lightning_frozen")
+    return dirs
 
 
 def _compiler() -> Optional[str]:
@@ -79,16 +98,15 @@ def kernels() -> Optional[ctypes.CDLL]:
     compiler = _compiler()
     if compiler is None:
         return _unavailable("no C compiler (cc, gcc or clang) was found")
-    # with OpenMP where the compiler has it: torch has loaded its libgomp.so.1 by now, and the loader reuses it
-    library, error = _built(compiler, (*FLAGS, "-fopenmp"))
-    if library is None:
-        library, error = _built(compiler, FLAGS)
-    if library is None:
-        return _unavailable(error)
     try:
-        lib = ctypes.CDLL(str(library))
+        with _library_dir() as directory:
+            lib = _loaded(compiler, directory)
+    except subprocess.TimeoutExpired as error:
+        return _unavailable(f"`{' '.join(error.cmd)}` did not finish in {error.timeout:g} s")
+    except subprocess.CalledProcessError as error:
+        return _unavailable(f"`{' '.join(error.cmd)}` failed: {error.stderr.strip()[-500:]}")
     except OSError as error:
-        return _unavailable(f"{library} does not load ({error})")
+        return _unavailable(str(error))
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, ctypes.c_int
@@ -98,23 +116,101 @@ def kernels() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def _built(compiler: str, flags: tuple[str, ...]) -> tuple[Optional[Path], str]:
-    """The cached library built from SOURCE with ``flags`` (built now if missing), or None and why."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *flags)).encode() + os.uname().machine.encode()).hexdigest()
-    library = cache_dir() / f"codec_kernels-{key[:16]}.so"
-    if library.exists():
-        return library, ""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+def _loaded(compiler: str, directory: Path) -> ctypes.CDLL:
+    """The kernels built by ``compiler`` for this CPU, from ``directory`` (built there now if missing)."""
+    target = _build_target(compiler)
+    # with OpenMP where the compiler has it: torch has loaded its libgomp.so.1 by now, and the loader reuses it
+    try:
+        library = _built(compiler, target, directory, (*FLAGS, "-fopenmp"))
+    except subprocess.CalledProcessError:
+        library = _built(compiler, target, directory, FLAGS)
+    return ctypes.CDLL(str(library))
+
+
+def _build_target(compiler: str) -> str:
+    """What ``-march=native`` builds for with ``compiler`` here: its dry run names its version and every ISA flag."""
+    # in the library's key: a home shared by nodes of several CPU generations then holds one library per ISA, simpler
+    # than a baseline build that picks its kernels at run time, and -O3 still vectorizes for the node's own ISA
+    return _run_compiler([compiler, "-march=native", "-###", "-E", "-x", "c", os.devnull]).stderr
+
+
+def _built(compiler: str, target: str, directory: Path, flags: tuple[str, ...]) -> Path:
+    """The library built from SOURCE with ``flags`` in ``directory`` (built now if missing or if others could write
+    it). Raises ``subprocess.CalledProcessError`` where the compiler fails, ``TimeoutExpired`` where it hangs."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *flags, target)).encode()).hexdigest()
+    library = directory / f"codec_kernels-{key[:16]}.so"
+    if library.exists() and not _refused(library):
+        return library
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / library.name
-        result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            return None, f"`{compiler}` failed on {SOURCE.name}: {result.stderr.strip()[-500:]}"
+        _run_compiler([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"]).check_returncode()
+        built.chmod(0o700)  # whatever the umask: a library the group could write would be refused next time
         os.replace(built, library)
-    return library, ""
+    return library
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """``command``'s output; raises ``subprocess.TimeoutExpired`` after :data:`COMPILE_TIMEOUT_S`."""
+    # a session of its own, so that a timeout kills cc1, as and ld too: they would hold the output pipes open
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=COMPILE_TIMEOUT_S)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def _library_dir() -> Iterator[Path]:
+    """The first of :func:`cache_dirs` that is usable, else a private temporary directory, removed on exit (a library
+    loaded from it stays mapped)."""
+    directory = next((directory for directory in cache_dirs() if _usable(directory)), None)
+    if directory is not None:
+        yield directory
+        return
+    warnings.warn(
+        f"lightning-frozen: no cache directory for the CPU codec kernels can be written ({_named(cache_dirs())}); they"
+        " are built in a private temporary directory and removed once loaded, so every process builds them again. Set"
+        " LIGHTNING_FROZEN_CACHE to a directory only you can write to keep them.",
+        stacklevel=3,  # kernels(), past contextlib's __enter__
+    )
+    with tempfile.TemporaryDirectory(prefix="lightning_frozen-") as scratch:
+        yield Path(scratch)
+
+
+def _usable(directory: Path) -> bool:
+    """Whether ``directory`` is one that this user can write and no other can (made now if missing)."""
+    with contextlib.suppress(OSError):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # by the effective ids, which are the ones that write: access() by the real uid drops the process's capabilities
+    writable = directory.is_dir() and os.access(directory, os.W_OK | os.X_OK, effective_ids=True)
+    return writable and not _refused(directory)
+
+
+def _refused(path: Path) -> bool:
+    """Whether another user could write ``path`` (a warning names it and the fix): its library is not loaded."""
+    status = path.stat()
+    if status.st_uid != os.geteuid():
+        why, fix = f"it is owned by uid {status.st_uid}", f"`chown {os.geteuid()}`"
+    elif status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why, fix = f"its mode {stat.S_IMODE(status.st_mode):o} lets other users write it", "`chmod go-w`"
+    else:
+        return False
+    warnings.warn(
+        f"lightning-frozen: not loading the CPU codec kernels from {path}: {why}, and a library there is code this"
+        f" process would run. They are built in a private place instead; {fix} it, or set LIGHTNING_FROZEN_CACHE to a"
+        " directory only you can write.",
+        stacklevel=2,
+    )
+    return True
+
+
+def _named(dirs: list[Path]) -> str:
+    return ", ".join(map(str, dirs)) or "HOME, XDG_CACHE_HOME and LIGHTNING_FROZEN_CACHE are unset"
 
 
 def _unavailable(reason: str) -> None:
