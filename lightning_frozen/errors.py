@@ -98,3 +98,8 @@ class BitsAndBytesConfigError(FrozenTrainingError, ValueError):
     """A bitsandbytes ``quantization_config`` (or a model bitsandbytes quantized) that the strategy cannot store as
     its frozen shards: fp4, a trainable int8 base, modules left unquantized, a pre-quantized folder, a ``frozen_dtype``
     that disagrees, or a base quantized outside ``configure_model``."""
+
+
+class UnevenBatchesError(FrozenTrainingError):
+    """The ranks have different numbers of evaluation batches: under ZeRO-3 every forward gathers shards from every
+    rank, so the rank with more batches would wait forever for the others."""

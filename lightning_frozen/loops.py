@@ -1,4 +1,15 @@
-"""Lightning's fit loop after a resume, mended where Lightning 2.6 counts the epoch after the resumed one wrong.
+"""Lightning's loops where ZeRO-3 or a resume needs more of them: evaluation data that every rank has as much of, and
+the fit loop after a resume.
+
+**Even evaluation data.** Under ZeRO-3 each forward gathers every layer's shards from every rank, so a rank with one
+more validation, test or predict batch than the others waits forever in its gather (with gloo the others' exit
+fails it with "Connection closed by peer", with NCCL it hangs until the collective timeout). Lightning's
+``DistributedSampler`` gives every rank as many batches; a user's own sampler or an ``IterableDataset`` may not. Where
+each rank knows its count up front, the ranks compare counts before the loop starts (:func:`check_even_batches`);
+where one does not (no ``len``), they agree before each batch whether every rank has one (:class:`EvenBatches`). Both
+raise :class:`UnevenBatchesError` on every rank at once, naming the counts, instead of hanging.
+
+**The fit loop after a resume**: Lightning 2.6 counts the epoch after the resumed one wrong.
 
 A checkpoint saved at the end of an epoch's last batch (``ModelCheckpoint(every_n_train_steps=...)``, a preemption's
 ``last.ckpt``) resumes as "restarted mid-epoch": ``FitLoop.reset`` counts that epoch as finished (``processed``,
@@ -11,7 +22,22 @@ stopped (seen: 0.01 off in the weights after two resumes with 2 shuffled batches
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import RunningStage
+
+from lightning_frozen.errors import UnevenBatchesError
+
+# gathers one picklable value from every rank, in rank order (a collective)
+GatherFromRanks = Callable[[Any], list[Any]]
+
+_FIX = (
+    " Give every rank as many batches: let Lightning add its DistributedSampler (`use_distributed_sampler=True`, the"
+    " default), or make your own sampler or IterableDataset split the data evenly (pad or drop the remainder)."
+)
 
 
 def start_next_epoch_afresh(fit_loop: Any) -> None:
@@ -21,3 +47,94 @@ def start_next_epoch_afresh(fit_loop: Any) -> None:
     epochs = fit_loop.epoch_progress.current
     if getattr(fit_loop, "restarted_mid_epoch", False) and epochs.processed == epochs.started:
         fit_loop.reset_restart_stage()
+
+
+def even_dataloader(dataloader: object, trainer: Any, world_size: int) -> object:
+    """``dataloader`` as Lightning gave it, or, for evaluation on several ranks without a length, wrapped in
+    :class:`EvenBatches` (a strategy's ``process_dataloader``)."""
+    stage = trainer.state.stage
+    if world_size > 1 and stage is not None and stage != RunningStage.TRAINING and not has_length(dataloader):
+        return EvenBatches(dataloader, str(stage.dataloader_prefix), gather_from_ranks)
+    return dataloader
+
+
+def check_even_batches_at_start(trainer: Any, world_size: int) -> None:
+    """:func:`check_even_batches` for the evaluation loop starting now (a strategy's ``on_{validation,test,predict}
+    _start``)."""
+    if world_size == 1:
+        return
+    stage = trainer.state.stage
+    if stage == RunningStage.SANITY_CHECKING:
+        counts = trainer.num_sanity_val_batches
+    else:
+        counts = {RunningStage.TESTING: trainer.num_test_batches, RunningStage.PREDICTING: trainer.num_predict_batches}
+        counts = counts.get(stage, trainer.num_val_batches)
+    check_even_batches(str(stage.dataloader_prefix), counts, gather_from_ranks)
+
+
+def gather_from_ranks(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (a collective; picklable values, any backend)."""
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def has_length(dataloader: object) -> bool:
+    """Whether ``dataloader`` knows its number of batches (a ``DataLoader`` over an ``IterableDataset`` may not)."""
+    try:
+        len(dataloader)  # type: ignore[arg-type]
+    except (TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def check_even_batches(stage: str, counts: Sequence[float], gather: GatherFromRanks) -> None:
+    """Raise :class:`UnevenBatchesError` on every rank when the ranks' batch ``counts`` (one per dataloader of
+    ``stage``; ``inf`` where unknown) differ among those known: before the loop's first gather. Collective."""
+    every = gather([float(count) for count in counts])
+    known = [[count if math.isfinite(count) else None for count in ranks] for ranks in every]
+    if any(len(ranks) != len(known[0]) for ranks in known):
+        per_rank = _per_rank({rank: len(ranks) for rank, ranks in enumerate(every)})
+        raise UnevenBatchesError(f"The ranks have different numbers of {stage} dataloaders: {per_rank}.{_FIX}")
+    for index, column in enumerate(zip(*known)):
+        sizes = {count for count in column if count is not None}
+        if len(sizes) > 1:
+            per_rank = _per_rank({rank: int(count) for rank, count in enumerate(column) if count is not None})
+            raise UnevenBatchesError(
+                f"The ranks have different numbers of {stage} batches in dataloader {index}: {per_rank}."
+                f" Under ZeRO-3 the rank with more would wait forever for the others in its next gather.{_FIX}"
+            )
+
+
+class EvenBatches:
+    """An evaluation dataloader without a length, whose ranks agree before each batch that every rank has one, so they
+    stop together: when some rank has run out while another has not, every rank raises :class:`UnevenBatchesError`
+    naming how many batches each had, instead of the longer ones waiting forever in a gather."""
+
+    def __init__(self, dataloader: Any, stage: str, gather: GatherFromRanks) -> None:
+        self.dataloader, self.stage, self.gather = dataloader, stage, gather
+
+    def __iter__(self) -> Iterator[Any]:
+        count, batches = 0, iter(self.dataloader)
+        while True:
+            batch = next(batches, _END)
+            every = self.gather(batch is not _END)  # one small collective per batch, beside a step's gathers
+            if all(every):
+                count += 1
+                yield batch
+            elif any(every):
+                counts = {rank: f"{count + 1} or more" if has else str(count) for rank, has in enumerate(every)}
+                raise UnevenBatchesError(
+                    f"The ranks have different numbers of {self.stage} batches: {_per_rank(counts)}. Under ZeRO-3 the"
+                    f" ranks with more would wait forever for the others in their next gather.{_FIX}"
+                )
+            else:
+                return
+
+
+_END = object()
+
+
+def _per_rank(counts: Any) -> str:
+    pairs = counts.items() if isinstance(counts, dict) else enumerate(counts)
+    return ", ".join(f"rank {rank}: {count}" for rank, count in pairs)

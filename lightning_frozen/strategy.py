@@ -278,6 +278,18 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
 
+    # ------------------------------------------------------------------ evaluation: every rank as many batches
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return loops.even_dataloader(dataloader, self._module.trainer, self.world_size)
+
+    @override
+    def on_validation_start(self) -> None:
+        loops.check_even_batches_at_start(self._module.trainer, self.world_size)
+
+    on_test_start = on_predict_start = on_validation_start
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)

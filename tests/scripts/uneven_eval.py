@@ -1,0 +1,70 @@
+"""Validate ``tests.models.AdapterModel`` on 2 CPU ranks with evaluation data of the user's own, which may give the
+ranks different numbers of batches; the tests run it as a script.
+
+``--case``: ``sized`` (a sampler of the user's, ``len`` known: rank 0 three batches, rank 1 two), ``iterable`` (an
+``IterableDataset`` without ``len``, the same counts) or ``even`` (an ``IterableDataset`` giving each rank two).
+Each rank writes ``<report>/rank<R>.txt``: ``ok <val_loss>``, or the ``UnevenBatchesError`` it raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset  # noqa: E402
+
+from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from lightning_frozen.errors import UnevenBatchesError  # noqa: E402
+from tests.models import AdapterModel, cpu_trainer  # noqa: E402
+
+BATCH = 4
+SAMPLES = torch.randn(5 * BATCH, 32, generator=torch.Generator().manual_seed(0))
+
+
+def batches_of_this_rank(case: str) -> int:
+    rank = torch.distributed.get_rank()  # read once the ranks are set up, as Lightning asks for the data then
+    return 2 if case == "even" else 3 - rank
+
+
+class RankSampler(Sampler[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self)))
+
+    def __len__(self) -> int:
+        return batches_of_this_rank("sized") * BATCH
+
+
+class RankStream(IterableDataset):
+    def __init__(self, case: str) -> None:
+        self.case = case
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in range(batches_of_this_rank(self.case) * BATCH):
+            yield SAMPLES[index], SAMPLES[index, :1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=("sized", "iterable", "even"), required=True)
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args()
+
+    if args.case == "sized":
+        data = DataLoader(TensorDataset(SAMPLES, SAMPLES[:, :1]), batch_size=BATCH, sampler=RankSampler())
+    else:
+        data = DataLoader(RankStream(args.case), batch_size=BATCH)
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False)
+    try:
+        result = f"ok {trainer.validate(AdapterModel(), data, verbose=False)[0]['val_loss']:.6f}"
+    except UnevenBatchesError as error:
+        result = str(error)
+    Path(args.report, f"rank{trainer.global_rank}.txt").write_text(result)
+
+
+if __name__ == "__main__":
+    main()

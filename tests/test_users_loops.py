@@ -1,0 +1,55 @@
+"""Users' own evaluation loops under ZeRO-3: the ranks' batch counts compared (with a stand-in for the collective in
+this process), and on 2 CPU ranks (scripts in subprocesses, ``tests/scripts/``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from lightning_frozen import loops
+from lightning_frozen.errors import UnevenBatchesError
+from tests.distributed import run_script
+
+
+def _gather_from(*ranks: object):
+    """A stand-in for the all-gather: this rank's value is ``ranks[0]``, the others' are given."""
+    return lambda value: [value, *ranks[1:]]
+
+
+def test_counts_known_on_every_rank_must_agree() -> None:
+    loops.check_even_batches("val", [3, 5], _gather_from(None, [3, 5]))
+    with pytest.raises(UnevenBatchesError, match=r"dataloader 1: rank 0: 5, rank 1: 4\..*DistributedSampler"):
+        loops.check_even_batches("val", [3, 5], _gather_from(None, [3.0, 4.0]))
+    loops.check_even_batches("test", [math.inf], _gather_from(None, [7.0]))  # unknown: agreed batch by batch instead
+
+
+def test_a_loader_without_length_stops_every_rank_together() -> None:
+    agreed = loops.EvenBatches([1, 2], "predict", _gather_from(None, True))
+    with pytest.raises(UnevenBatchesError, match=r"predict batches: rank 0: 2, rank 1: 3 or more"):
+        list(agreed)
+    assert list(loops.EvenBatches([1, 2], "predict", lambda has: [has, has])) == [1, 2]
+    assert not loops.has_length(agreed) and loops.has_length([1])
+
+
+def _reports(tmp_path: Path) -> list[str]:
+    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sized", "iterable"])
+def test_uneven_validation_data_fails_on_every_rank_naming_the_counts(case: str, tmp_path: Path) -> None:
+    # without the check, rank 1 returns and rank 0 dies in its third batch with gloo's "Connection closed by peer"
+    run_script("uneven_eval.py", f"--case={case}", f"--report={tmp_path}", timeout=240)
+    counts = "rank 0: 3, rank 1: 2" if case == "sized" else "rank 0: 3 or more, rank 1: 2"
+    for report in _reports(tmp_path):
+        assert "different numbers of val batches" in report and counts in report, report
+        assert "DistributedSampler" in report, report
+
+
+@pytest.mark.slow
+def test_even_validation_data_without_a_length_validates(tmp_path: Path) -> None:
+    run_script("uneven_eval.py", "--case=even", f"--report={tmp_path}", timeout=240)
+    first, second = _reports(tmp_path)
+    assert first.startswith("ok ") and first == second, (first, second)
