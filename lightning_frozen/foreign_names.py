@@ -135,6 +135,14 @@ def fallback_warning(row: ForeignName, problem: str) -> str:
     )
 
 
+def reach_warning(row: ForeignName, error: BaseException) -> str:
+    """The warning for a step that reached ``row``'s moved name and was skipped: what that leaves behind."""
+    return (
+        f"lightning-frozen: {moved_message(row, f'moved ({type(error).__name__}: {error})')}, so"
+        f" {row.fallback}. lightning-frozen was written for {written_for()}."
+    )
+
+
 def drift_message(moved: list[tuple[ForeignName, str]]) -> str:
     """The message of :class:`~lightning_frozen.errors.DependencyDriftError` for the required names that moved."""
     lines = "\n".join(f"- {moved_message(row, problem)}" for row, problem in moved)

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 import lightning_frozen
 from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, dependencies, foreign_names
 from lightning_frozen.foreign_names import ForeignName, problem_of
+from tests.models import AdapterModel, cpu_trainer, regression_data
 from tests.test_hf_seams import HF_INTERNALS, package_private_names
 from tests.test_seams import DEEPSPEED_INTERNALS, SEAM
 
@@ -144,3 +145,29 @@ def test_a_name_with_a_fallback_warns_once(monkeypatch: pytest.MonkeyPatch, fres
     moved = [str(w.message) for w in caught if "safe_open" in str(w.message)]
     assert len(moved) == 1
     assert "transformers 5.25" in moved[0] and "does not name the file" in moved[0] and "written for" in moved[0]
+
+
+class _RaisesAfterDeepSpeedMoved(AdapterModel):
+    """Its first step finds DeepSpeed's ``FWD_MODULE_STACK`` gone (as a release that renamed it would leave the
+    teardown), then raises."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.monkeypatch = monkeypatch
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        from deepspeed.runtime.zero import parameter_offload
+
+        self.monkeypatch.delattr(parameter_offload, "FWD_MODULE_STACK")
+        raise ValueError("the run's own error")
+
+
+def test_a_teardown_that_reaches_a_moved_name_warns_and_lets_the_runs_error_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = cpu_trainer(max_steps=2)
+    with (
+        pytest.raises(ValueError, match="the run's own error"),
+        pytest.warns(UserWarning, match=r"deepspeed 0\.19\.8: `.*parameter_offload\.FWD_MODULE_STACK` moved"),
+    ):
+        trainer.fit(_RaisesAfterDeepSpeedMoved(monkeypatch), regression_data())

@@ -17,7 +17,8 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
 ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
 param's decoded storage is held elsewhere before decoding into it again (``host_memory``). Each of them is a row of
-``private_names``.
+``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the error
+that ended a run.
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):

@@ -1,10 +1,16 @@
 """DeepSpeed's and torch's private names that the seam overrides, calls or reads, one row each (written for DeepSpeed
-0.19.8 and torch 2.13), checked when a strategy is built (``dependencies.py``).
+0.19.8 and torch 2.13), checked when a strategy is built (``dependencies.py``); and the guard of a teardown's reaches
+into DeepSpeed's internals, which must never hide the error that ended a run.
 """
 
 from __future__ import annotations
 
-from lightning_frozen.foreign_names import ForeignName
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_frozen.foreign_names import ForeignName, reach_warning
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _INIT = "deepspeed.runtime.zero.partition_parameters:Init"
@@ -14,7 +20,7 @@ _MERGE = "deepspeed.utils.zero_to_fp32"
 _KEPT = "a finished run's modules stay referenced until the process ends (their memory with them)"
 _NO_PREFETCH = "a step that calls `self(...)` resets ZeRO-3's trace and nothing is prefetched (slower steps)"
 
-# teardown's reaches into DeepSpeed
+# teardown's reaches into DeepSpeed, each guarded there by `reaching`
 _RELEASE = "zero/engine.py's release_engine"
 ENGINE_HOOKS = ForeignName(
     "deepspeed.runtime.engine:DeepSpeedEngine.__init__",
@@ -177,3 +183,14 @@ TORCH = (
     ForeignName("torch.optim.lr_scheduler:SequentialLR.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
     ForeignName("torch.optim.lr_scheduler:ChainedScheduler.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
 )
+
+
+@contextmanager
+def reaching(row: ForeignName) -> Iterator[None]:
+    """Run the block, a teardown's reach into ``row``'s name; where that name moved (``AttributeError``,
+    ``KeyError``, ``ImportError``), skip the rest of the block with a warning that names it and says what that leaves
+    behind: a teardown that raised would hide the error that ended the run."""
+    try:
+        yield
+    except (AttributeError, KeyError, ImportError) as moved:
+        rank_zero_warn(reach_warning(row, moved))
