@@ -171,3 +171,9 @@ def test_a_teardown_that_reaches_a_moved_name_warns_and_lets_the_runs_error_thro
         pytest.warns(UserWarning, match=r"deepspeed 0\.19\.8: `.*parameter_offload\.FWD_MODULE_STACK` moved"),
     ):
         trainer.fit(_RaisesAfterDeepSpeedMoved(monkeypatch), regression_data())
+
+
+def test_pyprojects_lower_bounds_are_the_releases_the_package_was_written_for() -> None:
+    requirements = re.findall(r'"([\w-]+)(?:\[[\w,]+\])?>=([\w.]+)', (ROOT / "pyproject.toml").read_text())
+    bounds = {package: version for package, version in requirements if package in foreign_names.WRITTEN_FOR}
+    assert bounds == foreign_names.WRITTEN_FOR  # each a release the tests ran, in the dependencies or the test extra
