@@ -43,6 +43,12 @@ class CheckpointKeysError(FrozenTrainingError):
     """A checkpoint's trainable state does not match the module's trainable parameters."""
 
 
+class DependencyDriftError(FrozenTrainingError):
+    """An installed Lightning, DeepSpeed, transformers, PEFT or torch moved a private name the package needs (gone, or
+    another signature): raised when the strategy is built, naming each name, its package's version and the releases
+    the package was written for."""
+
+
 # Errors that are also a built-in type, so callers that caught the built-in before keep catching them.
 
 

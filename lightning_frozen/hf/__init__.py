@@ -1,6 +1,6 @@
 """The Hugging Face seam: everything that reaches into transformers' or PEFT's internals lives in this subpackage.
 
-Written for transformers 5.x (5.24 tested) and PEFT 0.21 (0.21.2 tested). Modules outside it import neither package
+Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Modules outside it import neither package
 (except under ``TYPE_CHECKING``) and read none of the private names below (tests/test_hf_seams.py checks both).
 
 - ``transformers_loading``: ``from_pretrained`` under ZeRO-3. :func:`~.transformers_loading.zero3_loading` keeps an
@@ -20,6 +20,8 @@ Written for transformers 5.x (5.24 tested) and PEFT 0.21 (0.21.2 tested). Module
   ``adapter_rows`` / ``shared_rows``.
 - ``checkpointing``: transformers' ``_gradient_checkpointing_func`` on each checkpointing module, wrapped while
   ``adapter_rows`` is open so that a block recomputed in backward gets its rows' adapters again.
+- ``private_names``: each of the names above that the seam relies on, with its signature, one row each (checked when a
+  strategy is built).
 - ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt
   encoders of ``PEFT_TYPE_TO_TUNER_MAPPING`` (built from ``PeftConfig.from_peft_type``).
 """

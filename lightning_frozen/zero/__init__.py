@@ -16,7 +16,9 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``ZeROOrderedDict``) that a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
 ``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
 ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
-param's decoded storage is held elsewhere before decoding into it again (``host_memory``).
+param's decoded storage is held elsewhere before decoding into it again (``host_memory``). Each of them is a row of
+``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the error
+that ended a run.
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -53,4 +55,6 @@ is defined where it is listed):
 - ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``.
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
+- ``private_names``: every private name above, with the signature or attributes the seam relies on, one row each,
+  checked when a strategy is built: ``DEEPSPEED``, ``TORCH``.
 """

@@ -23,6 +23,7 @@ from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import coded_linear, forward_trace, host_memory, node_codes, quantized
 from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
+from lightning_frozen.zero.private_names import ENGINE_HOOKS, IN_FORWARD, MODULE_STACK, RELEASE_CACHE, reaching
 
 
 def place_model(model: nn.Module, config: Optional[dict], device: torch.device, spec: StrategySpec) -> None:
@@ -254,17 +255,21 @@ def release_engine(engine: Any, model: nn.Module) -> None:
     forward_trace.restore_trace_reset(model)  # DeepSpeed's own start-of-forward hook again, before `destroy` drops it
     if isinstance(engine, DeepSpeedEngine):
         engine.destroy()  # removing hooks twice is harmless, so an engine already destroyed may come again
-        for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
-            if handle is not None:
-                handle.remove()
+        with reaching(ENGINE_HOOKS):
+            for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
+                if handle is not None:
+                    handle.remove()
     host_memory.DECODE_BUFFERS.clear()  # decoded tensors kept for the next gather: none comes after the run
     coded_linear.release_tiles()  # likewise the coded layers' row buffers
-    _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
+    with reaching(RELEASE_CACHE):
+        _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
     ours = {id(module) for module in model.modules()}
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
-    for module in model.modules():  # a raise mid-forward skips the engine's epilogue: reading a param would gather it
-        if isinstance(module._parameters, parameter_offload.ZeROOrderedDict):
-            module._parameters._in_forward = False
+    with reaching(MODULE_STACK):
+        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+    with reaching(IN_FORWARD):
+        for module in model.modules():  # a raise mid-forward skips the engine's epilogue: reading a param gathers it
+            if isinstance(module._parameters, parameter_offload.ZeROOrderedDict):
+                module._parameters._in_forward = False
     for param in model.parameters():
         if is_partitioned(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist:
             param.partition()
@@ -272,7 +277,9 @@ def release_engine(engine: Any, model: nn.Module) -> None:
 
 def _params_to_release_cache() -> Any:
     """The ``functools.lru_cache`` on ``PartitionedParameterCoordinator.__params_to_release``: a cache on the class,
-    keyed by (coordinator, module, step), filled once ZeRO-3's trace is complete (prefetching), never emptied."""
+    keyed by (coordinator, module, step), filled once ZeRO-3's trace is complete (prefetching), never emptied; None
+    where DeepSpeed no longer caches it (then ``reaching`` meets the AttributeError of clearing it, not a StopIteration
+    that ``contextmanager`` would re-raise)."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     method = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
@@ -280,4 +287,4 @@ def _params_to_release_cache() -> Any:
     inner = (
         [cell.cell_contents for cell in method.__closure__ or ()] if not hasattr(method, "cache_clear") else [method]
     )
-    return next(function for function in inner if hasattr(function, "cache_clear"))
+    return next((function for function in inner if hasattr(function, "cache_clear")), None)

@@ -1,0 +1,154 @@
+"""The private names of other packages the package relies on, as values: what each one is, how to tell that an
+installed release still has it, and how to say that it moved.
+
+Each seam declares the rows of its packages (``lightning_seam.py``, ``zero/private_names.py``,
+``hf/private_names.py``); ``dependencies.py`` checks them all once per process, when a strategy is built. A row names
+where the name is, the parameters the package passes or receives where a call depends on them, and the attributes a
+function must still set or read; a row with a ``fallback`` is one the package runs correctly without (slower, or
+holding memory longer), so a moved one warns instead of raising.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import pkgutil
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_frozen.errors import format_names
+
+# the releases the package was written for and its tests run on; pyproject's lower bounds (tests/test_dependencies.py)
+WRITTEN_FOR = {"torch": "2.13", "lightning": "2.6.6", "deepspeed": "0.19.8", "peft": "0.21.2", "transformers": "5.25"}
+
+
+@dataclass(frozen=True)
+class ForeignName:
+    """A name of another package that the package overrides, calls or reads, and what the package relies on about it.
+
+    ``target``: ``"module:Class.attribute"``, as ``pkgutil.resolve_name`` reads it; its first module is the package.
+    ``params``: the parameters the package passes, in order (any later one must have a default); with ``exact``, the
+    package overrides or replaces the function, so its callers pass exactly these. ``in_code``: attributes the
+    function must still set or read (on instances, where no class attribute shows them), looked for in its code.
+    ``fallback``: what runs without the name, where that is correct; empty for a name the package needs.
+    """
+
+    target: str
+    used_in: str
+    params: Optional[tuple[str, ...]] = None
+    exact: bool = False
+    in_code: tuple[str, ...] = ()
+    fallback: str = ""
+
+    @property
+    def package(self) -> str:
+        return self.target.split(".")[0].split(":")[0]
+
+    @property
+    def dotted(self) -> str:
+        return self.target.replace(":", ".")
+
+
+def installed_version(package: str) -> Optional[str]:
+    """The installed version of ``package`` (a distribution name), or None where it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def problem_of(row: ForeignName) -> Optional[str]:
+    """What is wrong with ``row``'s name in the installed package (``"is gone"``, another signature, an attribute no
+    longer in its code), or None where it is as the package was written for."""
+    try:
+        found = pkgutil.resolve_name(row.target)
+    except (ImportError, AttributeError):
+        return "is gone"
+    if row.params is not None and (wrong := _signature_problem(found, row.params, row.exact)):
+        return wrong
+    missing = [name for name in row.in_code if name not in _code_names(found)]
+    return f"no longer sets or reads {format_names(missing)}" if missing else None
+
+
+def _signature_problem(function: Any, params: tuple[str, ...], exact: bool) -> Optional[str]:
+    try:
+        found = list(inspect.signature(_innermost(function)).parameters.values())
+    except (TypeError, ValueError):
+        return "has no signature to check"
+    names = tuple(p.name for p in found)
+    later = found[len(params) :]
+    optional = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in later)
+    fits = names == params if exact else names[: len(params)] == params and optional
+    return None if fits else f"takes ({', '.join(names)}), not ({', '.join(params)})"
+
+
+def _innermost(function: Any) -> Any:
+    """``function`` without its decorators: ``__wrapped__``, or the one function in the closure of a ``(*args,
+    **kwargs)`` wrapper (DeepSpeed's ``instrument_w_nvtx`` wraps without ``functools.wraps``)."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_argcount or code.co_kwonlyargcount:
+        return function
+    inner = [value for value in _closure(function) if callable(value) and hasattr(value, "__code__")]
+    return _innermost(inner[0]) if len(inner) == 1 else function
+
+
+def _closure(function: Any) -> Iterator[Any]:
+    for cell in function.__closure__ or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+
+
+def _code_names(function: Any) -> set[str]:
+    """Every attribute, global and string constant in the code of ``function`` and of the functions defined in it."""
+    names: set[str] = set()
+    pending = [getattr(_innermost(function), "__code__", None)]
+    while pending:
+        code = pending.pop()
+        if code is None:
+            continue
+        names.update(code.co_names)
+        names.update(value for value in code.co_consts if isinstance(value, str))
+        pending.extend(value for value in code.co_consts if isinstance(value, types.CodeType))
+    return names
+
+
+def written_for() -> str:
+    """The releases the package was written for, for a message."""
+    return ", ".join(f"{package} {version}" for package, version in WRITTEN_FOR.items())
+
+
+def moved_message(row: ForeignName, problem: str) -> str:
+    """One line on a moved name: the package and its installed version, the name, what is wrong, where it is used."""
+    return f"{row.package} {installed_version(row.package)}: `{row.dotted}` {problem} (used in {row.used_in})"
+
+
+def fallback_warning(row: ForeignName, problem: str) -> str:
+    """The warning for a moved name the package runs without: what it does instead, and what it was written for."""
+    return (
+        f"lightning-frozen: {moved_message(row, problem)}, so {row.fallback}. lightning-frozen was written for"
+        f" {written_for()}."
+    )
+
+
+def reach_warning(row: ForeignName, error: BaseException) -> str:
+    """The warning for a step that reached ``row``'s moved name and was skipped: what that leaves behind."""
+    return (
+        f"lightning-frozen: {moved_message(row, f'moved ({type(error).__name__}: {error})')}, so"
+        f" {row.fallback}. lightning-frozen was written for {written_for()}."
+    )
+
+
+def drift_message(moved: list[tuple[ForeignName, str]]) -> str:
+    """The message of :class:`~lightning_frozen.errors.DependencyDriftError` for the required names that moved."""
+    lines = "\n".join(f"- {moved_message(row, problem)}" for row, problem in moved)
+    pins = " ".join(sorted({f'"{row.package}=={WRITTEN_FOR[row.package]}.*"' for row, _ in moved}))
+    return (
+        f"lightning-frozen relies on private names of the packages it extends, and the installed releases moved"
+        f" {len(moved)} of them:\n{lines}\nlightning-frozen was written for {written_for()}. Install those"
+        f" (`pip install {pins}`), or a lightning-frozen release written for the ones installed."
+    )

@@ -1,0 +1,196 @@
+"""DeepSpeed's and torch's private names that the seam overrides, calls or reads, one row each (written for DeepSpeed
+0.19.8 and torch 2.13), checked when a strategy is built (``dependencies.py``); and the guard of a teardown's reaches
+into DeepSpeed's internals, which must never hide the error that ended a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_frozen.foreign_names import ForeignName, reach_warning
+
+_STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+_INIT = "deepspeed.runtime.zero.partition_parameters:Init"
+_OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
+_SCHEDULES = "deepspeed.runtime.lr_schedules"
+_MERGE = "deepspeed.utils.zero_to_fp32"
+_KEPT = "a finished run's modules stay referenced until the process ends (their memory with them)"
+_NO_PREFETCH = "a step that calls `self(...)` resets ZeRO-3's trace and nothing is prefetched (slower steps)"
+
+# teardown's reaches into DeepSpeed, each guarded there by `reaching`
+_RELEASE = "zero/engine.py's release_engine"
+ENGINE_HOOKS = ForeignName(
+    "deepspeed.runtime.engine:DeepSpeedEngine.__init__",
+    _RELEASE,
+    in_code=("module_forward_pre_hook", "module_forward_post_hook"),
+    fallback=_KEPT,
+)
+MODULE_STACK = ForeignName(f"{_OFFLOAD}:FWD_MODULE_STACK", _RELEASE, fallback=_KEPT)
+IN_FORWARD = ForeignName(
+    f"{_OFFLOAD}:ZeROOrderedDict.__init__",
+    _RELEASE,
+    in_code=("_in_forward",),
+    fallback="after a run that raised mid-forward, reading one of the module's params gathers it whole",
+)
+RELEASE_CACHE = ForeignName(
+    "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator"
+    "._PartitionedParameterCoordinator__params_to_release",
+    _RELEASE,
+    fallback=_KEPT,
+)
+
+DEEPSPEED = (
+    # the ZeRO-3 optimizer: state by param, its sub-group steps, per-adapter clipping
+    ForeignName(
+        f"{_STAGE3}.__init__",
+        "zero/params.py, zero/adapter_clipping.py, zero/engine.py",
+        in_code=(
+            "grad_position",
+            "fp32_partitioned_groups_flat",
+            "optimizer",
+            "loss_scaler",
+            "sub_group_to_group_id",
+            "clip_grad",
+            "parameter_offload",
+        ),
+    ),
+    ForeignName(f"{_STAGE3}.get_param_id", "zero/params.py", ("self", "param")),
+    ForeignName(
+        f"{_STAGE3}._get_fp32_opt_state_partition",
+        "zero/params.py",
+        ("self", "param", "release_swap_buffers", "optim_state_key"),
+    ),
+    ForeignName(f"{_STAGE3}._swappable_optimizer_subgroup", "zero/params.py", ("self", "sub_group_id")),
+    ForeignName(f"{_STAGE3}._optimizer_states_and_gradient_swap_out", "zero/params.py", ("self", "sub_group_id")),
+    ForeignName(f"{_STAGE3}._optimizer_step", "zero/params.py", ("self", "sub_group_id")),
+    ForeignName(f"{_STAGE3}._get_norm_groups", "zero/adapter_clipping.py", ("self",), exact=True),
+    ForeignName(
+        f"{_STAGE3}.unscale_and_clip_grads",
+        "zero/adapter_clipping.py",
+        ("self", "sub_group_id", "total_norm"),
+        exact=True,
+    ),
+    # zero.Init: a param's conversion and partitioning, replaced while from_pretrained loads
+    ForeignName(
+        f"{_INIT}.__init__",
+        "zero/placeholders.py",
+        in_code=("remote_device", "pin_memory", "quantized_nontrainable_weights"),
+    ),
+    ForeignName(
+        f"{_INIT}._partition_param",
+        "zero/placeholders.py",
+        ("self", "param", "buffer", "has_been_updated", "free_data"),
+        exact=True,
+        in_code=("ds_numel_aligned",),
+    ),
+    ForeignName(f"{_INIT}._aligned_size", "zero/placeholders.py", ("self", "param")),
+    ForeignName(f"{_INIT}._partition_world_size", "zero/placeholders.py", ("self", "param")),
+    ForeignName(
+        f"{_INIT}._zero_init_param",
+        "zero/placeholders.py",
+        ("self", "param"),
+        exact=True,
+        fallback="every weight `from_pretrained` builds is broadcast whole from rank 0 (a slower load)",
+    ),
+    ForeignName(
+        f"{_INIT}._convert_to_deepspeed_param",
+        "zero/params.py, zero/quantized.py, zero/placeholders.py",
+        ("self", "param"),
+        in_code=(
+            "ds_id",
+            "ds_numel",
+            "ds_persist",
+            "ds_process_group",
+            "ds_shape",
+            "ds_status",
+            "ds_summary",
+            "ds_tensor",
+            "ds_quant_scale",
+            "all_gather",
+            "all_gather_coalesced",
+            "partition",
+        ),
+    ),
+    ForeignName(
+        "deepspeed.runtime.zero.partition_parameters:InsertPostInitMethodToModuleSubClasses.patch_init_and_builtins",
+        "zero/init.py",
+        in_code=("_old_init",),
+    ),
+    ForeignName("deepspeed.runtime.zero.partition_parameters:top_level_context", "zero/init.py"),
+    # the param offload: its start-of-forward hook, its persistent params
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
+        "zero/forward_trace.py",
+        in_code=("fwd_pre_hook",),
+        fallback=_NO_PREFETCH,
+    ),
+    ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/forward_trace.py", in_code=("forward_hooks",)),
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__",
+        "zero/engine.py",
+        in_code=("persistent_parameters",),
+        fallback="small frozen params stay whole on every rank after their first use (more memory)",
+    ),
+    # the engine's counters, carried to a rebuilt engine
+    ForeignName(
+        "deepspeed.runtime.engine:DeepSpeedEngine.__init__",
+        "zero/optimizers.py",
+        in_code=("global_steps", "global_samples", "micro_steps", "skipped_steps"),
+    ),
+    # what a run leaves behind, cleared at its teardown
+    ENGINE_HOOKS,
+    MODULE_STACK,
+    IN_FORWARD,
+    RELEASE_CACHE,
+    # the accelerator, CPU Adam, the LR schedulers' last LRs
+    ForeignName(
+        "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
+    ),
+    ForeignName(
+        "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
+    ),
+    ForeignName("deepspeed.ops.adam:DeepSpeedCPUAdam.__init__", "zero/optimizers.py", in_code=("adam_w_mode",)),
+    ForeignName(f"{_SCHEDULES}:LRRangeTest.step", "zero/optimizers.py", in_code=("_last_lr",)),
+    ForeignName(f"{_SCHEDULES}:OneCycle.step", "zero/optimizers.py", in_code=("_last_lr",)),
+    ForeignName(f"{_SCHEDULES}:WarmupLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
+    ForeignName(f"{_SCHEDULES}:WarmupCosineLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
+    # a stock DeepSpeed checkpoint directory, read by convert_deepspeed_checkpoint
+    ForeignName(
+        f"{_MERGE}:_zero3_merge_trainable_params",
+        "zero/checkpoint_files.py",
+        ("state_dict", "world_size", "fp32_flat_groups", "zero_model_states"),
+    ),
+    ForeignName(
+        f"{_MERGE}:_zero3_merge_frozen_params",
+        "zero/checkpoint_files.py",
+        ("state_dict", "world_size", "zero_model_states"),
+    ),
+)
+
+TORCH = (
+    ForeignName(
+        "torch.nn.modules.module:Module.__init__",
+        "zero/engine.py, zero/params.py, zero/forward_trace.py, zero/coded_linear.py",
+        in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
+    ),
+    ForeignName("torch:Tensor._version", "zero/params.py"),
+    ForeignName("torch._C:_storage_Use_Count", "zero/host_memory.py"),
+    ForeignName("torch:UntypedStorage._cdata", "zero/host_memory.py"),
+    ForeignName("torch.optim.lr_scheduler:LRScheduler.get_last_lr", "zero/optimizers.py", in_code=("_last_lr",)),
+    ForeignName("torch.optim.lr_scheduler:SequentialLR.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
+    ForeignName("torch.optim.lr_scheduler:ChainedScheduler.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
+)
+
+
+@contextmanager
+def reaching(row: ForeignName) -> Iterator[None]:
+    """Run the block, a teardown's reach into ``row``'s name; where that name moved (``AttributeError``,
+    ``KeyError``, ``ImportError``), skip the rest of the block with a warning that names it and says what that leaves
+    behind: a teardown that raised would hide the error that ended the run."""
+    try:
+        yield
+    except (AttributeError, KeyError, ImportError) as moved:
+        rank_zero_warn(reach_warning(row, moved))

@@ -1,0 +1,179 @@
+"""Loud on drift (issue 36): every private name of Lightning, DeepSpeed, transformers, PEFT and torch the package relies
+on is a row of ``dependencies.PRIVATE_NAMES``, checked when a strategy is built. A name the package needs that moved
+raises there, naming the package, its version, the name and the releases the package was written for; one it runs
+without warns once; a teardown that reaches a moved DeepSpeed name warns and lets the run's own error through.
+pyproject's lower bounds are the releases the tests run on.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
+import lightning_frozen
+from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, dependencies, foreign_names
+from lightning_frozen.foreign_names import ForeignName, problem_of
+from tests.models import AdapterModel, cpu_trainer, regression_data
+from tests.test_hf_seams import HF_INTERNALS, package_private_names
+from tests.test_seams import DEEPSPEED_INTERNALS, SEAM
+
+ROOT = Path(lightning_frozen.__file__).parent.parent
+ROWS = [row for rows in dependencies.PRIVATE_NAMES.values() for row in rows]
+# bitsandbytes' param classes, read by their names only where bitsandbytes quantized a model (not one of the five)
+READ_BY_CLASS_NAME = {"Params4bit", "Int8Params"}
+
+
+@pytest.fixture
+def fresh_lookup() -> Iterator[None]:
+    """The once-per-process lookup done again in this test, and again after it: the names it moves come back."""
+    dependencies.look_up_private_names.cache_clear()
+    yield
+    dependencies.look_up_private_names.cache_clear()
+
+
+def _covered() -> set[str]:
+    """Every name a row stands for: each part of its target, and the attributes it looks for in code."""
+    return {part for row in ROWS for part in (*re.split(r"[.:]", row.target), *row.in_code)}
+
+
+def _ds_attributes() -> set[str]:
+    """The ``ds_*`` attributes of ZeRO-3 params that the DeepSpeed seam reads or writes."""
+    trees = [ast.parse(path.read_text()) for path in SEAM.rglob("*.py")]
+    attributes = (node.attr for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Attribute))
+    return {name for name in attributes if name.startswith("ds_")}
+
+
+def test_every_private_name_the_package_uses_has_a_row() -> None:
+    used = set(package_private_names()) | DEEPSPEED_INTERNALS | (HF_INTERNALS - READ_BY_CLASS_NAME) | _ds_attributes()
+    assert {"_init_optimizers", "_PartitionedParameterCoordinator__params_to_release", "ds_tensor"} <= used
+    assert sorted(used - _covered()) == []  # add a row to the seam's table (docs/internals.md lists them)
+
+
+def test_every_row_holds_in_the_installed_packages() -> None:
+    assert {row.dotted: problem for row in ROWS if (problem := problem_of(row))} == {}
+    assert {row.package for row in ROWS} == set(foreign_names.WRITTEN_FOR)
+    assert dependencies.look_up_private_names() == ()
+
+
+def test_the_check_finds_a_name_gone_a_signature_changed_and_an_attribute_no_longer_set() -> None:
+    rows = [
+        ForeignName("lightning.pytorch.strategies:DeepSpeedStrategy._no_such_hook", "x.py"),
+        ForeignName("lightning_frozen.no_such_module:name", "x.py"),
+        ForeignName(
+            "lightning.pytorch.strategies:DeepSpeedStrategy._init_optimizers", "x.py", ("self", "x"), exact=True
+        ),
+        ForeignName("lightning.pytorch.callbacks:BaseFinetuning._store", "x.py", ("self", "pl_module", "num")),
+        ForeignName("lightning.pytorch:LightningModule.__init__", "x.py", in_code=("_trainer", "_no_such_attribute")),
+    ]
+    assert [problem_of(row) for row in rows] == [
+        "is gone",
+        "is gone",
+        "takes (self), not (self, x)",
+        "takes (self, pl_module, opt_idx, num_param_groups, current_param_groups), not (self, pl_module, num)",
+        "no longer sets or reads `_no_such_attribute`",
+    ]
+    # a call passing the leading parameters still fits a function that gained one with a default; an override does not
+    assert problem_of(ForeignName("lightning.pytorch:Trainer._run", "x.py", ("self", "model"))) is None
+    assert problem_of(ForeignName("lightning.pytorch:Trainer._run", "x.py", ("self", "model"), exact=True))
+
+
+def test_deepspeeds_uninstrumented_wrappers_are_checked_by_the_function_they_wrap() -> None:
+    target = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads"
+    assert problem_of(ForeignName(target, "x.py", ("self", "sub_group_id", "total_norm"), exact=True)) is None
+    assert problem_of(ForeignName(target, "x.py", ("self", "sub_group_id"), exact=True))
+
+
+def test_a_removed_lightning_hook_fails_at_construction(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
+    monkeypatch.delattr(DeepSpeedStrategy, "_init_optimizers")  # a release that renamed it
+    with pytest.raises(DependencyDriftError) as raised:
+        FrozenAwareDeepSpeedStrategy()
+    message = str(raised.value)
+    assert (
+        "lightning 2.6.6: `lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy._init_optimizers` is gone"
+        in message
+    )
+    assert "(used in lightning_seam.py)" in message
+    assert "written for torch 2.13, lightning 2.6.6, deepspeed 0.19.8, peft 0.21.2, transformers 5.25" in message
+    with pytest.raises(DependencyDriftError):  # every construction, not only the first
+        FrozenAwareDeepSpeedStrategy()
+
+
+def test_a_moved_deepspeed_name_fails_at_construction(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    monkeypatch.delattr(DeepSpeedZeroOptimizer_Stage3, "_optimizer_step")
+    with pytest.raises(DependencyDriftError, match=r"deepspeed 0\.19\.8: `.*Stage3\._optimizer_step` is gone"):
+        FrozenAwareDeepSpeedStrategy()
+
+
+def test_a_changed_signature_fails_at_construction(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
+    def setup(self: Any, model: Any, optimizer: Any, lr_scheduler: Any = None, model_parameters: Any = None) -> Any:
+        return None  # a release that passes one argument more to the hook the strategy overrides
+
+    def store(self: Any, pl_module: Any, num_param_groups: int, current_param_groups: list) -> None:
+        return None  # a release whose `_store` the finetuning callbacks would call with the wrong arguments
+
+    monkeypatch.setattr(DeepSpeedStrategy, "_setup_model_and_optimizer", setup)
+    monkeypatch.setattr(BaseFinetuning, "_store", store)
+    with pytest.raises(DependencyDriftError) as raised:
+        FrozenAwareDeepSpeedStrategy()
+    message = str(raised.value)
+    assert "2 of them" in message
+    assert (
+        "`lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy._setup_model_and_optimizer` takes (self, model,"
+        " optimizer, lr_scheduler, model_parameters), not (self, model, optimizer, lr_scheduler)" in message
+    )
+    assert "`lightning.pytorch.callbacks.finetuning.BaseFinetuning._store` takes (self, pl_module," in message
+
+
+def test_a_name_with_a_fallback_warns_once(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
+    from transformers import modeling_utils
+
+    monkeypatch.delattr(modeling_utils, "safe_open")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FrozenAwareDeepSpeedStrategy()
+        FrozenAwareDeepSpeedStrategy()
+    moved = [str(w.message) for w in caught if "safe_open" in str(w.message)]
+    assert len(moved) == 1
+    assert "transformers 5.25" in moved[0] and "does not name the file" in moved[0] and "written for" in moved[0]
+
+
+class _RaisesAfterDeepSpeedMoved(AdapterModel):
+    """Its first step finds DeepSpeed's ``FWD_MODULE_STACK`` gone (as a release that renamed it would leave the
+    teardown), then raises."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.monkeypatch = monkeypatch
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        from deepspeed.runtime.zero import parameter_offload
+
+        self.monkeypatch.delattr(parameter_offload, "FWD_MODULE_STACK")
+        raise ValueError("the run's own error")
+
+
+def test_a_teardown_that_reaches_a_moved_name_warns_and_lets_the_runs_error_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = cpu_trainer(max_steps=2)
+    with (
+        pytest.raises(ValueError, match="the run's own error"),
+        pytest.warns(UserWarning, match=r"deepspeed 0\.19\.8: `.*parameter_offload\.FWD_MODULE_STACK` moved"),
+    ):
+        trainer.fit(_RaisesAfterDeepSpeedMoved(monkeypatch), regression_data())
+
+
+def test_pyprojects_lower_bounds_are_the_releases_the_package_was_written_for() -> None:
+    requirements = re.findall(r'"([\w-]+)(?:\[[\w,]+\])?>=([\w.]+)', (ROOT / "pyproject.toml").read_text())
+    bounds = {package: version for package, version in requirements if package in foreign_names.WRITTEN_FOR}
+    assert bounds == foreign_names.WRITTEN_FOR  # each a release the tests ran, in the dependencies or the test extra
