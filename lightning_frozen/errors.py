@@ -109,3 +109,5 @@ class BitsAndBytesConfigError(FrozenTrainingError, ValueError):
 class UnevenBatchesError(FrozenTrainingError):
     """The ranks have different numbers of evaluation batches: under ZeRO-3 every forward gathers shards from every
     rank, so the rank with more batches would wait forever for the others."""
+
+    raised_on_every_rank = True  # the ranks agreed on it: each ends by itself

@@ -105,7 +105,7 @@ class Preemption:
     def end_run(self, launcher: Any, exception: BaseException) -> None:
         """After ``fit`` raised ``exception`` on this rank: end the ranks ``launcher`` started (after an agreed stop,
         once they have ended by themselves, within ``grace``), then drop the deadline of this process."""
-        end_launched_ranks(launcher, self.grace if is_stop(exception) else 0.0)
+        end_launched_ranks(launcher, self.grace if is_stop(exception) or raised_on_every_rank(exception) else 0.0)
         if self._deadline is not None:
             self._deadline.cancel()
 
@@ -174,6 +174,12 @@ def stop_checkpoint_path(trainer: pl.Trainer) -> str:
 def is_stop(exception: BaseException) -> bool:
     """Whether ``exception`` is the agreed stop of :class:`StopAtStepBoundary`: every rank is ending by itself."""
     return isinstance(exception, SIGTERMException) and isinstance(exception.code, int) and exception.code > 128
+
+
+def raised_on_every_rank(exception: BaseException) -> bool:
+    """Whether every rank raises ``exception`` at the same point (an agreed check, as ``UnevenBatchesError``), so the
+    other ranks end by themselves: they are given the grace to, rather than killed at once."""
+    return bool(getattr(exception, "raised_on_every_rank", False))
 
 
 def end_launched_ranks(launcher: Any, wait: float) -> None:
