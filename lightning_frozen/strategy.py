@@ -31,6 +31,7 @@ from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
+from lightning_frozen.hf import transformers_loading
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
 from lightning_frozen.spec import StrategySpec, spec_fields
@@ -182,6 +183,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         file.require_restore_path(self._module.trainer, self.checkpoint_io)
         self._run_settings.callback(accelerator.ignore_dependency_deprecations())
         self._run_settings.callback(linear_restorer())  # `zero.Init` replaces `F.linear` for good
+        self._run_settings.enter_context(transformers_loading.zero3_known(self.config))  # synced `generate`
         accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             host_memory.return_freed_memory()

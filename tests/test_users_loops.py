@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_frozen import loops
 from lightning_frozen.errors import UnevenBatchesError
@@ -53,3 +54,27 @@ def test_even_validation_data_without_a_length_validates(tmp_path: Path) -> None
     run_script("uneven_eval.py", "--case=even", f"--report={tmp_path}", timeout=240)
     first, second = _reports(tmp_path)
     assert first.startswith("ok ") and first == second, (first, second)
+
+
+@pytest.mark.slow
+def test_generate_in_validation_stays_in_step_and_uses_the_adapter(tmp_path: Path) -> None:
+    # without `synced_gpus` made the default for the run, rank 0 stops after 3 tokens and rank 1 waits forever in
+    # the gather of its 4th: the script runs past its time limit
+    import json
+
+    import lightning_frozen
+    from tests.pretrained_support import write_llama
+    from tests.scripts.generate_in_validation import NEW_TOKENS, GeneratingLoRA
+
+    folder = write_llama(tmp_path / "llama")
+    run_script("generate_in_validation.py", f"--folder={folder}", f"--report={tmp_path}", timeout=300)
+    # the folder is bf16 and `from_pretrained` keeps it so; the run computed in fp32 (`32-true`), as here
+    loaded = lightning_frozen.load_from_checkpoint(GeneratingLoRA, tmp_path / "adapter.ckpt").float()
+    for rank, new in NEW_TOKENS.items():
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        prompts = torch.tensor(seen["prompts"])
+        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            assert loaded.model.generate(input_ids=prompts, **options).tolist() == seen["ids"], rank
+        assert len(seen["ids"][0]) == prompts.shape[1] + new
+        assert seen["ids"] != seen["base_ids"], "the adapter changed nothing the test could see"

@@ -80,21 +80,37 @@ def zero3_loading(
         yield False
         return
     from transformers import modeling_utils
-    from transformers.integrations import deepspeed as hf_deepspeed
 
-    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
     patched = replaceable(modeling_utils)
     if patched:
         originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
         modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
         modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
     try:
-        with base_files_named(), built_in(build_dtype if patched else None):
+        with zero3_known(config), base_files_named(), built_in(build_dtype if patched else None):
             yield patched
     finally:
         if patched:
             modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
+
+
+@contextmanager
+def zero3_known(config: dict) -> Iterator[None]:
+    """While active, transformers knows that models run under ZeRO-3 with the DeepSpeed ``config``: an
+    ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true. Then ``from_pretrained`` builds ZeRO-3
+    params, and ``generate`` turns on ``synced_gpus`` on several ranks: a rank that has finished its sequences keeps
+    running forwards (and their gathers) until every rank has, instead of leaving the others waiting forever in a
+    gather. The ``HfDeepSpeedConfig`` the caller made before is restored on exit. Without transformers: nothing."""
+    if importlib.util.find_spec("transformers") is None:
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
+    try:
+        yield
+    finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = previous
         del hf_config
 

@@ -1,0 +1,56 @@
+"""LoRA on a Llama folder (``tests.pretrained_support``) trained on 2 CPU ranks, with ``generate()`` in
+``validation_step``: rank 0 asks for 3 new tokens and rank 1 for 9, without ``synced_gpus`` (ranks that stop at
+different lengths hang under ZeRO-3 unless generation is synced). The tests run it as a script.
+
+Each rank writes ``<report>/rank<R>.json``: its prompts, the ids generated with the adapter and with it disabled
+(PEFT's ``disable_adapter``: the base alone). Rank 0 saves ``<report>/adapter.ckpt`` after fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from tests.models import cpu_trainer  # noqa: E402
+from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
+
+NEW_TOKENS = {0: 3, 1: 9}
+PROMPT = 4
+
+
+class GeneratingLoRA(PretrainedLoRA):
+    """Generates in validation, as a user checking samples would; records what each rank generated."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        prompts, new = batch[0][:, :PROMPT], NEW_TOKENS[self.global_rank]
+        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        ids = self.model.generate(input_ids=prompts, **options)
+        self.generated = {"prompts": prompts.tolist(), "ids": ids.tolist()}
+        with self.model.disable_adapter():
+            self.generated["base_ids"] = self.model.generate(input_ids=prompts, **options).tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", required=True)
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = GeneratingLoRA(args.folder, lr=0.2)  # large steps: the adapter must change what greedy decoding picks
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, max_epochs=4, check_val_every_n_epoch=4)
+    trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
+    trainer.save_checkpoint(Path(args.report, "adapter.ckpt"))
+    Path(args.report, f"rank{trainer.global_rank}.json").write_text(json.dumps(model.generated))
+
+
+if __name__ == "__main__":
+    main()
