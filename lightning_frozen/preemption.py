@@ -104,8 +104,10 @@ class Preemption:
 
     def end_run(self, launcher: Any, exception: BaseException) -> None:
         """After ``fit`` raised ``exception`` on this rank: end the ranks ``launcher`` started (after an agreed stop,
-        once they have ended by themselves, within ``grace``), then drop the deadline of this process."""
-        end_launched_ranks(launcher, self.grace if is_stop(exception) or raised_on_every_rank(exception) else 0.0)
+        once they have ended by themselves, within ``grace``; none where every rank raised it), then drop the deadline
+        of this process."""
+        if not raised_on_every_rank(exception):  # each rank that raised it goes on, or ends, by itself
+            end_launched_ranks(launcher, self.grace if is_stop(exception) else 0.0)
         if self._deadline is not None:
             self._deadline.cancel()
 
@@ -177,8 +179,8 @@ def is_stop(exception: BaseException) -> bool:
 
 
 def raised_on_every_rank(exception: BaseException) -> bool:
-    """Whether every rank raises ``exception`` at the same point (an agreed check, as ``UnevenBatchesError``), so the
-    other ranks end by themselves: they are given the grace to, rather than killed at once."""
+    """Whether every rank raises ``exception`` at the same point (an agreed check, as ``UnevenBatchesError``): no rank
+    is left waiting in a collective, so none is killed."""
     return bool(getattr(exception, "raised_on_every_rank", False))
 
 

@@ -34,25 +34,31 @@ def test_a_loader_without_length_stops_every_rank_together() -> None:
     assert not loops.has_length(agreed) and loops.has_length([1])
 
 
-def _reports(tmp_path: Path) -> list[str]:
-    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+@pytest.fixture(scope="module")
+def uneven_eval(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each rank's report of each case of ``tests/scripts/uneven_eval.py``, run once on 2 ranks."""
+    report = tmp_path_factory.mktemp("uneven_eval")
+    run_script("uneven_eval.py", f"--report={report}", timeout=300)
+    return report
+
+
+def _reports(report: Path, case: str) -> list[str]:
+    return [(report / f"{case}-rank{rank}.txt").read_text() for rank in range(2)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sized", "iterable"])
-def test_uneven_validation_data_fails_on_every_rank_naming_the_counts(case: str, tmp_path: Path) -> None:
+def test_uneven_validation_data_fails_on_every_rank_naming_the_counts(case: str, uneven_eval: Path) -> None:
     # without the check, rank 1 returns and rank 0 dies in its third batch with gloo's "Connection closed by peer"
-    run_script("uneven_eval.py", f"--case={case}", f"--report={tmp_path}", timeout=240)
     counts = "rank 0: 3, rank 1: 2" if case == "sized" else "rank 0: 3 or more, rank 1: 2"
-    for report in _reports(tmp_path):
+    for report in _reports(uneven_eval, case):
         assert "different numbers of val batches" in report and counts in report, report
         assert "DistributedSampler" in report, report
 
 
 @pytest.mark.slow
-def test_even_validation_data_without_a_length_validates(tmp_path: Path) -> None:
-    run_script("uneven_eval.py", "--case=even", f"--report={tmp_path}", timeout=240)
-    first, second = _reports(tmp_path)
+def test_even_validation_data_without_a_length_validates(uneven_eval: Path) -> None:
+    first, second = _reports(uneven_eval, "even")
     assert first.startswith("ok ") and first == second, (first, second)
 
 

@@ -1,9 +1,10 @@
 """Validate ``tests.models.AdapterModel`` on 2 CPU ranks with evaluation data of the user's own, which may give the
 ranks different numbers of batches; the tests run it as a script.
 
-``--case``: ``sized`` (a sampler of the user's, ``len`` known: rank 0 three batches, rank 1 two), ``iterable`` (an
-``IterableDataset`` without ``len``, the same counts) or ``even`` (an ``IterableDataset`` giving each rank two).
-Each rank writes ``<report>/rank<R>.txt``: ``ok <val_loss>``, or the ``UnevenBatchesError`` it raised.
+Each case is a Trainer of its own in one world (starting the ranks costs more than a validation): ``sized`` (a sampler
+of the user's, ``len`` known: rank 0 three batches, rank 1 two), ``iterable`` (an ``IterableDataset`` without ``len``,
+the same counts) and ``even`` (an ``IterableDataset`` giving each rank two). Each rank writes
+``<report>/<case>-rank<R>.txt``: ``ok <val_loss>``, or the ``UnevenBatchesError`` it raised.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lightning_frozen.errors import UnevenBatchesError  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer  # noqa: E402
 
 BATCH = 4
+CASES = ("sized", "iterable", "even")
 SAMPLES = torch.randn(5 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 
 
@@ -50,20 +52,23 @@ class RankStream(IterableDataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=("sized", "iterable", "even"), required=True)
     parser.add_argument("--report", required=True)
     args = parser.parse_args()
+    for case in CASES:
+        validate(case, Path(args.report))
 
-    if args.case == "sized":
+
+def validate(case: str, report: Path) -> None:
+    if case == "sized":
         data = DataLoader(TensorDataset(SAMPLES, SAMPLES[:, :1]), batch_size=BATCH, sampler=RankSampler())
     else:
-        data = DataLoader(RankStream(args.case), batch_size=BATCH)
+        data = DataLoader(RankStream(case), batch_size=BATCH)
     trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False)
     try:
         result = f"ok {trainer.validate(AdapterModel(), data, verbose=False)[0]['val_loss']:.6f}"
     except UnevenBatchesError as error:
         result = str(error)
-    Path(args.report, f"rank{trainer.global_rank}.txt").write_text(result)
+    (report / f"{case}-rank{trainer.global_rank}.txt").write_text(result)
 
 
 if __name__ == "__main__":
