@@ -152,8 +152,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         arguments.register_names(strategy_registry, cls)
 
-    # ------------------------------------------------------------------ one run's state
-
     @override
     def connect(self, model: pl.LightningModule) -> None:
         # each run fingerprints the base again; another module must not meet this one's optimizer and param names
@@ -174,8 +172,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def _module(self) -> pl.LightningModule:
         assert self.lightning_module is not None
         return self.lightning_module
-
-    # ------------------------------------------------------------------ environment
 
     @override
     def setup_environment(self) -> None:
@@ -210,8 +206,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         if self._anatomy is None:
             self._anatomy = anatomy.anatomy_of(self._module, self.spec.frozen_base)
         return self._anatomy
-
-    # ------------------------------------------------------------------ optimizer and engine
 
     @override
     def build_optimizer(self) -> tuple[Optimizer, Optional[LRSchedulerConfig]]:
@@ -269,8 +263,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         config, loaded = inference_config(self.config), self._loaded_base
         self.model, _ = initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
 
-    # ------------------------------------------------------------------ training
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._optimized.check_unchanged()
@@ -280,8 +272,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def on_train_start(self) -> None:
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
-
-    # ------------------------------------------------------------------ evaluation: every rank as many batches
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -308,8 +298,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
         super().teardown()
 
-    # ------------------------------------------------------------------ changing what trains
-
     def freeze_once_built(self, freeze: Callable[[Module], None]) -> None:
         """Run ``freeze(module)`` in this run once ``configure_model`` built the module (a finetuning callback's)."""
         self._freezes.append(freeze)
@@ -333,8 +321,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         for config in self.lr_scheduler_configs:  # DeepSpeed runs one optimizer, so one scheduler at most
             schedulers.regroup_scheduler(config.scheduler, optimizer, change.continued, change.replaced_groups)
         rank_zero_info(change.summary(unfreezing.restore_state(self.model, module, carried)))
-
-    # ------------------------------------------------------------------ checkpoints
 
     @property
     def _deepspeed_optimizer(self) -> Any:
