@@ -20,13 +20,13 @@ from lightning_frozen.foreign_names import ForeignName, drift_message, fallback_
 from lightning_frozen.hf import private_names as hf_names
 from lightning_frozen.zero import private_names as zero_names
 
-PRIVATE_NAMES: dict[str, tuple[ForeignName, ...]] = {
-    "lightning": lightning_seam.PRIVATE_NAMES,
-    "deepspeed": zero_names.DEEPSPEED,
-    "torch": zero_names.TORCH,
-    "transformers": hf_names.TRANSFORMERS,
-    "peft": hf_names.PEFT,
-}
+PRIVATE_NAMES: dict[str, tuple[ForeignName, ...]] = dict(
+    lightning=lightning_seam.PRIVATE_NAMES,
+    deepspeed=zero_names.DEEPSPEED,
+    torch=zero_names.TORCH,
+    transformers=hf_names.TRANSFORMERS,
+    peft=hf_names.PEFT,
+)
 
 
 @functools.cache

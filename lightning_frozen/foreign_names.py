@@ -21,7 +21,7 @@ from typing import Any, Optional
 from lightning_frozen.errors import format_names
 
 # the releases the package was written for and its tests run on; pyproject's lower bounds (tests/test_dependencies.py)
-WRITTEN_FOR = {"torch": "2.13", "lightning": "2.6.6", "deepspeed": "0.19.8", "peft": "0.21.2", "transformers": "5.25"}
+WRITTEN_FOR = dict(torch="2.13", lightning="2.6.6", deepspeed="0.19.8", peft="0.21.2", transformers="5.25")
 
 
 @dataclass(frozen=True)
