@@ -32,6 +32,7 @@ from lightning_frozen.errors import (
 from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero.whole import unshard
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,7 @@ __all__ = [
     "load_adapter",
     "load_from_checkpoint",
     "read_checkpoint",
+    "unshard",
 ]
 
 if "frozen_deepspeed" not in StrategyRegistry:

@@ -77,6 +77,13 @@ class Preemption:
                 self._chained[signum] = _handlers_before_lightning(signal.getsignal(signum))
                 signal.signal(signum, self._record)
 
+    def uninstall(self, trainer: Optional[pl.Trainer]) -> None:
+        """The run ended: take its callback off ``trainer`` and drop the deadline (Lightning restores the handlers)."""
+        if trainer is not None:
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopAtStepBoundary)]
+        if self._deadline is not None:
+            self._deadline.cancel()
+
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         # runs between two bytecodes of the main thread, maybe inside a collective: no collective, no file I/O here
         if self.signum is not None:

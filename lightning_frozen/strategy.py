@@ -31,14 +31,13 @@ from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
-from lightning_frozen.hf import transformers_loading
+from lightning_frozen.ledger import RunLedger, open_run
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
 from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, host_memory, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.init import linear_restorer
 from lightning_frozen.zero.params import check_has_trainable
 
 if TYPE_CHECKING:
@@ -134,7 +133,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
-        self._run_settings = ExitStack()  # what a run changed in the process, undone at its teardown
+        self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
 
     @property
@@ -176,13 +175,12 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
+        open_run(self._ledger, self._module, self.config, self._preemption)
+        self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)
-        self._run_settings.callback(accelerator.ignore_dependency_deprecations())
-        self._run_settings.callback(linear_restorer())  # `zero.Init` replaces `F.linear` for good
-        self._run_settings.enter_context(transformers_loading.zero3_known(self.config))  # synced `generate`
         accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
-            host_memory.return_freed_memory()
+            self._ledger.callback(host_memory.return_freed_memory() or (lambda: None), "glibc's mmap threshold")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
         qlora.check_not_quantized(self._module)  # bitsandbytes' layers, built in `__init__`
@@ -291,10 +289,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def teardown(self) -> None:
         """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone."""
-        self._row_hooks.close()  # the module outlives the run: outside it, its forwards are the user's own
         if self.lightning_module is not None:
             release_engine(self.model, self.lightning_module)
-        self._run_settings.close()
+        self._ledger.close()  # the module outlives the run: outside it, it and the process are the user's own
         self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
         super().teardown()
 

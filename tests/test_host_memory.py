@@ -79,7 +79,7 @@ _RETAINED = textwrap.dedent(
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) / 1024
 
-    print(host_memory.return_freed_memory() if sys.argv[1] == "call" else False)
+    print(host_memory.return_freed_memory() is not None if sys.argv[1] == "call" else False)
     torch.empty(4 << 20, dtype=torch.uint8).fill_(1)  # freed: glibc raises its mmap threshold above 4 MiB
     before = anon_mib()
     buffers = [torch.empty(2 << 20, dtype=torch.uint8).fill_(1) for _ in range(64)]
@@ -101,8 +101,35 @@ def test_freed_buffers_leave_the_process_once_the_allocator_is_set() -> None:
     assert held["call"][1] < 10, held  # with the threshold at 1 MiB only the live buffer is held
 
 
+_UNDONE = textwrap.dedent(
+    """
+    import ctypes, torch
+    from lightning_frozen.zero import host_memory
+
+    undo = host_memory.return_freed_memory()
+    undo()  # the end of the run: glibc's starting threshold (128 KiB) again
+    buffers = [torch.empty(512 << 10, dtype=torch.uint8).fill_(1) for _ in range(8)]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = type("MallInfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]})
+    print(libc.mallinfo2().hblks)  # chunks glibc mmapped
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_threshold_goes_back_when_the_run_ends() -> None:
+    # under the run's 1 MiB threshold 512 KiB buffers come from the heap; with glibc's 128 KiB they are mmapped each
+    counts = {}
+    for undo in ("undo()", "pass"):
+        code = _UNDONE.replace("undo()  #", f"{undo}  #")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        counts[undo] = int(run.stdout.split()[-1])
+    assert counts["undo()"] >= counts["pass"] + 8, counts
+
+
 def test_a_threshold_the_user_chose_is_kept() -> None:
-    code = "from lightning_frozen.zero import host_memory; print(host_memory.return_freed_memory())"
+    code = "from lightning_frozen.zero import host_memory; print(host_memory.return_freed_memory() is not None)"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert run.stdout.split()[-1] == "False"

@@ -62,10 +62,12 @@ def sharded_model_creation(
     """Where ``configure_model`` runs: params are ZeRO-3 shards as they are created (on ``remote_device``),
     ``from_pretrained`` loads each rank's slices into them as ``plan`` says (:func:`zero3_pretrained_loading`) and
     PEFT initialises its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
+    # PEFT's methods are wrapped before `zero.Init` wraps every module class's `__init__` and put back after it
+    # restored them: wrapped inside it, `zero.Init` took the wrapper for PEFT's own and restored it for good
     with (
+        peft_adapters_outside_zero_init(),
         sharded_creation(config, remote_device),
         zero3_pretrained_loading(config, plan),
-        peft_adapters_outside_zero_init(),
     ):
         yield
 

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.format import codec, native_codec, partial_decode
 
@@ -38,8 +39,11 @@ from lightning_frozen.format import codec, native_codec, partial_decode
 # gradient, lost most with the larger tiles.
 TILE_ELEMENTS = 1 << 19
 TILE_ROWS = 64
-_CODED = "lf_coded_compute"  # set on a weight whose layer computes from codes
-_GATHERED = "lf_gathered_codes"  # (rows, values per row, frozen dtype) while such a weight is gathered
+# the package's notes on the user's weights, kept here rather than on them: the weights whose layer computes from codes
+# (this run), and while such a weight is gathered its (rows, values per row, frozen dtype)
+_coded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_gathered: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_layers: list[nn.Module] = []  # the layers whose `forward` this run replaced, given theirs back by `end_of_run`
 _tiles: dict[torch.dtype, torch.Tensor] = {}
 _placeholders: dict[torch.dtype, torch.Tensor] = {}
 
@@ -66,21 +70,25 @@ def compute_from_codes(model: nn.Module, frozen_dtype_of: Any) -> int:
             continue
         if not _decodes_in_parts(stored_as) or _reads_weight_whole(parents.get(id(module))):
             continue
-        setattr(weight, _CODED, True)
-        module.forward = types.MethodType(forward, module)
+        if "forward" in vars(module) and not any(layer is module for layer in _layers):
+            continue  # a forward of the user's own on the instance: it may read the weight whole
+        if weight not in _coded:
+            _coded[weight] = True
+            module.forward = types.MethodType(forward, module)
+            _layers.append(module)
         done += 1
     return done
 
 
 def computes_from_codes(param: nn.Parameter) -> bool:
     """Whether ``param``'s layer computes from its codes, so its gather for the layer may keep them undecoded."""
-    return bool(getattr(param, _CODED, False))
+    return param in _coded
 
 
 def keep_codes(param: nn.Parameter, rows: torch.Tensor, numel: int, frozen_dtype: str) -> torch.Tensor:
     """Hold ``param``'s gathered codes (``rows``, one encoded shard of ``numel`` values each) for its layer; return
     the placeholder that stands as its data meanwhile: its shape and dtype, every element NaN, no memory of its own."""
-    setattr(param, _GATHERED, (rows, numel, frozen_dtype))
+    _gathered[param] = (rows, numel, frozen_dtype)
     base = _placeholders.get(param.dtype)
     if base is None:
         base = _placeholders[param.dtype] = torch.full((1,), float("nan"), dtype=param.dtype)
@@ -89,19 +97,25 @@ def keep_codes(param: nn.Parameter, rows: torch.Tensor, numel: int, frozen_dtype
 
 def held_codes(param: nn.Parameter) -> Optional[tuple[torch.Tensor, int, str]]:
     """The codes :func:`keep_codes` holds for ``param``, else None."""
-    return getattr(param, _GATHERED, None)
+    return _gathered.get(param)
 
 
 def drop_codes(param: nn.Parameter) -> bool:
     """Let go of the codes held for ``param`` (it is being released); return whether there were any."""
     if held_codes(param) is None:
         return False
-    delattr(param, _GATHERED)
+    del _gathered[param]
     return True
 
 
-def release_tiles() -> None:
-    """Give the row buffers back to the allocator (after a run)."""
+def end_of_run() -> None:
+    """After a run: the layers compute as their class says again, and the row buffers go back to the allocator."""
+    for layer in _layers:
+        if "forward" in vars(layer):
+            del layer.forward
+    _layers.clear()
+    _coded.clear()
+    _gathered.clear()
     _tiles.clear()
 
 

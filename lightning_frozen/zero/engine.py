@@ -259,8 +259,6 @@ def release_engine(engine: Any, model: nn.Module) -> None:
             for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
                 if handle is not None:
                     handle.remove()
-    host_memory.DECODE_BUFFERS.clear()  # decoded tensors kept for the next gather: none comes after the run
-    coded_linear.release_tiles()  # likewise the coded layers' row buffers
     with reaching(RELEASE_CACHE):
         _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
     ours = {id(module) for module in model.modules()}

@@ -14,12 +14,14 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.zero.init import outside_zero_init
 from lightning_frozen.zero.params import is_released, mark_gathered
 
 _METHODS = ("all_gather", "all_gather_coalesced", "partition")
-_ORIGINALS = "lf_deepspeed_gathers"  # DeepSpeed's own methods of an overridden param, put back by `restore_gathers`
+# DeepSpeed's own methods of each overridden param, put back by `restore_gathers` (kept here, not on the param)
+_originals: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def override_gathers(
@@ -33,7 +35,7 @@ def override_gathers(
     ``has_been_updated``) calls ``written(p)`` with the written values in ``p.data``, outside ``zero.Init`` (new
     tensors are ordinary ones); ``written`` must store them and give ``p`` its own gathers back (:func:`restore_gathers`
     and whatever it installs), which then partition it. Without a write, DeepSpeed's partition frees the values."""
-    setattr(param, _ORIGINALS, {name: getattr(param, name) for name in _METHODS})
+    _originals[param] = {name: getattr(param, name) for name in _METHODS}
 
     def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
         params = [param] if param_list is None else list(param_list)
@@ -66,7 +68,7 @@ def override_gathers(
                     written(p)
                 p.partition(param_list=[p], hierarchy=hierarchy, free_data=free_data)
             else:
-                getattr(p, _ORIGINALS)["partition"](param_list=[p], hierarchy=hierarchy, free_data=free_data)
+                _originals[p]["partition"](param_list=[p], hierarchy=hierarchy, free_data=free_data)
         if others:
             others[0].partition(
                 param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
@@ -77,9 +79,8 @@ def override_gathers(
 
 def restore_gathers(param: nn.Parameter) -> None:
     """Give ``param`` DeepSpeed's own gather and partition methods back (after :func:`override_gathers`)."""
-    for name, method in getattr(param, _ORIGINALS).items():
+    for name, method in _originals.pop(param).items():
         setattr(param, name, method)
-    delattr(param, _ORIGINALS)
 
 
 class _Done:

@@ -25,6 +25,7 @@ import functools
 import os
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ from lightning_frozen.zero.params import full_numel
 GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
+GLIBC_MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's DEFAULT_MMAP_THRESHOLD_MIN, where its threshold starts
 
 
 def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
@@ -58,25 +60,28 @@ def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
     return applied
 
 
-@functools.cache
-def return_freed_memory() -> bool:
+def return_freed_memory() -> Optional[Callable[[], None]]:
     """Make glibc's ``malloc`` give buffers of 1 MiB and more back to the OS when they are freed, for this process.
 
-    Returns whether it did: not off Linux, nor where the C library is not glibc, nor where the user already chose a
-    threshold (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``). Buffers allocated before keep their placement.
-    Called once per process.
+    Returns what sets the threshold back to glibc's starting one (128 KiB) at the end of the run, or None where it
+    changed nothing: not off Linux, nor where the C library is not glibc, nor where the user already chose a threshold
+    (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``). Buffers allocated before keep their placement. glibc has no
+    call that turns its sliding threshold on again once ``mallopt`` set one, so after a run the threshold stays at
+    128 KiB instead of rising with the sizes freed.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in tunables:
-        return False
+        return None
     try:
         libc = ctypes.CDLL(None)
     except OSError:
-        return False
+        return None
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):  # musl's mallopt does nothing
-        return False
+        return None
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+        return None
+    return functools.partial(libc.mallopt, M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_BYTES)
 
 
 # the most bytes kept, as a multiple of the largest size kept: at a transformer layer's turn from its attention to its

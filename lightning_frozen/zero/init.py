@@ -29,12 +29,19 @@ def sharded_creation(config: dict, remote_device: Optional[str]) -> Iterator[Non
     """While active, params are ZeRO-3 shards as they are created, on ``remote_device`` (``"cpu"``; None: the
     accelerator), as the DeepSpeed ``config`` says (its dtype, its ZeRO-3 settings)."""
     import deepspeed
+    from deepspeed.runtime.zero import partition_parameters
 
-    with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
-        try:
-            yield
-        finally:
-            _keep_decorated_inits()
+    outermost = partition_parameters.top_level_context is None
+    kept = _bookkeeping_present() if outermost else {}
+    try:
+        with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
+            try:
+                yield
+            finally:
+                _keep_decorated_inits()
+    finally:
+        if outermost:
+            _forget_bookkeeping(kept)
 
 
 @contextmanager
@@ -53,6 +60,35 @@ def outside_zero_init() -> Iterator[None]:
     finally:
         if patched:
             partition_parameters.restore_init_context()
+
+
+# what `zero.Init` writes on classes to put their methods back, and leaves there once it did (DeepSpeed 0.19's
+# `InsertPostInitMethodToModuleSubClasses.patch_init_and_builtins`); on `torch.nn.Module` it also leaves an
+# `__init_subclass__` of its own where the class had none
+_BOOKKEEPING = ("_old_init", "_old_apply_of_skip_init_hook")
+_MODULE_BOOKKEEPING = ("_old_init_subclass", "_old_apply", "__init_subclass__")
+_TENSOR_BOOKKEEPING = ("__old_new__", "__new__")
+
+
+def _bookkeeping_owners() -> list[tuple[type, tuple[str, ...]]]:
+    from deepspeed.runtime.zero import partition_parameters
+
+    owners: list[tuple[type, tuple[str, ...]]] = [(torch.nn.Module, _BOOKKEEPING + _MODULE_BOOKKEEPING)]
+    owners += [(cls, _BOOKKEEPING) for cls in partition_parameters.get_all_subclasses(torch.nn.Module)]
+    return [*owners, (torch.Tensor, _TENSOR_BOOKKEEPING)]
+
+
+def _bookkeeping_present() -> dict[type, set[str]]:
+    return {cls: {name for name in names if name in vars(cls)} for cls, names in _bookkeeping_owners()}
+
+
+def _forget_bookkeeping(present_before: dict[type, set[str]]) -> None:
+    """Once the outermost ``zero.Init`` put every class's methods back: delete the attributes it left on classes
+    that did not have them before (classes created meanwhile had none)."""
+    for cls, names in _bookkeeping_owners():
+        for name in names:
+            if name in vars(cls) and name not in present_before.get(cls, ()):
+                delattr(cls, name)
 
 
 def _keep_decorated_inits() -> None:
@@ -89,6 +125,13 @@ def import_with_logs_to_stderr() -> None:
     (such as the accelerator it detected) go to stderr for the rest of the process. Does nothing once imported."""
     with contextlib.redirect_stdout(sys.stderr):
         import deepspeed  # noqa: F401
+
+
+def deepspeed_linear_copy() -> tuple[type, str]:
+    """Where ``zero.Init`` keeps its copy of ``F.linear`` for good (a class attribute it sets once per process)."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    return InsertPostInitMethodToModuleSubClasses, "linear_bk"
 
 
 def linear_restorer() -> Callable[[], None]:

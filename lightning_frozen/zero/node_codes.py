@@ -31,15 +31,18 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.format.codec import split
 
 SHARED_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes: each param's rows start on a cache line
-_ROWS = "lf_node_rows"  # on a param whose codes are in the shared file: its rows, one per rank
+# kept here rather than on the user's params: for a param whose codes are in the shared file, its rows (one per rank)
+# and the finalizer that takes its bytes off the count when it dies
+_rows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_counted: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MADV_POPULATE_READ = 22  # Linux 5.14
 _HEADER = 64  # bytes at the file's head: rank 0's token, which proves the other ranks opened the same file
-_COUNTED = "lf_node_counted"  # the finalizer that takes a shared param's bytes off the count when it dies
 _owned = [0]  # bytes of this rank's shards in shared files, of params alive (memory accounting)
 
 
@@ -101,15 +104,15 @@ def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parame
 def rows_of(param: nn.Parameter) -> Optional[torch.Tensor]:
     """Every rank's codes of ``param`` in the shared file (``world_size`` rows, as an all-gather returns them), else
     None."""
-    return getattr(param, _ROWS, None)
+    return _rows.get(param)
 
 
 def leave(param: nn.Parameter) -> None:
     """``param``'s codes are being replaced (a write under ``GatheredParameters``, or its values restored): it is
     gathered through the process group from now on. Every rank calls this for the same param."""
     if rows_of(param) is not None:
-        delattr(param, _ROWS)
-        counted = getattr(param, _COUNTED, None)
+        del _rows[param]
+        counted = _counted.pop(param, None)
         if counted is not None and counted.alive:
             counted()  # takes its bytes off the count, once
 
@@ -172,13 +175,13 @@ def _place(param: nn.Parameter, rows: torch.Tensor, rank: int, frozen_dtype: str
     shard = param.ds_tensor
     shard.data = rows[rank]
     shard.ds_quant_scale = split(rows[rank], frozen_dtype)[1]  # not a view of the private copy: that is freed
-    setattr(param, _ROWS, rows)
+    _rows[param] = rows
 
 
 def _count(param: nn.Parameter) -> None:
     size = rows_of(param).shape[1]
     _owned[0] += size
-    setattr(param, _COUNTED, weakref.finalize(param, _uncount, size))
+    _counted[param] = weakref.finalize(param, _uncount, size)
 
 
 def _uncount(size: int) -> None:

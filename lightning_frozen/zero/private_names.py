@@ -18,6 +18,7 @@ _OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 _SCHEDULES = "deepspeed.runtime.lr_schedules"
 _MERGE = "deepspeed.utils.zero_to_fp32"
 _KEPT = "a finished run's modules stay referenced until the process ends (their memory with them)"
+_UNSHARD = "an attribute ZeRO-3 set on a module stays there after `unshard`"
 _NO_PREFETCH = "a step that calls `self(...)` resets ZeRO-3's trace and nothing is prefetched (slower steps)"
 
 # teardown's reaches into DeepSpeed, each guarded there by `reaching`
@@ -86,6 +87,39 @@ DEEPSPEED = (
         exact=True,
         in_code=("ds_numel_aligned",),
     ),
+    # what ZeRO-3 sets on the modules it converts and hooks, removed by `zero/whole.unshard`
+    ForeignName(
+        "deepspeed.runtime.zero.partition_parameters:_init_external_params",
+        "zero/whole.py",
+        in_code=("_external_params", "ds_external_parameters", "all_parameters"),
+        fallback=_UNSHARD,
+    ),
+    ForeignName(
+        f"{_OFFLOAD}:_inject_parameters", "zero/whole.py", in_code=("_original_parameters",), fallback=_UNSHARD
+    ),
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
+        "zero/whole.py",
+        in_code=("ds_recompute_parameters", "ds_grads_remaining", "applied_pre_backward_ref_cnt", "pre_bwd_fn"),
+        fallback=_UNSHARD,
+    ),
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__",
+        "zero/whole.py",
+        in_code=("ds_inflight_param_registry",),
+        fallback=_UNSHARD,
+    ),
+    ForeignName(
+        "deepspeed.runtime.zero.partition_parameters:InsertPostInitMethodToModuleSubClasses.patch_init_and_builtins",
+        "zero/init.py",
+        in_code=("_old_init", "_old_init_subclass", "_old_apply", "_old_apply_of_skip_init_hook", "__old_new__"),
+    ),
+    ForeignName(
+        "deepspeed.runtime.zero.partition_parameters:InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear",
+        "zero/init.py",
+        in_code=("linear_bk",),
+        fallback="DeepSpeed's copy of `F.linear` stays on its class after a run",
+    ),
     ForeignName(f"{_INIT}._aligned_size", "zero/placeholders.py", ("self", "param")),
     ForeignName(f"{_INIT}._partition_world_size", "zero/placeholders.py", ("self", "param")),
     ForeignName(
@@ -113,11 +147,6 @@ DEEPSPEED = (
             "all_gather_coalesced",
             "partition",
         ),
-    ),
-    ForeignName(
-        "deepspeed.runtime.zero.partition_parameters:InsertPostInitMethodToModuleSubClasses.patch_init_and_builtins",
-        "zero/init.py",
-        in_code=("_old_init",),
     ),
     ForeignName("deepspeed.runtime.zero.partition_parameters:top_level_context", "zero/init.py"),
     # the param offload: its start-of-forward hook, its persistent params

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import BlockFormat, block_format, decode, encode, split
@@ -38,7 +39,9 @@ from lightning_frozen.zero.params import (
     shard_range,
 )
 
-_FROZEN_DTYPE_ATTR = "lf_frozen_dtype"
+# the format each quantized shard is stored in, kept here rather than on the user's params; it outlives a run as long
+# as the shard holds codes
+_stored_as: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # Told the values a frozen shard held just before they are encoded: the param, this rank's elements, the flat index of
 # the first, and the whole tensor when it is at hand (written under `GatheredParameters`). Whoever needs the source
@@ -48,7 +51,7 @@ SourceValues = Callable[[nn.Parameter, torch.Tensor, int, Optional[torch.Tensor]
 
 def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
     """The ``frozen_dtype`` (``"int8"``, ``"nf4"``, ...) ``param``'s ZeRO-3 shard is stored in, else None."""
-    return getattr(param, _FROZEN_DTYPE_ATTR, None)
+    return _stored_as.get(param)
 
 
 def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
@@ -168,7 +171,7 @@ def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     full[: values.numel()] = values.to(full.device)
     shard.data = full
     del shard.ds_quant_scale
-    delattr(param, _FROZEN_DTYPE_ATTR)
+    del _stored_as[param]
 
 
 def install_quantized_gather(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:
@@ -187,7 +190,7 @@ def _store(param: nn.Parameter, stored: torch.Tensor, fmt: BlockFormat) -> None:
         stored = get_accelerator().pin_memory(stored)
     shard.data = stored
     shard.ds_quant_scale = split(stored, fmt.name)[1]
-    setattr(param, _FROZEN_DTYPE_ATTR, fmt.name)
+    _stored_as[param] = fmt.name
 
 
 def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]) -> None:

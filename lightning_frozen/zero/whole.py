@@ -1,0 +1,72 @@
+"""``unshard``: a module whose params are ZeRO-3 shards made an ordinary torch module again, with whole tensors.
+
+After a run the module keeps its ZeRO-3 shards (a next ``fit`` or ``validate`` on it uses them as they are, and the
+whole base would not fit in one rank's memory for the models the package is for). Each ZeRO-3 param holds DeepSpeed's
+state (its process group among it), so ``torch.save(module)`` fails on it as after stock Lightning DeepSpeed, and its
+``data`` is an empty placeholder. :func:`unshard` gathers each param once, decodes a quantized frozen one to its
+compute dtype, and puts a plain ``nn.Parameter`` with the whole values in its place (tied params stay tied); the
+attributes ZeRO-3 set on the modules go, and their param dicts are plain ones again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_frozen.zero.params import is_partitioned
+
+# what DeepSpeed 0.19's ZeRO-3 sets on each module it converts or hooks (`partition_parameters.Init`,
+# `parameter_offload.DeepSpeedZeRoOffload`); a name missing on a module is skipped
+DEEPSPEED_MODULE_ATTRIBUTES = (
+    "ds_id",
+    "ds_external_parameters",
+    "ds_grads_remaining",
+    "ds_inflight_param_registry",
+    "ds_recompute_parameters",
+    "_external_params",
+    "_original_parameters",
+    "all_parameters",
+    "applied_pre_backward_ref_cnt",
+    "pre_bwd_fn",
+    "post_bwd_fn",
+)
+
+
+def unshard(model: nn.Module) -> nn.Module:
+    """Make ``model``'s ZeRO-3 params whole ordinary ``nn.Parameter``s, in place, and return ``model``.
+
+    Call it on every rank after the run (``trainer.fit`` returned), while the process group is still up: each param
+    is gathered from all ranks. Then ``torch.save(model)``, ``copy.deepcopy(model)`` and calling the model outside a
+    Trainer work, with the trained values. Frozen params stored as ``int8``/``nf4`` are decoded to their compute dtype
+    (the stored values, not the ones of the original file). Each rank then holds the whole model: do it when that
+    fits in memory. A module without ZeRO-3 params is returned unchanged.
+    """
+    import deepspeed
+
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not is_partitioned(param):
+                continue
+            if id(param) not in replaced:
+                with deepspeed.zero.GatheredParameters([param]):
+                    whole = param.data.detach().clone()
+                replaced[id(param)] = nn.Parameter(whole, requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+    if replaced or _has_zero_attributes(model):
+        for module in model.modules():
+            _plain_module(module)
+    return model
+
+
+def _has_zero_attributes(model: nn.Module) -> bool:
+    return any(name in vars(module) for module in model.modules() for name in DEEPSPEED_MODULE_ATTRIBUTES)
+
+
+def _plain_module(module: nn.Module) -> None:
+    for name in DEEPSPEED_MODULE_ATTRIBUTES:
+        vars(module).pop(name, None)
+    if type(module._parameters) is not dict:  # ZeRO-3's ZeROOrderedDict gathers on read inside a forward
+        params: Any = dict(module._parameters)
+        module._parameters = params

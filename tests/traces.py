@@ -1,0 +1,166 @@
+"""What a run leaves behind: snapshots of a user's modules and of the classes and modules of the libraries the package
+touches, taken before and after a run and compared (``tests/test_run_ledger.py``).
+
+A snapshot records identities, not values: which instance attributes, hooks and parameter attributes each of the
+user's modules has, and which function, method or class each name of a library's module or class is bound to. A patch
+left in place shows as a changed binding; an attribute or hook left on a layer shows as a name that was not there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+# whose classes and module-level functions a run may patch while it runs
+LIBRARIES = ("torch", "lightning", "deepspeed", "transformers", "peft")
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_MODULE_ATTRIBUTES = {"_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"}
+
+
+def _bound(value: Any) -> bool:
+    """A binding a patch would change: functions, methods, descriptors wrapping them, and classes."""
+    return isinstance(
+        value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, property, staticmethod, classmethod)
+    ) or inspect.isclass(value)
+
+
+def _library_bindings(libraries: Iterable[str]) -> dict[str, int]:
+    """``{"module:name" or "module:Class.name": id(value)}`` over the loaded modules of ``libraries``."""
+    seen: dict[str, int] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.split(".")[0] not in libraries:
+            continue
+        try:
+            namespace = dict(vars(module))
+        except TypeError:
+            continue
+        for name, value in namespace.items():
+            if _bound(value):
+                seen[f"{module_name}:{name}"] = id(value)
+            if inspect.isclass(value) and getattr(value, "__module__", None) == module_name:
+                for attribute, member in list(vars(value).items()):
+                    if _bound(member):
+                        seen[f"{module_name}:{name}.{attribute}"] = id(member)
+    return seen
+
+
+def _module_traces(model: nn.Module) -> dict[str, Any]:
+    """Per submodule: its instance attributes (other than torch's own), hook counts and each param's attributes."""
+    traces: dict[str, Any] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        own = {key for key in vars(module) if key not in _MODULE_ATTRIBUTES and not key.startswith("_")}
+        own |= {key for key in vars(module) if key.startswith("_") and key not in _HOOK_DICTS and not _torch_own(key)}
+        traces[f"{name}:attributes"] = sorted(own)
+        traces[f"{name}:hooks"] = {hooks: len(getattr(module, hooks, {})) for hooks in _HOOK_DICTS}
+        for param_name, param in module.named_parameters(recurse=False):
+            traces[f"{name}.{param_name}:param"] = (sorted(vars(param)), type(param).__name__)
+    return traces
+
+
+_TORCH_MODULE_FIELDS = set(vars(nn.Module()))
+
+
+def _torch_own(key: str) -> bool:
+    return key in _TORCH_MODULE_FIELDS
+
+
+@dataclass
+class Snapshot:
+    """The user's modules and the libraries' bindings at one moment."""
+
+    modules: dict[str, Any]
+    bindings: dict[str, int]
+    libraries: tuple[str, ...] = field(default=LIBRARIES)
+    hooked_steps: set[str] = field(default_factory=set)
+
+    @classmethod
+    def take(cls, *models: nn.Module, libraries: tuple[str, ...] = LIBRARIES) -> Snapshot:
+        modules = {
+            f"{i}/{key}": value for i, model in enumerate(models) for key, value in _module_traces(model).items()
+        }
+        return cls(modules, _library_bindings(libraries), libraries, _hooked_steps())
+
+    def changes_since(self, before: Snapshot) -> list[str]:
+        """What differs: each changed or added module trace, and each library binding that changed or was added to a
+        name space that existed before (modules imported during the run bring new names; those are not changes)."""
+        changes = [
+            f"{key}: {before.modules.get(key)!r} -> {value!r}"
+            for key, value in self.modules.items()
+            if before.modules.get(key) != value
+        ]
+        changes += [f"{key} missing after the run" for key in before.modules if key not in self.modules]
+        spaces = {
+            key.rsplit(".", 1)[0] if "." in key.split(":", 1)[1] else key.split(":")[0] for key in before.bindings
+        }
+        for key, identity in self.bindings.items():
+            if key in self.hooked_steps:
+                continue  # torch wraps an optimizer class's `step` for its hooks at its first instance, for good
+            if key in before.bindings:
+                if before.bindings[key] != identity:
+                    changes.append(f"{key} rebound")
+            elif (key.rsplit(".", 1)[0] if "." in key.split(":", 1)[1] else None) in spaces:
+                changes.append(f"{key} added")
+        changes += [f"{key} removed" for key in before.bindings if key not in self.bindings and _still_loaded(key)]
+        return changes
+
+
+def _hooked_steps() -> set[str]:
+    from torch.optim import Optimizer
+
+    hooked = set()
+    for cls in _subclasses(Optimizer):
+        if getattr(vars(cls).get("step"), "hooked", False):
+            hooked.add(f"{cls.__module__}:{cls.__qualname__}.step")
+    return hooked
+
+
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+def _still_loaded(key: str) -> bool:
+    return key.split(":")[0] in sys.modules
+
+
+def package_traces(model: nn.Module, package: str = "lightning_frozen") -> list[str]:
+    """What of ``package`` is on ``model``'s modules and params: attributes named after it (``lf_``...), instance
+    ``forward``s and hooks whose function it defines."""
+    found = []
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key.startswith("lf_") or "lightning_frozen" in key or _defined_in(value, package):
+                found.append(f"{name or '<root>'}.{key}")
+        for hooks in _HOOK_DICTS:
+            for hook in getattr(module, hooks, {}).values():
+                if _defined_in(hook, package):
+                    found.append(f"{name or '<root>'} {hooks}: {hook!r}")
+        for param_name, param in module.named_parameters(recurse=False):
+            for key in vars(param):
+                # by name only: a quantized shard keeps the package's gather, the one that decodes it (README)
+                if key.startswith("lf_") or "lightning_frozen" in key:
+                    found.append(f"{name}.{param_name}.{key}")
+    return found
+
+
+def _defined_in(value: Any, package: str) -> bool:
+    """Whether ``value`` is a function (or a method, or a partial of one) that ``package`` defines."""
+    function = getattr(getattr(value, "func", value), "__func__", getattr(value, "func", value))
+    return isinstance(function, types.FunctionType) and (function.__module__ or "").startswith(package)
