@@ -73,6 +73,9 @@ PRIVATE_NAMES = (
     ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
     ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
     ForeignName(
+        f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", in_code=("_original_handlers",)
+    ),
+    ForeignName(
         "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
         "preemption.py",
     ),
@@ -167,6 +170,14 @@ def requeue(trainer: pl.Trainer, signum: int) -> Any:
     requeue``); returns the checkpoint's path."""
     trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
     return trainer._checkpoint_connector._hpc_resume_path
+
+
+def restore_signal_handler_at_teardown(trainer: pl.Trainer, signum: int, handler: Any) -> None:
+    """Make Lightning's signal connector put ``handler`` back for ``signum`` when the run ends, where it registered
+    its own after the strategy's (it restores the handlers it found, which were the strategy's)."""
+    originals = getattr(trainer._signal_connector, "_original_handlers", None)
+    if isinstance(originals, dict) and signum in originals:
+        originals[signum] = handler
 
 
 def sigkill_signal() -> int:

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, Optional
@@ -28,6 +29,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_frozen import lightning_seam
 from lightning_frozen.checkpoint.atomic_files import remove_temp_files_being_written
@@ -54,17 +56,20 @@ class Preemption:
         self._chained: dict[int, list[Callable[..., Any]]] = {}
         self._launcher: Any = None
         self._deadline: Optional[threading.Timer] = None
+        self._before: dict[int, Any] = {}  # each handled signal's handler when the run started, put back at its end
+        self.training = False  # whether a step boundary can be reached (the fit loop started): else a signal ends it
+        self._signalled_at = 0.0
 
     def install(self, trainer: pl.Trainer, launcher: Any) -> None:
-        """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this ``fit`` instead of Lightning, and
-        stop at the next optimizer step boundary once any rank received one (see :class:`StopAtStepBoundary`).
+        """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run instead of Lightning, from
+        the strategy's setup on; call it again once Lightning set its own handlers (before the first loop), which it
+        replaces. Idempotent within a run; :meth:`uninstall` puts back the handlers found at the first call.
 
-        Handlers that were set before Lightning's still run, after this one. Lightning restores the handlers it
-        found when the run ends. Call it from the main thread.
+        Handlers that were set before the run still run, after this one. Before the first training step there is no
+        step boundary to stop at: a signal ends the run at once, without a checkpoint (:meth:`_record`). Call it from
+        the main thread.
         """
-        self.signum, self._launcher = None, launcher
-        if self._deadline is not None:
-            self._deadline.cancel()
+        self._launcher = launcher
         if not any(isinstance(callback, StopAtStepBoundary) for callback in trainer.callbacks):
             trainer.callbacks.append(StopAtStepBoundary(self))
         if threading.current_thread() is not threading.main_thread():
@@ -73,14 +78,26 @@ class Preemption:
         requeues = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         self._requeue_signum = int(environment.requeue_signal) if requeues and environment.requeue_signal else None
         for signum in (signal.SIGTERM, self._requeue_signum):
-            if signum is not None:
-                self._chained[signum] = _handlers_before_lightning(signal.getsignal(signum))
+            if signum is None:
+                continue
+            current = signal.getsignal(signum)
+            self._before.setdefault(signum, current)
+            others = [h for h in _handlers_before_lightning(current) if h != self._record]
+            self._chained[signum] = others or self._chained.get(signum, [])
+            if current != self._record:
                 signal.signal(signum, self._record)
+            lightning_seam.restore_signal_handler_at_teardown(trainer, signum, self._before[signum])
 
     def uninstall(self, trainer: Optional[pl.Trainer]) -> None:
-        """The run ended: take its callback off ``trainer`` and drop the deadline (Lightning restores the handlers)."""
+        """The run ended: put back the handlers found at its start, take its callback off ``trainer``, drop the
+        deadline, and forget the run's signal."""
         if trainer is not None:
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopAtStepBoundary)]
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._before.items():
+                if signal.getsignal(signum) == self._record and handler is not None:
+                    signal.signal(signum, handler)
+        self._before, self._chained, self.signum, self.training = {}, {}, None, False
         if self._deadline is not None:
             self._deadline.cancel()
 
@@ -88,7 +105,7 @@ class Preemption:
         # runs between two bytecodes of the main thread, maybe inside a collective: no collective, no file I/O here
         if self.signum is not None:
             self.exit_now(signum, f"a second {signal.Signals(signum).name} arrived")
-        self.signum = signum
+        self.signum, self._signalled_at = signum, time.monotonic()
         self._deadline = threading.Timer(
             self.grace, self.exit_now, (signum, f"the rank did not stop within {self.grace:g} s")
         )
@@ -96,6 +113,23 @@ class Preemption:
         self._deadline.start()
         for handler in self._chained.get(signum, []):
             handler(signum, frame)
+        if not self.training:
+            self._end_before_training(signum)
+
+    def _end_before_training(self, signum: int) -> None:
+        """A signal before the first training step (setup, the load in ``configure_model``, the fingerprint, sanity
+        validation; or any ``validate``/``test``/``predict``): no step boundary can be reached, so the run ends here,
+        without a checkpoint, by raising a stop out of whatever the main thread was doing. A requeue signal requeues
+        the job first (rank 0)."""
+        name = signal.Signals(signum).name
+        requeued = signum == self._requeue_signum and requeue_without_checkpoint()
+        then = "; the job was requeued" if requeued else ""
+        message = (
+            f"lightning-frozen: {name} before the first training step: no step boundary to save at, so no checkpoint"
+            f"{then}; exiting with status {exit_status(signum)}.\n"
+        )
+        os.write(2, message.encode())  # not logging: the main thread may hold its locks
+        raise SIGTERMException(exit_status(signum))
 
     def agree(self, strategy: Any) -> tuple[bool, bool]:
         """Whether any rank received SIGTERM, and whether any received the requeue signal. Collective when
@@ -111,10 +145,11 @@ class Preemption:
 
     def end_run(self, launcher: Any, exception: BaseException) -> None:
         """After ``fit`` raised ``exception`` on this rank: end the ranks ``launcher`` started (after an agreed stop,
-        once they have ended by themselves, within ``grace``; none where every rank raised it), then drop the deadline
-        of this process."""
+        once they have ended by themselves, within what is left of ``grace``; none where every rank raised it), then
+        drop the deadline of this process."""
         if not raised_on_every_rank(exception):  # each rank that raised it goes on, or ends, by itself
-            end_launched_ranks(launcher, self.grace if is_stop(exception) else 0.0)
+            left = self.grace - (time.monotonic() - self._signalled_at) - 1.0 if self.signum is not None else self.grace
+            end_launched_ranks(launcher, max(left, 0.0) if is_stop(exception) else 0.0)
         if self._deadline is not None:
             self._deadline.cancel()
 
@@ -130,6 +165,21 @@ class Preemption:
         os._exit(exit_status(signum))
 
 
+def requeue_without_checkpoint() -> bool:
+    """``scontrol requeue`` of this job from global rank 0, as Lightning's SLURM requeue does, before any checkpoint
+    can be saved; returns whether this rank asked for it and ``scontrol`` succeeded."""
+    if os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) != "0":
+        return False
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        return subprocess.call(["scontrol", "requeue", job]) == 0
+    except OSError:
+        return False
+
+
 def _handlers_before_lightning(current: Any) -> list[Callable[..., Any]]:
     """The handlers Lightning's composed handler chains besides its own (a user's, set before ``fit``)."""
     handlers = getattr(current, "signal_handlers", [current])
@@ -141,10 +191,16 @@ class StopAtStepBoundary(Callback):
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
+        self._last_boundary: Optional[float] = None
+        self._warned = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_boundary = time.monotonic()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if lightning_seam.mid_accumulation(trainer):
             return  # mid-accumulation: the step boundary is the batch that steps
+        self._check_grace()
         terminate, requeue = self.preemption.agree(trainer.strategy)
         if not (terminate or requeue):
             return
@@ -167,6 +223,20 @@ class StopAtStepBoundary(Callback):
             exit_status(signum),
         )
         raise SIGTERMException(exit_status(signum))
+
+    def _check_grace(self) -> None:
+        """Warn once when boundaries lie further apart than the grace: a signal could not reach the next one."""
+        now, grace = time.monotonic(), self.preemption.grace
+        if self._last_boundary is not None and not self._warned and now - self._last_boundary > grace:
+            self._warned = True
+            rank_zero_warn(
+                f"lightning-frozen: a training step took {now - self._last_boundary:.0f} s, more than"
+                f" `preemption_grace={grace:g}` s: after a SIGTERM this run cannot reach a step boundary in time, so it"
+                " would exit without saving. Set `preemption_grace=` above the step time, and have the scheduler"
+                " signal that much earlier (SLURM: `--signal=TERM@<seconds>`; Kubernetes:"
+                " `terminationGracePeriodSeconds`)."
+            )
+        self._last_boundary = now
 
 
 def stop_checkpoint_path(trainer: pl.Trainer) -> str:

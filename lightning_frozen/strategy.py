@@ -176,6 +176,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def setup_environment(self) -> None:
         # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
         open_run(self._ledger, self._module, self.config, self._preemption)
+        self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)
         accelerator.align_deepspeed_accelerator(self.accelerator)
@@ -270,6 +271,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def on_train_start(self) -> None:
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
+        self._preemption.training = True  # from now on a signal stops at the next step boundary
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -277,6 +279,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def on_validation_start(self) -> None:
+        self._preemption.install(self._module.trainer, self.launcher)  # Lightning's handler broadcasts: ours instead
         loops.check_even_batches_at_start(self._module.trainer, self.world_size)
 
     on_test_start = on_predict_start = on_validation_start

@@ -186,3 +186,68 @@ def test_slurm_requeue_saves_the_hpc_checkpoint_requeues_and_the_job_resumes_fro
         AdapterModel(), regression_data(samples=8)
     )  # no ckpt_path: Lightning resumes a SLURM job from hpc_ckpt_*
     assert resumed.global_step == 4
+
+
+class _RequeuedInConfigureModel(AdapterModel):
+    def configure_model(self) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's requeue signal in the middle of the load
+        time.sleep(30)
+
+
+@pytest.mark.usefixtures("sigusr1_default")
+def test_a_requeue_signal_during_the_load_requeues_without_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "requeued"}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}:{os.environ['PATH']}")
+    for key, value in dict(SLURM_NTASKS="1", SLURM_JOB_ID="4343", SLURM_JOB_NAME="train", SLURM_PROCID="0").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    strategy = FrozenAwareDeepSpeedStrategy(cluster_environment=SLURMEnvironment(auto_requeue=True))
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        cpu_trainer(strategy, max_steps=2, default_root_dir=tmp_path).fit(_RequeuedInConfigureModel(), regression_data())
+    assert time.monotonic() - started < 25  # not the 30 s the load would have taken
+    assert stop.value.code == 128 + signal.SIGUSR1
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4343"]
+    assert not list(tmp_path.rglob("*.ckpt"))
+    assert "SIGUSR1 before the first training step" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)  # the handler found before the run is back
+
+
+class _SlowStep(AdapterModel):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.3)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_longer_than_the_grace_warns_once_with_the_fix() -> None:
+    strategy = FrozenAwareDeepSpeedStrategy(preemption_grace=0.1)
+    with pytest.warns(UserWarning, match=r"more than `preemption_grace=0\.1` s") as warned:
+        cpu_trainer(strategy, max_steps=3).fit(_SlowStep(), regression_data())
+    assert sum("preemption_grace" in str(w.message) for w in warned) == 1
+    assert "--signal=TERM@" in str(next(w.message for w in warned if "preemption_grace" in str(w.message)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("at", "ranks"),
+    [("configure_model", "0,1"), ("fingerprint", "0,1"), ("sanity", "0")],
+    ids=["load-every-rank", "fingerprint-every-rank", "sanity-rank0-only"],
+)
+def test_a_sigterm_before_the_first_step_ends_every_rank_within_the_grace(tmp_path: Path, at: str, ranks: str) -> None:
+    grace = 15.0
+    args = ["--dir", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report"), "--at", at, "--ranks", ranks]
+    started = time.monotonic()
+    run = run_script("preempt_early.py", *args, "--grace", str(grace), status=128 + signal.SIGTERM, timeout=200)
+    assert "before the first training step" in run.stderr
+    reports = read_reports(tmp_path / "report")
+    signalled = [int(r) for r in ranks.split(",")]
+    assert len(reports) >= len(signalled)  # a rank never signalled may have been ended by its launcher instead
+    assert all(r["status"] == 128 + signal.SIGTERM and r["seconds"] < grace for r in reports), reports
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())  # nothing written, whole or half
+    assert time.monotonic() - started < 120  # not the 120 s each rank would have slept, nor a hang

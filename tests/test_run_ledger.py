@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import signal
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -69,10 +70,11 @@ def test_fit_validate_test_predict_leave_the_module_and_the_libraries_as_they_we
 ) -> None:
     module = Evaluated()
     before = Snapshot.take(module)
-    filters = list(warnings.filters)
+    filters, handler = list(warnings.filters), signal.getsignal(signal.SIGTERM)
     trainer = cpu_trainer(strategy=_strategy(frozen_dtype), max_steps=3)
     trainer.fit(module, regression_data())
     _unchanged(before, module)
+    assert signal.getsignal(signal.SIGTERM) == handler
     assert not any("lightning_frozen" in type(c).__module__ for c in trainer.callbacks)  # the run's callback went
     assert warnings.filters == filters
     assert torch.nn.functional.linear is before_linear
