@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -13,10 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.causal_lm_lora.make_base import write_random_llama
-from lightning_frozen import load_adapter
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, load_adapter
 from lightning_frozen.base.fingerprint import fingerprint_base, verify_base
 from lightning_frozen.errors import FrozenBaseMismatchError
 from lightning_frozen.hf.reference import find_base_reference
+from lightning_frozen.zero import quantized
 from tests.models import AdapterModel, cpu_trainer
 from tests.pretrained_support import TINY_LLAMA
 
@@ -181,13 +182,21 @@ class _VisionAndLanguage(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def test_each_of_two_bases_is_recorded_and_a_mismatch_names_the_base_it_is_in(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen_dtype", [None, "nf4"])
+def test_each_of_two_bases_is_recorded_and_a_mismatch_names_the_base_it_is_in(
+    tmp_path: Path, frozen_dtype: Optional[str]
+) -> None:
+    """Two frozen folders (a vision tower and a language model; a teacher and a student's base alike): each stored as
+    the strategy's ``frozen_dtype`` says, each named in the checkpoint, and a mismatch names its own folder."""
     folders = {name: str(tmp_path / name) for name in ("vision", "language")}
     for seed, folder in enumerate(folders.values()):
         write_random_llama(Path(folder), TINY_LLAMA, torch.float32, seed=seed)
-    trainer = cpu_trainer(max_steps=1)
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype), max_steps=1)
     ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
-    trainer.fit(_VisionAndLanguage(**folders), DataLoader(TensorDataset(ids), batch_size=4))
+    trained = _VisionAndLanguage(**folders)
+    trainer.fit(trained, DataLoader(TensorDataset(ids), batch_size=4))
+    stored = {quantized.frozen_dtype_of(p) for n, p in trained.named_parameters() if n.endswith("proj.weight")}
+    assert stored == {frozen_dtype}  # the second base (the "teacher") is stored like the first
     trainer.save_checkpoint(tmp_path / "adapter.ckpt")
     entry = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["frozen_base"]
     assert entry["bases"] == folders and entry["reference"] == folders["language"]  # the PEFT model's, as with one
