@@ -210,7 +210,9 @@ def test_a_requeue_signal_during_the_load_requeues_without_a_checkpoint(
     strategy = FrozenAwareDeepSpeedStrategy(cluster_environment=SLURMEnvironment(auto_requeue=True))
     started = time.monotonic()
     with pytest.raises(SystemExit) as stop:
-        cpu_trainer(strategy, max_steps=2, default_root_dir=tmp_path).fit(_RequeuedInConfigureModel(), regression_data())
+        cpu_trainer(strategy, max_steps=2, default_root_dir=tmp_path).fit(
+            _RequeuedInConfigureModel(), regression_data()
+        )
     assert time.monotonic() - started < 25  # not the 30 s the load would have taken
     assert stop.value.code == 128 + signal.SIGUSR1
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4343"]

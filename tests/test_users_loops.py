@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import loops
 from lightning_frozen.errors import UnevenBatchesError
 from tests.distributed import run_script
+from tests.pretrained_support import TINY_LLAMA
 
 
 def _gather_from(*ranks: object):
@@ -63,7 +66,9 @@ def test_even_validation_data_without_a_length_validates(uneven_eval: Path) -> N
 
 
 @pytest.mark.slow
-def test_generate_in_validation_stays_in_step_and_uses_the_adapter(tmp_path: Path) -> None:
+def test_generate_in_validation_stays_in_step_and_uses_the_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # without `synced_gpus` made the default for the run, rank 0 stops after 3 tokens and rank 1 waits forever in
     # the gather of its 4th: the script runs past its time limit
     import json
@@ -73,8 +78,18 @@ def test_generate_in_validation_stays_in_step_and_uses_the_adapter(tmp_path: Pat
     from tests.scripts.generate_in_validation import NEW_TOKENS, GeneratingLoRA
 
     folder = write_llama(tmp_path / "llama")
-    run_script("generate_in_validation.py", f"--folder={folder}", f"--report={tmp_path}", timeout=300)
-    # the folder is bf16 and `from_pretrained` keeps it so; the run computed in fp32 (`32-true`), as here
+    teacher_folder = tmp_path / "teacher"
+    write_random_llama(teacher_folder, TINY_LLAMA, torch.bfloat16, seed=7)
+    run_script(
+        "generate_in_validation.py",
+        f"--folder={folder}",
+        f"--report={tmp_path}",
+        f"--teacher={teacher_folder}",
+        timeout=300,
+    )
+    # the folder is bf16 and `from_pretrained` keeps it so; the run computed in fp32 (`32-true`), as here. The
+    # checkpoint names both frozen folders, so the module is built as in the run: with its teacher
+    monkeypatch.setattr(GeneratingLoRA, "teacher_folder", str(teacher_folder))
     loaded = lightning_frozen.load_from_checkpoint(GeneratingLoRA, tmp_path / "adapter.ckpt").float()
     for rank, new in NEW_TOKENS.items():
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -84,3 +99,23 @@ def test_generate_in_validation_stays_in_step_and_uses_the_adapter(tmp_path: Pat
             assert loaded.model.generate(input_ids=prompts, **options).tolist() == seen["ids"], rank
         assert len(seen["ids"][0]) == prompts.shape[1] + new
         assert seen["ids"] != seen["base_ids"], "the adapter changed nothing the test could see"
+        _check_reference_and_teacher(seen["steps"], folder, teacher_folder)
+
+    # the checkpoint holds the student's adapter only: nothing of the frozen teacher
+    saved = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["state_dict"]
+    assert saved and not [key for key in saved if key.startswith("teacher.")]
+
+
+def _check_reference_and_teacher(steps: list[dict[str, Any]], base_folder: Path, teacher_folder: Path) -> None:
+    """At every step of the run, the reference (the adapter disabled) equals the base in one plain process, and the
+    teacher equals its folder's model: neither moved, neither is the other."""
+    from transformers import AutoModelForCausalLM
+
+    assert len(steps) == 4  # one batch a rank for each of the 4 epochs
+    base = AutoModelForCausalLM.from_pretrained(base_folder).float().eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_folder).float().eval()
+    for step in steps:
+        ids = torch.tensor(step["ids"])
+        with torch.no_grad():
+            for model, seen in ((base, step["reference"]), (teacher, step["teacher"])):
+                torch.testing.assert_close(torch.tensor(seen), model(input_ids=ids).logits[:, -1], rtol=1e-4, atol=1e-4)

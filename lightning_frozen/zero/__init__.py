@@ -30,7 +30,8 @@ is defined where it is listed):
   and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (from a module's
   non-persistent buffer set), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
-  ``import_with_logs_to_stderr``, ``linear_restorer``.
+  ``import_with_logs_to_stderr``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of ``F.linear`` that
+  ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
 - ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit:
@@ -52,7 +53,10 @@ is defined where it is listed):
   ``ENGINE_STATE_KEYS``.
 - ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``,
   ``fitted_reduce_bucket``, ``fit_reduce_bucket``, ``inference_config``.
-- ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``.
+- ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``, ``DECODE_BUFFERS`` (the pool of
+  decoded tensors, emptied when a run ends).
+- ``coded_linear``: frozen layers computed from their codes: ``end_of_run`` (their forwards taken off).
+- ``whole``: ZeRO-3 params made plain tensors again after a run: ``unshard``.
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
 - ``private_names``: every private name above, with the signature or attributes the seam relies on, one row each,

@@ -2,8 +2,13 @@
 ``validation_step``: rank 0 asks for 3 new tokens and rank 1 for 9, without ``synced_gpus`` (ranks that stop at
 different lengths hang under ZeRO-3 unless generation is synced). The tests run it as a script.
 
+With ``--teacher``, a frozen teacher Llama from that folder joins the module in ``configure_model`` and each training
+step adds a distillation loss (KL to the teacher's next-token distribution) and computes a DPO-style reference: the
+base with the adapter disabled (``disable_adapter`` under ``no_grad``), as TRL does with PEFT.
+
 Each rank writes ``<report>/rank<R>.json``: its prompts, the ids generated with the adapter and with it disabled
-(PEFT's ``disable_adapter``: the base alone). Rank 0 saves ``<report>/adapter.ckpt`` after fit.
+(PEFT's ``disable_adapter``: the base alone), and for each training step its input ids with the last position's
+reference and teacher logits. Rank 0 saves ``<report>/adapter.ckpt`` after fit.
 """
 
 from __future__ import annotations
@@ -29,6 +34,34 @@ PROMPT = 4
 class GeneratingLoRA(PretrainedLoRA):
     """Generates in validation, as a user checking samples would; records what each rank generated."""
 
+    teacher_folder: str | None = None  # not a hyper-parameter: `load_from_checkpoint` builds the student alone
+    steps: list[dict[str, Any]]
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.teacher_folder and not hasattr(self, "teacher"):
+            from transformers import AutoModelForCausalLM
+
+            self.teacher = AutoModelForCausalLM.from_pretrained(self.teacher_folder).requires_grad_(False)
+        self.steps = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not self.teacher_folder:
+            return super().training_step(batch, batch_idx)
+        ids = batch[0]
+        logits = self.model(input_ids=ids).logits
+        with torch.no_grad():
+            with self.model.disable_adapter():  # the DPO reference: the base alone, no second model
+                reference = self.model(input_ids=ids).logits
+            teacher = self.teacher(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        distill = torch.nn.functional.kl_div(
+            logits.float().log_softmax(-1), teacher.float().log_softmax(-1), log_target=True, reduction="batchmean"
+        )
+        last = {"ids": ids.tolist(), "reference": reference[:, -1].float().tolist()}
+        self.steps.append({**last, "teacher": teacher[:, -1].float().tolist()})
+        return loss + 0.1 * distill
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         prompts, new = batch[0][:, :PROMPT], NEW_TOKENS[self.global_rank]
         options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
@@ -42,14 +75,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", required=True)
     parser.add_argument("--report", required=True)
+    parser.add_argument("--teacher", default=None)
     args = parser.parse_args()
+    GeneratingLoRA.teacher_folder = args.teacher
 
     torch.manual_seed(0)
     model = GeneratingLoRA(args.folder, lr=0.2)  # large steps: the adapter must change what greedy decoding picks
     trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, max_epochs=4, check_val_every_n_epoch=4)
     trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
     trainer.save_checkpoint(Path(args.report, "adapter.ckpt"))
-    Path(args.report, f"rank{trainer.global_rank}.json").write_text(json.dumps(model.generated))
+    report = {**model.generated, "steps": model.steps}
+    Path(args.report, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
