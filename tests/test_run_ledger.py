@@ -64,6 +64,16 @@ class Evaluated(AdapterModel):
         return self(batch[0])
 
 
+# torch's own, as imported: a stock DeepSpeed run earlier in this worker (tests/stock_cpu.py) leaves `F.linear` replaced
+before_linear = torch.nn.functional.linear
+
+
+@pytest.fixture(autouse=True)
+def _torchs_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from torch's own ``F.linear``, so that what it finds after the run is the run's doing."""
+    monkeypatch.setattr(torch.nn.functional, "linear", before_linear)
+
+
 @pytest.mark.parametrize("frozen_dtype", [None, "int8", "nf4", "bf16"])
 def test_fit_validate_test_predict_leave_the_module_and_the_libraries_as_they_were(
     frozen_dtype: Optional[str], tmp_path: Path
@@ -100,9 +110,6 @@ def test_fit_validate_test_predict_leave_the_module_and_the_libraries_as_they_we
                 if "lora" in name or name.startswith("head"):  # what trained: the same values
                     torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
             torch.testing.assert_close(model(x), expected, **tolerance)
-
-
-before_linear = torch.nn.functional.linear
 
 
 def test_a_fit_that_raises_mid_step_leaves_nothing(tmp_path: Path) -> None:
