@@ -10,6 +10,7 @@ import runpy
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,3 +118,53 @@ def write_report(folder: Path, rank: int, report: dict[str, Any]) -> None:
 
 def read_reports(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
+
+
+def launch(
+    script: str, *args: str, nodes: int = 1, timeout: float = 120, env: dict[str, str] | None = None
+) -> tuple[list[int], list[str], float]:
+    """Run ``tests/scripts/<script>`` with ``args`` in one process, which Lightning's launcher makes the ranks of one
+    node, or as ``nodes`` simulated nodes of one process each (pass the script ``--devices=1 --num-nodes=<nodes>``),
+    which find each other through Lightning's environment variables on loopback, so that each rank's exit status is
+    its own process's. Returns the exit statuses, each process's output (stdout and stderr together) and the seconds
+    until the last one ended; whatever runs past ``timeout`` is killed."""
+    environment = fresh_env(OMP_NUM_THREADS="1", **(env or {}))
+    if nodes > 1:
+        environment["WORLD_SIZE"] = str(nodes)
+    begun = time.monotonic()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / script), *args],
+            env={**environment, **({"NODE_RANK": str(node)} if nodes > 1 else {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(nodes)
+    ]
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=max(1.0, timeout - (time.monotonic() - begun)))[0])
+        except subprocess.TimeoutExpired:
+            process.kill()
+            outputs.append(process.communicate()[0] + f"\n<killed after {timeout:.0f} s>")
+    return [p.returncode for p in processes], outputs, time.monotonic() - begun
+
+
+def destroy_only_at_exit() -> None:
+    """Put back the package's exit hook as it was before it waited for gloo's workers (it destroyed torch's default
+    gloo group, nothing more): the "before" of ``tests/scripts/gloo_exit.py`` and ``benchmarks/exit``."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from lightning_frozen.zero import accelerator
+
+    def destroy_gloo_group() -> None:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+
+    accelerator.destroy_gloo_group_at_exit()  # registered once per process: a later setup adds no second hook
+    atexit.unregister(accelerator.end_gloo_work)
+    atexit.register(destroy_gloo_group)

@@ -51,14 +51,19 @@ class PretrainedLoRA(L.LightningModule):
         self.save_hyperparameters()
         self.seen_at_start: dict[str, Any] = {}
 
+    lora_targets = ["q_proj", "v_proj"]
+
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return
         from peft import LoraConfig, get_peft_model
+
+        self.model = get_peft_model(self.load_base(), LoraConfig(r=4, target_modules=self.lora_targets))
+
+    def load_base(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(self.hparams.folder)
-        self.model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        return AutoModelForCausalLM.from_pretrained(self.hparams.folder)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits

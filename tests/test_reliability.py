@@ -1,29 +1,34 @@
 """Faults, untrusted files and many ranks: a training process SIGKILLed while it writes checkpoints, the temp files a
 killed writer leaves, checkpoints that carry pickled objects or plant links, two simulated nodes on loopback, and
-ranks that raise, fail to write or hang."""
+ranks that raise, fail to write or hang, or leave gloo work in flight at exit."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import lightning_frozen
 from lightning_frozen import CheckpointFormatError, read_checkpoint
 from lightning_frozen.checkpoint import atomic_files, file
 from lightning_frozen.format import layout
-from tests.distributed import SCRIPTS, fresh_env, run_script
+from lightning_frozen.zero import accelerator
+from tests.distributed import SCRIPTS, fresh_env, launch, read_reports, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 MAX_STEPS = 40
@@ -354,32 +359,10 @@ def test_export_writes_only_inside_its_folder(tmp_path: Path) -> None:
 
 def _launch(folder: Path, *args: str, nodes: int = 1, timeout: float = 120) -> tuple[list[int], str, float]:
     """Run ``many_ranks.py`` under Lightning's launcher (1 node, 2 processes), or as ``nodes`` simulated nodes of one
-    process each, which find each other through Lightning's environment variables on loopback. Returns the exit
-    codes, the output of all and the seconds until the last one ended; whatever runs past ``timeout`` is killed."""
+    process each. Returns the exit codes, the output of all and the seconds until the last one ended."""
     devices = ["--devices=1", f"--num-nodes={nodes}"] if nodes > 1 else ["--devices=2"]
-    environment = fresh_env(OMP_NUM_THREADS="1")
-    if nodes > 1:
-        environment["WORLD_SIZE"] = str(nodes)
-    command = [sys.executable, str(SCRIPTS / "many_ranks.py"), f"--dir={folder}", *devices, *args]
-    begun = time.monotonic()
-    processes = [
-        subprocess.Popen(
-            command,
-            env={**environment, **({"NODE_RANK": str(node)} if nodes > 1 else {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in range(nodes)
-    ]
-    outputs = []
-    for process in processes:
-        try:
-            outputs.append(process.communicate(timeout=max(1.0, timeout - (time.monotonic() - begun)))[0])
-        except subprocess.TimeoutExpired:
-            process.kill()
-            outputs.append(process.communicate()[0] + f"\n<killed after {timeout:.0f} s>")
-    return [p.returncode for p in processes], "\n".join(outputs), time.monotonic() - begun
+    codes, outputs, seconds = launch("many_ranks.py", f"--dir={folder}", *devices, *args, nodes=nodes, timeout=timeout)
+    return codes, "\n".join(outputs), seconds
 
 
 def _processes_running(argument: str) -> list[int]:
@@ -435,6 +418,43 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout_and_not_left_behind(tmp_
     assert "Timed out waiting 10000ms" in output
     time.sleep(0.5)  # the SIGKILLed rank is reaped by init, not by us
     assert seconds < 90 and not _processes_running(str(tmp_path))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="reads Linux's /proc syscall numbers")
+def test_gloo_workers_are_idle_only_when_no_collective_waits_for_a_peer() -> None:
+    """Two ranks of a gloo group in this process, one thread each to meet: what the exit hook waits for."""
+    store, groups = dist.HashStore(), [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+
+    meeting = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in meeting:
+        thread.start()
+    for thread in meeting:
+        thread.join()
+    names = {(Path("/proc/self/task") / task / "comm").read_text().strip() for task in os.listdir("/proc/self/task")}
+    assert accelerator.GLOO_WORKER_THREAD in names  # the name torch gives its gloo workers
+    assert accelerator.wait_for_idle_gloo_workers(timeout=5)
+    waiting = groups[0].allreduce([torch.ones(4)])  # rank 1 has not called it: rank 0's worker waits for it
+    assert not accelerator.wait_for_idle_gloo_workers(timeout=0.3)
+    groups[1].allreduce([torch.ones(4)]).wait()
+    waiting.wait()
+    assert accelerator.wait_for_idle_gloo_workers(timeout=5)
+
+
+@pytest.mark.slow
+def test_every_rank_exits_cleanly_with_gloo_work_in_flight_at_exit(tmp_path: Path) -> None:
+    """Collectives whose tensors die as the process exits. With the previous exit hook (the default gloo group
+    destroyed, nothing more; ``--exit-hook=destroy-only``) a rank aborted with "terminate called without an active
+    exception" in nearly every such run (``benchmarks/exit``)."""
+    for attempt in range(3):
+        folder = tmp_path / str(attempt)
+        codes, outputs, _ = launch("gloo_exit.py", f"--dir={folder}", nodes=2, timeout=180)
+        assert codes == [0, 0] and not any("terminate called" in output for output in outputs), (
+            f"attempt {attempt}: exit statuses {codes}\n" + "\n".join(output[-3000:] for output in outputs)
+        )
+        assert [report["rank"] for report in read_reports(folder)] == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------- long runs

@@ -34,8 +34,10 @@ is defined where it is listed):
   ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
-- ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit:
-  ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``ignore_dependency_deprecations``.
+- ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit (destroyed, then its
+  workers idle, found by the name torch gives their threads and read in /proc):
+  ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
+  ``GLOO_WORKER_THREAD``, ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``scheduler_per_group_attributes``; torch's schedulers: ``TORCH_PER_GROUP_ATTRIBUTES``,
