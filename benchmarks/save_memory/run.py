@@ -31,8 +31,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import PeakSampler, load_average, machine  # noqa: E402
+from benchmarks.harness import launch, probes  # noqa: E402
+from benchmarks.harness.probes import (  # noqa: E402
+    PeakSampler,
+    load_average,
+    machine,
+    proc_status_bytes,
+    reset_peak_rss,
+)
 from benchmarks.harness.records import (  # noqa: E402
     REPO,
     RankReport,
@@ -69,6 +75,8 @@ PHASES = {"save": ("load", "steps", "save"), "resume": ("load", "resume", "steps
 
 def worker(mode: str, base: Path, checkpoint: Path, out: Path, precision: str, steps: int) -> None:
     """One rank of a ``save`` or ``resume`` run; writes ``rank<N>.json`` to ``out`` after each phase."""
+    probes.SAMPLER_SHARE = 5  # a resume lasts about a second: sample more often (a fifth of a core at most)
+    reset_peak_rss()
     sampler = PeakSampler(SAMPLE_SECONDS)
     sampler.start()
     import lightning as L
@@ -83,9 +91,11 @@ def worker(mode: str, base: Path, checkpoint: Path, out: Path, precision: str, s
     started = [time.perf_counter()]
 
     def end_phase(name: str) -> None:
-        peaks = sampler.end_phase()
+        peaks, hwm = sampler.end_phase(), proc_status_bytes("VmHWM")
+        reset_peak_rss()  # the kernel's high-water mark of RSS: exact, where the sampled USS may miss a short peak
         now = time.perf_counter()
-        phases[name] = {"peak_uss": peaks["uss"], "peak_anon": peaks["anon"], "s": round(now - started[0], 2)}
+        phases[name] = {"peak_uss": peaks["uss"], "peak_anon": peaks["anon"], "peak_rss": hwm}
+        phases[name]["s"] = round(now - started[0], 2)
         started[0] = now
         report.update(phases=phases)
 
@@ -206,11 +216,11 @@ def same_files(a: Path, b: Path) -> Optional[bool]:
     return result.stdout.strip() == "True" if result.returncode == 0 else None
 
 
-def node_peak(record: dict, phase: str) -> Optional[int]:
+def node_peak(record: dict, phase: str, kind: str = "uss") -> Optional[int]:
     ranks = record["ranks"]
     if len(ranks) != 2 or any(phase not in r.get("phases", {}) for r in ranks):
         return None
-    return sum(r["phases"][phase]["peak_uss"] for r in ranks)
+    return sum(r["phases"][phase][f"peak_{kind}"] for r in ranks)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -219,16 +229,17 @@ def summarize(runs: list[dict]) -> list[dict]:
         row: dict[str, Any] = {key: run[key] for key in ("code", "precision", "mode")}
         for phase in PHASES[run["mode"]]:
             row[f"node_{phase}"] = node_peak(run, phase)
+            row[f"anon_{phase}"] = node_peak(run, phase, "anon")
+            row[f"rss_{phase}"] = node_peak(run, phase, "rss")
             row[f"ranks_{phase}"] = [r.get("phases", {}).get(phase, {}).get("peak_uss") for r in run["ranks"]]
             row[f"{phase}_s"] = max((r.get("phases", {}).get(phase, {}).get("s") or 0) for r in run["ranks"]) or None
         key = "save" if run["mode"] == "save" else "resume"
         row["ratio"] = ratio(row[f"node_{key}"], row["node_steps"])
+        row["anon_ratio"] = ratio(row[f"anon_{key}"], row["anon_steps"])
+        row["rss_ratio"] = ratio(row[f"rss_{key}"], row["rss_steps"])
         row["checkpoint_bytes"] = run.get("checkpoint_bytes")
-        row["error"] = (
-            None
-            if run["outcome"]["status"] == "ok" and not run["outcome"]["returncode"]
-            else (f"{launch.exit_status(run['outcome'])}")
-        )
+        failed = run["outcome"]["status"] != "ok" or run["outcome"]["returncode"]
+        row["error"] = str(launch.exit_status(run["outcome"])) if failed else None
         rows.append(row)
     return rows
 
@@ -242,11 +253,17 @@ def write_results(results: dict, out: Path) -> None:
         f"`python benchmarks/save_memory/run.py` on {meta['machine']} ({meta['cpu']}), {meta['date']}; code"
         f" `{meta['commit']}` against `{meta['before']}`; {meta['steps']} steps per run, sequence {SEQUENCE}, batch"
         f" {BATCH} per rank; load average before {meta['load_before']}, after {meta['load_after']}. Node peak: the"
-        " sum over the 2 ranks of each rank's peak USS in the phase (GiB); per rank in brackets.",
+        " sum over the 2 ranks of each rank's peak USS in the phase (GiB); per rank in brackets. **ratio**: the save's"
+        " (or resume's) node peak over the node peak of the same run's steps. anon: the same with anonymous memory"
+        " only (`RssAnon`, sampled: USS without the pages of files a rank alone maps, such as its part of a"
+        " memory-mapped checkpoint during a resume). Peak RSS: the kernel's high-water mark (`VmHWM`, reset at each"
+        " phase's start), exact where a sample may miss a short peak, but counting the pages the ranks share (the"
+        " libraries) in each. Each rank samples its USS every 50 ms, or less often where a sample is slow (at most a"
+        " fifth of a core).",
         "",
     ]
     header = ["code", "precision", "run", "steps: node peak", "save / resume: node peak", "**ratio**", "goal ≤ 1.1"]
-    header += ["phase s", "checkpoint"]
+    header += ["anon ratio", "peak RSS: steps", "peak RSS: save / resume", "RSS ratio", "phase s", "checkpoint"]
     cells = []
     for row in results["rows"]:
         phase = "save" if row["mode"] == "save" else "resume"
@@ -265,20 +282,19 @@ def write_results(results: dict, out: Path) -> None:
                 peak(phase),
                 f"**{num(row['ratio'])}**",
                 met if not row["error"] else f"run failed: {row['error']}",
+                num(row.get("anon_ratio")),
+                gib(row.get("rss_steps")),
+                gib(row.get(f"rss_{phase}")),
+                num(row.get("rss_ratio")),
                 num(row[f"{phase}_s"], 1),
                 f"{gib(row['checkpoint_bytes'])} GiB" if row["checkpoint_bytes"] else "",
             ]
         )
     lines += table(header, cells)
-    lines += [
-        "",
-        "Files the two codes wrote, tensor by tensor bit-equal: "
-        + ", ".join(
-            f"`{p}` {'yes' if same else 'no' if same is False else '—'}" for p, same in meta["same_files"].items()
-        )
-        + ".",
-        "",
-    ]
+    same = ", ".join(
+        f"`{p}` {'yes' if same else 'no' if same is False else '—'}" for p, same in meta["same_files"].items()
+    )
+    lines += ["", f"Files the two codes wrote, tensor by tensor bit-equal: {same}.", ""]
     (out / "save_memory.md").write_text("\n".join(lines) + "\n")
 
 
@@ -311,7 +327,9 @@ def main() -> None:
         write_base(args.write_base)
         return
     if args.report:
-        write_results(read_json(args.out / "save_memory.json"), args.out)
+        results = read_json(args.out / "save_memory.json")
+        results["rows"] = summarize(results["runs"])
+        write_results(results, args.out)
         print((args.out / "save_memory.md").read_text())
         return
 
