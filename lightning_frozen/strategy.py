@@ -28,7 +28,7 @@ from lightning_frozen import adapters, anatomy, arguments, dependencies, lightni
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
-from lightning_frozen.checkpoint import file, trainable_state
+from lightning_frozen.checkpoint import file, streamed_save, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.ledger import RunLedger, open_run
@@ -129,6 +129,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._preemption = preemption.Preemption(self._spec.preemption_grace)
         self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
         self._optimized = trainable_groups.TrainableGroups()
+        self._deferred = streamed_save.DeferredTensors()  # the trainable tensors of the save being built
         self._freezes: list[Callable[[Module], None]] = []  # this run's finetuning callbacks' `freeze_before_training`
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
         self._fingerprints = FingerprintCache(self._loaded_base)
@@ -335,26 +336,28 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The trainable params (whole fp32 values) and persistent buffers; never a frozen weight. Collective."""
-        ungrouped = self._optimized.ungrouped_names
-        return trainable_state.trainable_state_dict(self._module, self._deepspeed_optimizer, ungrouped)
+        """The trainable params and persistent buffers, never a frozen weight: each trainable param a placeholder on
+        the meta device, filled as :meth:`save_checkpoint` writes the file (``checkpoint/streamed_save.py``)."""
+        self._deferred, ungrouped = streamed_save.DeferredTensors(), self._optimized.ungrouped_names
+        return trainable_state.trainable_state_dict(self._module, self._deepspeed_optimizer, self._deferred, ungrouped)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer state keyed by param name, whole tensors: any world size can resume it. Collective."""
-        return trainable_state.optimizer_state_by_name(optimizer, self._module, self._optimized.group_names)
+        """The optimizer state keyed by param name (any world size resumes it), per-element states as placeholders."""
+        names = self._optimized.group_names
+        return trainable_state.optimizer_state_by_name(optimizer, self._module, names, self._deferred)
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict, filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         """Write one file with the trainable state and the frozen base's reference and fingerprint, from rank 0,
-        atomically (a local path, an fsspec URL, or the Trainer's ``CheckpointIO`` plugin). Collective."""
+        atomically (a local path, an fsspec URL, or the Trainer's ``CheckpointIO`` plugin), each trainable tensor
+        gathered to rank 0 alone as it is written. Collective."""
         checkpoint_io = file.user_checkpoint_io(self.checkpoint_io, storage_options)
         filepath = self.broadcast(filepath)
         written_with = {layout.WORLD_SIZE: self.world_size, layout.PRECISION: str(self.precision_plugin.precision)}
         record, found = self.frozen_base_fingerprint(), self._module_anatomy()
         full = trainable_state.saved_checkpoint(checkpoint_dict, self._module, found, record, **written_with)
-        if self.is_global_zero:
-            file.save(full, filepath, checkpoint_io, storage_options)
+        streamed_save.write(full, filepath, self._deferred, self.is_global_zero, checkpoint_io, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:

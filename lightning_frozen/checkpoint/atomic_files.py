@@ -64,7 +64,8 @@ def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
 
 
 def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Call ``write(handle)`` on a new temporary file next to ``path``, fsync it, then rename it over ``path``.
+    """Call ``write(handle)`` on a new temporary file next to ``path`` (open for writing and reading), fsync it, then
+    rename it over ``path``.
 
     The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
     through an existing file or link). A SIGTERM or SIGHUP nobody handles removes it before it ends the process; a
@@ -75,11 +76,12 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
     tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode. Open
+    # for reading too: a write in two passes reads where the first put each tensor (zero/torch_file.py)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
     _BEING_WRITTEN.add(tmp)
     try:
-        with _removed_on_terminating_signal(tmp), os.fdopen(fd, "wb") as handle:
+        with _removed_on_terminating_signal(tmp), os.fdopen(fd, "w+b") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

@@ -11,7 +11,7 @@ import io
 import os
 import pickle
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import IO, Any, Optional, TypeVar, Union
 
@@ -31,6 +31,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 from lightning_frozen.format import layout
+from lightning_frozen.zero import torch_file
 
 PathLike = Union[str, os.PathLike]
 T = TypeVar("T")
@@ -122,13 +123,28 @@ def write_atomic(checkpoint: dict, path: PathLike) -> None:
     if isinstance(location, str):
         write_url(location, lambda handle: torch.save(checkpoint, handle))
         return
+    write_file_atomic(_file_target(location), lambda handle: torch.save(checkpoint, handle))
+
+
+def write_in_two_passes(
+    checkpoint: dict, path: PathLike, later: Collection[torch.Tensor], fill: Callable[[torch_file.Put], None]
+) -> None:
+    """:func:`save` to a local ``path``, where the tensors of ``later`` (placeholders on the meta device) are written
+    as ``fill(put)`` gives their values, one at a time (``zero/torch_file.py``): the same file, atomically."""
+    plain = to_plain(checkpoint)
+    location = _file_target(checked_path(path, "path", "write_in_two_passes"))
+    write_file_atomic(location, lambda handle: torch_file.save_in_two_passes(plain, handle, later, fill))
+
+
+def _file_target(location: Path) -> Path:
+    """``location``, refused where it is a directory (a stock DeepSpeed checkpoint): a save never replaces one."""
     if location.is_dir():
         stock = " (a stock DeepSpeed checkpoint)" if deepspeed_shard_folder(location) is not None else ""
         raise CheckpointFormatError(
             f"{location} is a directory{stock}; lightning-frozen writes one file. Choose a file path such as"
             " `last.ckpt`, or remove the directory."
         )
-    write_file_atomic(location, lambda handle: torch.save(checkpoint, handle))
+    return location
 
 
 def user_checkpoint_io(checkpoint_io: CheckpointIO, storage_options: Any = None) -> Optional[CheckpointIO]:
@@ -169,7 +185,10 @@ def load(path: PathLike, checkpoint_io: Optional[CheckpointIO]) -> dict[str, Any
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
     """Open a lightning-frozen checkpoint with ``weights_only=True`` and check its layout; nothing in it is executed.
 
-    ``path`` is a local path or an fsspec URL (``s3://...``, ``memory://...``).
+    ``path`` is a local path or an fsspec URL (``s3://...``, ``memory://...``). A local file is memory-mapped: the
+    trainable state (the ``state_dict`` and each optimizer entry's per-param ``state``) stays a view of the file, read
+    only where a reader copies from it (a resuming rank, its own part of each tensor), and unmapped once nothing
+    holds it; every other tensor is copied into memory.
 
     Raises:
         TypeError: ``path`` is not a path.
@@ -180,7 +199,8 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     location = checked_location(path, "path", "read_checkpoint")
     source = _open_for_reading(location)
     try:
-        checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+        mapped = isinstance(source, Path)
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
     except OSError as error:
         raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
     except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
@@ -196,7 +216,37 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
             f"{location} is not a readable checkpoint (truncated or corrupt? {load_error(error)})."
         ) from None
     layout.validate(checkpoint, location)
-    return checkpoint
+    return _all_but_trainable_copied(checkpoint) if mapped else checkpoint
+
+
+def _all_but_trainable_copied(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A memory-mapped checkpoint with every tensor copied out of the file but the trainable state's: what keeps a
+    tensor after a resume (a callback's state, a scheduler's, a loop's) does not keep the file mapped, nor the pages
+    of it that the resume read."""
+
+    def entry(value: Any) -> Any:
+        if not isinstance(value, dict):
+            return _copied(value)
+        return {key: state if key == layout.OPTIMIZER_STATE else _copied(state) for key, state in value.items()}
+
+    return {
+        key: value
+        if key == layout.STATE_DICT
+        else [entry(e) for e in value]
+        if key == layout.OPTIMIZER_STATES and isinstance(value, list)
+        else _copied(value)
+        for key, value in checkpoint.items()
+    }
+
+
+def _copied(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {key: _copied(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(value) for value in obj)
+    return obj
 
 
 def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:

@@ -1,8 +1,10 @@
 """The trainable state of a ZeRO-3 run by parameter name: what a checkpoint holds, and putting it back.
 
-Whole tensors keyed by name (gathered through ``zero/params.py``'s world-size independent accessors), so a checkpoint
-written by any number of ranks resumes on any other. The ``frozen_base`` entry records what the trainable state was
-trained on. Every function that gathers or scatters is collective under ZeRO-3: every rank calls it in the same order.
+Whole tensors keyed by name, so a checkpoint written by any number of ranks resumes on any other: a save's dict holds
+placeholders for them, gathered to the writing rank one at a time as the file is written (``streamed_save.py``); a
+resume copies each rank's own part of each out of the file (``zero/params.py``'s ``set_full_param``). The
+``frozen_base`` entry records what the trainable state was trained on. Every function that scatters is collective
+under ZeRO-3: every rank calls it in the same order.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ from torch import nn
 from lightning_frozen.anatomy import Anatomy
 from lightning_frozen.checkpoint.adapter_entries import peft_entries
 from lightning_frozen.checkpoint.loading import check_keys
+from lightning_frozen.checkpoint.streamed_save import DeferredTensors
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.format import layout
 from lightning_frozen.format.codec import block_format
 from lightning_frozen.zero.params import (
     ensure_optimizer_state,
-    full_param,
     loss_scaler_state,
-    optimizer_state_of,
     persistent_buffers,
     restore_loss_scaler,
     set_full_param,
@@ -38,11 +39,12 @@ def optimizer_holding(name: str, deepspeed_optimizer: Any, ungrouped_names: Coll
 
 
 def trainable_state_dict(
-    module: nn.Module, deepspeed_optimizer: Any, ungrouped_names: Collection[str] = ()
+    module: nn.Module, deepspeed_optimizer: Any, deferred: DeferredTensors, ungrouped_names: Collection[str] = ()
 ) -> dict[str, Any]:
-    """The trainable params (whole fp32 values) and persistent buffers; never a frozen weight. Collective."""
+    """The trainable params and persistent buffers; never a frozen weight. Each trainable param is a placeholder of
+    its whole fp32 value, which ``deferred`` gathers as the file is written (``streamed_save.py``)."""
     state = {
-        name: full_param(param, optimizer_holding(name, deepspeed_optimizer, ungrouped_names))
+        name: deferred.placeholder(param, optimizer_holding(name, deepspeed_optimizer, ungrouped_names))
         for name, param in module.named_parameters()
         if param.requires_grad
     }
@@ -76,16 +78,19 @@ def load_trainable_state(
 
 
 def optimizer_state_by_name(
-    deepspeed_optimizer: Any, module: nn.Module, group_param_names: list[list[str]]
+    deepspeed_optimizer: Any, module: nn.Module, group_param_names: list[list[str]], deferred: DeferredTensors
 ) -> dict[str, Any]:
-    """The optimizer state keyed by param name, whole tensors: any world size can resume it. Collective."""
+    """The optimizer state keyed by param name, whole tensors (any world size can resume it): each per-element state
+    a placeholder that ``deferred`` gathers as the file is written."""
     params = dict(module.named_parameters())
     groups = [
         layout.param_group_entry(group, names)
         for group, names in zip(deepspeed_optimizer.param_groups, group_param_names)
     ]
     state = {
-        name: optimizer_state_of(deepspeed_optimizer, params[name]) for names in group_param_names for name in names
+        name: deferred.optimizer_state(deepspeed_optimizer, params[name])
+        for names in group_param_names
+        for name in names
     }
     return layout.optimizer_entry(state, groups, loss_scaler_state(deepspeed_optimizer))
 

@@ -16,7 +16,9 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``ZeROOrderedDict``) that a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
 ``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
 ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
-param's decoded storage is held elsewhere before decoding into it again (``host_memory``). Each of them is a row of
+param's decoded storage is held elsewhere before decoding into it again (``host_memory``); and writes a file in two
+passes with torch's ``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``).
+Each of them is a row of
 ``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the error
 that ended a run.
 
@@ -26,7 +28,9 @@ is defined where it is listed):
 - ``params``: one ZeRO-3 param, its shard and its whole value: ``is_partitioned``, ``full_numel``, ``full_shape``,
   ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``, ``full_param``,
   ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent: ``optimizer_state_of``,
-  ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``, ``scaler_state``, ``restore_loss_scaler``;
+  ``optimizer_state_with``, ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``,
+  ``scaler_state``, ``restore_loss_scaler``; a save's whole tensors, gathered to the writing rank alone:
+  ``gather_to_writer``, ``whole_on_meta``, ``WRITER_RANK``;
   and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (from a module's
   non-persistent buffer set), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
@@ -61,6 +65,8 @@ is defined where it is listed):
 - ``whole``: ZeRO-3 params made plain tensors again after a run: ``unshard``.
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
+- ``torch_file``: a ``torch.save`` file written in two passes, its structure then each tensor's bytes as they come:
+  ``save_in_two_passes``, ``available``, ``with_values``, ``Put``.
 - ``private_names``: every private name above, with the signature or attributes the seam relies on, one row each,
   checked when a strategy is built: ``DEEPSPEED``, ``TORCH``.
 """

@@ -8,7 +8,7 @@ shards live is ``engine.py``'s concern.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -203,16 +203,80 @@ def optimizer_state_of(deepspeed_optimizer: Any, param: nn.Parameter) -> dict[st
     scalars (``step``) copied. Empty before the first step. Collective under ZeRO-3."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
+    def whole(key: str) -> torch.Tensor:
+        with placeholder_on_accelerator(param):
+            return safe_get_full_optimizer_state(param, key).detach().reshape(param.ds_shape).cpu()
+
+    return optimizer_state_with(deepspeed_optimizer, param, whole)
+
+
+def optimizer_state_with(
+    deepspeed_optimizer: Any, param: nn.Parameter, per_element: Callable[[str], Any]
+) -> dict[str, Any]:
+    """:func:`optimizer_state_of` with each per-element state (Adam's moments) ``per_element(key)`` instead, in order;
+    scalars (``step``) copied."""
     state: dict[str, Any] = {}
     inner = _inner_state(deepspeed_optimizer, param)
     for key in sorted(inner):
         value = inner[key]
         if _is_per_element(value):
-            with placeholder_on_accelerator(param):
-                state[key] = safe_get_full_optimizer_state(param, key).detach().reshape(param.ds_shape).cpu()
+            state[key] = per_element(key)
         else:
             state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
     return state
+
+
+WRITER_RANK = 0  # the rank that writes a checkpoint file, and the only one a save gathers whole tensors to
+
+
+def whole_on_meta(param: nn.Parameter, deepspeed_optimizer: Any = None, key: Optional[str] = None) -> torch.Tensor:
+    """A tensor on the meta device of the shape and dtype :func:`gather_to_writer` returns for the same arguments:
+    what a save puts in its dict until the file is written."""
+    if not is_partitioned(param):
+        dtype = param.dtype
+    elif deepspeed_optimizer is None or not param.requires_grad:
+        dtype = param.ds_tensor.dtype
+    elif key is None:
+        group_index, _, _ = deepspeed_optimizer.grad_position[deepspeed_optimizer.get_param_id(param)]
+        dtype = deepspeed_optimizer.fp32_partitioned_groups_flat[group_index].dtype
+    else:
+        dtype = _inner_state(deepspeed_optimizer, param)[key].dtype
+    return torch.empty(full_shape(param), dtype=dtype, device="meta")
+
+
+def gather_to_writer(
+    param: nn.Parameter, deepspeed_optimizer: Any = None, key: Optional[str] = None
+) -> Optional[torch.Tensor]:
+    """The whole value of a trainable param on the CPU of the writing rank (:data:`WRITER_RANK`), None on the others:
+    the fp32 master copy where the ZeRO optimizer holds one (else the param itself), or with ``key`` its optimizer
+    state ``key``. Each rank sends its own partition and only the writer holds the whole, one param at a time
+    (``safe_get_full_fp32_param`` would give it to every rank). Collective under ZeRO-3."""
+    import deepspeed.comm as dist
+
+    writer = dist.get_rank() == WRITER_RANK
+    if not is_partitioned(param):
+        return param.detach().cpu() if writer else None
+    from deepspeed.accelerator import get_accelerator
+
+    # the partition is as long as the shard on every rank (padding included); gloo and NCCL want it on the accelerator
+    partition = _partition_of(param, deepspeed_optimizer, key).to(get_accelerator().current_device_name())
+    group, ranks = param.ds_process_group, dist.get_world_size(group=param.ds_process_group)
+    whole = torch.empty(partition.numel() * ranks, dtype=partition.dtype, device=partition.device) if writer else None
+    # gather_list[i] receives the partition of the group's rank i: the ranks' shards in order, padding at the end
+    dist.gather(partition, gather_list=list(whole.chunk(ranks)) if writer else None, dst=WRITER_RANK, group=group)
+    return whole.narrow(0, 0, full_numel(param)).view(full_shape(param)).cpu() if writer else None
+
+
+def _partition_of(param: nn.Parameter, deepspeed_optimizer: Any, key: Optional[str]) -> torch.Tensor:
+    """This rank's flat partition of what :func:`gather_to_writer` gathers (the param's own data when it has none)."""
+    if not is_partitioned(param):
+        return param.data
+    if deepspeed_optimizer is None or not param.requires_grad:
+        return param.ds_tensor
+    partition, _ = deepspeed_optimizer._get_fp32_opt_state_partition(
+        param, release_swap_buffers=True, optim_state_key=key
+    )
+    return partition
 
 
 def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Parameter]] = None) -> None:

@@ -43,6 +43,13 @@ RELEASE_CACHE = ForeignName(
     fallback=_KEPT,
 )
 
+# torch.save's file in two passes (zero/torch_file.py); without them a save writes its file in one torch.save
+_ONE_PASS = "a save's writing rank holds the whole trainable state at once (not one param at a time) while it writes"
+FAKE_TENSOR_MODE = ForeignName("torch._subclasses.fake_tensor:FakeTensorMode", "zero/torch_file.py", fallback=_ONE_PASS)
+CHECKPOINT_OFFSET = ForeignName(
+    "torch.serialization:_load", "zero/torch_file.py", in_code=("_checkpoint_offset",), fallback=_ONE_PASS
+)
+
 DEEPSPEED = (
     # the ZeRO-3 optimizer: state by param, its sub-group steps, per-adapter clipping
     ForeignName(
@@ -206,6 +213,8 @@ TORCH = (
         in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
     ),
     ForeignName("torch:Tensor._version", "zero/params.py"),
+    FAKE_TENSOR_MODE,
+    CHECKPOINT_OFFSET,
     ForeignName("torch._C:_storage_Use_Count", "zero/host_memory.py"),
     ForeignName("torch:UntypedStorage._cdata", "zero/host_memory.py"),
     ForeignName("torch.optim.lr_scheduler:LRScheduler.get_last_lr", "zero/optimizers.py", in_code=("_last_lr",)),

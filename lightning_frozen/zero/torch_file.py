@@ -1,0 +1,181 @@
+"""A ``torch.save`` file written in two passes, so that its largest tensors never have to be in memory together: first
+its structure, with the place of every tensor's bytes reserved and left empty (``torch.serialization.skip_data``), then
+each tensor's bytes at its place, whenever the caller has them.
+
+The file is the one ``torch.save`` writes (a zip archive, ``weights_only`` loadable, ``mmap`` loadable): the same
+records, and each record's CRC-32 is put back once its bytes are in. What the first pass reserves for a tensor not yet
+there is given as a tensor on the meta device; torch writes a place for it when it is a ``FakeTensor`` of the same shape
+and dtype (``skip_data(materialize_fake_tensors=True)``), and a ``torch.load(..., map_location="meta")`` of the
+structure tags each storage with the offset of its bytes (``_checkpoint_offset``), as torch's own GPUDirect Storage
+recipe reads them. Both are torch's private names (``private_names.TORCH``); where they moved, :func:`available` is
+False and a caller writes the file in one ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Collection, Iterator
+from typing import IO, Any
+
+import torch
+
+from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.foreign_names import problem_of
+from lightning_frozen.zero.private_names import CHECKPOINT_OFFSET, FAKE_TENSOR_MODE
+
+# zip records (APPNOTE 4.3): a local header's CRC-32 and name and extra lengths, a central header's CRC-32, the data
+# descriptor miniz writes after each record's bytes (its signature, then the CRC-32)
+_LOCAL_CRC, _LOCAL_LENGTHS, _LOCAL_SIZE = 14, 26, 30
+_CENTRAL_SIGNATURE, _CENTRAL_CRC, _CENTRAL_LENGTHS, _CENTRAL_SIZE = b"PK\x01\x02", 16, 28, 46
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+
+Put = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the installed torch still has what the two passes rely on (see the module's docstring)."""
+    return problem_of(FAKE_TENSOR_MODE) is None and problem_of(CHECKPOINT_OFFSET) is None
+
+
+def save_in_two_passes(
+    obj: Any, handle: IO[bytes], later: Collection[torch.Tensor], fill: Callable[[Put], None]
+) -> None:
+    """``torch.save(obj, handle)``, where the tensors of ``later`` (on the meta device, each somewhere in ``obj``) are
+    written when ``fill(put)`` calls ``put(tensor, value)`` with their values, in any order; ``fill`` is called once.
+
+    ``handle`` must be open for reading and writing. A tensor of ``later`` that ``obj`` does not hold is skipped.
+
+    Raises:
+        CheckpointFormatError: ``obj`` holds another tensor on the meta device (it has no bytes to write), or
+            ``fill`` left a tensor of ``later`` that ``obj`` holds without its value.
+    """
+    later_ids = {id(tensor) for tensor in later}
+    stray = [t for t in _tensors(obj) if t.device.type == "meta" and id(t) not in later_ids]
+    if stray:
+        raise CheckpointFormatError(
+            f"The checkpoint holds a tensor of shape {tuple(stray[0].shape)} on the meta device, which has no values"
+            " to save. A hook that changes the checkpoint's `state_dict` or `optimizer_states` (`on_save_checkpoint`)"
+            " may move or drop their tensors, but not compute new ones from them: they are filled as the file is"
+            " written."
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fakes = {id(t): torch.empty(t.shape, dtype=t.dtype) for t in _tensors(obj) if id(t) in later_ids}
+    structure = with_values(obj, fakes)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(structure, handle)
+    handle.flush()
+    handle.seek(0)
+    places = _places(obj, torch.load(handle, map_location="meta", weights_only=True))
+    descriptor = handle.fileno()
+    crcs: dict[int, int] = {}
+
+    def write(offset: int, data: torch.Tensor) -> None:
+        view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+        crcs[offset] = zlib.crc32(view)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(descriptor, view[written:], offset + written)
+
+    waiting = {id(tensor): offset for tensor, offset in places if id(tensor) in later_ids}
+    for tensor, offset in places:
+        if id(tensor) not in later_ids:
+            write(offset, _storage_bytes(tensor))
+
+    def put(tensor: torch.Tensor, value: torch.Tensor) -> None:
+        if (value.shape, value.dtype) != (tensor.shape, tensor.dtype):
+            raise CheckpointFormatError(
+                f"A tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} was given a value of shape"
+                f" {tuple(value.shape)} and dtype {value.dtype}."
+            )
+        offset = waiting.pop(id(tensor), None)
+        if offset is not None:
+            write(offset, value.detach().cpu().contiguous())
+
+    fill(put)
+    if waiting:
+        raise CheckpointFormatError(f"{len(waiting)} tensor(s) of the checkpoint were never given their values.")
+    _put_back_crcs(handle, crcs)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def with_values(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
+    """``obj`` with each tensor whose ``id`` is a key of ``by_id`` replaced by its value there (dicts, lists and
+    tuples copied, everything else shared)."""
+    if torch.is_tensor(obj):
+        return by_id.get(id(obj), obj)
+    if isinstance(obj, dict):
+        return {key: with_values(value, by_id) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(with_values(value, by_id) for value in obj)
+    return obj
+
+
+def _places(saved: Any, loaded: Any) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor of ``saved`` with the offset of its storage's bytes in the file, read off ``loaded`` (the same
+    structure loaded on the meta device)."""
+    places: list[tuple[torch.Tensor, int]] = []
+    pending = [(saved, loaded)]
+    while pending:
+        a, b = pending.pop()
+        if torch.is_tensor(a):
+            places.append((a, b.untyped_storage()._checkpoint_offset))
+        elif isinstance(a, dict):
+            pending.extend((value, b[key]) for key, value in a.items())
+        elif isinstance(a, (list, tuple)):
+            pending.extend(zip(a, b))
+    return places
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``'s whole storage (what ``torch.save`` writes for it), on the CPU."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage if storage.device.type == "cpu" else storage.cpu())
+
+
+def _put_back_crcs(handle: IO[bytes], crcs: dict[int, int]) -> None:
+    """Write the CRC-32 of each record whose bytes start at an offset of ``crcs`` into its local header, its data
+    descriptor and its central directory entry, where the first pass left 0."""
+    handle.seek(0)
+    archive = zipfile.ZipFile(handle)
+    records = {}
+    for info in archive.infolist():
+        handle.seek(info.header_offset + _LOCAL_LENGTHS)
+        name_length, extra_length = struct.unpack("<HH", handle.read(4))
+        start = info.header_offset + _LOCAL_SIZE + name_length + extra_length
+        if start in crcs:
+            records[info.filename] = (info, start, crcs[start])
+    descriptor = handle.fileno()
+    position = archive.start_dir
+    for _ in archive.infolist():
+        handle.seek(position)
+        header = handle.read(_CENTRAL_SIZE)
+        if header[:4] != _CENTRAL_SIGNATURE:
+            raise CheckpointFormatError("The checkpoint being written has no zip central directory where torch put it.")
+        lengths = struct.unpack("<HHH", header[_CENTRAL_LENGTHS : _CENTRAL_LENGTHS + 6])
+        name = handle.read(lengths[0]).decode()
+        if name in records:
+            info, start, crc = records[name]
+            packed = struct.pack("<I", crc)
+            os.pwrite(descriptor, packed, info.header_offset + _LOCAL_CRC)
+            os.pwrite(descriptor, packed, position + _CENTRAL_CRC)
+            handle.seek(start + info.compress_size)
+            if handle.read(4) == _DESCRIPTOR_SIGNATURE:
+                os.pwrite(descriptor, packed, start + info.compress_size + 4)
+        position += _CENTRAL_SIZE + sum(lengths)
