@@ -253,8 +253,11 @@ def test_a_prefix_encoder_built_in_configure_model_saves_and_exports(llama_folde
     trainer.save_checkpoint(tmp_path / "adapter.ckpt")
     straight = PeftModule(tuner, llama_folder)  # built in `__init__`: the same base and adapter init
     cpu_trainer(max_epochs=1).fit(straight, batches(tuner))
+    straight.trainer.save_checkpoint(tmp_path / "straight.ckpt")
     built_there = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["state_dict"]
-    for name, value in straight.trainer.strategy.lightning_module_state_dict().items():
+    built_straight = torch.load(tmp_path / "straight.ckpt", weights_only=True)["state_dict"]
+    assert built_there.keys() == built_straight.keys() and built_there
+    for name, value in built_straight.items():
         torch.testing.assert_close(built_there[name], value)
 
     ours = PeftModule(tuner, llama_folder, in_configure_model=True)
