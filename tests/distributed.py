@@ -34,12 +34,18 @@ def fresh_env(**overrides: str) -> dict[str, str]:
 
 
 def run_script(
-    name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None, status: int = 0
+    name: str,
+    *args: str,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    status: int = 0,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    """Run ``tests/scripts/<name>`` with ``args``; fail with its output if it exits with another status than
-    ``status`` or exceeds ``timeout`` seconds."""
+    """Run ``tests/scripts/<name>`` with ``args`` (behind the command line ``prefix``, such as
+    :func:`in_a_small_tmpfs`'s); fail with its output if it exits with another status than ``status`` or exceeds
+    ``timeout`` seconds."""
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args],
+        [*prefix, sys.executable, str(SCRIPTS / name), *args],
         env=fresh_env(**(env or {})),
         capture_output=True,
         text=True,
@@ -50,6 +56,20 @@ def run_script(
             f"{name} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def in_a_small_tmpfs(folder: Path, size: str) -> list[str] | None:
+    """A command line prefix that runs a command in a mount namespace of its own, where ``folder`` (which exists) is
+    a tmpfs of ``size`` (``mount``'s ``size=``: ``16k``); None where this machine cannot make one (``unshare -r``
+    refused to a user other than root)."""
+    namespace = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]  # root keeps its uids: chown works
+    # sh -c 'script' folder command...: the script mounts "$0" and runs the command in "$@" in its place
+    prefix = [*namespace, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(folder)]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return prefix if probe.returncode == 0 else None
 
 
 def chained(*runs: Sequence[str]) -> list[str]:

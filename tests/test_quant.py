@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
 from lightning_frozen.format import bitsandbytes_nf4, codec, layout, native_codec
 from lightning_frozen.zero import params, quantized
-from tests.distributed import read_reports, run_script
+from tests.distributed import in_a_small_tmpfs, read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 WIDTH = 128  # frozen weight 128x128: whole blocks for both formats; the 128-element biases pad their last block
@@ -488,10 +489,17 @@ def test_fp16_storage_refuses_weights_beyond_its_range() -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """nf4 and int8 fits on 2 ranks, each saved, then nf4 resumed on 2 ranks for a second epoch; then, in the same
-    world (the file's only one), the fits of ``prefetched`` into ``prefetch/``."""
+    world (the file's only one), the fits of ``prefetched`` into ``prefetch/``. Where this machine can mount one, the
+    world runs where ``small-shm/`` is a tmpfs of 16 KiB, too small for the codes (about 40 KiB)."""
     tmp = tmp_path_factory.mktemp("quant_two_ranks")
+    small_shm = tmp / "small-shm"
+    small_shm.mkdir()
+    prefix = in_a_small_tmpfs(small_shm, "16k")
     run_script(
-        "train_quantized.py", "--frozen-dtypes", "nf4", "int8", f"--out={tmp}", f"--prefetch-out={tmp / 'prefetch'}"
+        "train_quantized.py",
+        *("--frozen-dtypes", "nf4", "int8", f"--out={tmp}", f"--prefetch-out={tmp / 'prefetch'}"),
+        *([f"--small-shm={small_shm}"] if prefix else []),
+        prefix=prefix or (),
     )
     return tmp
 
@@ -582,6 +590,44 @@ def test_ranks_on_one_machine_read_each_others_codes_from_shared_memory(prefetch
     assert exchanged[1]["exchange_warnings"] == []
     (why,) = exchanged[0]["exchange_warnings"]
     assert "not every rank could open it" in why
+
+
+@pytest.mark.slow
+def test_a_shared_folder_without_room_for_the_codes_falls_back_to_the_process_group(prefetched: Path) -> None:
+    if not (prefetched / "small-shm").exists():
+        pytest.skip("this machine mounts no tmpfs in a namespace of its own (`unshare -rm` refused)")
+    small, shared = read_reports(prefetched / "small-shm"), read_reports(prefetched / "shared")
+    for cramped, roomy in zip(small, shared):  # both ranks alive: no SIGBUS at a write into the full tmpfs
+        assert cramped["shared_params"] == 0 and cramped["frozen_params"] > 0
+        assert [g for g in cramped["gathers"] if g["dtype"] == "torch.uint8"]  # codes crossed the process group
+        assert cramped["global_step"] == roomy["global_step"] == 4
+        assert cramped["trainable"] == roomy["trainable"]  # the same training as with the codes shared
+    assert small[1]["exchange_warnings"] == []
+    (why,) = small[0]["exchange_warnings"]  # one line, on rank 0
+    pattern = r"small-shm has [\d.]+ GiB free and the codes take [\d.]+ GiB \(No space left on device; in a container"
+    assert re.search(pattern, why) and "\n" not in why, why
+
+
+@pytest.mark.slow
+def test_the_next_run_removes_files_of_dead_jobs_of_its_user_and_no_other(prefetched: Path) -> None:
+    if not (prefetched / "small-shm").exists():
+        pytest.skip("this machine mounts no tmpfs in a namespace of its own (`unshare -rm` refused)")
+    planted = json.loads((prefetched / "small-shm-planted.json").read_text())
+    kept = sorted(name for kind, name in planted.items() if kind != "dead")
+    assert len(kept) >= 2  # a live job's, another user's (and, as root, one owned by another user)
+    for report in read_reports(prefetched / "small-shm"):
+        assert report["shared_files_left"] == kept
+
+
+@pytest.mark.slow
+def test_a_handshake_that_raises_leaves_no_shared_file_and_no_mapping(prefetched: Path) -> None:
+    reports = read_reports(prefetched / "raising-handshake")
+    assert len(reports[0]["files_at_the_raise"]) == 1  # rank 0 had made the file when the process group failed
+    for report in reports:
+        assert report["raised"] == "a rank died"  # the error reaches the caller
+        assert report["files_left"] == []
+        assert report["mapped_after"] == []  # unmapped as the error left `share_codes`
+        assert report["shared_params"] == 0
 
 
 @pytest.mark.slow

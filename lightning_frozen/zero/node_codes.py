@@ -14,15 +14,24 @@ What this saves is measured in ``benchmarks/big_model``.
 
 Only on the CPU, when every rank of the params' process group can open the file rank 0 made (one machine, one
 ``/dev/shm``) and it has room; otherwise the gather exchanges codes through the process group as before, and rank 0
-says why once. The file is unlinked as soon as every rank has mapped it: nothing is left behind if a rank dies, and
-the memory goes back when the last rank drops its params.
+says why once. Room is reserved when the file is made (``posix_fallocate``): a write into a sparse file on a full
+tmpfs would kill the writing rank with SIGBUS, and a free-space check beforehand races other jobs. The ranks agree in
+one collective: no rank uses the file unless every rank mapped it.
+
+The file is unlinked as soon as every rank has mapped it, or given it up, or the handshake raised: the memory goes
+back when the last rank drops its params. A job killed between making the file and unlinking it leaves it behind, so
+the file's name holds its owner's uid and pid (``lightning-frozen-<uid>-<pid>-<random>``), and rank 0 removes files
+of its own uid whose process is gone before it makes one (a pid alive in another pid namespace that shares this
+``/dev/shm`` looks gone: its file lives only for the seconds of a handshake).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import re
 import secrets
 import weakref
 from collections.abc import Callable
@@ -44,13 +53,16 @@ _counted: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MADV_POPULATE_READ = 22  # Linux 5.14
 _HEADER = 64  # bytes at the file's head: rank 0's token, which proves the other ranks opened the same file
 _owned = [0]  # bytes of this rank's shards in shared files, of params alive (memory accounting)
+_PREFIX = "lightning-frozen"
+_NAME = re.compile(rf"{_PREFIX}-(\d+)-(\d+)-[0-9a-f]+")  # owner's uid, pid
 
 
 def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parameter], Optional[str]]) -> int:
     """Move this rank's codes of ``params`` (quantized ZeRO-3 shards in CPU memory, one process group) into a
     shared-memory file that every rank of the group maps; return how many params moved (0: the ranks do not share a
     machine's ``/dev/shm``, or it has no room, and gathers go through the process group as before). Params already
-    shared are skipped. Collective over the params' process group: every rank passes the same params.
+    shared are skipped. Collective over the params' process group: every rank passes the same params. If the process
+    group raises, the file is gone and no param reads it.
     """
     import deepspeed.comm as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -69,33 +81,45 @@ def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parame
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     if int(sizes[0]) != -int(sizes[1]):  # the ranks disagree on the params: keep the collective
         return 0
-    offer: list[Optional[str]] = [None, None, None]  # file name, token, why not
+    name = _new_name() if rank == 0 else None
     mapped = None
-    if rank == 0:
-        offer, mapped = _offer(total)
-    dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
-    name, token, why_not = offer
-    path = None if name is None else SHARED_DIR / name  # this machine's, which may not be rank 0's
-    if rank != 0 and path is not None:
-        mapped = _open(path, token, total, create=False)
-    opened = torch.tensor([0 if mapped is None else 1], dtype=torch.int64)
-    dist.all_reduce(opened, op=dist.ReduceOp.MIN, group=group)
-    if rank == 0 and path is not None:
-        path.unlink(missing_ok=True)  # every rank has it mapped, or it is given up
+    try:
+        offer: list[Optional[str]] = [None, None, None]  # file name, token, why not
+        if rank == 0:
+            offer, mapped = _offer(SHARED_DIR / name, total)
+        dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
+        shared_name, token, why_not = offer
+        if rank != 0 and shared_name is not None:
+            mapped = _open(SHARED_DIR / shared_name, token, total)  # this machine's, which may not be rank 0's
+        opened = torch.tensor([0 if mapped is None else 1], dtype=torch.int64)
+        dist.all_reduce(opened, op=dist.ReduceOp.MIN, group=group)
+    except BaseException:
+        mapped = None  # unmapped now, not when the traceback goes
+        raise
+    finally:
+        if name is not None:
+            (SHARED_DIR / name).unlink(missing_ok=True)  # every rank has it mapped, or gave it up, or raised
     if int(opened) == 0:
         if why_not is None:
             why_not = "not every rank could open it (they are not all on one machine with one /dev/shm)"
         rank_zero_warn(f"The frozen codes are exchanged through the process group at every gather: {why_not}.")
         return 0
     assert mapped is not None
-    for param, offset in zip(params, offsets):
-        local = param.ds_tensor.data
-        rows = mapped[offset : offset + world * local.numel()].view(world, local.numel())
-        rows[rank].copy_(local)
-        _place(param, rows, rank, frozen_dtype_of(param))
-    dist.barrier(group=group)  # every rank's rows are written before any rank reads them
-    _map_pages(mapped)  # here, not page by page in the first step; and no rank's USS holds them after
-    dist.barrier(group=group)
+    placed: list[nn.Parameter] = []
+    try:
+        for param, offset in zip(params, offsets):
+            local = param.ds_tensor.data
+            rows = mapped[offset : offset + world * local.numel()].view(world, local.numel())
+            rows[rank].copy_(local)
+            _place(param, rows, rank, frozen_dtype_of(param))  # its private copy freed here, one param at a time
+            placed.append(param)
+        dist.barrier(group=group)  # every rank's rows are written before any rank reads them
+        _map_pages(mapped)  # here, not page by page in the first step; and no rank's USS holds them after
+        dist.barrier(group=group)
+    except BaseException:
+        for param in placed:  # another rank's rows may be unwritten: gather these through the process group
+            leave(param)
+        raise
     for param in params:
         _count(param)
     return len(params)
@@ -135,34 +159,76 @@ def _layout(shard_bytes: list[int], world: int) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _offer(total: int) -> tuple[list[Optional[str]], Optional[torch.Tensor]]:
-    """On rank 0: make the file and write its token; ([path, token, None], the mapping), or ([None, None, why not],
-    None)."""
+def _new_name() -> str:
+    """A name for rank 0's file that says whose it is: ``lightning-frozen-<uid>-<pid>-<random>``."""
+    return f"{_PREFIX}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _offer(path: Path, total: int) -> tuple[list[Optional[str]], Optional[torch.Tensor]]:
+    """On rank 0: remove the files of dead jobs, make ``path`` with ``total`` bytes reserved, map it and write its
+    token; ([name, token, None], the mapping), or ([None, None, why not], None)."""
+    _remove_files_of_dead_jobs()
     try:
-        stats = os.statvfs(SHARED_DIR)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(descriptor, 0, total)  # ENOSPC here, not SIGBUS at a write
+        finally:
+            os.close(descriptor)
     except OSError as error:
-        return [None, None, f"{SHARED_DIR} is not usable ({error})"], None
-    free = stats.f_bavail * stats.f_frsize
-    if free < total:  # a write past a full tmpfs kills the process with SIGBUS
-        why_not = (
-            f"{SHARED_DIR} has {free / 2**30:.2f} GiB free and the codes take {total / 2**30:.2f} GiB (in a"
-            " container, raise its --shm-size)"
-        )
-        return [None, None, why_not], None
-    name, token = f"lightning-frozen-{secrets.token_hex(8)}", secrets.token_hex(16)
-    mapped = _open(SHARED_DIR / name, None, total, create=True)
+        return [None, None, _no_room(path, total, error)], None
+    mapped = _open(path, None, total)
     if mapped is None:
-        return [None, None, f"{SHARED_DIR / name} could not be made"], None
+        return [None, None, f"{path} could not be mapped"], None
+    token = secrets.token_hex(16)
     mapped[: len(token)].copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))
-    return [name, token, None], mapped
+    return [path.name, token, None], mapped
 
 
-def _open(path: Path, token: Optional[str], total: int, create: bool) -> Optional[torch.Tensor]:
-    """Map ``path`` shared (made ``total`` bytes long if ``create``); None if it is not there, or not the file whose
-    head holds ``token``."""
-    if not create and not path.exists():  # `from_file` would make a file of its own
-        return None
+def _no_room(path: Path, total: int, error: OSError) -> str:
+    if error.errno not in (errno.ENOSPC, errno.EFBIG):
+        return f"{path} could not be made ({error.strerror})"
     try:
+        stats = os.statvfs(path.parent)
+        free = f"{stats.f_bavail * stats.f_frsize / 2**30:.2f} GiB free"
+    except OSError:
+        free = "no room"
+    return (
+        f"{path.parent} has {free} and the codes take {total / 2**30:.2f} GiB ({error.strerror}; in a container, raise"
+        " its --shm-size)"
+    )
+
+
+def _remove_files_of_dead_jobs() -> None:
+    """Remove the files in :data:`SHARED_DIR` that this user's jobs made and did not unlink because they were killed
+    mid-handshake: named by this uid, owned by it, and of a pid that no longer runs. Never another user's file, nor
+    a live job's."""
+    uid = os.getuid()
+    for path in SHARED_DIR.glob(f"{_PREFIX}-{uid}-*"):
+        match = _NAME.fullmatch(path.name)
+        try:
+            if match is None or path.lstat().st_uid != uid or _runs(int(match[2])):
+                continue
+            path.unlink()
+        except OSError:  # gone already, or not ours to remove
+            continue
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _open(path: Path, token: Optional[str], total: int) -> Optional[torch.Tensor]:
+    """Map ``path`` shared, ``total`` bytes long; None if it is not there, shorter, or not the file whose head holds
+    ``token``."""
+    try:
+        if path.stat().st_size < total:  # `from_file` would make the file, or lengthen it unreserved
+            return None
         mapped = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
     except (RuntimeError, OSError):
         return None

@@ -5,6 +5,11 @@ machines do, with the quantized gather asynchronous (``async``: DeepSpeed's coor
 handle) and with every gather's collective waited on inside the call (``sync``). Each rank writes
 ``<out>/<run>/rank<R>.json``. ``train_quantized.py --prefetch-out`` runs the three in its own world after its fits.
 
+Then the shared file's failures: a handshake whose process group raises once rank 0 has made the file
+(``raising-handshake``); and, given ``--small-shm`` (a tmpfs too small for the codes, mounted by the caller), a fit
+whose shared folder it is (``small-shm``), after rank 0 left in it files named as a dead job's, a live job's and
+another user's would be (``small-shm-planted.json``).
+
 Every gather is recorded (``tests.gather_recording``): whether it was started with ``async_op=True``, and how many
 frozen layers' forwards began between its start and the wait on its work. A gather that DeepSpeed prefetched and
 that stayed in flight while another layer computed shows a count above zero.
@@ -13,16 +18,19 @@ that stayed in flight while another layer computed shows a count above zero.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
@@ -35,7 +43,7 @@ from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E40
 WIDTH, DEPTH = 128, 4
 
 
-def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
+def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> AdapterModel:
     recorder.reset()
     model = AdapterModel(width=WIDTH, depth=DEPTH)
     seen: dict[str, torch.Tensor] = {}
@@ -54,6 +62,10 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
         trainer.fit(model, regression_data(width=WIDTH))
     trainable = {n: zero.full_param(p).float().tolist() for n, p in model.named_parameters() if p.requires_grad}
     frozen = [p for p in model.parameters() if not p.requires_grad]
+    pids: list[Optional[int]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(pids, os.getpid())
+    # this run's files only: other jobs on the machine may share codes in /dev/shm at the same time
+    ours = tuple(f"{node_codes._PREFIX}-{os.getuid()}-{pid}-" for pid in pids)
     report = {
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
@@ -67,7 +79,7 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
         "exchange_warnings": [
             str(w.message) for w in caught if "exchanged through the process group" in str(w.message)
         ],
-        "shared_files_left": sorted(f.name for f in node_codes.SHARED_DIR.glob("lightning-frozen-*")),
+        "shared_files_left": sorted(f.name for f in node_codes.SHARED_DIR.iterdir() if f.name.startswith(ours)),
         "gathers": recorder.gathers,
         "trainable": trainable,
         "seen_input": seen["input"].float().tolist(),
@@ -75,38 +87,104 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> None:
     }
     write_report(out / run, trainer.global_rank, report)
     torch.distributed.barrier()
+    return model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--small-shm", help="a tmpfs too small for the codes: then a fit that shares codes there")
     args = parser.parse_args()
-    fit_both(args.devices, Path(args.out))
+    fit_both(args.devices, Path(args.out), Path(args.small_shm) if args.small_shm else None)
 
 
-def fit_both(devices: int, out: Path) -> None:
-    """The shared run, then the asynchronous and the synchronous ones (the gather patched, and put back after)."""
+def fit_both(devices: int, out: Path, small_shm: Optional[Path] = None) -> None:
+    """The shared run, then the asynchronous and the synchronous ones (the gather patched, and put back after); then
+    the failures of the shared file."""
     recorder = GatherRecorder()
     fit("shared", devices, out, recorder)
     with ranks_on_separate_machines(out):
-        fit_exchanging(devices, out, recorder)
+        model = fit_exchanging(devices, out, recorder)
+    share_in_a_handshake_that_raises(model, out / "raising-handshake")
+    if small_shm is not None:
+        if torch.distributed.get_rank() == 0:
+            leave_files_of_other_jobs(small_shm, out / "small-shm-planted.json")
+        with shared_dir(small_shm):
+            fit("small-shm", devices, out, recorder)
 
 
 @contextmanager
 def ranks_on_separate_machines(out: Path) -> Iterator[None]:
     """While active, each rank looks for the shared file in a folder of its own, as ranks on separate machines would:
     the others do not find the file rank 0 made, and the ranks exchange codes through the process group."""
-    folder = out / f"shared-dir-rank{os.environ.get('LOCAL_RANK', '0')}"  # set in the processes Lightning starts
+    with shared_dir(out / f"shared-dir-rank{os.environ.get('LOCAL_RANK', '0')}"):  # set in the ranks Lightning starts
+        yield
+
+
+@contextmanager
+def shared_dir(folder: Path) -> Iterator[None]:
+    """While active, the shared file is made in ``folder`` instead of ``/dev/shm``."""
     folder.mkdir(parents=True, exist_ok=True)
-    shared_dir, node_codes.SHARED_DIR = node_codes.SHARED_DIR, folder
+    shared, node_codes.SHARED_DIR = node_codes.SHARED_DIR, folder
     try:
         yield
     finally:
-        node_codes.SHARED_DIR = shared_dir
+        node_codes.SHARED_DIR = shared
 
 
-def fit_exchanging(devices: int, out: Path, recorder: GatherRecorder) -> None:
+def share_in_a_handshake_that_raises(model: AdapterModel, folder: Path) -> None:
+    """Share ``model``'s frozen codes (exchanged through the process group until now) in ``folder``, with a process
+    group that raises on every rank once rank 0 has made the file, as when another rank dies; report what is left."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    report: dict[str, Any] = {"raised": None}
+
+    def dying(*args: Any, **kwargs: Any) -> None:
+        report["files_at_the_raise"] = sorted(f.name for f in folder.glob("lightning-frozen-*"))
+        raise RuntimeError("a rank died")
+
+    broadcast, deepspeed.comm.broadcast_object_list = deepspeed.comm.broadcast_object_list, dying
+    try:
+        with shared_dir(folder):
+            node_codes.share_codes(frozen, quantized.frozen_dtype_of)
+    except RuntimeError as error:
+        report["raised"] = str(error)
+        # while the traceback (and the frame of `share_codes`) is still alive
+        report["mapped_after"] = [
+            line for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line
+        ]
+    finally:
+        deepspeed.comm.broadcast_object_list = broadcast
+    report["files_left"] = sorted(f.name for f in folder.glob("lightning-frozen-*"))
+    report["shared_params"] = sum(node_codes.rows_of(p) is not None for p in frozen)
+    write_report(folder, torch.distributed.get_rank(), report)
+    torch.distributed.barrier()
+
+
+def leave_files_of_other_jobs(folder: Path, planted: Path) -> None:
+    """Files in ``folder`` named as the shared files of a dead job of this user, a live one, a dead job of another
+    user, and one named as this user's dead job's but owned by another user (where this process may chown);
+    their names by kind, in ``planted``."""
+    uid = os.getuid()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid is no longer alive
+    names = {
+        "dead": f"lightning-frozen-{uid}-{ended.pid}-00000000000000aa",
+        "live": f"lightning-frozen-{uid}-{os.getppid()}-00000000000000bb",
+        "other_user": f"lightning-frozen-{uid + 1}-{ended.pid}-00000000000000cc",
+        "other_owner": f"lightning-frozen-{uid}-{ended.pid}-00000000000000dd",
+    }
+    for name in names.values():
+        (folder / name).touch()
+    try:
+        os.chown(folder / names["other_owner"], uid + 1, -1)
+    except OSError:  # not root here: the name check alone is tested
+        (folder / names.pop("other_owner")).unlink()
+    planted.write_text(json.dumps(names))
+
+
+def fit_exchanging(devices: int, out: Path, recorder: GatherRecorder) -> AdapterModel:
+    """The asynchronous fit, then the synchronous one; the synchronous one's model."""
     fit("async", devices, out, recorder)
 
     asynchronous = quantized._gather
@@ -120,7 +198,7 @@ def fit_exchanging(devices: int, out: Path, recorder: GatherRecorder) -> None:
 
     quantized._gather = synchronous
     try:
-        fit("sync", devices, out, recorder)
+        return fit("sync", devices, out, recorder)
     finally:
         quantized._gather = asynchronous
 

@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--frozen-dtypes", nargs="+", default=["nf4", "int8"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--prefetch-out", help="then quantized_prefetch.py's fits, in this world, into this folder")
+    parser.add_argument("--small-shm", help="quantized_prefetch.py's --small-shm")
     args = parser.parse_args()
     out = Path(args.out)
     for frozen_dtype in args.frozen_dtypes:
@@ -73,7 +74,9 @@ def main() -> None:
     if args.prefetch_out:
         import quantized_prefetch  # beside this file, which is first on sys.path
 
-        quantized_prefetch.fit_both(args.devices, Path(args.prefetch_out))
+        quantized_prefetch.fit_both(
+            args.devices, Path(args.prefetch_out), Path(args.small_shm) if args.small_shm else None
+        )
 
 
 if __name__ == "__main__":
