@@ -584,7 +584,7 @@ def test_ranks_on_one_machine_read_each_others_codes_from_shared_memory(prefetch
         assert [g for g in slow["gathers"] if g["dtype"] == "torch.uint8"]  # (the recorder sees them when they do)
         assert fast["global_step"] == slow["global_step"] == 4
         assert fast["trainable"] == slow["trainable"]  # the same codes decoded: bit-identical training
-        assert fast["shared_files_left"] == slow["shared_files_left"] == []  # unlinked once every rank mapped it
+        assert fast["own_files_left"] == slow["own_files_left"] == []  # unlinked once every rank mapped it
         assert fast["exchange_warnings"] == []
     # ranks that cannot open rank 0's file (another machine's /dev/shm) exchange codes, and rank 0 says why once
     assert exchanged[1]["exchange_warnings"] == []

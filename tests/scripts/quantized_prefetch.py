@@ -79,7 +79,8 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> AdapterM
         "exchange_warnings": [
             str(w.message) for w in caught if "exchanged through the process group" in str(w.message)
         ],
-        "shared_files_left": sorted(f.name for f in node_codes.SHARED_DIR.iterdir() if f.name.startswith(ours)),
+        "shared_files_left": sorted(f.name for f in node_codes.SHARED_DIR.glob(f"{node_codes._PREFIX}-*")),
+        "own_files_left": sorted(f.name for f in node_codes.SHARED_DIR.iterdir() if f.name.startswith(ours)),
         "gathers": recorder.gathers,
         "trainable": trainable,
         "seen_input": seen["input"].float().tolist(),
