@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -187,7 +188,14 @@ def _handlers_before_lightning(current: Any) -> list[Callable[..., Any]]:
 
 
 class StopAtStepBoundary(Callback):
-    """At the end of each batch that steps the optimizer: if any rank received a stop signal, save and exit."""
+    """At the end of each batch that steps the optimizer, and of each validation batch inside ``fit``: if any rank
+    received a stop signal, save and exit.
+
+    A stop taken in validation saves the state of the last training step, as one at that step's boundary would;
+    Lightning's resume from it finishes no validation batch (the pass is skipped) and goes on training. Every rank runs
+    the same validation batches (uneven evaluation data is refused before the first gather, ``loops.py``), so the
+    agreement there is collective like the one at a step boundary.
+    """
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
@@ -201,6 +209,15 @@ class StopAtStepBoundary(Callback):
         if lightning_seam.mid_accumulation(trainer):
             return  # mid-accumulation: the step boundary is the batch that steps
         self._check_grace()
+        self._stop_if_agreed(trainer)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not self.preemption.training:
+            return  # sanity validation and `validate` end by themselves (`Preemption._end_before_training`)
+        self._check_grace()
+        self._stop_if_agreed(trainer)
+
+    def _stop_if_agreed(self, trainer: pl.Trainer) -> None:
         terminate, requeue = self.preemption.agree(trainer.strategy)
         if not (terminate or requeue):
             return
@@ -225,12 +242,14 @@ class StopAtStepBoundary(Callback):
         raise SIGTERMException(exit_status(signum))
 
     def _check_grace(self) -> None:
-        """Warn once when boundaries lie further apart than the grace: a signal could not reach the next one."""
+        """Warn once when boundaries (the ends of training steps and of validation batches) lie further apart than
+        the grace: a signal could not reach the next one."""
         now, grace = time.monotonic(), self.preemption.grace
         if self._last_boundary is not None and not self._warned and now - self._last_boundary > grace:
             self._warned = True
             rank_zero_warn(
-                f"lightning-frozen: a training step took {now - self._last_boundary:.0f} s, more than"
+                f"lightning-frozen: a training step (or validation batch) took {now - self._last_boundary:.0f} s,"
+                " more than"
                 f" `preemption_grace={grace:g}` s: after a SIGTERM this run cannot reach a step boundary in time, so it"
                 " would exit without saving. Set `preemption_grace=` above the step time, and have the scheduler"
                 " signal that much earlier (SLURM: `--signal=TERM@<seconds>`; Kubernetes:"

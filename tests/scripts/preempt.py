@@ -4,7 +4,8 @@ one exact point of one step; the preemption tests run it as a script, resuming e
 Points (``--at``), on the ranks of ``--ranks``, when ``global_step`` is ``--step``: ``forward`` (the start of the
 training step, before the ZeRO-3 all-gathers of the forward), ``backward`` (a gradient hook on the head's input, with
 the layers' backward still to come), ``optimizer_step`` (inside the ZeRO optimizer's step, as its inner torch
-optimizer steps) and ``save`` (rank 0, in the middle of writing the periodic checkpoint's temp file). ``--second``
+optimizer steps) and ``save`` (rank 0, in the middle of writing the periodic checkpoint's temp file), and ``validation``
+(the first of the two validation batches each rank runs after every step). ``--second``
 sends rank 0 a second SIGTERM in the middle of writing the stop checkpoint; ``--stuck`` keeps rank 1 from ever
 reaching the step boundary. One batch per rank per epoch, so a checkpoint after any step resumes exactly. Each rank
 writes ``<report>/rank<R>.json`` with its exit status and global step; a finished fit saves ``<dir>/final.ckpt``.
@@ -42,6 +43,14 @@ class Signalling(AdapterModel):
         if self.args.stuck and self.global_rank == 1:
             time.sleep(600)  # a rank that cannot reach the step boundary in time
 
+    validation_batches = 0  # run after the step ``--step``
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_batches += self.global_step == self.args.step
+        if batch_idx == 0 and self._now("validation"):
+            self._signal()
+        super().validation_step(batch, batch_idx)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self._now("forward"):
             self._signal()
@@ -78,7 +87,9 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last')")
-    parser.add_argument("--at", choices=["none", "forward", "backward", "optimizer_step", "save"], default="none")
+    parser.add_argument(
+        "--at", choices=["none", "forward", "backward", "optimizer_step", "save", "validation"], default="none"
+    )
     parser.add_argument("--step", type=int, default=-1)
     parser.add_argument("--ranks", type=lambda text: [int(r) for r in text.split(",")], default=[0, 1])
     parser.add_argument("--second", action="store_true")
@@ -100,14 +111,19 @@ def main() -> None:
     model = Signalling()
     model.args = args
     data = regression_data(samples=16, batch_size=8)  # one batch per rank per epoch
+    validation = regression_data(samples=32, batch_size=8, seed=2)  # two batches per rank, after every step
     status = 0
     try:
-        trainer.fit(model, data, ckpt_path="last" if args.resume else None)
+        trainer.fit(model, data, validation, ckpt_path="last" if args.resume else None)
     except SystemExit as stop:
         status = stop.code
         raise
     finally:
-        write_report(Path(args.report), trainer.global_rank, {"status": status, "global_step": trainer.global_step})
+        write_report(
+            Path(args.report),
+            trainer.global_rank,
+            {"status": status, "global_step": trainer.global_step, "validation_batches": model.validation_batches},
+        )
     trainer.save_checkpoint(Path(args.dir) / "final.ckpt")
 
 
