@@ -37,6 +37,20 @@ def test_a_loader_without_length_stops_every_rank_together() -> None:
     assert not loops.has_length(agreed) and loops.has_length([1])
 
 
+def test_the_models_whose_generate_a_run_wraps_are_the_outermost_transformers_models() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_frozen.hf.generation import generating_models
+
+    student = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), LoraConfig(r=2, target_modules=["q_proj"]))
+    teacher = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    module = torch.nn.ModuleDict({"student": student, "teacher": teacher})
+    # the PEFT model's base (its generate calls the base's), and the teacher beside it: each gathered on its own
+    assert generating_models(module) == [student.base_model.model, teacher]
+    assert generating_models(torch.nn.Linear(2, 2)) == []
+
+
 @pytest.fixture(scope="module")
 def uneven_eval(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each rank's report of each case of ``tests/scripts/uneven_eval.py``, run once on 2 ranks."""
