@@ -6,6 +6,7 @@ The CLI checks types from the signature; Python callers get the same refusals he
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -90,6 +91,44 @@ def check_strategy_arguments(
     check_frozen_dtype(frozen_dtype)
 
 
+# the units `generation_memory` reads: decimal (GB) and binary (GiB) multiples of a byte, case-insensitive
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update(kib=2**10, mib=2**20, gib=2**30, tib=2**40)
+AUTO = "auto"
+
+
+def memory_budget(value: Any, name: str = "generation_memory") -> Optional[int]:
+    """The bytes a memory budget given as ``value`` allows: an int of bytes, or a string such as ``"20GB"``,
+    ``"1.5 GiB"`` or ``"512MiB"``; None for ``"auto"`` (or None), which the caller sizes from the free memory.
+
+    Raises:
+        InvalidArgumentTypeError: neither an int nor a string.
+        InvalidArgumentValueError: a string that is no size, or a budget below one byte.
+    """
+    if value is None or value == AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgumentTypeError(
+            f"FrozenAwareDeepSpeedStrategy: `{name}` must be a number of bytes, a size such as '20GB' or '512MiB',"
+            f" or 'auto', got {value!r}."
+        )
+    if isinstance(value, str):
+        found = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
+        unit = _SIZE_UNITS.get(found.group(2).lower()) if found else None
+        if found is None or unit is None:
+            raise InvalidArgumentValueError(
+                f"FrozenAwareDeepSpeedStrategy: `{name}={value!r}` is not a size: write a number with B, KB, MB, GB,"
+                " TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '20GB', or 'auto'."
+            )
+        value = int(float(found.group(1)) * unit)
+    if value < 1:
+        raise InvalidArgumentValueError(
+            f"FrozenAwareDeepSpeedStrategy: `{name}` must allow at least 1 byte, got {value!r} (1 byte gathers"
+            " layer by layer always)."
+        )
+    return value
+
+
 def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[Accelerator]) -> None:
     """Refuse DeepSpeed config options that cannot run on ``accelerator``.
 
@@ -111,6 +150,7 @@ def resolve_spec(config: dict, config_given: bool, pin_memory: bool, **arguments
     DeepSpeed ``config`` (:func:`zero_settings`, refused unless the stage is 3), the rest from its ``arguments`` (the
     spec's other fields, checked by :func:`check_strategy_arguments`). ``config_given``: the user passed ``config=``
     (else the arguments built it, with ``pin_memory``, which then also pins the frozen shards the package offloads).
+    ``generation_memory`` is read by :func:`memory_budget`.
 
     Raises:
         InvalidArgumentValueError: another stage, or ZeRO off; the message names where it was set and the fix.
@@ -124,6 +164,7 @@ def resolve_spec(config: dict, config_given: bool, pin_memory: bool, **arguments
             ' `"zero_optimization": {"stage": 3, ...}` in the config (or leave `stage=3`, `zero_optimization=True`),'
             " or use Lightning's `DeepSpeedStrategy` for stages 0 to 2."
         )
+    arguments["generation_memory"] = memory_budget(arguments.get("generation_memory"))
     return StrategySpec(
         stage=settings.stage,
         offload_optimizer=settings.offload_optimizer,

@@ -35,6 +35,7 @@ class StrategySpec:
     frozen_base: Optional[Union[str, os.PathLike]]  # the base's reference as given; found from the module when None
     return_freed_memory: bool  # on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS
     preemption_grace: float  # seconds from a SIGTERM to a rank's exit
+    generation_memory: Optional[int] = None  # bytes `generate` may gather whole at once; None: half the free memory
 
     def with_frozen_dtype(self, frozen_dtype: Optional[str]) -> StrategySpec:
         """This spec with ``frozen_dtype`` (itself when it is the same)."""

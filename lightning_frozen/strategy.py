@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -31,6 +31,7 @@ from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.checkpoint import file, streamed_save, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
+from lightning_frozen.generation import wrap_generate
 from lightning_frozen.ledger import RunLedger, open_run
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
@@ -70,6 +71,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``zero/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
+        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md).
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
@@ -94,6 +96,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         frozen_dtype: Optional[Literal["int8", "nf4", "bf16", "fp16"]] = None,
         return_freed_memory: bool = True,
         preemption_grace: float = preemption.DEFAULT_GRACE_SECONDS,
+        generation_memory: Union[int, str] = "auto",
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision_plugin: Optional[Precision] = None,
@@ -124,8 +127,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         # resolved once: for ZeRO the config that runs decides, whether the arguments built it or `config=` gave it
         own = {name: flags[name] for name in ("offload_frozen", "convert_lr_zero_groups", "return_freed_memory")}
         own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
-        pinned, given = kwargs.get("pin_memory", False), config is not None
-        self._spec = arguments.resolve_spec(self.config, given, pinned, **own, preemption_grace=preemption_grace)
+        own.update(generation_memory=generation_memory, preemption_grace=preemption_grace)
+        self._spec = arguments.resolve_spec(self.config, config is not None, kwargs.get("pin_memory", False), **own)
         self._preemption = preemption.Preemption(self._spec.preemption_grace)
         self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
         self._optimized = trainable_groups.TrainableGroups()
@@ -175,19 +178,17 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def setup_environment(self) -> None:
-        # a wrong `ckpt_path` fails now, not once the base is loaded and DeepSpeed started
         open_run(self._ledger, self._module, self.config, self._preemption)
         self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
-        file.require_restore_path(self._module.trainer, self.checkpoint_io)
+        file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
         accelerator.align_deepspeed_accelerator(self.accelerator)
         if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
             self._ledger.callback(host_memory.return_freed_memory() or (lambda: None), "glibc's mmap threshold")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
         qlora.check_not_quantized(self._module)  # bitsandbytes' layers, built in `__init__`
-        # DeepSpeedStrategy refuses anything but CUDA here; CPU training through DeepSpeed's CPU accelerator works.
-        DDPStrategy.setup_environment(self)
+        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's refuses the CPU, whose DeepSpeed accelerator works
 
     @override
     def setup_distributed(self) -> None:
@@ -197,8 +198,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         else:
             super().setup_distributed()
         accelerator.destroy_gloo_group_at_exit()
-        # CPU devices have no index: DeepSpeed's CPU accelerator takes the local rank
-        index = self.local_rank if self.root_device.index is None else self.root_device.index
+        index = self.local_rank if self.root_device.index is None else self.root_device.index  # CPU: the local rank
         self._placement = Placement(self.root_device, index)
 
     def _module_anatomy(self) -> anatomy.Anatomy:
@@ -273,6 +273,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
         self._preemption.training = True  # from now on a signal stops at the next step boundary
+        wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -282,6 +283,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def on_validation_start(self) -> None:
         self._preemption.install(self._module.trainer, self.launcher)  # Lightning's handler broadcasts: ours instead
         loops.check_even_batches_at_start(self._module.trainer, self.world_size)
+        wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 
     on_test_start = on_predict_start = on_validation_start
 

@@ -75,6 +75,7 @@ def unreadable(tmp_path: Path) -> Path:
         (dict(frozen_base=7), "`frozen_base` must be the base's path or hub id, got 7"),
         (dict(config=3), "`config` must be a DeepSpeed config dict or the path of its JSON file, got 3"),
         (dict(stage="3"), r"`stage` must be the int 3 \(ZeRO stage 3 shards frozen params\), got '3'"),
+        (dict(generation_memory=2.5), r"`generation_memory` must be a number of bytes, a size such as '20GB'"),
     ],
 )
 def test_strategy_options_of_the_wrong_type_are_named(option: dict[str, Any], message: str) -> None:
@@ -87,6 +88,14 @@ def test_strategy_option_values_are_named_with_the_fix() -> None:
         FrozenAwareDeepSpeedStrategy(stage=2)
     with pytest.raises(ValueError, match="`fingerprint='md5'` is not one of"):
         FrozenAwareDeepSpeedStrategy(fingerprint="md5")
+    with pytest.raises(ValueError, match=r"`generation_memory='20 parsecs'` is not a size: .* e.g. '20GB'"):
+        FrozenAwareDeepSpeedStrategy(generation_memory="20 parsecs")
+    with pytest.raises(ValueError, match="`generation_memory` must allow at least 1 byte, got 0"):
+        FrozenAwareDeepSpeedStrategy(generation_memory=0)
+    sizes = {"20GB": 20 * 10**9, "1.5 GiB": 3 * 2**29, "512mib": 512 * 2**20, 7: 7, "auto": None}
+    assert {
+        size: FrozenAwareDeepSpeedStrategy(generation_memory=size).spec.generation_memory for size in sizes
+    } == sizes
     config = {"zero_optimization": {"stage": 3}}
     FrozenAwareDeepSpeedStrategy(frozen_base=Path("bases/bert"), timeout=timedelta(seconds=30), config=config)
 

@@ -98,7 +98,7 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("lightning seam", ["lightning_seam"]),  # Lightning's private names
     ("domain", ["base", "optim", "adapters", "anatomy", "memory", "arguments", "dependencies"]),
     ("checkpoint", ["checkpoint"]),
-    ("lightning face", ["strategy", "finetuning", "preemption", "ledger", "cli", "loops", "__init__"]),
+    ("lightning face", ["strategy", "finetuning", "preemption", "ledger", "cli", "loops", "generation", "__init__"]),
 ]
 MAY_IMPORT: dict[str, set[str]] = {
     "ground": {"ground"},

@@ -37,6 +37,20 @@ def test_a_loader_without_length_stops_every_rank_together() -> None:
     assert not loops.has_length(agreed) and loops.has_length([1])
 
 
+def test_the_models_whose_generate_a_run_wraps_are_the_outermost_transformers_models() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_frozen.hf.generation import generating_models
+
+    student = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), LoraConfig(r=2, target_modules=["q_proj"]))
+    teacher = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    module = torch.nn.ModuleDict({"student": student, "teacher": teacher})
+    # the PEFT model's base (its generate calls the base's), and the teacher beside it: each gathered on its own
+    assert generating_models(module) == [student.base_model.model, teacher]
+    assert generating_models(torch.nn.Linear(2, 2)) == []
+
+
 @pytest.fixture(scope="module")
 def uneven_eval(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each rank's report of each case of ``tests/scripts/uneven_eval.py``, run once on 2 ranks."""
@@ -80,13 +94,15 @@ def test_generate_in_validation_stays_in_step_and_uses_the_adapter(
     folder = write_llama(tmp_path / "llama")
     teacher_folder = tmp_path / "teacher"
     write_random_llama(teacher_folder, TINY_LLAMA, torch.bfloat16, seed=7)
-    run_script(
+    result = run_script(
         "generate_in_validation.py",
         f"--folder={folder}",
         f"--report={tmp_path}",
         f"--teacher={teacher_folder}",
         timeout=300,
     )
+    # the default budget (half the free memory) holds the tiny student: its base was gathered once per call
+    assert "generate() gathers the frozen base once per call" in result.stderr, result.stderr[-3000:]
     # the folder is bf16 and `from_pretrained` keeps it so; the run computed in fp32 (`32-true`), as here. The
     # checkpoint names both frozen folders, so the module is built as in the run: with its teacher
     monkeypatch.setattr(GeneratingLoRA, "teacher_folder", str(teacher_folder))
@@ -119,3 +135,57 @@ def _check_reference_and_teacher(steps: list[dict[str, Any]], base_folder: Path,
         with torch.no_grad():
             for model, seen in ((base, step["reference"]), (teacher, step["teacher"])):
                 torch.testing.assert_close(torch.tensor(seen), model(input_ids=ids).logits[:, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen_dtype", [None, "nf4"])
+def test_generate_gathers_the_base_once_per_call_within_the_budget_and_per_layer_beyond(
+    tmp_path: Path, frozen_dtype: str | None
+) -> None:
+    # `trainer.validate` on 2 ranks, with a random adapter: each rank generates 3 and then 9 new tokens, counting the
+    # ZeRO-3 all-gathers each call starts. Within the budget the count is the same for both (once per call); with a
+    # budget of 1 byte it grows with the tokens (each forward gathers every layer), and the ids are the same
+    import json
+
+    from tests.pretrained_support import write_llama
+    from tests.scripts.generate_in_validation import NEW_TOKENS, GeneratingLoRA, build_with_random_adapter
+
+    folder = write_llama(tmp_path / "llama")
+    logs, reports = {}, {}
+    for budget in ("1GB", "1"):
+        report = tmp_path / f"budget-{budget}"
+        report.mkdir()
+        stored = [f"--frozen-dtype={frozen_dtype}"] if frozen_dtype else []
+        arguments = (f"--folder={folder}", f"--report={report}", f"--generation-memory={budget}", *stored)
+        result = run_script("generate_in_validation.py", *arguments, "--count-gathers", "--validate-only", timeout=300)
+        logs[budget] = result.stderr
+        reports[budget] = [json.loads((report / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    once, per_layer = logs["1GB"], logs["1"]
+    assert once.count("lightning-frozen: generate() gathers") == 1, once[-3000:]  # one notice a run, on rank 0
+    assert "gathers the frozen base once per call: the model is" in once
+    assert "within `generation_memory` (953.67 MiB)" in once, once[-3000:]
+    assert per_layer.count("lightning-frozen: generate() gathers") == 1, per_layer[-3000:]
+    assert "gathers the frozen base layer by layer: the model is" in per_layer
+    assert "over `generation_memory` (1 B); raise it" in per_layer, per_layer[-3000:]
+
+    for rank in range(2):
+        gathered_once, layer_by_layer = reports["1GB"][rank], reports["1"][rank]
+        short, long = (call["gathers"] for call in gathered_once["counted"])
+        assert short == long > 0, gathered_once["counted"]
+        short, long = (call["gathers"] for call in layer_by_layer["counted"])
+        assert long > short > 0, layer_by_layer["counted"]
+        for key in ("ids", "base_ids"):
+            assert gathered_once[key] == layer_by_layer[key], (rank, key)
+        assert [c["ids"] for c in gathered_once["counted"]] == [c["ids"] for c in layer_by_layer["counted"]]
+        assert gathered_once["ids"] != gathered_once["base_ids"], "the adapter changed nothing the test could see"
+
+    if frozen_dtype is None:  # the same weights in one plain process (nf4 stores other values than the folder's)
+        plain = GeneratingLoRA(str(folder))
+        build_with_random_adapter(plain)
+        for rank, new in NEW_TOKENS.items():
+            seen = reports["1GB"][rank]
+            options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            with torch.no_grad():
+                ids = plain.model.generate(input_ids=torch.tensor(seen["prompts"]), **options).tolist()
+            assert ids == seen["ids"], rank

@@ -21,6 +21,8 @@ Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Module
   ``adapter_rows`` / ``shared_rows``.
 - ``checkpointing``: transformers' ``_gradient_checkpointing_func`` on each checkpointing module, wrapped while
   ``adapter_rows`` is open so that a block recomputed in backward gets its rows' adapters again.
+- ``generation``: the outermost models inside a module that ``generate`` (``GenerationMixin`` instances), whose
+  ``generate`` a run wraps to gather the base once per call.
 - ``private_names``: each of the names above that the seam relies on, with its signature, one row each (checked when a
   strategy is built).
 - ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt

@@ -14,8 +14,10 @@ adds a hook to its ``forward_hooks`` (``forward_trace``); reads the accelerator'
 finished run's modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every ZeRO-3 engine adds its
 root module to and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's
 ``ZeROOrderedDict``) that a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
-``__params_to_release`` (``engine``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params`` and
-``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
+``__params_to_release`` (``engine``); bypasses the param offload's ``pre_sub_module_forward_function`` and
+``post_sub_module_forward_function`` for one call, keeping ``FWD_MODULE_STACK`` balanced, after the coordinator's
+``release_and_reset_all`` (``gather_once``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params``
+and ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
 param's decoded storage is held elsewhere before decoding into it again (``host_memory``); and writes a file in two
 passes with torch's ``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``).
 Each of them is a row of
@@ -63,6 +65,9 @@ is defined where it is listed):
   decoded tensors, emptied when a run ends).
 - ``coded_linear``: frozen layers computed from their codes: ``end_of_run`` (their forwards taken off).
 - ``whole``: ZeRO-3 params made plain tensors again after a run: ``unshard``.
+- ``gather_once``: a model's params gathered whole for one call of its generate, its modules' fetches and releases
+  bypassed meanwhile: ``gathered_once``, ``whole_bytes`` (its size whole in the compute dtype), ``available_bytes``
+  (the free memory of the device that computes).
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
 - ``torch_file``: a ``torch.save`` file written in two passes, its structure then each tensor's bytes as they come:

@@ -106,7 +106,7 @@ def initialize_engine(
         dist_init_required=False,
     )
     release_frozen_persistence(engine, model)
-    forward_trace.reset_trace_at_outermost_call(model, _param_offload(engine))
+    forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
     if spec.frozen_dtype:
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
         quantized.quantize_frozen_shards(model, spec.frozen_dtype, keeper)
@@ -199,7 +199,7 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    persistent = getattr(_param_offload(engine), "persistent_parameters", None)
+    persistent = getattr(param_offload(engine), "persistent_parameters", None)
     if persistent is not None:
         persistent[:] = [p for p in persistent if p.requires_grad]
     for param in model.parameters():
@@ -210,7 +210,7 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
             param.partition()
 
 
-def _param_offload(engine: Any) -> Any:
+def param_offload(engine: Any) -> Any:
     """The engine's ``DeepSpeedZeRoOffload``: its ZeRO-3 optimizer's, or the engine's optimizer itself without one."""
     return getattr(engine.optimizer, "parameter_offload", None) or getattr(engine, "optimizer", None)
 

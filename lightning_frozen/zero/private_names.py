@@ -170,6 +170,33 @@ DEEPSPEED = (
         in_code=("persistent_parameters",),
         fallback="small frozen params stay whole on every rank after their first use (more memory)",
     ),
+    # `generate` with a model gathered once: the coordinator releases its params first, and the hooks of its modules
+    # call the offload's fetch and release through the instance (bypassed for the call), the post-forward one popping
+    # the module stack the fetch pushed
+    ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.get_param_coordinator", "zero/gather_once.py", ("self",)),
+    ForeignName(
+        "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator.release_and_reset_all",
+        "zero/gather_once.py",
+        ("self", "module"),
+    ),
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
+        "zero/gather_once.py",
+        in_code=("pre_sub_module_forward_function", "post_sub_module_forward_function", "FWD_MODULE_STACK"),
+    ),
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
+        "zero/gather_once.py",
+        ("self", "sub_module"),
+        exact=True,
+        in_code=("FWD_MODULE_STACK",),
+    ),
+    ForeignName(
+        f"{_OFFLOAD}:DeepSpeedZeRoOffload.post_sub_module_forward_function",
+        "zero/gather_once.py",
+        ("self", "sub_module"),
+        exact=True,
+    ),
     # the engine's counters, carried to a rebuilt engine
     ForeignName(
         "deepspeed.runtime.engine:DeepSpeedEngine.__init__",

@@ -6,9 +6,14 @@ With ``--teacher``, a frozen teacher Llama from that folder joins the module in 
 step adds a distillation loss (KL to the teacher's next-token distribution) and computes a DPO-style reference: the
 base with the adapter disabled (``disable_adapter`` under ``no_grad``), as TRL does with PEFT.
 
+With ``--count-gathers``, validation also generates 3 and then 9 new tokens on both ranks and records, for each
+call, how many ZeRO-3 all-gathers it started (``tests/gather_recording.py``) and the ids. ``--generation-memory`` and
+``--frozen-dtype`` are the strategy's arguments; ``--validate-only`` runs ``trainer.validate`` on the adapter as PEFT
+creates it (``init_lora_weights=False``: random, seeded, so that it changes what is generated) instead of ``fit``.
+
 Each rank writes ``<report>/rank<R>.json``: its prompts, the ids generated with the adapter and with it disabled
-(PEFT's ``disable_adapter``: the base alone), and for each training step its input ids with the last position's
-reference and teacher logits. Rank 0 saves ``<report>/adapter.ckpt`` after fit.
+(PEFT's ``disable_adapter``: the base alone), for each training step its input ids with the last position's
+reference and teacher logits, and the counted calls. Rank 0 saves ``<report>/adapter.ckpt`` after fit.
 """
 
 from __future__ import annotations
@@ -24,20 +29,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from tests.gather_recording import GatherRecorder  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
 
 NEW_TOKENS = {0: 3, 1: 9}
+COUNTED_TOKENS = (3, 9)
 PROMPT = 4
+ADAPTER_SEED = 11
 
 
 class GeneratingLoRA(PretrainedLoRA):
     """Generates in validation, as a user checking samples would; records what each rank generated."""
 
     teacher_folder: str | None = None  # not a hyper-parameter: `load_from_checkpoint` builds the student alone
+    random_adapter = False  # PEFT's `init_lora_weights=False`, seeded (`--validate-only`)
+    recorder: GatherRecorder | None = None  # counts the all-gathers of the counted calls (`--count-gathers`)
     steps: list[dict[str, Any]]
 
     def configure_model(self) -> None:
+        if self.random_adapter and not hasattr(self, "model"):
+            build_with_random_adapter(self)
         super().configure_model()
         if self.teacher_folder and not hasattr(self, "teacher"):
             from transformers import AutoModelForCausalLM
@@ -69,6 +81,27 @@ class GeneratingLoRA(PretrainedLoRA):
         self.generated = {"prompts": prompts.tolist(), "ids": ids.tolist()}
         with self.model.disable_adapter():
             self.generated["base_ids"] = self.model.generate(input_ids=prompts, **options).tolist()
+        self.generated["counted"] = [] if self.recorder is None else [self.counted(prompts, n) for n in COUNTED_TOKENS]
+
+    def counted(self, prompts: torch.Tensor, new: int) -> dict[str, Any]:
+        """``new`` tokens generated on every rank, and the all-gathers the call started."""
+        assert self.recorder is not None
+        before = len(self.recorder.gathers)
+        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        ids = self.model.generate(input_ids=prompts, **options).tolist()
+        return {"new": new, "gathers": len(self.recorder.gathers) - before, "ids": ids}
+
+
+def build_with_random_adapter(module: GeneratingLoRA) -> None:
+    """The module's base from its folder and a LoRA adapter on q/v whose A and B are both random, from a fixed seed:
+    built so in the run (inside `configure_model`) and in one plain process alike."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(module.hparams.folder, dtype=torch.float32)  # as the run computes
+    torch.manual_seed(ADAPTER_SEED)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    module.model = get_peft_model(base, config)
 
 
 def main() -> None:
@@ -76,14 +109,26 @@ def main() -> None:
     parser.add_argument("--folder", required=True)
     parser.add_argument("--report", required=True)
     parser.add_argument("--teacher", default=None)
+    parser.add_argument("--generation-memory", default="auto")
+    parser.add_argument("--frozen-dtype", default=None)
+    parser.add_argument("--count-gathers", action="store_true")
+    parser.add_argument("--validate-only", action="store_true")
     args = parser.parse_args()
     GeneratingLoRA.teacher_folder = args.teacher
+    GeneratingLoRA.random_adapter = args.validate_only
+    GeneratingLoRA.recorder = GatherRecorder() if args.count_gathers else None
 
     torch.manual_seed(0)
     model = GeneratingLoRA(args.folder, lr=0.2)  # large steps: the adapter must change what greedy decoding picks
-    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, max_epochs=4, check_val_every_n_epoch=4)
-    trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
-    trainer.save_checkpoint(Path(args.report, "adapter.ckpt"))
+    memory = int(args.generation_memory) if args.generation_memory.isdigit() else args.generation_memory
+    strategy = FrozenAwareDeepSpeedStrategy(generation_memory=memory, frozen_dtype=args.frozen_dtype)
+    trainer = cpu_trainer(strategy, devices=2, max_epochs=4, check_val_every_n_epoch=4)
+    if args.validate_only:
+        trainer.validate(model, token_data(samples=4, batch_size=2))
+        model.steps = []
+    else:
+        trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
+        trainer.save_checkpoint(Path(args.report, "adapter.ckpt"))
     report = {**model.generated, "steps": model.steps}
     Path(args.report, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
