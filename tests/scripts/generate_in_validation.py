@@ -118,19 +118,25 @@ def main() -> None:
     GeneratingLoRA.random_adapter = args.validate_only
     GeneratingLoRA.recorder = GatherRecorder() if args.count_gathers else None
 
-    torch.manual_seed(0)
-    model = GeneratingLoRA(args.folder, lr=0.2)  # large steps: the adapter must change what greedy decoding picks
-    memory = int(args.generation_memory) if args.generation_memory.isdigit() else args.generation_memory
-    strategy = FrozenAwareDeepSpeedStrategy(generation_memory=memory, frozen_dtype=args.frozen_dtype)
-    trainer = cpu_trainer(strategy, devices=2, max_epochs=4, check_val_every_n_epoch=4)
-    if args.validate_only:
-        trainer.validate(model, token_data(samples=4, batch_size=2))
-        model.steps = []
-    else:
-        trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
-        trainer.save_checkpoint(Path(args.report, "adapter.ckpt"))
-    report = {**model.generated, "steps": model.steps}
-    Path(args.report, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    # with `--validate-only`, one `validate` per budget of a comma-separated list, each with a Trainer of its own, in
+    # one launch; its reports go to `<report>/budget-<budget>/`
+    budgets = args.generation_memory.split(",") if args.validate_only else [args.generation_memory]
+    for budget in budgets:
+        torch.manual_seed(0)
+        model = GeneratingLoRA(args.folder, lr=0.2)  # large steps: the adapter must change what greedy decoding picks
+        memory = int(budget) if budget.isdigit() else budget
+        strategy = FrozenAwareDeepSpeedStrategy(generation_memory=memory, frozen_dtype=args.frozen_dtype)
+        trainer = cpu_trainer(strategy, devices=2, max_epochs=4, check_val_every_n_epoch=4)
+        report = Path(args.report)
+        if args.validate_only:
+            trainer.validate(model, token_data(samples=4, batch_size=2))
+            model.steps, report = [], report / f"budget-{budget}"
+            report.mkdir(exist_ok=True)
+        else:
+            trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
+            trainer.save_checkpoint(report / "adapter.ckpt")
+        results = {**model.generated, "steps": model.steps}
+        (report / f"rank{trainer.global_rank}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
