@@ -196,7 +196,7 @@ def run_one(config: tuple[str, Optional[str], bool], folders: dict[str, Path], s
     if frozen_dtype:
         command += ["--frozen-dtype", frozen_dtype]
     load_before = load_average()
-    env = launch.child_env(threads=1, mmap_1mib=False)
+    env = launch.child_env(threads=1, mmap_1mib=args.mmap_1mib)
     outcome = launch.guarded_run(command, env, run_dir / "worker.log", args.timeout / 60, reports_dir=run_dir)
     ranks = read_rank_reports(run_dir)
     record = dict(name=name, frozen_dtype=frozen_dtype, teacher=with_teacher, load_before=load_before, ranks=ranks)
@@ -322,6 +322,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these configurations (floor included)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--mmap-1mib", action="store_true", help="glibc maps buffers above 1 MiB, so the peaks follow live memory"
+    )
     parser.add_argument("--report", action="store_true", help="only rewrite teacher_memory.md from the json")
     args = parser.parse_args()
     if args.worker:
@@ -351,6 +354,7 @@ def main() -> None:
         size=args.size,
         params=params,
         steps=args.steps,
+        mmap_1mib=args.mmap_1mib,
         load_before=load_before,
         load_after=load_average(),
         wall_s=round(time.perf_counter() - started, 1),
