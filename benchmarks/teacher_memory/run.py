@@ -279,7 +279,7 @@ def write_results(results: dict, out: Path) -> None:
             num(ratio(row["teacher_outside_zero"], row["teacher_measured"]), 1),
         ]
         for row in rows
-        if row["teacher"] and "error" not in row
+        if row["teacher"] and row.get("teacher_measured") is not None
     ]
     lines = [
         "# A frozen teacher twice the student's size: host memory on 2 CPU ranks",
@@ -289,7 +289,12 @@ def write_results(results: dict, out: Path) -> None:
         f" ({meta['wall_s']:.0f} s). Student base {params['student']:,} params (PEFT LoRA r=8 on q/v), teacher"
         f" {params['teacher']:,} ({params['teacher'] / params['student']:.2f}x), Llama architecture, vocabulary"
         f" {LLAMA['vocab_size']:,}, both built with `from_pretrained` in `configure_model`; `32-true`, batch {BATCH}"
-        f" x {SEQUENCE} tokens per rank, {meta['steps']} steps, loss = cross entropy + KL to the teacher. MiB.",
+        f" x {SEQUENCE} tokens per rank, {meta['steps']} steps, loss = cross entropy + KL to the teacher. MiB."
+        + (
+            " glibc maps every buffer above 1 MiB (`MALLOC_MMAP_THRESHOLD_`), so the peaks follow live memory."
+            if meta.get("mmap_1mib")
+            else " Allocator as a user runs it (no setting in the environment)."
+        ),
         "",
         "Node peak: the sum over the ranks of each rank's peak USS during the steps. Expected: the frozen params as"
         " stored (each rank's shards, codes and scales under NF4, summed) + the floor run's node peak (imports,"
