@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import load_average, machine  # noqa: E402
+from benchmarks.harness.probes import cpu_model, load_average, machine  # noqa: E402
 from benchmarks.harness.records import git_commit, now_utc, versions, write_json  # noqa: E402
 from benchmarks.harness.tables import gib, num, ratio, table  # noqa: E402
 
@@ -71,7 +70,6 @@ SIZES = {
 PROMPTS, PROMPT_TOKENS, SEED = 8, 16, 11
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 MODES = (("per layer", "1"), ("once per call", "64GB"))
-CPU_MODEL = "Model name:"
 
 
 def prompts(vocab: int) -> Any:
@@ -224,12 +222,11 @@ def main() -> None:
 
 def write_results(args: argparse.Namespace, records: dict[str, Any], load_before: Any) -> None:
     same_ids = records["per layer"]["ids"] == records["once per call"]["ids"]
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu_model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith(CPU_MODEL)), "?")
+    cpu = cpu_model()
     result = {
         "date": now_utc(),
         "commit": git_commit(),
-        "cpu": cpu_model,
+        "cpu": cpu,
         "machine": machine(),
         "versions": versions(),
         "size": args.size,
@@ -253,7 +250,7 @@ def write_results(args: argparse.Namespace, records: dict[str, Any], load_before
     lines = [
         f"# generate() in validation: {args.size}, frozen_dtype {args.frozen_dtype}, LoRA, 2 ranks",
         "",
-        f"{result['date']}, commit {result['commit']}, {cpu_model} ({result['machine']}),"
+        f"{result['date']}, commit {result['commit']}, {cpu} ({result['machine']}),"
         f" load average {load_before} before, {result['load_average']['after']} after.",
         f"{PROMPTS} prompts of {PROMPT_TOKENS} tokens, {args.new_tokens} new tokens each, greedy, fp32 compute;"
         " ranks: 4 prompts and 1 thread each; plain: 8 prompts in one process on all cores, dense fp32 weights."

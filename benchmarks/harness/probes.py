@@ -155,6 +155,12 @@ def machine() -> str:
     return f"{os.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` gives it ("?" where it gives none): timings depend on it."""
+    listing = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in listing.splitlines() if line.startswith("Model name:")), "?")
+
+
 def tree_bytes(path: Path) -> int:
     """Bytes of a file, or of every file under a directory (a sharded checkpoint)."""
     if path.is_file():
