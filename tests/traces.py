@@ -161,6 +161,10 @@ def package_traces(model: nn.Module, package: str = "lightning_frozen") -> list[
 
 
 def _defined_in(value: Any, package: str) -> bool:
-    """Whether ``value`` is a function (or a method, or a partial of one) that ``package`` defines."""
+    """Whether ``value`` is a function (or a method, or a partial of one) that ``package`` defines, or an object of a
+    class it defines (a callable wrapper: ``functools.update_wrapper`` gives it the wrapped function's ``__module__``,
+    so its class is asked)."""
+    if type(value).__module__.startswith(package):
+        return True
     function = getattr(getattr(value, "func", value), "__func__", getattr(value, "func", value))
     return isinstance(function, types.FunctionType) and (function.__module__ or "").startswith(package)
