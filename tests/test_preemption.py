@@ -156,19 +156,23 @@ def sigusr1_default() -> Iterator[None]:
     signal.signal(signal.SIGUSR1, previous)
 
 
-@pytest.mark.usefixtures("sigusr1_default")
-def test_slurm_requeue_saves_the_hpc_checkpoint_requeues_and_the_job_resumes_from_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job_id: str) -> None:
+    """One SLURM task of job ``job_id``, whose ``scontrol`` writes its arguments to ``<tmp_path>/requeued``."""
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
     scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "requeued"}\n')
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{scontrol.parent}:{os.environ['PATH']}")
-    for key, value in dict(SLURM_NTASKS="1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_PROCID="0").items():
+    slurm = dict(SLURM_NTASKS="1", SLURM_JOB_ID=job_id, SLURM_JOB_NAME="train", SLURM_PROCID="0")
+    for key, value in dict(slurm, SLURM_LOCALID="0", SLURM_NODEID="0").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("SLURM_LOCALID", "0")
-    monkeypatch.setenv("SLURM_NODEID", "0")
+
+
+@pytest.mark.usefixtures("sigusr1_default")
+def test_slurm_requeue_saves_the_hpc_checkpoint_requeues_and_the_job_resumes_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slurm_job(tmp_path, monkeypatch, "4242")
 
     def trainer() -> Any:
         strategy = FrozenAwareDeepSpeedStrategy(cluster_environment=SLURMEnvironment(auto_requeue=True))
@@ -198,15 +202,7 @@ class _RequeuedInConfigureModel(AdapterModel):
 def test_a_requeue_signal_during_the_load_requeues_without_a_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
 ) -> None:
-    scontrol = tmp_path / "bin" / "scontrol"
-    scontrol.parent.mkdir()
-    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "requeued"}\n')
-    scontrol.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{scontrol.parent}:{os.environ['PATH']}")
-    for key, value in dict(SLURM_NTASKS="1", SLURM_JOB_ID="4343", SLURM_JOB_NAME="train", SLURM_PROCID="0").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("SLURM_LOCALID", "0")
-    monkeypatch.setenv("SLURM_NODEID", "0")
+    _slurm_job(tmp_path, monkeypatch, "4343")
     strategy = FrozenAwareDeepSpeedStrategy(cluster_environment=SLURMEnvironment(auto_requeue=True))
     started = time.monotonic()
     with pytest.raises(SystemExit) as stop:
