@@ -3,9 +3,10 @@ so do the few private names of torch the package relies on (listed with the func
 
 Outside it no module imports ``deepspeed`` (other than for type hints), touches a ``ds_*`` attribute of a ZeRO-3 param
 or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks it.
-When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; calls the
-ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step``, ``_swappable_optimizer_subgroup`` and
-``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
+When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; reads and
+writes whole fp32 weights and optimizer state through ``deepspeed.utils``' public ``safe_get_*`` and ``safe_set_*``,
+working around two of their bugs there, and calls the ZeRO-3 optimizer's private ``_optimizer_step`` to make the
+optimizer state they cannot write before the first step (``params``); wraps the optimizer's ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
 ``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
 with its ``_aligned_size`` and ``_partition_world_size``, and ``Init._zero_init_param`` (``placeholders``); replaces the
