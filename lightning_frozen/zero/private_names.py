@@ -214,16 +214,12 @@ DEEPSPEED = (
     ForeignName(f"{_SCHEDULES}:OneCycle.step", "zero/optimizers.py", in_code=("_last_lr",)),
     ForeignName(f"{_SCHEDULES}:WarmupLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
     ForeignName(f"{_SCHEDULES}:WarmupCosineLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
-    # a stock DeepSpeed checkpoint directory, read by convert_deepspeed_checkpoint
+    # a stock DeepSpeed checkpoint directory, read by convert_deepspeed_checkpoint: the optimizer's moments merged (the
+    # weights through zero_to_fp32's public function)
     ForeignName(
         f"{_MERGE}:_zero3_merge_trainable_params",
         "zero/checkpoint_files.py",
         ("state_dict", "world_size", "fp32_flat_groups", "zero_model_states"),
-    ),
-    ForeignName(
-        f"{_MERGE}:_zero3_merge_frozen_params",
-        "zero/checkpoint_files.py",
-        ("state_dict", "world_size", "zero_model_states"),
     ),
 )
 
