@@ -1,8 +1,8 @@
 """Migration: a checkpoint directory written by Lightning's stock ``DeepSpeedStrategy`` (ZeRO-3) to one adapter file.
 
-DeepSpeed's own ``zero_to_fp32`` helpers reassemble the per-rank shards; we feed them the fp32 master weights and,
-the same way, each optimizer state (Adam's moments), so the converted file resumes training like one of ours. The
-file is built by ``layout.assemble``, as a save builds it.
+DeepSpeed's own ``zero_to_fp32`` reassembles the per-rank shards: its public function the fp32 master weights, the
+frozen params and the buffers; its private merge, fed the same way, each optimizer state (Adam's moments), so the
+converted file resumes training like one of ours. The file is built by ``layout.assemble``, as a save builds it.
 DeepSpeed's files are pickles and its helpers load them with ``weights_only=False``: every load here, theirs
 included, runs with ``weights_only=True`` allowing only the few DeepSpeed classes such a file holds, so a file
 carrying anything else is refused before any of it runs.
@@ -128,10 +128,12 @@ def convert_deepspeed_checkpoint(
     world_size = len(optim_states)
 
     log.warning("lightning-frozen: reassembling %d ranks' trainable shards", world_size)
-    state_dict: dict[str, torch.Tensor] = checkpoint_files.merge_trainable(
-        world_size, [o["fp32_flat_groups"] for o in optim_states], model_states
-    )
+    with _weights_only_loads(source, [*model_files, *optim_files]):
+        whole = checkpoint_files.read_fp32_tensors(folder)
     group_names = [list(shapes) for shapes in model_states[0].param_shapes]
+    # the trainable params (fp32 masters) alone, cloned off the merge's padded buffer; DeepSpeed's shared-param aliases
+    # and the frozen params stay out
+    state_dict = {name: whole[name].clone() for names in group_names for name in names}
     inner = [o["optimizer_state_dict"] for o in optim_states]
     per_element = [
         key for key, value in inner[0]["state"].get(0, {}).items() if torch.is_tensor(value) and value.dim() > 0
@@ -153,7 +155,7 @@ def convert_deepspeed_checkpoint(
     )
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
-    frozen = checkpoint_files.merge_frozen(world_size, model_states)
+    frozen = {name: whole[name] for name in model_states[0].frozen_param_shapes or {}}
     found = anatomy_of(module, reference) if module is not None else None
     for name in found.trained_copies if found is not None else ():
         frozen.pop(name, None)  # as a save does: the adapted model computes with their trained copies instead

@@ -3,9 +3,10 @@ so do the few private names of torch the package relies on (listed with the func
 
 Outside it no module imports ``deepspeed`` (other than for type hints), touches a ``ds_*`` attribute of a ZeRO-3 param
 or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks it.
-When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; calls the
-ZeRO-3 optimizer's private ``_get_fp32_opt_state_partition``, ``_optimizer_step``, ``_swappable_optimizer_subgroup`` and
-``_optimizer_states_and_gradient_swap_out`` (``params``) and wraps its ``_get_norm_groups`` and
+When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; reads and
+writes whole fp32 weights and optimizer state through ``deepspeed.utils``' public ``safe_get_*`` and ``safe_set_*``,
+working around two of their bugs there, and calls the ZeRO-3 optimizer's private ``_optimizer_step`` to make the
+optimizer state they cannot write before the first step (``params``); wraps the optimizer's ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
 ``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
 with its ``_aligned_size`` and ``_partition_world_size``, and ``Init._zero_init_param`` (``placeholders``); replaces the
@@ -16,8 +17,9 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``ZeROOrderedDict``) that a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
 ``__params_to_release`` (``engine``); bypasses the param offload's ``pre_sub_module_forward_function`` and
 ``post_sub_module_forward_function`` for one call, keeping ``FWD_MODULE_STACK`` balanced, after the coordinator's
-``release_and_reset_all`` (``gather_once``); and merges shards with ``zero_to_fp32``'s ``_zero3_merge_trainable_params``
-and ``_zero3_merge_frozen_params`` (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
+``release_and_reset_all`` (``gather_once``); and merges a stock directory's weights with ``zero_to_fp32``'s public
+``get_fp32_state_dict_from_zero_checkpoint`` and its optimizer state with the private ``_zero3_merge_trainable_params``
+(``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
 param's decoded storage is held elsewhere before decoding into it again (``host_memory``); and writes a file in two
 passes with torch's ``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``).
 Each of them is a row of
@@ -57,7 +59,7 @@ is defined where it is listed):
 - ``forward_trace``: ZeRO-3's trace reset once per outermost call, so a step calling ``self(x)`` prefetches:
   ``reset_trace_at_outermost_call``, ``restore_trace_reset``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
-  ``pickled_classes``, ``read_model_states``, ``merge_trainable``, ``merge_frozen``, ``loss_scaler_of``,
+  ``pickled_classes``, ``read_model_states``, ``read_fp32_tensors``, ``merge_trainable``, ``loss_scaler_of``,
   ``ENGINE_STATE_KEYS``.
 - ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``,
   ``fitted_reduce_bucket``, ``fit_reduce_bucket``, ``inference_config``.

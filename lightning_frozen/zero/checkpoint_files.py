@@ -1,5 +1,6 @@
 """What is read from a checkpoint directory DeepSpeed's ZeRO-3 wrote: its shard files, the DeepSpeed classes they
-pickle, and whole tensors reassembled from the ranks' flat partitions, with DeepSpeed 0.19's own ``zero_to_fp32``.
+pickle, and whole tensors reassembled from the ranks' flat partitions, with DeepSpeed 0.19's own ``zero_to_fp32``
+(its public function for the weights, its private merge for the optimizer's moments).
 
 Each rank writes ``*_model_states.pt`` (param shapes per group, buffers, frozen params' fragments, the client state)
 and ``*_optim_states.pt`` (its fp32 flat partitions and the inner optimizer's state of them). ``zero_to_fp32`` loads
@@ -66,26 +67,32 @@ def _set_environment(values: dict[str, Optional[str]]) -> None:
             os.environ[name] = value
 
 
+def read_fp32_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every whole tensor of the shard ``folder``, by name, with DeepSpeed's public
+    ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``: the trainable params (their fp32 master weights), the
+    frozen params (where the directory holds them) and the buffers, loaded ``weights_only`` (allow
+    :func:`pickled_classes` around it)."""
+    from deepspeed.utils import zero_to_fp32
+
+    with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+
+
 def merge_trainable(
     world_size: int, flat_groups: list[list[torch.Tensor]], model_states: list[Any]
 ) -> dict[str, torch.Tensor]:
-    """Whole per-param tensors, by name, from each rank's flat partitions (``flat_groups[rank][group]``: the fp32
-    master weights, or one per-element optimizer state) of the trainable params."""
+    """Whole per-param tensors, by name, from each rank's flat partitions (``flat_groups[rank][group]``) of the
+    trainable params: for one per-element optimizer state (Adam's moments).
+
+    Through ``zero_to_fp32``'s private ``_zero3_merge_trainable_params``: its public functions merge only the fp32
+    master weights (``parse_optim_states`` drops the inner optimizer's state), and DeepSpeed has nothing public that
+    merges the moments of a ZeRO-3 directory into memory (``ds_to_universal`` writes a directory of per-param files).
+    """
     from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params
 
     merged: dict[str, Any] = {}
     _zero3_merge_trainable_params(merged, world_size, flat_groups, model_states)
     return {name: tensor.contiguous().clone() for name, tensor in merged.items()}
-
-
-def merge_frozen(world_size: int, model_states: list[Any]) -> dict[str, torch.Tensor]:
-    """Whole frozen params, by name, from each rank's fragments; empty when the directory was written without them
-    (``exclude_frozen_parameters=True``)."""
-    from deepspeed.utils import zero_to_fp32
-
-    frozen: dict[str, torch.Tensor] = {}
-    zero_to_fp32._zero3_merge_frozen_params(frozen, world_size, model_states)
-    return frozen
 
 
 # what DeepSpeed's engine writes into a model-states file next to Lightning's checkpoint dict, its `client_state`

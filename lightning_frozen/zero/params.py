@@ -120,8 +120,8 @@ def gathered(param: nn.Parameter) -> Iterator[None]:
 def placeholder_on_accelerator(param: nn.Parameter) -> Iterator[None]:
     """While active, a ZeRO-3 param's empty placeholder (``param.data``) is on the accelerator.
 
-    DeepSpeed 0.19's ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state`` all-gather into a buffer made
-    on ``param.device``, the placeholder's device. Lightning's teardown calls ``module.cpu()``, which moves the
+    DeepSpeed 0.19.8's ``safe_get_full_*`` all-gather into a buffer made on ``param.device``, the placeholder's device
+    (``deepspeed.runtime.zero.stage3`` line 3095). Lightning's teardown calls ``module.cpu()``, which moves the
     placeholders (not the shards) to the CPU, so a save after ``fit`` on CUDA would hand NCCL a CPU tensor.
     """
     from deepspeed.accelerator import get_accelerator
@@ -164,33 +164,57 @@ def set_full_param(param: nn.Parameter, value: torch.Tensor, deepspeed_optimizer
     with torch.no_grad():
         shard.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(device=shard.device, dtype=shard.dtype))
     if deepspeed_optimizer is not None and param.requires_grad:
-        _set_fp32_partition(deepspeed_optimizer, param, flat)
+        _set_full_fp32(param, flat)
 
 
-def _set_fp32_partition(
-    deepspeed_optimizer: Any, param: nn.Parameter, value: torch.Tensor, key: Optional[str] = None
-) -> None:
-    """Write this rank's part of a whole fp32 value (the master weight, or optimizer state ``key``).
+def _set_full_fp32(param: nn.Parameter, value: torch.Tensor, key: Optional[str] = None) -> None:
+    """Write this rank's part of a whole fp32 value (master weight, or optimizer state ``key``): ``safe_set_full_*``."""
+    from deepspeed import utils
 
-    DeepSpeed 0.19's ``safe_set_full_fp32_param``/``safe_set_full_optimizer_state`` narrow past the end of the value
-    on the last rank when a param's size is not a multiple of the world size; this writes only the valid part.
+    if shard_range(param)[1] < shard_numel(param):  # the partition ends in padding, which DeepSpeed's setters overrun
+        _set_padded_partition(param, value, key)
+    elif key is None:
+        utils.safe_set_full_fp32_param(param, value)
+    else:
+        utils.safe_set_full_optimizer_state(param, value, key)
+
+
+def _set_padded_partition(param: nn.Parameter, value: torch.Tensor, key: Optional[str]) -> None:
+    """Write the valid part of a whole fp32 value into this rank's partition, which ends in padding (kept as it is),
+    with DeepSpeed's ``safe_get_local_*`` and ``safe_set_local_*``.
+
+    Works around DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3.set_full_hp_param``, behind ``safe_set_full_*``
+    (``deepspeed.runtime.zero.stage3`` line 3196): it narrows the whole value at ``partition.numel() * rank`` for
+    ``partition.numel()`` elements, past its end on a rank whose partition holds padding (``RuntimeError``).
+    ``tests/test_deepspeed_bugs.py`` fails once it does not.
     """
-    partition, group_index = deepspeed_optimizer._get_fp32_opt_state_partition(
-        param, release_swap_buffers=False, optim_state_key=key
-    )
-    flat = value.detach().reshape(-1)
-    start, valid = shard_range(param)  # the fp32 partition is as long as the param's shard
-    with torch.no_grad():
-        partition.narrow(0, 0, valid).copy_(flat.narrow(0, start, valid).to(partition.dtype))
-    if deepspeed_optimizer._swappable_optimizer_subgroup(group_index):
-        deepspeed_optimizer._optimizer_states_and_gradient_swap_out(group_index)
+    from deepspeed import utils
+
+    start, valid = shard_range(param)
+    partition = _local_partition(param, key).detach().clone()
+    partition.narrow(0, 0, valid).copy_(value.detach().reshape(-1).narrow(0, start, valid))
+    if key is None:
+        utils.safe_set_local_fp32_param(param, partition)
+    else:
+        utils.safe_set_local_optimizer_state(param, partition, key)
+
+
+def _local_partition(param: nn.Parameter, key: Optional[str]) -> torch.Tensor:
+    """This rank's fp32 partition (padding included) of a trainable ZeRO-3 param, or of its optimizer state ``key``."""
+    from deepspeed import utils
+
+    return utils.safe_get_local_fp32_param(param) if key is None else utils.safe_get_local_optimizer_state(param, key)
+
+
+def _fp32_flat(deepspeed_optimizer: Any, param: nn.Parameter) -> torch.Tensor:
+    """The ZeRO-3 optimizer's fp32 flat partition (of its sub-group) that holds ``param``'s part."""
+    group_index, _, _ = deepspeed_optimizer.grad_position[deepspeed_optimizer.get_param_id(param)]
+    return deepspeed_optimizer.fp32_partitioned_groups_flat[group_index]
 
 
 def _inner_state(deepspeed_optimizer: Any, param: nn.Parameter) -> dict:
-    """The inner torch optimizer's state of the fp32 flat partition that holds ``param``."""
-    group_index, _, _ = deepspeed_optimizer.grad_position[deepspeed_optimizer.get_param_id(param)]
-    flat = deepspeed_optimizer.fp32_partitioned_groups_flat[group_index]
-    return deepspeed_optimizer.optimizer.state.get(flat, {})
+    """The inner torch optimizer's state of the fp32 flat partition that holds ``param`` (its keys, ``step``)."""
+    return deepspeed_optimizer.optimizer.state.get(_fp32_flat(deepspeed_optimizer, param), {})
 
 
 def _is_per_element(value: Any) -> bool:
@@ -237,8 +261,7 @@ def whole_on_meta(param: nn.Parameter, deepspeed_optimizer: Any = None, key: Opt
     elif deepspeed_optimizer is None or not param.requires_grad:
         dtype = param.ds_tensor.dtype
     elif key is None:
-        group_index, _, _ = deepspeed_optimizer.grad_position[deepspeed_optimizer.get_param_id(param)]
-        dtype = deepspeed_optimizer.fp32_partitioned_groups_flat[group_index].dtype
+        dtype = _fp32_flat(deepspeed_optimizer, param).dtype
     else:
         dtype = _inner_state(deepspeed_optimizer, param)[key].dtype
     return torch.empty(full_shape(param), dtype=dtype, device="meta")
@@ -273,21 +296,19 @@ def _partition_of(param: nn.Parameter, deepspeed_optimizer: Any, key: Optional[s
         return param.data
     if deepspeed_optimizer is None or not param.requires_grad:
         return param.ds_tensor
-    partition, _ = deepspeed_optimizer._get_fp32_opt_state_partition(
-        param, release_swap_buffers=True, optim_state_key=key
-    )
-    return partition
+    return _local_partition(param, key)
 
 
 def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Parameter]] = None) -> None:
     """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume.
 
-    ZeRO-3 creates it at the first step; until then ``safe_set_full_optimizer_state`` raises ``KeyError``. We run
-    one step per sub-group with zero gradients at learning rate 0 and put the fp32 partitions back as they were
-    afterwards: an optimizer that ignores the group's ``lr`` (Adafactor's ``relative_step``) or decays weights
-    would otherwise move them. The state it creates is overwritten by the checkpoint's right after. With ``params``,
-    only their sub-groups are touched, so a group of newly trainable params starts its state (and step count) fresh
-    at its first real step.
+    ZeRO-3 creates it at the first step (DeepSpeed 0.19.8's ``initialize_optimizer_states`` no longer steps); until then
+    ``safe_set_full_optimizer_state`` raises ``KeyError``, reading ``self.optimizer.state[fp32_param][key]``
+    (``deepspeed.runtime.zero.stage3`` line 3163; ``tests/test_deepspeed_bugs.py`` fails once it does not). We run one
+    step per sub-group with zero gradients at learning rate 0 and put the fp32 partitions back as they were afterwards:
+    an optimizer that ignores the group's ``lr`` (Adafactor's ``relative_step``) or decays weights would otherwise move
+    them. The state it creates is overwritten by the checkpoint's right after. With ``params``, only their sub-groups
+    are touched, so a group of newly trainable params starts its state (and step count) fresh at its first real step.
     """
     inner = deepspeed_optimizer.optimizer
     flats = deepspeed_optimizer.fp32_partitioned_groups_flat
@@ -325,7 +346,7 @@ def set_optimizer_state(deepspeed_optimizer: Any, param: nn.Parameter, state: di
     inner = _inner_state(deepspeed_optimizer, param)
     for key, value in state.items():
         if _is_per_element(value):
-            _set_fp32_partition(deepspeed_optimizer, param, value, key)
+            _set_full_fp32(param, value, key)
         elif torch.is_tensor(value) and torch.is_tensor(inner.get(key)):
             inner[key] = value.to(device=inner[key].device, dtype=inner[key].dtype).clone()
         else:

@@ -51,7 +51,8 @@ CHECKPOINT_OFFSET = ForeignName(
 )
 
 DEEPSPEED = (
-    # the ZeRO-3 optimizer: state by param, its sub-group steps, per-adapter clipping
+    # the ZeRO-3 optimizer: its inner state by param (scalars, keys), a sub-group's step that makes it, per-adapter
+    # clipping (whole values read and written through deepspeed.utils' safe_get_* / safe_set_*)
     ForeignName(
         f"{_STAGE3}.__init__",
         "zero/params.py, zero/adapter_clipping.py, zero/engine.py",
@@ -66,13 +67,6 @@ DEEPSPEED = (
         ),
     ),
     ForeignName(f"{_STAGE3}.get_param_id", "zero/params.py", ("self", "param")),
-    ForeignName(
-        f"{_STAGE3}._get_fp32_opt_state_partition",
-        "zero/params.py",
-        ("self", "param", "release_swap_buffers", "optim_state_key"),
-    ),
-    ForeignName(f"{_STAGE3}._swappable_optimizer_subgroup", "zero/params.py", ("self", "sub_group_id")),
-    ForeignName(f"{_STAGE3}._optimizer_states_and_gradient_swap_out", "zero/params.py", ("self", "sub_group_id")),
     ForeignName(f"{_STAGE3}._optimizer_step", "zero/params.py", ("self", "sub_group_id")),
     ForeignName(f"{_STAGE3}._get_norm_groups", "zero/adapter_clipping.py", ("self",), exact=True),
     ForeignName(
@@ -220,16 +214,12 @@ DEEPSPEED = (
     ForeignName(f"{_SCHEDULES}:OneCycle.step", "zero/optimizers.py", in_code=("_last_lr",)),
     ForeignName(f"{_SCHEDULES}:WarmupLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
     ForeignName(f"{_SCHEDULES}:WarmupCosineLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
-    # a stock DeepSpeed checkpoint directory, read by convert_deepspeed_checkpoint
+    # a stock DeepSpeed checkpoint directory, read by convert_deepspeed_checkpoint: the optimizer's moments merged (the
+    # weights through zero_to_fp32's public function)
     ForeignName(
         f"{_MERGE}:_zero3_merge_trainable_params",
         "zero/checkpoint_files.py",
         ("state_dict", "world_size", "fp32_flat_groups", "zero_model_states"),
-    ),
-    ForeignName(
-        f"{_MERGE}:_zero3_merge_frozen_params",
-        "zero/checkpoint_files.py",
-        ("state_dict", "world_size", "zero_model_states"),
     ),
 )
 
