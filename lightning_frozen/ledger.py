@@ -19,7 +19,8 @@ import lightning.pytorch as pl
 
 from lightning_frozen.hf import transformers_loading
 from lightning_frozen.preemption import Preemption
-from lightning_frozen.zero import accelerator, coded_linear, host_memory
+from lightning_frozen.zero import accelerator
+from lightning_frozen.zero.frozen_compute import FrozenCompute
 from lightning_frozen.zero.init import deepspeed_linear_copy, linear_restorer
 
 T = TypeVar("T")
@@ -86,14 +87,16 @@ class RunLedger:
                 )
 
 
-def open_run(ledger: RunLedger, module: pl.LightningModule, config: Any, preemption: Preemption) -> None:
-    """Enter in ``ledger`` what every run of the strategy changes, before it changes it."""
+def open_run(
+    ledger: RunLedger, module: pl.LightningModule, config: Any, preemption: Preemption, compute: FrozenCompute
+) -> None:
+    """Enter in ``ledger`` what every run of the strategy changes, before it changes it (``compute``: how this run's
+    frozen shards compute, whose changes its ``end_run`` undoes)."""
     ledger.callback(accelerator.ignore_dependency_deprecations(), "the filter of dependencies' deprecation warnings")
     ledger.callback(linear_restorer(), "torch.nn.functional.linear")  # `zero.Init` replaces it for good
     ledger.keep_attribute(*deepspeed_linear_copy())
     ledger.enter(transformers_loading.zero3_known(config), "transformers' belief that ZeRO-3 is on")  # synced generate
     ledger.keep_attribute(module, "forward")  # Lightning's forward redirection leaves a bound method on the instance
-    ledger.callback(coded_linear.end_of_run, "the layers computed from codes")
-    ledger.callback(host_memory.DECODE_BUFFERS.clear, "the decode buffers")
+    ledger.callback(compute.end_run, "the frozen compute's layers and buffers")
     trainer = module.trainer
     ledger.callback(lambda: preemption.uninstall(trainer), "the preemption callback")

@@ -30,9 +30,9 @@ from lightning_frozen.format.codec import storage_bytes
 from lightning_frozen.optim import filtering
 from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero.config import fitted_reduce_bucket
+from lightning_frozen.zero.frozen_storage import frozen_dtype_of
 from lightning_frozen.zero.optimizers import inner_optimizer
 from lightning_frozen.zero.params import full_numel, local_shard
-from lightning_frozen.zero.quantized import frozen_dtype_of
 
 _PRECISION_BYTES = {
     "32": 4,

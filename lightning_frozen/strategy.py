@@ -36,9 +36,10 @@ from lightning_frozen.ledger import RunLedger, open_run
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
 from lightning_frozen.spec import StrategySpec, spec_fields
-from lightning_frozen.zero import accelerator, host_memory, optimizers
+from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
+from lightning_frozen.zero.frozen_compute import frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 
 if TYPE_CHECKING:
@@ -67,8 +68,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             no gather), ``"sha256"`` (full hash of every frozen tensor, gathered one at a time) or ``"none"``.
         frozen_dtype: how frozen ZeRO-3 shards are stored: None (the compute dtype), ``"int8"`` (block-wise absmax,
             1.016 B/weight), ``"nf4"`` (4-bit NormalFloat, 0.531 B/weight) or ``"bf16"``/``"fp16"`` (a cast, 2 B/weight,
-            for fp32 compute); decoded to the compute dtype for the layer computed (``zero/quantized.py``).
-        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS (``zero/host_memory.py``).
+            for fp32 compute); decoded to the compute dtype for the layer computed (``zero/frozen_compute.py``).
+        return_freed_memory: on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS
+            (``zero/compute/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
         generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md).
@@ -178,13 +180,14 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def setup_environment(self) -> None:
-        open_run(self._ledger, self._module, self.config, self._preemption)
+        compute = frozen_compute_for(self.root_device)  # how this run's frozen shards compute on its device
+        open_run(self._ledger, self._module, self.config, self._preemption, compute)
         self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
         accelerator.align_deepspeed_accelerator(self.accelerator)
-        if self.return_freed_memory and isinstance(self.accelerator, CPUAccelerator):  # gathers live in host memory
-            self._ledger.callback(host_memory.return_freed_memory() or (lambda: None), "glibc's mmap threshold")
+        if self.return_freed_memory:  # on the CPU, gathers live in host memory
+            self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         unfreezing.check_finetuning_callbacks(self._module)
         qlora.check_not_quantized(self._module)  # bitsandbytes' layers, built in `__init__`

@@ -1,5 +1,6 @@
-"""Frozen linear layers computed from their gathered codes, a few rows of the weight at a time (zero/coded_linear.py):
-the same values as decoding the weight whole, in real fits, and only where nothing else reads the weight."""
+"""Frozen linear layers computed from their gathered codes, a few rows of the weight at a time
+(zero/compute/coded_linear.py): the same values as decoding the weight whole, in real fits, and only where nothing else
+reads the weight."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.format import codec, partial_decode
-from lightning_frozen.zero import coded_linear
+from lightning_frozen.zero.compute import coded_linear
 from lightning_frozen.zero.params import full_param
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -153,7 +154,7 @@ def _fit(coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4"
         return decode_range(*args, **kwargs)
 
     monkeypatch.setattr(partial_decode, "decode_range", counting_range)
-    monkeypatch.setattr("lightning_frozen.zero.quantized.decode", counting_decode)
+    monkeypatch.setattr("lightning_frozen.zero.compute.quantized.decode", counting_decode)
     if not coded:
         monkeypatch.setattr(coded_linear, "compute_from_codes", lambda model, stored_as: 0)
     model = AdapterModel(width=WIDTH, depth=3, optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))

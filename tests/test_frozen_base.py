@@ -17,7 +17,7 @@ from lightning_frozen import FrozenAwareDeepSpeedStrategy, load_adapter
 from lightning_frozen.base.fingerprint import fingerprint_base, verify_base
 from lightning_frozen.errors import FrozenBaseMismatchError
 from lightning_frozen.hf.reference import find_base_reference
-from lightning_frozen.zero import quantized
+from lightning_frozen.zero import frozen_storage
 from tests.models import AdapterModel, cpu_trainer
 from tests.pretrained_support import TINY_LLAMA
 
@@ -195,7 +195,7 @@ def test_each_of_two_bases_is_recorded_and_a_mismatch_names_the_base_it_is_in(
     ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
     trained = _VisionAndLanguage(**folders)
     trainer.fit(trained, DataLoader(TensorDataset(ids), batch_size=4))
-    stored = {quantized.frozen_dtype_of(p) for n, p in trained.named_parameters() if n.endswith("proj.weight")}
+    stored = {frozen_storage.frozen_dtype_of(p) for n, p in trained.named_parameters() if n.endswith("proj.weight")}
     assert stored == {frozen_dtype}  # the second base (the "teacher") is stored like the first
     trainer.save_checkpoint(tmp_path / "adapter.ckpt")
     entry = torch.load(tmp_path / "adapter.ckpt", weights_only=True)["frozen_base"]

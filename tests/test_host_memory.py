@@ -14,7 +14,7 @@ import torch
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.format import native_codec
-from lightning_frozen.zero import host_memory
+from lightning_frozen.zero.compute import host_memory
 from lightning_frozen.zero.params import full_param, gathered
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -74,7 +74,7 @@ def test_the_strategy_sets_the_allocator_on_the_cpu_unless_told_not_to(
 _RETAINED = textwrap.dedent(
     """
     import sys, torch
-    from lightning_frozen.zero import host_memory
+    from lightning_frozen.zero.compute import host_memory
 
     def anon_mib():
         for line in open("/proc/self/status"):
@@ -106,7 +106,7 @@ def test_freed_buffers_leave_the_process_once_the_allocator_is_set() -> None:
 _UNDONE = textwrap.dedent(
     """
     import ctypes, torch
-    from lightning_frozen.zero import host_memory
+    from lightning_frozen.zero.compute import host_memory
 
     undo = host_memory.return_freed_memory()
     undo()  # the end of the run: glibc's starting threshold (128 KiB) again
@@ -131,7 +131,7 @@ def test_the_threshold_goes_back_when_the_run_ends() -> None:
 
 
 def test_a_threshold_the_user_chose_is_kept() -> None:
-    code = "from lightning_frozen.zero import host_memory; print(host_memory.return_freed_memory() is not None)"
+    code = "from lightning_frozen.zero.compute import host_memory; print(host_memory.return_freed_memory() is not None)"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert run.stdout.split()[-1] == "False"
@@ -163,7 +163,7 @@ def _huge_kib(tensor: torch.Tensor) -> int:
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off or absent")
 def test_a_gathers_fresh_buffers_are_backed_by_huge_pages() -> None:
     """The byte buffers a 2-rank gather writes the encoded base into, and decode's new outputs, ask for 2 MiB pages:
-    the kernel zeroes 4 KiB ones about five times slower (``zero/host_memory.py``)."""
+    the kernel zeroes 4 KiB ones about five times slower (``zero/compute/host_memory.py``)."""
     if native_codec.kernels() is None:
         pytest.skip("the advice is given by the compiled kernels, which need a C compiler")
     size = 32 << 20
@@ -252,7 +252,7 @@ def test_an_nf4_fit_decodes_into_kept_buffers_and_trains_exactly_as_without(
     kept_hits, fresh_hits = seen["hits"][-2:]
     assert fresh_hits == 0
     if layer == "linear":  # 4 steps x 3 layers x the bias, gathered for forward and for backward; the weights of
-        assert kept_hits >= 4 * 3  # plain linear layers are decoded a few rows at a time (zero/coded_linear.py)
+        assert kept_hits >= 4 * 3  # plain linear layers are decoded a few rows at a time (zero/compute/coded_linear.py)
     for name, value in trained[0].items():
         assert torch.equal(trained[default][name], value), name
     assert not torch.equal(trained[0]["layers.0.lora_b"], torch.zeros_like(trained[0]["layers.0.lora_b"]))

@@ -21,7 +21,8 @@ from lightning_frozen.base import fingerprint
 from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.errors import FrozenBaseMismatchError, FrozenDtypeError, FrozenTrainingError
 from lightning_frozen.format import bitsandbytes_nf4, codec, layout, native_codec
-from lightning_frozen.zero import params, quantized
+from lightning_frozen.zero import frozen_storage, params
+from lightning_frozen.zero.compute import quantized
 from tests.distributed import in_a_small_tmpfs, read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -245,8 +246,8 @@ def test_quantizing_a_trainable_param_is_refused() -> None:
 def test_an_accelerator_that_cannot_run_the_dtype_is_named() -> None:
     # a CPU-only torch build has no CUDA: the probe fails there as it would on an accelerator without the ops
     with pytest.raises(FrozenDtypeError, match=r"`frozen_dtype='nf4'` cannot dequantize to torch.bfloat16 on `cuda"):
-        quantized.check_runs_on("nf4", torch.device("cuda", 0), torch.bfloat16)
-    quantized.check_runs_on("nf4", torch.device("cpu"), torch.bfloat16)
+        frozen_storage.check_runs_on("nf4", torch.device("cuda", 0), torch.bfloat16)
+    frozen_storage.check_runs_on("nf4", torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -259,7 +260,7 @@ def test_an_accelerator_that_cannot_run_the_dtype_is_named() -> None:
 )
 def test_configs_that_cannot_hold_quantized_shards_are_refused(zero_config: dict, message: str) -> None:
     with pytest.raises(FrozenDtypeError, match=message):
-        quantized.check_config("int8", {"zero_optimization": zero_config}, torch.device("cpu"))
+        frozen_storage.check_config("int8", {"zero_optimization": zero_config}, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------- 1 process
@@ -452,9 +453,9 @@ def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> No
 @pytest.mark.parametrize("frozen_dtype", ["bf16", "fp16"])
 def test_fp32_training_over_a_half_precision_base_is_fp32_training_over_the_rounded_base(frozen_dtype: str) -> None:
     """The same updates as over an fp32 base holding the rounded values, up to the order of fp32 sums: the linear
-    layers' input gradient sums over a few rows of the weight at a time (``zero/coded_linear.py``). Plain SGD, so
-    that a rounding-sized difference stays rounding-sized (Adam's first steps turn it into the sign of a near-zero
-    gradient)."""
+    layers' input gradient sums over a few rows of the weight at a time (``zero/compute/coded_linear.py``). Plain
+    SGD, so that a rounding-sized difference stays rounding-sized (Adam's first steps turn it into the sign of a
+    near-zero gradient)."""
     cast = codec.FORMATS[frozen_dtype].cast_dtype
     runs = {}
     for storage in (frozen_dtype, None):

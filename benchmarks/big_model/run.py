@@ -336,12 +336,12 @@ def main() -> None:
     run_parser.add_argument(
         "--decode-whole",
         action="store_true",
-        help="the alternative to zero/coded_linear.py: frozen linear weights decoded whole at each gather",
+        help="the alternative to zero/compute/coded_linear.py: frozen linear weights decoded whole at each gather",
     )
     run_parser.add_argument(
         "--exchange-codes",
         action="store_true",
-        help="the alternative to zero/node_codes.py: ranks exchange frozen codes through gloo at each gather",
+        help="the alternative to zero/compute/node_codes.py: ranks exchange frozen codes through gloo at each gather",
     )
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")

@@ -20,7 +20,7 @@ time into:
 
 Floors, in the same process after the fit: the **dense matmuls** (every profiled matmul run again with its own
 shapes on dense fp32 tensors already in memory; a linear layer computed from its codes a few rows at a time,
-``zero/coded_linear.py``, counts as the one whole matmul a dense model runs for it, its weight read from memory:
+``zero/compute/coded_linear.py``, counts as the one whole matmul a dense model runs for it, its weight read from memory:
 timing its row tiles again would time them in cache, a floor no dense model reaches; that figure is kept beside it),
 the **decode** at the codec's own rate (``codec.decode`` of the same format on 16M weights into a buffer written
 before, as a gather decodes into a released param's; before 2026-12-02 05:00 UTC into fresh buffers), and the
@@ -147,7 +147,7 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
         from lightning_frozen.format import partial_decode
-        from lightning_frozen.zero import quantized
+        from lightning_frozen.zero.compute import quantized
 
         self._patches = contextlib.ExitStack()
         _count_coded(self._patches, self.coded_shapes)
@@ -197,9 +197,10 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
 
 def _count_coded(patches: Any, counts: dict[str, int], depth: Any = None) -> None:
     """Into the ExitStack ``patches``: each forward and backward of a layer computed from its codes
-    (``zero/coded_linear.py``) labelled :data:`CODED` and counted in ``counts`` as the one whole matmul a dense model
-    runs for it (the backward only where it computes the input's gradient); ``depth`` as :func:`_labelled` keeps it."""
-    from lightning_frozen.zero import coded_linear
+    (``zero/compute/coded_linear.py``) labelled :data:`CODED` and counted in ``counts`` as the one whole matmul a
+    dense model runs for it (the backward only where it computes the input's gradient); ``depth`` as
+    :func:`_labelled` keeps it."""
+    from lightning_frozen.zero.compute import coded_linear
 
     def forward(args: Any, result: Any) -> None:
         _, input, weight = args[:3]

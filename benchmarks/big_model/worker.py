@@ -186,11 +186,11 @@ def run(spec_path: Path) -> None:
     prefix = "resume_" if resume else ""
     torch.set_num_threads(spec["threads"])
     if spec.get("decode_whole"):  # the alternative measured beside it: no layer computes from codes
-        from lightning_frozen.zero import coded_linear
+        from lightning_frozen.zero.compute import coded_linear
 
         coded_linear.compute_from_codes = lambda model, frozen_dtype_of: 0
     if spec.get("exchange_codes"):  # likewise: the ranks do not share their codes, they all-gather them
-        from lightning_frozen.zero import node_codes
+        from lightning_frozen.zero.compute import node_codes
 
         node_codes.share_codes = lambda params, frozen_dtype_of: 0
     report = RankReport(spec_path.parent)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.harness.probes import load_average  # noqa: E402
 from benchmarks.harness.records import write_json  # noqa: E402
 from lightning_frozen.format import codec, native_codec  # noqa: E402
-from lightning_frozen.zero.host_memory import return_freed_memory  # noqa: E402
+from lightning_frozen.zero.compute.host_memory import return_freed_memory  # noqa: E402
 
 GOALS = {"decode fp32": 1000.0, "encode": 300.0}  # M weights/s per core, issue 24
 

@@ -28,10 +28,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
-from lightning_frozen.format import layout, native_codec
+from lightning_frozen.format import layout
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.hf.reference import base_of
 from lightning_frozen.progress import Progress
+from lightning_frozen.zero.frozen_compute import frozen_compute_for
 from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_partitioned, local_shard, shard_range
 
 
@@ -126,9 +127,9 @@ class Checksummer:
 
     def __call__(self, values: torch.Tensor, start: int) -> list[int]:
         """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the CPU
-        kernels where they run (``format/native_codec.py``; the same sums, several times faster), else in chunks of
-        tensor ops."""
-        compiled = native_codec.checksum16(values, start)
+        kernels where they run (``zero/frozen_compute.py`` on the CPU; the same sums, several times faster), else in
+        chunks of tensor ops."""
+        compiled = frozen_compute_for(values.device).checksum(values, start)
         if compiled is not None:
             return compiled
         keys = checksum_keys(values.dtype)

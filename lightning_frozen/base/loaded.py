@@ -29,15 +29,10 @@ from torch import nn
 from lightning_frozen.base import slice_reads
 from lightning_frozen.base.fingerprint import Checksummer, param_sha256, tensor_sha256
 from lightning_frozen.errors import FrozenBaseFileError, FrozenDtypeError
-from lightning_frozen.zero import exact_gather
+from lightning_frozen.zero import exact_gather, gathers
+from lightning_frozen.zero.frozen_compute import compute_from_codes
+from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of, restore_values, store_codes
 from lightning_frozen.zero.params import full_shape, local_shard, shard_range, storage_identity
-from lightning_frozen.zero.quantized import (
-    SourceValues,
-    frozen_dtype_of,
-    install_quantized_gather,
-    restore_values,
-    store_codes,
-)
 
 _HASH_ELEMENTS = 1 << 22  # elements per piece when hashing a whole tensor from its file
 
@@ -185,7 +180,7 @@ class LoadedBase:
                         f"`{name}` trains, but it was stored as {frozen_dtype_of(param)} while loading and then"
                         " written, so its exact values are gone. Keep it frozen, or pass `frozen_dtype=None`."
                     )
-                exact_gather.restore_gathers(param)
+                gathers.use_deepspeed(param)
                 restore_values(param, _read_slice(param, *entry.source))
                 del self._entries[id(param)]
             elif not entry.settled:
@@ -194,8 +189,7 @@ class LoadedBase:
     def settle_one(self, param: nn.Parameter, entry: _Entry) -> None:
         """``param`` computes through the quantized gather from now on; a write to it reports its new values here."""
         assert entry.exact_gathers
-        exact_gather.restore_gathers(param)
-        install_quantized_gather(param, self.keep_source)
+        compute_from_codes(param, self.keep_source)
         entry.settled = True
 
 

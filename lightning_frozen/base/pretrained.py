@@ -31,9 +31,9 @@ from lightning_frozen.base.loaded import LoadedBase, file_tensor_sha256, open_sa
 from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
+from lightning_frozen.zero.frozen_storage import store_codes
 from lightning_frozen.zero.init import outside_zero_init, sharded_creation
 from lightning_frozen.zero.params import compute_dtype, full_shape, is_partitioned, local_shard, shard_range
-from lightning_frozen.zero.quantized import store_codes
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"

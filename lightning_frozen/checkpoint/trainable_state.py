@@ -22,6 +22,7 @@ from lightning_frozen.checkpoint.streamed_save import DeferredTensors
 from lightning_frozen.errors import CheckpointFormatError
 from lightning_frozen.format import layout
 from lightning_frozen.format.codec import block_format
+from lightning_frozen.zero.frozen_storage import frozen_dtype_of
 from lightning_frozen.zero.params import (
     ensure_optimizer_state,
     loss_scaler_state,
@@ -30,7 +31,6 @@ from lightning_frozen.zero.params import (
     set_full_param,
     set_optimizer_state,
 )
-from lightning_frozen.zero.quantized import frozen_dtype_of
 
 
 def optimizer_holding(name: str, deepspeed_optimizer: Any, ungrouped_names: Collection[str]) -> Any:

@@ -1,7 +1,7 @@
 """Frozen weights stored below the compute dtype, encoded into and decoded from one ``uint8`` tensor (the codes, then
 the scales' bytes): block-wise int8 absmax and 4-bit NormalFloat (NF4), and plain bf16/fp16 casts. Plain tensor
-functions; ``zero/quantized.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``. On the CPU
-they run compiled one-pass kernels (``codec_kernels.c`` through ``native_codec.py``), NF4 on CUDA bitsandbytes'
+functions; ``zero/frozen_storage.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``. On the
+CPU they run compiled one-pass kernels (``codec_kernels.c`` through ``native_codec.py``), NF4 on CUDA bitsandbytes'
 kernel (``bitsandbytes_nf4.py``), else tensor ops; all give the same codes and values.
 
 - ``int8``: symmetric absmax, 256 weights per block, an fp32 scale each: 1.016 bytes per weight (0.51x bf16);

@@ -255,7 +255,7 @@ def over_blocks(
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
     """An uninitialized tensor for decoded values, codes or a gather's bytes. On the CPU its fresh pages are asked to
     be huge ones: the kernel zeroes each 4 KiB page before its first write, about five times slower than it fills a
-    2 MiB one, and codes read at every gather spare the TLB (``zero/host_memory.py``)."""
+    2 MiB one, and codes read at every gather spare the TLB (``zero/compute/host_memory.py``)."""
     out = torch.empty(shape, dtype=dtype, device=device or "cpu")
     if out.device.type != "cpu":
         return out

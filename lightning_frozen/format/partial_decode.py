@@ -1,8 +1,9 @@
 """Part of a gathered frozen param decoded on its own: the values from one flat index to another of what
 ``codec.decode`` would return for the same gathered rows, without decoding the rest.
 
-On the CPU only (a cast format, or the compiled kernels of ``native_codec.py``): ``zero/coded_linear.py`` decodes a
-layer's weight a few rows at a time, each right before its matmul, so that the decoded values are read from cache.
+On the CPU only (a cast format, or the compiled kernels of ``native_codec.py``): ``zero/compute/coded_linear.py``
+decodes a layer's weight a few rows at a time, each right before its matmul, so that the decoded values are read from
+cache.
 """
 
 from __future__ import annotations

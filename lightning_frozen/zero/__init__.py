@@ -8,7 +8,8 @@ writes whole fp32 weights and optimizer state through ``deepspeed.utils``' publi
 working around two of their bugs there, and calls the ZeRO-3 optimizer's private ``_optimizer_step`` to make the
 optimizer state they cannot write before the first step (``params``); wraps the optimizer's ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
-``partition``, keeping DeepSpeed's handle contract (``quantized``, ``exact_gather``), and ``Init._partition_param``,
+``partition``, keeping DeepSpeed's handle contract (``gathers`` owns which ones a param has; ``compute.quantized``,
+``exact_gather`` build them), and ``Init._partition_param``,
 with its ``_aligned_size`` and ``_partition_world_size``, and ``Init._zero_init_param`` (``placeholders``); replaces the
 param offload's start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_forward_pre_hooks``) and
 adds a hook to its ``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); takes a
@@ -19,12 +20,11 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``post_sub_module_forward_function`` for one call, keeping ``FWD_MODULE_STACK`` balanced, after the coordinator's
 ``release_and_reset_all`` (``gather_once``); and merges a stock directory's weights with ``zero_to_fp32``'s public
 ``get_fp32_state_dict_from_zero_checkpoint`` and its optimizer state with the private ``_zero3_merge_trainable_params``
-(``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released
-param's decoded storage is held elsewhere before decoding into it again (``host_memory``); and writes a file in two
-passes with torch's ``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``).
-Each of them is a row of
-``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the error
-that ended a run.
+(``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released param's decoded storage is held
+elsewhere before decoding into it again (``compute.host_memory``); and writes a file in two passes with torch's
+``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``). Each of them is a row
+of ``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the
+error that ended a run.
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -50,12 +50,17 @@ is defined where it is listed):
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``scheduler_per_group_attributes``; torch's schedulers: ``TORCH_PER_GROUP_ATTRIBUTES``,
   ``LAST_LR`` (their last LRs), ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
-- ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
-  ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``SourceValues``.
+- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them: ``frozen_dtype_of``,
+  ``store_codes``, ``restore_values``, ``check_config``, ``SourceValues``.
+- ``frozen_compute``: the one door to how frozen shards are gathered and computed, chosen per device (behind it,
+  ``compute/``: the quantized gather, and the CPU's compiled kernels, layers computed from codes, codes shared in
+  ``/dev/shm``, decode buffers and host-memory settings): ``frozen_compute_for``, ``FrozenCompute``,
+  ``compute_from_codes``.
+- ``gathers``: which gather methods each ZeRO-3 param has over its life, and DeepSpeed's own: ``use``,
+  ``use_deepspeed``, ``deepspeed_method``, ``kind_of``, ``DEEPSPEED``, ``EXACT_FROM_FILE``, ``QUANTIZED``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them, and its broadcast of each
   weight from rank 0 skipped meanwhile: ``untouched_while_loading``, ``not_broadcast_while_loading``.
-- ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``,
-  ``restore_gathers``.
+- ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``.
 - ``forward_trace``: ZeRO-3's trace reset once per outermost call, so a step calling ``self(x)`` prefetches:
   ``reset_trace_at_outermost_call``, ``restore_trace_reset``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
@@ -63,9 +68,6 @@ is defined where it is listed):
   ``ENGINE_STATE_KEYS``.
 - ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``,
   ``fitted_reduce_bucket``, ``fit_reduce_bucket``, ``inference_config``.
-- ``host_memory``: host memory on the CPU accelerator: ``return_freed_memory``, ``DECODE_BUFFERS`` (the pool of
-  decoded tensors, emptied when a run ends).
-- ``coded_linear``: frozen layers computed from their codes: ``end_of_run`` (their forwards taken off).
 - ``whole``: ZeRO-3 params made plain tensors again after a run: ``unshard``.
 - ``gather_once``: a model's params gathered whole for one call of its generate, its modules' fetches and releases
   bypassed meanwhile: ``gathered_once``, ``whole_bytes`` (its size whole in the compute dtype), ``available_bytes``

@@ -20,8 +20,9 @@ from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
 from lightning_frozen.spec import StrategySpec
-from lightning_frozen.zero import coded_linear, forward_trace, host_memory, node_codes, quantized
+from lightning_frozen.zero import forward_trace, frozen_storage
 from lightning_frozen.zero.config import fit_reduce_bucket
+from lightning_frozen.zero.frozen_compute import frozen_compute_for
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 from lightning_frozen.zero.private_names import ENGINE_HOOKS, IN_FORWARD, MODULE_STACK, RELEASE_CACHE, reaching
 
@@ -59,7 +60,7 @@ class LoadedShards(Protocol):
 
     def settle(self, model: nn.Module) -> None: ...
 
-    def source_keeper(self, fingerprint_mode: str) -> quantized.SourceValues: ...
+    def source_keeper(self, fingerprint_mode: str) -> frozen_storage.SourceValues: ...
 
 
 def initialize_engine(
@@ -77,8 +78,9 @@ def initialize_engine(
     params stay 1/N shards afterwards (see :func:`release_frozen_persistence`), quantized when ``spec.frozen_dtype``
     says so; ``loaded`` (what the sliced loader stored) is settled first and keeps the source values. ZeRO-3's trace
     is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
-    (:func:`forward_trace.reset_trace_at_outermost_call`). On the CPU, ZeRO-3's gather bounds the user left unset get
-    CPU defaults (:func:`host_memory.bound_gathers_on_cpu`).
+    (:func:`forward_trace.reset_trace_at_outermost_call`). How the frozen shards compute on ``where.device`` (on the
+    CPU, defaults for ZeRO-3's gather bounds the user left unset, codes shared and computed from) is
+    ``zero/frozen_compute.py``'s.
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -88,10 +90,10 @@ def initialize_engine(
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     if model_parameters and spec.fit_reduce_bucket:
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
-    if where.device.type == "cpu":
-        host_memory.bound_gathers_on_cpu(config, model)  # there the gathered params are host memory, once per rank
+    compute = frozen_compute_for(where.device)
+    compute.bound_gathers(config, model)  # on the CPU the gathered params are host memory, once per rank
     if spec.frozen_dtype:
-        quantized.check_config(spec.frozen_dtype, config, where.device)
+        frozen_storage.check_config(spec.frozen_dtype, config, where.device)
     if loaded is not None:
         loaded.settle(model)
     partition_frozen_and_trainable(model, config, spec)
@@ -109,10 +111,7 @@ def initialize_engine(
     forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
     if spec.frozen_dtype:
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
-        quantized.quantize_frozen_shards(model, spec.frozen_dtype, keeper)
-        if where.device.type == "cpu":  # ranks on one machine read each other's codes, not copies of them
-            node_codes.share_codes(list(model.parameters()), quantized.frozen_dtype_of)
-        coded_linear.compute_from_codes(model, quantized.frozen_dtype_of)
+        compute.prepare(model, spec.frozen_dtype, keeper)
     return engine, deepspeed_optimizer
 
 

@@ -1,6 +1,7 @@
-"""A ZeRO-3 param whose gathers are answered without a collective for a while, by replacing DeepSpeed 0.19's
-per-param ``all_gather``, ``all_gather_coalesced`` and ``partition`` and keeping their contract: other params of the
-same call go on to DeepSpeed's own methods, and the coalesced gather returns a handle with ``wait``.
+"""A ZeRO-3 param whose gathers are answered without a collective for a while: the gather methods of
+``zero/gathers.py``'s :data:`~lightning_frozen.zero.gathers.EXACT_FROM_FILE`, given to the param there (which keeps
+DeepSpeed's own); other params of the same call go on to DeepSpeed's own methods, and the coalesced gather returns a
+handle with ``wait``.
 
 The sliced loader uses it for params it stored quantized as it read them: until setup, a gather reads their exact
 values from the file (``base/loaded.py`` says why), and a write under ``GatheredParameters(modifier_rank=...)`` is
@@ -14,14 +15,10 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_frozen.zero import gathers
 from lightning_frozen.zero.init import outside_zero_init
 from lightning_frozen.zero.params import is_released, mark_gathered
-
-_METHODS = ("all_gather", "all_gather_coalesced", "partition")
-# DeepSpeed's own methods of each overridden param, put back by `restore_gathers` (kept here, not on the param)
-_originals: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def override_gathers(
@@ -33,9 +30,8 @@ def override_gathers(
     """From now on, gathering ``param`` (or any param of the same call for which ``exact(p)`` holds) puts ``read(p)``,
     the whole tensor, in place of its shard, with no collective. Partitioning such a param after a write (DeepSpeed's
     ``has_been_updated``) calls ``written(p)`` with the written values in ``p.data``, outside ``zero.Init`` (new
-    tensors are ordinary ones); ``written`` must store them and give ``p`` its own gathers back (:func:`restore_gathers`
-    and whatever it installs), which then partition it. Without a write, DeepSpeed's partition frees the values."""
-    _originals[param] = {name: getattr(param, name) for name in _METHODS}
+    tensors are ordinary ones); ``written`` must store them and give ``p`` other gathers (``zero/gathers.py``), which
+    then partition it. Without a write, DeepSpeed's partition frees the values."""
 
     def all_gather(param_list: Optional[list] = None, async_op: bool = False, hierarchy: int = 0) -> Any:
         params = [param] if param_list is None else list(param_list)
@@ -68,19 +64,14 @@ def override_gathers(
                     written(p)
                 p.partition(param_list=[p], hierarchy=hierarchy, free_data=free_data)
             else:
-                _originals[p]["partition"](param_list=[p], hierarchy=hierarchy, free_data=free_data)
+                gathers.deepspeed_method(p, "partition")(param_list=[p], hierarchy=hierarchy, free_data=free_data)
         if others:
             others[0].partition(
                 param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
             )
 
-    param.all_gather, param.all_gather_coalesced, param.partition = all_gather, all_gather_coalesced, partition
-
-
-def restore_gathers(param: nn.Parameter) -> None:
-    """Give ``param`` DeepSpeed's own gather and partition methods back (after :func:`override_gathers`)."""
-    for name, method in _originals.pop(param).items():
-        setattr(param, name, method)
+    methods = {"all_gather": all_gather, "all_gather_coalesced": all_gather_coalesced, "partition": partition}
+    gathers.use(param, gathers.EXACT_FROM_FILE, methods)
 
 
 class _Done:

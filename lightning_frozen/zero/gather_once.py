@@ -3,8 +3,8 @@
 ``model.generate()`` runs one forward per new token. Under ZeRO-3 each forward gathers every layer and releases it
 again, so a rank gathers the base as many times as it generates tokens. :func:`gathered_once` gathers the params of
 ``model`` once with ``deepspeed.zero.GatheredParameters`` (quantized frozen shards decode whole through their own
-gather, ``quantized.py``; trainable ones hold their current values), runs the block, and partitions them again, as
-TRL's ``unwrap_model_for_generation`` and DeepSpeed's own (``runtime.zero.stage3``) do.
+gather, ``zero/compute/quantized.py``; trainable ones hold their current values), runs the block, and partitions them
+again, as TRL's ``unwrap_model_for_generation`` and DeepSpeed's own (``runtime.zero.stage3``) do.
 
 Unlike those two, ZeRO-3's per-module hooks are not removed and registered again (that moves them behind the hooks
 registered after them, renumbers the modules through ``_register_deepspeed_module``'s shared counter, and drops the
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from lightning_frozen.zero.engine import param_offload
+from lightning_frozen.zero.frozen_storage import frozen_dtype_of
 from lightning_frozen.zero.params import full_numel, is_partitioned
-from lightning_frozen.zero.quantized import frozen_dtype_of
 
 _BYPASSED = ("pre_sub_module_forward_function", "post_sub_module_forward_function")
 

@@ -132,7 +132,7 @@ DEEPSPEED = (
     ),
     ForeignName(
         f"{_INIT}._convert_to_deepspeed_param",
-        "zero/params.py, zero/quantized.py, zero/placeholders.py",
+        "zero/params.py, zero/frozen_storage.py, zero/compute/quantized.py, zero/placeholders.py",
         ("self", "param"),
         in_code=(
             "ds_id",
@@ -226,14 +226,14 @@ DEEPSPEED = (
 TORCH = (
     ForeignName(
         "torch.nn.modules.module:Module.__init__",
-        "zero/engine.py, zero/params.py, zero/forward_trace.py, zero/coded_linear.py",
+        "zero/engine.py, zero/params.py, zero/forward_trace.py, zero/compute/coded_linear.py",
         in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
     ),
     ForeignName("torch:Tensor._version", "zero/params.py"),
     FAKE_TENSOR_MODE,
     CHECKPOINT_OFFSET,
-    ForeignName("torch._C:_storage_Use_Count", "zero/host_memory.py"),
-    ForeignName("torch:UntypedStorage._cdata", "zero/host_memory.py"),
+    ForeignName("torch._C:_storage_Use_Count", "zero/compute/host_memory.py"),
+    ForeignName("torch:UntypedStorage._cdata", "zero/compute/host_memory.py"),
     ForeignName("torch.optim.lr_scheduler:LRScheduler.get_last_lr", "zero/optimizers.py", in_code=("_last_lr",)),
     ForeignName("torch.optim.lr_scheduler:SequentialLR.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
     ForeignName("torch.optim.lr_scheduler:ChainedScheduler.__init__", "zero/optimizers.py", in_code=("_schedulers",)),

@@ -1,7 +1,7 @@
 """Train a ``tests.models.AdapterModel`` (4 layers; its ``training_step`` calls ``self(x)``) over an NF4 base on N
 CPU processes, three times: as shipped (``shared``: the ranks share one machine, so each reads the others' codes from
-shared memory, ``zero/node_codes.py``); then with the codes exchanged through the process group, as ranks on several
-machines do, with the quantized gather asynchronous (``async``: DeepSpeed's coordinator prefetches through its
+shared memory, ``zero/compute/node_codes.py``); then with the codes exchanged through the process group, as ranks on
+several machines do, with the quantized gather asynchronous (``async``: DeepSpeed's coordinator prefetches through its
 handle) and with every gather's collective waited on inside the call (``sync``). Each rank writes
 ``<out>/<run>/rank<R>.json``. ``train_quantized.py --prefetch-out`` runs the three in its own world after its fits.
 
@@ -34,8 +34,9 @@ import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
-from lightning_frozen.zero import node_codes, quantized  # noqa: E402
+from lightning_frozen.zero import frozen_storage  # noqa: E402
 from lightning_frozen.zero import params as zero  # noqa: E402
+from lightning_frozen.zero.compute import node_codes, quantized  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.gather_recording import GatherRecorder  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
@@ -147,7 +148,7 @@ def share_in_a_handshake_that_raises(model: AdapterModel, folder: Path) -> None:
     broadcast, deepspeed.comm.broadcast_object_list = deepspeed.comm.broadcast_object_list, dying
     try:
         with shared_dir(folder):
-            node_codes.share_codes(frozen, quantized.frozen_dtype_of)
+            node_codes.share_codes(frozen, frozen_storage.frozen_dtype_of)
     except RuntimeError as error:
         report["raised"] = str(error)
         # while the traceback (and the frame of `share_codes`) is still alive

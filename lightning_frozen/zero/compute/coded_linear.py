@@ -6,7 +6,7 @@ written to memory) and read back by the matmul: at 7B, twice a step, the base's 
 twice more than the matmuls need. Here a linear layer's forward decodes ``TILE_ELEMENTS`` weights (a few output
 rows) into one small buffer and multiplies them while they are in cache, row block by row block; its backward does
 the same for the input's gradient. An embedding decodes only the rows its input looks up. The gather keeps the
-layer's codes instead of decoding them (``zero/quantized.py``), and the weight's data is a placeholder of its shape
+layer's codes instead of decoding them (``quantized.py``), and the weight's data is a placeholder of its shape
 that reads as NaN, so a reader we did not foresee fails loudly.
 
 One 4096 x 11008 layer, 64 tokens, one thread, both ranks of the 2-core machine busy (a one-off timing beside the

@@ -12,7 +12,7 @@
   every page on first touch. A gathered frozen param is decoded into a new tensor at each of its uses (twice a step),
   so that zeroing would double the decode's time. :data:`DECODE_BUFFERS` keeps the decoded tensors of released
   params, within a budget, for the next gather of the same size. The buffers that are still new each time (a
-  decode with none kept, the gather's byte buffers in ``zero/quantized.py``) are asked to be backed by 2 MiB
+  decode with none kept, the gather's byte buffers in ``quantized.py``) are asked to be backed by 2 MiB
   transparent huge pages (``madvise``, ``format/native_codec.py``): measured on a 2-core AMD EPYC with THP in its
   usual ``madvise`` mode, the kernel hands out fresh memory at 1.7 GB/s in 4 KiB pages and 8.6 GB/s in huge ones
   (14 GB/s into pages written before).

@@ -1,5 +1,6 @@
 """Frozen ZeRO-3 shards stored below the compute dtype (``frozen_dtype="int8"``, ``"nf4"``, or a ``"bf16"``/``"fp16"``
-cast under fp32 compute; the codecs are in ``format/codec.py``).
+cast under fp32 compute; the codecs are in ``format/codec.py``): quantized at setup, gathered and decoded. The core
+reaches it through ``zero/frozen_compute.py``; the storage itself is ``zero/frozen_storage.py``'s.
 
 Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
 ``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
@@ -17,20 +18,20 @@ per param), which gather and decode the bytes described here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.format.codec import BlockFormat, block_format, decode, encode, split
+from lightning_frozen.format.codec import block_format, decode
 from lightning_frozen.format.native_codec import empty_output
-from lightning_frozen.zero import coded_linear, node_codes
-from lightning_frozen.zero.host_memory import DECODE_BUFFERS
+from lightning_frozen.zero import gathers
+from lightning_frozen.zero.compute import coded_linear, node_codes
+from lightning_frozen.zero.compute.host_memory import DECODE_BUFFERS
+from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of, store_codes
 from lightning_frozen.zero.params import (
-    compute_dtype,
     full_shape,
     is_partitioned,
     is_released,
@@ -38,64 +39,6 @@ from lightning_frozen.zero.params import (
     shard_numel,
     shard_range,
 )
-
-# the format each quantized shard is stored in, kept here rather than on the user's params; it outlives a run as long
-# as the shard holds codes
-_stored_as: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-# Told the values a frozen shard held just before they are encoded: the param, this rank's elements, the flat index of
-# the first, and the whole tensor when it is at hand (written under `GatheredParameters`). Whoever needs the source
-# values keeps what it needs of them (the strategy's record of the base, `base/loaded.py`); quantizing keeps nothing.
-SourceValues = Callable[[nn.Parameter, torch.Tensor, int, Optional[torch.Tensor]], None]
-
-
-def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
-    """The ``frozen_dtype`` (``"int8"``, ``"nf4"``, ...) ``param``'s ZeRO-3 shard is stored in, else None."""
-    return _stored_as.get(param)
-
-
-def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
-    """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype.
-
-    Raises:
-        FrozenDtypeError: ZeRO stage 3 is off, DeepSpeed's own ``zero_quantized_nontrainable_weights`` is on too,
-            params are offloaded to NVMe, or the accelerator cannot run the dequantization.
-    """
-    zero_config = config.get("zero_optimization") or {}
-    if zero_config.get("stage") != 3:
-        raise FrozenDtypeError(
-            f"`frozen_dtype={frozen_dtype!r}` stores ZeRO-3 shards, but ZeRO stage {zero_config.get('stage')} is"
-            " configured. Use `stage=3` (the default of `frozen_deepspeed`)."
-        )
-    if zero_config.get("zero_quantized_nontrainable_weights") or zero_config.get("zero_quantized_weights"):
-        raise FrozenDtypeError(
-            f"`frozen_dtype={frozen_dtype!r}` and DeepSpeed's `zero_quantized_(nontrainable_)weights` both quantize"
-            " the frozen shards. Remove the DeepSpeed option from the config."
-        )
-    if ((zero_config.get("offload_param") or {}).get("device")) == "nvme":
-        raise FrozenDtypeError(
-            f"`frozen_dtype={frozen_dtype!r}` keeps shards in host or device memory; DeepSpeed's NVMe parameter"
-            " offload swaps them as compute-dtype tensors. Remove `offload_param: {device: nvme}` or the frozen_dtype."
-        )
-    check_runs_on(frozen_dtype, device, compute_dtype(config) or torch.float32)
-
-
-def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will.
-
-    Raises:
-        FrozenDtypeError: the accelerator cannot run it; the message names the device and the fix.
-    """
-    fmt = block_format(frozen_dtype)
-    try:
-        sample = torch.linspace(-1, 1, fmt.block_size, device=device)
-        decode(encode(sample, frozen_dtype), fmt.block_size, frozen_dtype, dtype)
-    except (RuntimeError, AssertionError, TypeError) as error:
-        raise FrozenDtypeError(
-            f"`frozen_dtype={frozen_dtype!r}` cannot dequantize to {dtype} on `{device}`"
-            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Train on an accelerator"
-            " that runs it, or pass `frozen_dtype=None`."
-        ) from error
 
 
 def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
@@ -152,49 +95,14 @@ def quantize_param_shard(
     if before_encoding is not None:
         before_encoding(param, values, start, None)
     store_codes(param, values, frozen_dtype)
-    _install_gather(param, before_encoding)
-
-
-def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) -> None:
-    """Put the codes of ``values`` (this rank's elements of ``param``, in its dtype) in place of its ZeRO-3 shard,
-    padded as the shard is, so that blocks align with the shard: encoding a slice as it is read gives the codes of
-    encoding the shard it was read into."""
-    fmt = block_format(frozen_dtype)
-    _store(param, encode(values, fmt.name, numel=shard_numel(param)), fmt)
-
-
-def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
-    """Put this rank's exact ``values`` of ``param`` (in its dtype) back in place of its codes, as an ordinary shard."""
-    node_codes.leave(param)
-    shard = param.ds_tensor
-    full = torch.zeros(shard_numel(param), dtype=param.dtype, device=shard.device)
-    full[: values.numel()] = values.to(full.device)
-    shard.data = full
-    del shard.ds_quant_scale
-    del _stored_as[param]
+    install_quantized_gather(param, before_encoding)
 
 
 def install_quantized_gather(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:
-    """Gather and partition ``param`` (its shard already holds codes) through the quantized gather; a write to it
-    tells ``before_encoding`` the new values before they are encoded."""
-    _install_gather(param, before_encoding)
-
-
-def _store(param: nn.Parameter, stored: torch.Tensor, fmt: BlockFormat) -> None:
-    """Put the encoded bytes in place of the shard; ``ds_quant_scale`` routes the param to the quantized gather."""
-    from deepspeed.accelerator import get_accelerator
-
-    node_codes.leave(param)  # its rows in the shared file hold the old codes
-    shard = param.ds_tensor
-    if shard.device.type == "cpu" and shard.is_pinned():
-        stored = get_accelerator().pin_memory(stored)
-    shard.data = stored
-    shard.ds_quant_scale = split(stored, fmt.name)[1]
-    _stored_as[param] = fmt.name
-
-
-def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]) -> None:
-    original_partition = param.partition
+    """Gather and partition ``param`` (its shard already holds codes) through the quantized gather
+    (``zero/gathers.py``'s :data:`~lightning_frozen.zero.gathers.QUANTIZED`); a write to it tells ``before_encoding``
+    the new values before they are encoded."""
+    original_partition = gathers.deepspeed_method(param, "partition")
 
     def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False, quantize: bool = False) -> Any:
         params = list(params)
@@ -235,9 +143,8 @@ def _install_gather(param: nn.Parameter, before_encoding: Optional[SourceValues]
                 param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
             )
 
-    param.all_gather_coalesced = all_gather_coalesced
-    param.all_gather = all_gather
-    param.partition = partition
+    methods = {"all_gather": all_gather, "all_gather_coalesced": all_gather_coalesced, "partition": partition}
+    gathers.use(param, gathers.QUANTIZED, methods)
 
 
 def _requantize_from_full(param: nn.Parameter, before_encoding: Optional[SourceValues]) -> None:
@@ -247,7 +154,7 @@ def _requantize_from_full(param: nn.Parameter, before_encoding: Optional[SourceV
     piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
     if before_encoding is not None:
         before_encoding(param, piece, start, param.data)
-    _store(param, encode(piece, frozen_dtype, numel=shard_numel(param)), block_format(frozen_dtype))
+    store_codes(param, piece, frozen_dtype)
 
 
 class _Handles:
@@ -262,7 +169,7 @@ class _Handles:
 class _GatherHandle:
     """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: the collectives were started
     when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once. A param whose
-    layer computes from its codes (``zero/coded_linear.py``), gathered for that layer, keeps its codes instead.
+    layer computes from its codes (``coded_linear.py``), gathered for that layer, keeps its codes instead.
 
     DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
     handle shared by several params is waited on again after some of them were released, which must not decode or
@@ -308,7 +215,7 @@ def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandl
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
     passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies, as do
-    params whose every rank's codes are in this machine's shared memory (``zero/node_codes.py``): nothing is sent.
+    params whose every rank's codes are in this machine's shared memory (``node_codes.py``): nothing is sent.
     ``for_layer``: gathered by ZeRO-3's hooks for a module, so a weight computed from its codes keeps them."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -324,7 +231,7 @@ def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandl
         by_group.setdefault(key, []).append(param)
     groups, sent = [], []
     shared = [(p, node_codes.rows_of(p)) for p in by_group.pop(_SHARED, [])]
-    if shared:  # every rank's codes already in this machine's shared memory (`zero/node_codes.py`)
+    if shared:  # every rank's codes already in this machine's shared memory (`node_codes.py`)
         groups.append((shared, None))
     for group_params in by_group.values():
         group = group_params[0].ds_process_group

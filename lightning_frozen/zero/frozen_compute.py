@@ -1,0 +1,86 @@
+"""The one door between the core and how frozen shards are computed: :func:`frozen_compute_for` a device gives a
+:class:`FrozenCompute` with the few operations the strategy, the engine and the fingerprint call.
+
+As Lightning keeps its accelerators behind ``Accelerator`` and DeepSpeed its ops behind ``op_builder``, the core calls
+only this; what is behind it (``zero/compute/``: the quantized gather and, on the CPU, compiled kernels, layers
+computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings) can be skipped by a
+reader who changes how a checkpoint is written or where frozen params are placed. On an accelerator (CUDA) shards
+are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_frozen.format import native_codec
+from lightning_frozen.zero.compute import coded_linear, host_memory, node_codes, quantized
+from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
+
+
+class FrozenCompute:
+    """Frozen shards on an accelerator: quantized at setup, gathered to the device and decoded whole there."""
+
+    def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
+        """Give the DeepSpeed ``config`` this device's defaults for ZeRO-3's gather bounds the user left unset;
+        return the ones set."""
+        return {}
+
+    def set_process_memory(self) -> Optional[Callable[[], None]]:
+        """Set how the process gives memory back for the run; return what sets it back, or None."""
+        return None
+
+    def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
+        """After the engine is built: store each frozen shard of ``model`` as ``frozen_dtype`` codes, gathered and
+        decoded from then on; ``before_encoding`` is told each shard's values first. Return how many were stored.
+
+        Raises:
+            FrozenDtypeError: a stored param was made trainable, or a frozen param is not a released ZeRO-3 shard.
+        """
+        return quantized.quantize_frozen_shards(model, frozen_dtype, before_encoding)
+
+    def end_run(self) -> None:
+        """After a run: what :meth:`prepare` changed outside the params undone, what it holds let go."""
+
+    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
+        """The fingerprint's checksums of ``values`` (flat, from index ``start``) where a compiled pass takes them,
+        else None (``base/fingerprint.py`` takes them with tensor ops)."""
+        return None
+
+
+class CpuFrozenCompute(FrozenCompute):
+    """Frozen shards on DeepSpeed's CPU accelerator, where gathered params are host memory: gather bounds and glibc's
+    mmap threshold set, each machine's codes shared by its ranks, layers computed from their codes, compiled kernels."""
+
+    def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
+        return host_memory.bound_gathers_on_cpu(config, model)
+
+    def set_process_memory(self) -> Optional[Callable[[], None]]:
+        return host_memory.return_freed_memory()
+
+    def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
+        done = super().prepare(model, frozen_dtype, before_encoding)
+        node_codes.share_codes(list(model.parameters()), frozen_dtype_of)  # ranks read each other's codes, not copies
+        coded_linear.compute_from_codes(model, frozen_dtype_of)
+        return done
+
+    def end_run(self) -> None:
+        coded_linear.end_of_run()
+        host_memory.DECODE_BUFFERS.clear()
+
+    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
+        return native_codec.checksum16(values, start)
+
+
+def frozen_compute_for(device: torch.device) -> FrozenCompute:
+    """How frozen shards are computed on ``device``: the CPU's stack, or an accelerator's."""
+    return CpuFrozenCompute() if device.type == "cpu" else FrozenCompute()
+
+
+def compute_from_codes(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:
+    """``param``'s shard holds codes already (stored as the loader read it): gather and decode them from now on; a
+    write to it tells ``before_encoding`` its new values before they are encoded."""
+    quantized.install_quantized_gather(param, before_encoding)
