@@ -44,10 +44,10 @@ is defined where it is listed):
   workers idle, found by the name torch gives their threads and read in /proc):
   ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
   ``GLOO_WORKER_THREAD``, ``ignore_dependency_deprecations``.
-- ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:
+- ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
-  ``set_engine_counters``, ``scheduler_per_group_attributes``; torch's schedulers: ``TORCH_PER_GROUP_ATTRIBUTES``,
-  ``LAST_LR`` (their last LRs), ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
+  ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,
+  ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
 - ``quantized``: frozen shards stored below the compute dtype and their gather: ``frozen_dtype_of``,
   ``store_codes``, ``restore_values``, ``install_quantized_gather``, ``SourceValues``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them, and its broadcast of each
