@@ -33,7 +33,7 @@ from lightning_frozen.zero.params import check_has_trainable
 
 # Keys under which torch and DeepSpeed schedulers keep a learning rate that a group can climb to.
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr")
-_SCHEDULER_PER_GROUP_LR_KEYS = ("base_lrs", "max_lrs", "min_lrs")
+_SCHEDULER_PER_GROUP_LR_KEYS = ("base_lrs", "max_lrs", "min_lrs", "org_lrs")  # org_lrs: DeepSpeed's WarmupCosineLR
 _SCHEDULER_SCALAR_LR_KEYS = ("eta_min",)
 
 
