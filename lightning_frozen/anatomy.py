@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_frozen.base.fingerprint import replaced_by_trained_copies
+from lightning_frozen.base.fingerprint import trained_copy_originals
 from lightning_frozen.hf import peft_adapters
-from lightning_frozen.hf.reference import chosen_reference, find_base_references, find_peft_model
+from lightning_frozen.hf.reference import add_base_reference, chosen_reference, find_peft_model
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,26 @@ class Anatomy:
 
 
 def anatomy_of(module: nn.Module, explicit_reference: Optional[str] = None) -> Anatomy:
-    """Walk ``module`` once for each part of its :class:`Anatomy`; ``explicit_reference`` (the strategy's
+    """Walk ``module``'s modules once for every part of its :class:`Anatomy`; ``explicit_reference`` (the strategy's
     ``frozen_base``) is its base reference when given."""
     params = dict(module.named_parameters())
-    peft = find_peft_model(module)
-    owned = _adapter_param_names(module, peft)
-    bases = find_base_references(module)
+    peft: Optional[tuple[str, Any]] = None
+    layer_params: dict[str, list[str]] = {}
+    copies: list[str] = []
+    bases: dict[str, str] = {}
+    for name, submodule in module.named_modules():
+        if peft is None and peft_adapters.is_peft_model(submodule):
+            peft = (name, submodule)
+        peft_adapters.add_tuner_layer_params(layer_params, name, submodule)
+        copies += trained_copy_originals(name, submodule)
+        add_base_reference(bases, name, submodule)
+    owned = _adapters_of(peft, layer_params)
     return Anatomy(
         peft=peft,
         adapter_params=owned,
         trainable=tuple(name for name, param in params.items() if param.requires_grad),
         trained_adapters=tuple(_trained(owned, params)),
-        trained_copies=frozenset(replaced_by_trained_copies(module)),
+        trained_copies=frozenset(copies),
         base_references=bases,
         base_reference=chosen_reference(explicit_reference, bases, peft, module),
     )
@@ -63,10 +71,15 @@ def trained_adapters(module: nn.Module) -> list[str]:
 
 
 def _adapter_param_names(module: nn.Module, peft: Optional[tuple[str, Any]]) -> dict[str, list[str]]:
+    return _adapters_of(peft, peft_adapters.tuner_layer_params(module) if peft is not None else {})
+
+
+def _adapters_of(peft: Optional[tuple[str, Any]], layer_params: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """Every adapter of the PEFT model, in the order of its ``peft_config``, with its tuner layers' params."""
     if peft is None:
         return {}
     owned: dict[str, list[str]] = {name: [] for name in peft[1].peft_config}
-    for adapter, names in peft_adapters.tuner_layer_params(module).items():
+    for adapter, names in layer_params.items():
         owned.setdefault(adapter, []).extend(names)
     return owned
 

@@ -99,3 +99,26 @@ def test_unfreezing_finds_the_anatomy_again(monkeypatch: pytest.MonkeyPatch) -> 
         ("head.weight", "head.bias"),
         ("backbone.0.weight", "backbone.0.bias", "backbone.2.weight", "backbone.2.bias", "head.weight", "head.bias"),
     ]
+
+
+# walks of the module in `load_adapter(..., adapter=...)`: its anatomy (one walk of the modules, one of the params),
+# the frozen params the fingerprint verifies, the params and the persistent buffers the state is copied into, and
+# setting the active adapter; 11 when the PEFT model was found again for each of the adapter, the trained copies and
+# the active adapter
+LOAD_WALKS = 7
+
+
+def test_loading_one_adapter_walks_the_module_once_for_its_anatomy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = cpu_trainer(max_steps=1)
+    trainer.fit(PeftModule("lora_modules_to_save"), batches("lora_modules_to_save"))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    builds = _recorded_builds(monkeypatch)
+    module = PeftModule("lora_modules_to_save")
+    with _counted_walks(monkeypatch) as walks:
+        lightning_frozen.load_adapter(module, tmp_path / "run.ckpt", adapter="default")
+    assert len(builds) == 1 and walks[0] <= LOAD_WALKS, walks[0]
+    saved = lightning_frozen.read_checkpoint(tmp_path / "run.ckpt")["state_dict"]
+    params = dict(module.named_parameters())
+    assert saved and all(torch.equal(params[name], value) for name, value in saved.items() if name in params)

@@ -80,11 +80,15 @@ def named_frozen(
 def replaced_by_trained_copies(module: nn.Module) -> set[str]:
     """Params of the originals of PEFT's ``modules_to_save``: the adapted model computes with their trained copies
     (in the checkpoint) instead, and a head that ``from_pretrained`` created at random differs at every load."""
-    return {
-        f"{prefix}.original_module.{name}".lstrip(".")
-        for prefix, submodule in peft_adapters.modules_to_save_wrappers(module)
-        for name, _ in submodule.original_module.named_parameters()
-    }
+    return {name for prefix, submodule in module.named_modules() for name in trained_copy_originals(prefix, submodule)}
+
+
+def trained_copy_originals(prefix: str, submodule: nn.Module) -> list[str]:
+    """The names of the original params ``submodule`` (named ``prefix``) replaces with trained copies, if it is one of
+    PEFT's ``modules_to_save`` wrappers (:func:`replaced_by_trained_copies`)."""
+    if not peft_adapters.is_modules_to_save_wrapper(submodule):
+        return []
+    return [f"{prefix}.original_module.{name}".lstrip(".") for name, _ in submodule.original_module.named_parameters()]
 
 
 def local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import nn
-
-from lightning_frozen.anatomy import Anatomy, adapter_param_names
+from lightning_frozen.anatomy import Anatomy
 from lightning_frozen.checkpoint.peft_export import peft_entry, peft_entry_of
 from lightning_frozen.errors import AdapterSetupError, format_names
 from lightning_frozen.format import layout
-from lightning_frozen.hf.reference import find_peft_model
 
 
 def peft_entries(anatomy: Anatomy, trainable_names: Sequence[str], buffer_names: Sequence[str]) -> dict[str, Any]:
@@ -39,27 +36,28 @@ def peft_entries(anatomy: Anatomy, trainable_names: Sequence[str], buffer_names:
 
 
 def adapter_state(
-    module: nn.Module, checkpoint: Mapping[str, Any], adapter: str, source: str
+    anatomy: Anatomy, checkpoint: Mapping[str, Any], adapter: str, source: str, module_name: str
 ) -> tuple[dict[str, Any], set[str]]:
-    """Adapter ``adapter``'s tensors in the checkpoint's ``state_dict``, and the names of its params in ``module``.
+    """Adapter ``adapter``'s tensors in the checkpoint's ``state_dict``, and the names of its params in the module of
+    that ``anatomy`` (of class ``module_name``).
 
     Raises:
         CheckpointFormatError, InvalidArgumentValueError: as ``peft_export.peft_entry_of``.
-        AdapterSetupError: ``module`` holds no adapter of that name.
+        AdapterSetupError: the module holds no adapter of that name.
     """
     names = set(layout.adapter_tensor_names(peft_entry_of(layout.frozen_base_of(checkpoint), adapter, source)))
-    owned = adapter_param_names(module).get(adapter)
+    owned = anatomy.adapter_params.get(adapter)
     if not owned:
         raise AdapterSetupError(
-            f"{source}: adapter `{adapter}` is not in `{type(module).__name__}`, which holds"
-            f" {format_names(list(adapter_param_names(module)))}. Build the module with an adapter of that name"
+            f"{source}: adapter `{adapter}` is not in `{module_name}`, which holds"
+            f" {format_names(list(anatomy.adapter_params))}. Build the module with an adapter of that name"
             f" (`get_peft_model(base, config, adapter_name='{adapter}')`)."
         )
     return {name: value for name, value in layout.state_dict_of(checkpoint).items() if name in names}, set(owned)
 
 
-def use_adapter(module: nn.Module, adapter: str) -> None:
-    """Make ``adapter`` the one active adapter of ``module``'s PEFT model, so a plain forward computes with it."""
-    found = find_peft_model(module)
-    if found is not None:
-        found[1].set_adapter(adapter)
+def use_adapter(anatomy: Anatomy, adapter: str) -> None:
+    """Make ``adapter`` the one active adapter of the PEFT model of a module of that ``anatomy``, so a plain forward
+    computes with it."""
+    if anatomy.peft is not None:
+        anatomy.peft[1].set_adapter(adapter)

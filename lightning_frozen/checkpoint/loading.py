@@ -9,6 +9,7 @@ from typing import Any, Optional, TypeVar
 import torch
 from torch import nn
 
+from lightning_frozen import anatomy
 from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import verify_checkpoint_base
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
@@ -52,12 +53,13 @@ def load_into(
 ) -> None:
     """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed); with
     ``adapter``, only that adapter's, which becomes the module's active adapter."""
+    found = anatomy.anatomy_of(module)  # one walk: the adapter's params, the trained copies, its PEFT model
     state_dict = layout.state_dict_of(checkpoint)
     owned = None
     if adapter is not None:
-        state_dict, owned = adapter_state(module, checkpoint, adapter, source)
+        state_dict, owned = adapter_state(found, checkpoint, adapter, source, type(module).__name__)
     if verify:
-        verify_checkpoint_base(checkpoint, module, source)
+        verify_checkpoint_base(checkpoint, module, source, copies=found.trained_copies)
     params = dict(module.named_parameters())
     buffers = persistent_buffers(module)
     frozen_names = set(layout.fingerprint_tensors(layout.fingerprint_of(checkpoint)))
@@ -80,7 +82,7 @@ def load_into(
         for target, value in pairs:
             target.copy_(value.to(device=target.device, dtype=target.dtype))
     if adapter is not None:
-        use_adapter(module, adapter)
+        use_adapter(found, adapter)
 
 
 def load_adapter(

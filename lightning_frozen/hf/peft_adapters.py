@@ -103,34 +103,40 @@ def is_peft_model(module: Any) -> bool:
     return isinstance(module, PeftModel)
 
 
-def modules_to_save_wrappers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """PEFT's ``ModulesToSaveWrapper`` modules inside ``module``, by name: each holds a trained copy of its
-    ``original_module``."""
+def is_modules_to_save_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's ``ModulesToSaveWrapper`` (False while ``peft`` is not imported)."""
     if "peft" not in sys.modules:
-        return []
+        return False
     from peft.utils import ModulesToSaveWrapper
 
-    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, ModulesToSaveWrapper)]
+    return isinstance(module, ModulesToSaveWrapper)
 
 
 def tuner_layer_params(module: nn.Module) -> dict[str, list[str]]:
-    """The params of each adapter in the PEFT tuner layers inside ``module``, by their names in ``module``, adapters in
-    the order the layers hold them; empty without PEFT."""
-    if "peft" not in sys.modules:
-        return {}
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
+    """The params of each adapter in the PEFT tuner layers and ``modules_to_save`` wrappers inside ``module``, by their
+    names in ``module``, adapters in the order the layers hold them; empty without PEFT."""
     owned: dict[str, list[str]] = {}
     for prefix, layer in module.named_modules():
-        if not isinstance(layer, BaseTunerLayer):
-            continue
-        for attribute in layer.adapter_layer_names:
-            container = getattr(layer, attribute, None)
-            for adapter, held in container.items() if container is not None else []:
-                lead = f"{prefix}.{attribute}.{adapter}"
-                named = held.named_parameters() if isinstance(held, nn.Module) else [("", held)]
-                owned.setdefault(adapter, []).extend(f"{lead}.{n}" if n else lead for n, _ in named)
+        add_tuner_layer_params(owned, prefix, layer)
     return owned
+
+
+def add_tuner_layer_params(owned: dict[str, list[str]], prefix: str, layer: nn.Module) -> None:
+    """If ``layer`` (named ``prefix``) is a PEFT tuner layer or a ``modules_to_save`` wrapper (whose trained copy is its
+    adapter's), add each of its adapters' params to ``owned`` by name."""
+    if "peft" not in sys.modules:
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    if not isinstance(layer, (BaseTunerLayer, ModulesToSaveWrapper)):
+        return
+    for attribute in layer.adapter_layer_names:
+        container = getattr(layer, attribute, None)
+        for adapter, held in container.items() if container is not None else []:
+            lead = f"{prefix}.{attribute}.{adapter}"
+            named = held.named_parameters() if isinstance(held, nn.Module) else [("", held)]
+            owned.setdefault(adapter, []).extend(f"{lead}.{n}" if n else lead for n, _ in named)
 
 
 def lora_row_layers(module: nn.Module) -> list[nn.Module]:

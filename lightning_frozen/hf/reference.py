@@ -37,15 +37,21 @@ def find_base_references(module: nn.Module) -> dict[str, str]:
     "language": "org/llama"}`` for a vision tower and a language model; empty when none names its source."""
     found: dict[str, str] = {}
     for name, submodule in module.named_modules():
-        if any(not outer or name.startswith(f"{outer}.") for outer in found):
-            continue  # inside a base already found
-        peft_config, active = getattr(submodule, "peft_config", None), getattr(submodule, "active_adapter", None)
-        adapter = peft_config.get(active) if isinstance(peft_config, dict) and isinstance(active, str) else None
-        reference = getattr(adapter, "base_model_name_or_path", None)
-        reference = reference or transformers_loading.loaded_from(submodule)
-        if isinstance(reference, str) and reference:
-            found[name] = reference
+        add_base_reference(found, name, submodule)
     return found
+
+
+def add_base_reference(found: dict[str, str], name: str, submodule: nn.Module) -> None:
+    """Add ``submodule``'s reference to ``found`` (:func:`find_base_references`, walking modules in order) if it names
+    its source and is not inside a base ``found`` already holds."""
+    if any(not outer or name.startswith(f"{outer}.") for outer in found):
+        return  # inside a base already found
+    peft_config, active = getattr(submodule, "peft_config", None), getattr(submodule, "active_adapter", None)
+    adapter = peft_config.get(active) if isinstance(peft_config, dict) and isinstance(active, str) else None
+    reference = getattr(adapter, "base_model_name_or_path", None)
+    reference = reference or transformers_loading.loaded_from(submodule)
+    if isinstance(reference, str) and reference:
+        found[name] = reference
 
 
 def base_of(tensor_name: str, bases: Mapping[str, str]) -> Optional[str]:
