@@ -207,6 +207,13 @@ DEEPSPEED = (
     MODULE_STACK,
     IN_FORWARD,
     RELEASE_CACHE,
+    # the param groups kept by index: ZeRO-3 leaves frozen params out group by group, the engine drops empty groups
+    ForeignName(
+        f"{_STAGE3}._get_trainable_parameter_groups",
+        "zero/optimizers.py",
+        in_code=("is_optimized_parameter", "_ds_source_param_group_id"),
+    ),
+    ForeignName("deepspeed.runtime.engine:DeepSpeedEngine._configure_optimizer", "zero/optimizers.py"),
     # the accelerator, CPU Adam
     ForeignName(
         "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
