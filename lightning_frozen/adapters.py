@@ -324,9 +324,10 @@ def adapter_param_groups(module: nn.Module, hyper_parameters: Mapping[str, Mappi
     return groups
 
 
-def group_adapters(anatomy: Anatomy, group_names: Sequence[Sequence[str]]) -> list[str]:
-    """The adapter each optimizer param group of the module trains (groups given by param names; the module's
-    ``anatomy`` says which adapter owns each), or ``[]`` when fewer than two adapters train (nothing to keep apart).
+def group_adapters(anatomy: Anatomy, group_names: Sequence[Sequence[str]]) -> list[Optional[str]]:
+    """The adapter each optimizer param group of the module trains (groups given by the names of their trainable
+    params; the module's ``anatomy`` says which adapter owns each; None for a group that trains nothing), or ``[]``
+    when fewer than two adapters train (nothing to keep apart).
 
     Raises:
         AdapterSetupError: a group holds params of several adapters, or a trainable param belongs to no adapter
@@ -343,16 +344,16 @@ def group_adapters(anatomy: Anatomy, group_names: Sequence[Sequence[str]]) -> li
             " none of them, so every adapter's rows would train them together. Freeze them, or make them part of"
             " each adapter (a LoRA target module)."
         )
-    adapters = []
+    adapters: list[Optional[str]] = []
     for index, names in enumerate(group_names):
         found = list(dict.fromkeys(owner[name] for name in names))
-        if len(found) != 1:
+        if len(found) > 1:
             raise AdapterSetupError(
                 f"Optimizer param group {index} holds params of adapters {format_names(found)}, which train at once:"
                 " each adapter needs its own group(s) for its own hyper-parameters, schedule and gradient clipping."
                 " Build the groups with `lightning_frozen.adapters.adapter_param_groups(self, {name: {...}})`."
             )
-        adapters.append(found[0])
+        adapters.append(found[0] if found else None)
     return adapters
 
 
@@ -367,7 +368,8 @@ def check_optimizer_groups(module: nn.Module, anatomy: Anatomy, optimizer: Optim
     """
     names = {id(p): name for name, p in module.named_parameters()}
     groups = optimizer.param_groups
-    adapters = group_adapters(anatomy, [[names[id(p)] for p in group["params"]] for group in groups])
+    trained = [[names[id(p)] for p in group["params"] if p.requires_grad] for group in groups]
+    adapters = group_adapters(anatomy, trained)
     adapter_clipping.check_group_clips(adapters, groups, anatomy.trained_adapters)
 
 

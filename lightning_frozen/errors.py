@@ -88,7 +88,8 @@ class UnsupportedConfigurationError(FrozenTrainingError, NotImplementedError):
 
 
 class SchedulerGroupsError(FrozenTrainingError, ValueError):
-    """An LR scheduler's per-group values cannot follow param groups that were dropped or added."""
+    """No longer raised: param groups are kept as built, so every LR scheduler follows them. Kept for code that
+    catches it."""
 
 
 class FrozenDtypeError(FrozenTrainingError, ValueError):

@@ -33,7 +33,7 @@ from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.generation import wrap_generate
 from lightning_frozen.ledger import RunLedger, open_run
-from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
+from lightning_frozen.optim import trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
 from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
@@ -234,7 +234,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         built = initialize_engine(
             model, self.config, self.spec, self._placement, optimizer, lr_scheduler, trainable, self._loaded_base
         )
-        adapters.engine_built(built[1], self._module_anatomy(), self._optimized.group_names, self._row_hooks)
+        adapters.engine_built(built[1], self._module_anatomy(), self._optimized.trained_names(), self._row_hooks)
         return built
 
     @contextmanager
@@ -311,21 +311,21 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def finetune(self, finetune: Callable[[unfreezing.StagedOptimizer], None]) -> None:
         """Apply what ``finetune`` (a callback's) does to a stand-in optimizer: new hyper-parameters, or a rebuild."""
         if regrouped := unfreezing.stage(self._module, self._deepspeed_optimizer, self.param_group_names, finetune):
-            self.reconfigure_trainable(*regrouped)
+            self.reconfigure_trainable(regrouped)
 
-    def reconfigure_trainable(self, param_groups: list[dict[str, Any]], origins: list[Optional[int]]) -> None:
-        """Rebuild the ZeRO optimizer over ``param_groups`` (all of them) once params were unfrozen or frozen mid-run,
-        carrying state; ``origins[i]``: the group that group ``i`` continues, None for new ones (last). Collective."""
+    def reconfigure_trainable(self, param_groups: list[dict[str, Any]]) -> None:
+        """Rebuild the ZeRO optimizer over ``param_groups`` (the current ones in order, then any added) once params
+        were unfrozen or frozen mid-run, carrying state. Collective."""
         module = self._module
-        change = unfreezing.plan_change(module, param_groups, origins, self._optimized.group_names)
+        change = unfreezing.plan_change(module, param_groups, self._optimized.trained_names())
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
         optimizer = same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
         destroy_engine(self.deepspeed_engine, module, change.refrozen, self.spec.offload_frozen)
         self._optimized.group_names, self._anatomy = change.group_names, None  # what trains changed
         self.model, deepspeed_optimizer = self.build_engine(module, optimizer)
         self.optimizers = [deepspeed_optimizer]
-        for config in self.lr_scheduler_configs:  # DeepSpeed runs one optimizer, so one scheduler at most
-            schedulers.regroup_scheduler(config.scheduler, optimizer, change.continued, change.replaced_groups)
+        for config in self.lr_scheduler_configs:  # as a scheduler meets groups a callback adds in plain Lightning
+            optimizers.point_schedulers_at(config.scheduler, optimizer)
         rank_zero_info(change.summary(unfreezing.restore_state(self.model, module, carried)))
 
     @property
@@ -385,9 +385,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         module = self._module
         if module.trainer.training and self._deepspeed_optimizer:
             # what was trainable when the checkpoint was saved trains again, in its groups (a finetuning callback)
-            regrouped = unfreezing.groups_from_checkpoint(module, checkpoint_dict, len(self._optimized.group_names))
+            regrouped = unfreezing.groups_from_checkpoint(module, checkpoint_dict)
             if regrouped is not None:
-                self.reconfigure_trainable(*regrouped)
+                self.reconfigure_trainable(regrouped)
         state_dict, ungrouped = layout.state_dict_of(checkpoint_dict), self._optimized.ungrouped_names
         trainable_state.load_trainable_state(module, state_dict, self._deepspeed_optimizer, ungrouped, strict)
 

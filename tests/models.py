@@ -98,11 +98,12 @@ def cpu_trainer(strategy: Any = "frozen_deepspeed", devices: int = 1, **kwargs: 
 
 
 class BackboneModel(L.LightningModule):
-    """A ``backbone`` (two linear layers) and a trainable head, the layout ``BackboneFinetuning`` expects."""
+    """A ``backbone`` (two linear layers) and a trainable head, the layout ``BackboneFinetuning`` expects; the
+    optimizer holds every param, or with ``trainable_only`` those that train when it is built (Lightning's advice)."""
 
     frozen_base_reference = "tests/backbone-model"
 
-    def __init__(self, width: int = 16, lr: float = 0.01, seed: int = 0) -> None:
+    def __init__(self, width: int = 16, lr: float = 0.01, seed: int = 0, trainable_only: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
@@ -117,4 +118,5 @@ class BackboneModel(L.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        params = [p for p in self.parameters() if p.requires_grad or not self.hparams.trainable_only]
+        return torch.optim.AdamW(params, lr=self.hparams.lr)

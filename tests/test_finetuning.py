@@ -67,7 +67,7 @@ def test_backbone_finetuning_unfreezes_at_its_epoch_with_its_learning_rate() -> 
     recorder = Recorder()
     finetuning = lightning_frozen.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.005)
     trainer = cpu_trainer(max_epochs=2, callbacks=[finetuning, recorder])
-    module = BackboneModel()
+    module = BackboneModel(trainable_only=True)
     trainer.fit(module, _data())
     # epoch 0: only the head trains; the backbone is bit-identical and has no optimizer state
     assert recorder.fp32_numel["end0"] == 17 and recorder.groups["end0"] == [["head.weight", "head.bias"]]
@@ -85,10 +85,25 @@ def test_backbone_finetuning_unfreezes_at_its_epoch_with_its_learning_rate() -> 
         torch.testing.assert_close(recorder.head_state["start1"][key], value)
 
 
+def test_an_unfrozen_param_already_in_a_group_trains_there_as_under_lightning() -> None:
+    recorder = Recorder()
+    finetuning = lightning_frozen.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.005)
+    trainer = cpu_trainer(max_epochs=2, callbacks=[finetuning, recorder])
+    with pytest.warns(UserWarning, match="already exist within another group"):
+        trainer.fit(BackboneModel(), _data())  # `configure_optimizers` names every param, the frozen backbone too
+    everything = ["backbone.0.weight", "backbone.0.bias", "backbone.2.weight", "backbone.2.bias", "head.weight"]
+    assert recorder.groups["end0"] == recorder.groups["start1"] == [[*everything, "head.bias"]]
+    assert recorder.fp32_numel["end0"] == 17 and recorder.fp32_numel["start1"] == 17 + 544
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [0.01]
+    assert not torch.equal(
+        recorder.weights["end1"]["backbone.2.weight"], recorder.weights["start1"]["backbone.2.weight"]
+    )
+
+
 def test_partial_unfreeze_then_freeze_again() -> None:
     recorder = Recorder()
     trainer = cpu_trainer(max_epochs=3, callbacks=[UnfreezeFirstLayerThenFreeze(), recorder])
-    trainer.fit(BackboneModel(), _data())
+    trainer.fit(BackboneModel(trainable_only=True), _data())
     start, end = recorder.weights["start0"], recorder.weights["end2"]
     # the layer never unfrozen is bit-identical throughout and never held optimizer state
     for name in ("backbone.2.weight", "backbone.2.bias"):
@@ -99,8 +114,8 @@ def test_partial_unfreeze_then_freeze_again() -> None:
     assert not torch.equal(
         recorder.weights["end1"]["backbone.0.weight"], recorder.weights["start1"]["backbone.0.weight"]
     )
-    # ... and epoch 2 froze it again: it left the optimizer, released its state, and stopped changing
-    assert recorder.groups["start2"] == [["head.weight", "head.bias"]] and recorder.fp32_numel["start2"] == 17
+    # ... and epoch 2 froze it again: its group stays (as in plain torch), but it released its state and stopped
+    assert recorder.groups["start2"] == recorder.groups["start1"] and recorder.fp32_numel["start2"] == 17
     assert torch.equal(end["backbone.0.weight"], recorder.weights["end1"]["backbone.0.weight"])
     assert not end["head.weight"].equal(recorder.weights["end1"]["head.weight"])
 
@@ -108,7 +123,7 @@ def test_partial_unfreeze_then_freeze_again() -> None:
 def _finetune(tmp: Path, name: str, max_epochs: int, resume: Path | None = None) -> Path:
     finetuning = lightning_frozen.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.005)
     trainer = cpu_trainer(max_epochs=max_epochs, callbacks=[finetuning])
-    trainer.fit(BackboneModel(), _data(), ckpt_path=resume)
+    trainer.fit(BackboneModel(trainable_only=True), _data(), ckpt_path=resume)
     path = tmp / f"{name}.ckpt"
     trainer.save_checkpoint(path)
     return path

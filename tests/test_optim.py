@@ -1,4 +1,5 @@
-"""Stripping frozen params from optimizers and keeping LR schedulers consistent: plain torch, no Trainer."""
+"""What ``configure_optimizers`` returns, made ready for ZeRO-3: groups kept as they are, ``lr=0`` groups frozen,
+foreign and ungrouped params, CPU Adam: plain torch, no Trainer."""
 
 from __future__ import annotations
 
@@ -6,16 +7,20 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_frozen.errors import ForeignParametersError, UnsupportedOffloadOptimizerError
+from lightning_frozen.errors import (
+    ForeignParametersError,
+    NoTrainableParametersError,
+    UnsupportedOffloadOptimizerError,
+)
 from lightning_frozen.optim.filtering import (
     check_params_belong_to,
     discard_gradients,
     lr_zero_group_indices,
-    prepare_optimizer,
-    strip_frozen_params,
+    prepare_for_zero,
     to_cpu_adam,
     ungrouped_trainable_names,
 )
+from lightning_frozen.optim.schedulers import register_per_group_attributes
 
 
 def _model() -> nn.Module:
@@ -24,60 +29,34 @@ def _model() -> nn.Module:
     return model
 
 
-def test_strip_keeps_per_group_hyper_parameters_and_drops_emptied_groups() -> None:
+def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None, convert_lr_zero: bool = True):
+    return prepare_for_zero(model, optimizer, scheduler, convert_lr_zero, "FrozenAwareDeepSpeedStrategy")
+
+
+def test_the_groups_stay_as_built_frozen_params_and_wholly_frozen_groups_included() -> None:
     model = _model()
-    optimizer = torch.optim.SGD(
-        [
-            {"params": [model[0].weight], "lr": 0.5},  # all frozen: dropped
-            {"params": [model[1].weight, model[0].bias], "lr": 0.1, "momentum": 0.9},
-            {"params": model[2].parameters(), "lr": 0.01, "weight_decay": 0.1},
-        ],
-        lr=1.0,
-    )
-    report = strip_frozen_params(optimizer)
-    assert report.dropped_groups == [0]
-    assert report.stripped_params == 2 and report.stripped_numel == 16 + 4
-    assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.01]
-    assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[1]["weight_decay"] == 0.1
-    assert [p for group in optimizer.param_groups for p in group["params"]] == [
-        model[1].weight,
-        model[2].weight,
-        model[2].bias,
+    groups = [
+        {"params": [model[0].weight], "lr": 0.5},  # all frozen: DeepSpeed leaves it out, its index stays
+        {"params": [model[1].weight, model[0].bias], "lr": 0.1, "momentum": 0.9},
+        {"params": list(model[2].parameters()), "lr": 0.01, "weight_decay": 0.1},
     ]
-
-
-def test_per_group_lambdas_follow_their_groups_after_a_group_is_dropped() -> None:
-    model = _model()
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": model[0].parameters(), "lr": 1.0},
-            {"params": model[1].parameters(), "lr": 2.0},
-            {"params": model[2].parameters(), "lr": 3.0},
-        ]
-    )
+    optimizer = torch.optim.SGD(groups, lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 10.0, lambda s: 0.5, lambda s: 0.25 * (s + 1)])
-    strip_frozen_params(optimizer, scheduler)
-    assert scheduler.base_lrs == [2.0, 3.0]
-    assert len(scheduler.lr_lambdas) == 2
-    optimizer.step()
-    scheduler.step()
-    assert [group["lr"] for group in optimizer.param_groups] == [1.0, 3.0 * 0.25 * 2]
+    assert _prepare(model, optimizer, scheduler) is optimizer
+    assert [g["params"] for g in optimizer.param_groups] == [g["params"] for g in groups]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5 * 10.0, 0.1 * 0.5, 0.01 * 0.25]
+    assert scheduler.base_lrs == [0.5, 0.1, 0.01] and len(scheduler.lr_lambdas) == 3
 
 
-def test_sequential_scheduler_inner_schedulers_are_filtered_too() -> None:
+def test_an_optimizer_of_frozen_params_only_is_refused_with_the_fix() -> None:
     model = _model()
-    optimizer = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=1.0)
-    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=2)
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=5)
-    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[2])
-    strip_frozen_params(optimizer, scheduler)
-    assert len(optimizer.param_groups) == 1
-    for inner in (warmup, cosine):
-        assert inner.base_lrs == [1.0]
-    for _ in range(4):
-        optimizer.step()
-        scheduler.step()
-    assert 0 < optimizer.param_groups[0]["lr"] < 1.0
+    with pytest.raises(NoTrainableParametersError, match=r"holds only frozen parameters.*p.requires_grad"):
+        _prepare(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+
+
+def test_register_per_group_attributes_is_a_no_op_that_says_so() -> None:
+    with pytest.warns(FutureWarning, match=r"`register_per_group_attributes\(StepLR, ...\)` is no longer needed"):
+        register_per_group_attributes(torch.optim.lr_scheduler.StepLR, "base_lrs")
 
 
 def test_lr_zero_for_the_whole_run_is_detected_but_warmup_from_zero_is_not() -> None:
@@ -113,23 +92,23 @@ def test_schedulers_that_raise_a_zero_lr_never_freeze(make_scheduler) -> None:
     assert lr_zero_group_indices(optimizer, scheduler) == []
 
 
-def test_prepare_freezes_lr_zero_params_and_strips_them() -> None:
+def test_prepare_freezes_lr_zero_params_and_says_so(lightning_log) -> None:
     model = _model()
     model.requires_grad_(True)
     optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.0}, {"params": model[1].parameters()}], lr=1)
-    report = prepare_optimizer(model, optimizer)
-    assert report.lr_zero_params == 2 and report.lr_zero_numel == 20
+    _prepare(model, optimizer)
     assert not model[0].weight.requires_grad and not model[0].bias.requires_grad
     assert model[1].weight.requires_grad and model[2].weight.requires_grad
-    assert report.dropped_groups == [0] and optimizer.param_groups[0]["params"] == list(model[1].parameters())
+    assert optimizer.param_groups[0]["params"] == list(model[0].parameters())  # DeepSpeed leaves them out
+    assert "froze 2 parameter tensors (20 elements) whose learning rate is 0" in lightning_log.text
 
 
 def test_prepare_can_leave_lr_zero_groups_alone() -> None:
     model = _model()
     model.requires_grad_(True)
     optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.0}, {"params": model[1].parameters()}], lr=1)
-    report = prepare_optimizer(model, optimizer, convert_lr_zero=False)
-    assert report.lr_zero_params == 0
+    with pytest.warns(UserWarning, match="every parameter .* is trainable"):
+        _prepare(model, optimizer, convert_lr_zero=False)
     assert model[0].weight.requires_grad and len(optimizer.param_groups) == 2
 
 

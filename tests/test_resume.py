@@ -267,3 +267,40 @@ def test_odd_sized_tensors_on_two_ranks_fingerprint_and_round_trip_exactly(tmp_p
     # and the 2-rank checkpoint loads without DeepSpeed onto the unsharded module
     module = lightning_frozen.load_adapter(AdapterModel(width=7, rank=3), tmp_path / "one.ckpt")
     torch.testing.assert_close(module.layers[1].lora_b.detach(), saved["state_dict"]["layers.1.lora_b"])
+
+
+# ------------------------------------------------------------------------------------- wholly frozen param groups
+
+
+def _frozen_group_first(module: nn.Module) -> dict[str, Any]:
+    """The frozen bases as group 0, the adapters and head as group 1, each with its own lambda."""
+    frozen = [p for n, p in module.named_parameters() if ".base." in n]
+    trained = [p for n, p in module.named_parameters() if ".base." not in n]
+    optimizer = torch.optim.AdamW([{"params": frozen, "lr": 0.5}, {"params": trained, "lr": 0.01}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 1.0, lambda s: 0.9**s])
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_a_wholly_frozen_group_is_saved_by_name_without_state_and_resumes_exactly(tmp_path: Path) -> None:
+    def fit(epochs: int, resume: Path | None = None) -> dict[str, Any]:
+        trainer = cpu_trainer(max_epochs=epochs)
+        trainer.fit(AdapterModel(optimizer_fn=_frozen_group_first), regression_data(), ckpt_path=resume)
+        trainer.save_checkpoint(tmp_path / f"{epochs}-{resume is not None}.ckpt")
+        return _load(tmp_path / f"{epochs}-{resume is not None}.ckpt")
+
+    one = fit(1)
+    groups = one["optimizer_states"][0]["param_groups"]
+    assert groups[0]["params"] == [
+        "layers.0.base.weight",
+        "layers.0.base.bias",
+        "layers.1.base.weight",
+        "layers.1.base.bias",
+    ]
+    assert not any(".base." in name for name in one["optimizer_states"][0]["state"])
+    _assert_same_training_state(fit(2), fit(2, resume=tmp_path / "1-False.ckpt"))
+
+    # a checkpoint of lightning-frozen 0.1 left the wholly frozen group out: refused, saying why
+    old = dict(one, optimizer_states=[dict(one["optimizer_states"][0], param_groups=groups[1:])])
+    torch.save(old, tmp_path / "old.ckpt")
+    with pytest.raises(lightning_frozen.CheckpointFormatError, match=r"has 1 param groups.*has 2.*0\.1 left groups"):
+        fit(2, resume=tmp_path / "old.ckpt")

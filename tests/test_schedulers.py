@@ -1,5 +1,7 @@
-"""LR schedulers when fully frozen param groups are dropped or groups are added mid-run: every kept group must get
-exactly the learning rates torch gives it without the strategy. Plain torch and DeepSpeed schedulers, no Trainer."""
+"""LR schedulers over the user's param groups, kept as ``configure_optimizers`` built them (frozen params and wholly
+frozen groups included, DeepSpeed leaving them out): every group gets exactly the learning rates torch gives it,
+whatever the scheduler (torch's, DeepSpeed's, transformers', a user's own class), with no table of per-group
+attributes; in plain torch and through a real Trainer fit with ``frozen_deepspeed`` and its DeepSpeed engine."""
 
 from __future__ import annotations
 
@@ -14,10 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.optim import lr_scheduler
 
-from lightning_frozen.errors import SchedulerGroupsError
-from lightning_frozen.optim import schedulers
-from lightning_frozen.optim.filtering import strip_frozen_params
-from lightning_frozen.optim.schedulers import register_per_group_attributes, regroup_scheduler
+from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer
+from lightning_frozen.zero.optimizers import keep_empty_groups, point_schedulers_at
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 STEPS = 15
@@ -89,15 +89,38 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer, int], Any]] = {
     ),
 }
 
-# group layouts: T a group with trainable params, F a wholly frozen one (dropped by the strategy)
-LAYOUTS = {"decay-then-frozen-no-decay": "TF", "frozen-then-trainable": "FT", "frozen-in-the-middle": "TFT"}
+
+class PeakScheduler(lr_scheduler.LRScheduler):
+    """A user's own scheduler: one peak per group in a list of its own, and a list of phases that is not per group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, peaks: list[float]) -> None:
+        self.peaks = list(peaks)
+        self.phases = [3, 100]
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        ramp = min(1.0, self.last_epoch / self.phases[0])
+        return [base + (peak - base) * ramp for base, peak in zip(self.base_lrs, self.peaks)]
+
+
+def _transformers_cosine(optimizer: torch.optim.Optimizer, n: int) -> Any:
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=4, num_training_steps=STEPS)
+
+
+SCHEDULERS["transformers-cosine-with-warmup"] = _transformers_cosine
+SCHEDULERS["users-own-LRScheduler"] = lambda o, n: PeakScheduler(o, _per_group(n, 0.5, 0.25))
+
+# group layouts: T a group with trainable params, F a wholly frozen one (DeepSpeed leaves it out), E an empty one
+LAYOUTS = {"frozen-first": "FTT", "frozen-in-the-middle": "TFT", "frozen-last": "TF", "empty-group": "TEFT"}
 
 
 def _optimizer(layout: str) -> torch.optim.Optimizer:
     groups = []
     for k, kind in enumerate(layout):
-        param = nn.Parameter(torch.ones(2), requires_grad=kind == "T")
-        groups.append({"params": [param], "lr": 0.1 * (k + 1), "weight_decay": 0.01 if k == 0 else 0.0})
+        params = [] if kind == "E" else [nn.Parameter(torch.ones(2), requires_grad=kind == "T")]
+        groups.append({"params": params, "lr": 0.1 * (k + 1), "weight_decay": 0.01 if k == 0 else 0.0})
     return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
 
 
@@ -108,93 +131,47 @@ def _step(scheduler: Any, step: int) -> None:
         scheduler.step()
 
 
-def _hyper(optimizer: torch.optim.Optimizer, groups: list[int]) -> list[tuple[float, float]]:
-    return [(optimizer.param_groups[i]["lr"], optimizer.param_groups[i]["momentum"]) for i in groups]
+def _hyper(optimizer: torch.optim.Optimizer) -> list[tuple[float, float]]:
+    return [(group["lr"], group["momentum"]) for group in optimizer.param_groups]
 
 
-def _trajectory(optimizer: torch.optim.Optimizer, scheduler: Any, groups: list[int]) -> list[Any]:
-    seen = [_hyper(optimizer, groups)]
+def _trajectory(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[Any]:
+    seen = [_hyper(optimizer)]
     for step in range(STEPS):
         optimizer.step()
         _step(scheduler, step)
-        seen.append(_hyper(optimizer, groups))
+        seen.append(_hyper(optimizer))
     return seen
+
+
+def _module_of(optimizer: torch.optim.Optimizer) -> nn.Module:
+    module = nn.Module()
+    module.params = nn.ParameterList([p for group in optimizer.param_groups for p in group["params"]])
+    return module
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("name", list(SCHEDULERS))
-def test_kept_groups_follow_torchs_own_trajectory_when_frozen_groups_are_dropped(name: str, layout: str) -> None:
+def test_every_group_follows_torchs_own_trajectory_with_frozen_groups_kept(name: str, layout: str) -> None:
     make = SCHEDULERS[name]
     reference_optimizer = _optimizer(layout)
-    reference = make(reference_optimizer, len(layout))
-    trainable = [i for i, kind in enumerate(layout) if kind == "T"]
-    expected = _trajectory(reference_optimizer, reference, trainable)
+    expected = _trajectory(reference_optimizer, make(reference_optimizer, len(layout)))
 
     optimizer = _optimizer(layout)
     scheduler = make(optimizer, len(layout))
-    report = strip_frozen_params(optimizer, scheduler)
-    assert report.dropped_groups == [i for i, kind in enumerate(layout) if kind == "F"]
-    assert _trajectory(optimizer, scheduler, list(range(len(trainable)))) == expected
+    prepare_for_zero(_module_of(optimizer), optimizer, scheduler, True, "FrozenAwareDeepSpeedStrategy")
+    keep_empty_groups(optimizer, torch.float32)  # what the strategy hands DeepSpeed: no group dropped
+    assert len(optimizer.param_groups) == len(layout)
+    assert _trajectory(optimizer, scheduler) == expected
     # the lr moved at all, so the comparison compared something (ReduceLROnPlateau and OneCycle included)
     assert len({lrs[0][0] for lrs in expected}) > 1
 
 
-class PeakScheduler(lr_scheduler.LRScheduler):
-    """A scheduler the package does not know: one peak per group, and a list of phases that is not per group."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, peaks: list[float]) -> None:
-        self.peaks = list(peaks)
-        self.phases = [3, 100][: len(optimizer.param_groups)]
-        super().__init__(optimizer)
-
-    def get_lr(self) -> list[float]:
-        ramp = min(1.0, self.last_epoch / self.phases[0])
-        return [base + (peak - base) * ramp for base, peak in zip(self.base_lrs, self.peaks)]
-
-
-def test_an_unknown_scheduler_with_group_long_lists_is_refused_naming_them() -> None:
-    optimizer = _optimizer("TF")
-    scheduler = PeakScheduler(optimizer, [1.0, 2.0])
-    with pytest.raises(
-        SchedulerGroupsError, match=r"`PeakScheduler`.*`peaks`, `phases`.*register_per_group_attributes"
-    ):
-        strip_frozen_params(optimizer, scheduler)
-
-
-def test_a_registered_scheduler_follows_torchs_trajectory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(schedulers, "_REGISTERED", dict(schedulers._REGISTERED))
-    register_per_group_attributes(PeakScheduler, "peaks")
-    reference_optimizer = _optimizer("FT")
-    expected = _trajectory(reference_optimizer, PeakScheduler(reference_optimizer, [1.0, 2.0]), [1])
-    optimizer = _optimizer("FT")
-    scheduler = PeakScheduler(optimizer, [1.0, 2.0])
-    strip_frozen_params(optimizer, scheduler)
-    assert scheduler.phases == [3, 100] and scheduler.peaks == [2.0]
-    assert _trajectory(optimizer, scheduler, [0]) == expected
-
-
-def test_a_subclass_of_a_known_scheduler_with_a_list_of_its_own_is_refused() -> None:
-    class Tagged(lr_scheduler.StepLR):
-        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-            self.tags = ["a", "b"]
-            super().__init__(optimizer, step_size=2)
-
-    optimizer = _optimizer("TF")
-    with pytest.raises(SchedulerGroupsError, match="`Tagged`.*`tags`"):
-        strip_frozen_params(optimizer, Tagged(optimizer))
-    # without a list of its own it is the known class's knowledge that applies
-    optimizer = _optimizer("TF")
-    plain = type("Plain", (lr_scheduler.StepLR,), {})(optimizer, step_size=2)
-    strip_frozen_params(optimizer, plain)
-    assert plain.base_lrs == [0.1]
-
-
-# schedulers with one shared value where they could have one per group, so that a group added mid-run can take it
+# schedulers with one value for every group, so that a group added mid-run meets them as in plain torch
 SHARED: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "LambdaLR": lambda o: lr_scheduler.LambdaLR(o, lambda s: 0.9**s),
     "StepLR": lambda o: lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
     "CosineAnnealingLR": lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=6, eta_min=0.001),
-    "CyclicLR": lambda o: lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.5, step_size_up=3),
     "SequentialLR": lambda o: lr_scheduler.SequentialLR(
         o,
         [lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3), lr_scheduler.ExponentialLR(o, gamma=0.7)],
@@ -202,81 +179,92 @@ SHARED: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     ),
     "ReduceLROnPlateau": lambda o: lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=1, min_lr=0.01),
     "OneCycleLR": lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=STEPS + 1),
-    "deepspeed-WarmupLR": lambda o: lr_schedules.WarmupLR(o, warmup_max_lr=0.3, warmup_num_steps=5),
 }
-# what a group added with lr 0.05 at step 4 must bring for OneCycleLR: the keys it reads from every group
+# the keys OneCycleLR reads from every group, which a group added mid-run must bring, as in plain torch
 ONE_CYCLE_KEYS = {"initial_lr": 0.02, "max_lr": 0.5, "min_lr": 0.02 / 1e4, "max_momentum": 0.95, "base_momentum": 0.85}
 
 
-def _add_group_mid_run(name: str, extra: dict[str, Any]) -> tuple[list[Any], list[Any], list[float]]:
-    """Run the reference and the stripped copy (a frozen group between two trainable ones) 4 steps, rebuild the
-    stripped copy's optimizer with a new group as ``reconfigure_trainable`` does, and run both on."""
-    make = SHARED[name]
-    reference_optimizer = _optimizer("TFT")
-    reference = make(reference_optimizer)
+def _run_adding_a_group(name: str, extra: dict[str, Any], rebuild: bool) -> list[Any]:
+    """Step a scheduler of ``SHARED`` over the TFT groups, a group added at step 4: to the optimizer itself (plain
+    torch, where a finetuning callback calls ``add_param_group``) or, with ``rebuild``, as the strategy's rebuild does
+    (a new optimizer over the same groups and the added one, the scheduler pointed at it). Returns each step's groups'
+    hyper-parameters, or what was raised."""
     optimizer = _optimizer("TFT")
-    scheduler = make(optimizer)
-    strip_frozen_params(optimizer, scheduler)
-    expected, seen, added_lrs = [], [], []
-    for step in range(STEPS):
-        if step == 4:
-            new_param = nn.Parameter(torch.ones(3))
-            groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
-            rebuilt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
-            rebuilt.add_param_group({"params": [new_param], "lr": 0.05, **extra})
-            regroup_scheduler(scheduler, rebuilt, kept=[0, 1], num_groups=2)
-            optimizer = rebuilt
-        for opt, sched in ((reference_optimizer, reference), (optimizer, scheduler)):
-            opt.step()
-            _step(sched, step)
-        expected.append(_hyper(reference_optimizer, [0, 2]))
-        seen.append(_hyper(optimizer, [0, 1]))
-        if len(optimizer.param_groups) == 3:
-            added_lrs.append(optimizer.param_groups[2]["lr"])
-    return expected, seen, added_lrs
+    scheduler = SHARED[name](optimizer)
+    seen: list[Any] = []
+    try:
+        for step in range(STEPS):
+            if step == 4:
+                added = {"params": [nn.Parameter(torch.ones(3))], "lr": 0.05, **extra}
+                if rebuild:
+                    groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+                    optimizer = same_kind_of_optimizer(optimizer, groups)
+                    point_schedulers_at(scheduler, optimizer)
+                optimizer.add_param_group(added)
+            optimizer.step()
+            _step(scheduler, step)
+            seen.append(_hyper(optimizer))
+    except (KeyError, ValueError) as error:
+        seen.append(f"{type(error).__name__}: {error}")
+    return seen
 
 
 @pytest.mark.parametrize("name", list(SHARED))
-def test_a_group_added_mid_run_leaves_the_kept_groups_on_torchs_trajectory(name: str) -> None:
-    expected, seen, added_lrs = _add_group_mid_run(name, ONE_CYCLE_KEYS if name == "OneCycleLR" else {})
-    assert seen == expected
-    assert len(added_lrs) == STEPS - 4 and all(lr >= 0 for lr in added_lrs)
+def test_a_group_added_mid_run_meets_the_scheduler_as_in_plain_torch(name: str) -> None:
+    extra = ONE_CYCLE_KEYS if name == "OneCycleLR" else {}
+    seen = _run_adding_a_group(name, extra, rebuild=True)
+    assert seen == _run_adding_a_group(name, extra, rebuild=False)
+    if name in ("LambdaLR", "CosineAnnealingLR"):  # torch 2.13 zips their per-group lists with the groups, strictly
+        assert seen[-1].startswith("ValueError: zip()")
+    else:
+        assert len(seen) == STEPS and len(seen[-1]) == 4
 
 
-def test_a_group_added_under_a_shared_lambda_follows_it_from_its_own_lr() -> None:
-    _, _, added_lrs = _add_group_mid_run("LambdaLR", {})
-    assert added_lrs == [0.05 * 0.9 ** (step + 1) for step in range(4, STEPS)]
+def test_a_group_added_under_a_chainable_scheduler_follows_it_from_its_own_lr() -> None:
+    seen = _run_adding_a_group("StepLR", {}, rebuild=True)
+    assert [step[3][0] for step in seen[4:7]] == [0.05, 0.05 * 0.5, 0.05 * 0.5]  # StepLR halves every group's lr
 
 
-def test_a_group_added_under_one_cycle_without_its_peaks_is_refused_naming_them() -> None:
-    with pytest.raises(
-        SchedulerGroupsError,
-        match=r"`OneCycleLR` reads `base_momentum`, `initial_lr`, `max_lr`, `max_momentum`, `min_lr`.*add_param_group",
-    ):
-        _add_group_mid_run("OneCycleLR", {})
+def test_a_group_added_under_one_cycle_without_its_keys_fails_as_in_plain_torch() -> None:
+    seen = _run_adding_a_group("OneCycleLR", {}, rebuild=True)
+    assert seen == _run_adding_a_group("OneCycleLR", {}, rebuild=False)
+    assert seen[-1].startswith("KeyError")
 
 
-def test_a_group_added_where_each_group_has_its_own_value_is_refused_naming_it() -> None:
-    optimizer = _optimizer("TT")
-    scheduler = SCHEDULERS["CyclicLR"](optimizer, 2)
-    rebuilt = torch.optim.SGD(
-        [{**g, "params": list(g["params"])} for g in optimizer.param_groups], lr=0.1, momentum=0.9
-    )
-    rebuilt.add_param_group({"params": [nn.Parameter(torch.ones(1))], "lr": 0.05})
-    with pytest.raises(SchedulerGroupsError, match="`CyclicLR` has a different `max_lrs` for each param group"):
-        regroup_scheduler(scheduler, rebuilt, kept=[0, 1], num_groups=2)
+# a Trainer fit: the AdapterModel's frozen bases, adapters and an empty group, each a group of its own
+TRAINER_SCHEDULERS = [
+    "LambdaLR",
+    "OneCycleLR",
+    "CosineAnnealingWarmRestarts",
+    "SequentialLR",
+    "ChainedScheduler",
+    "ReduceLROnPlateau",
+    "transformers-cosine-with-warmup",
+    "users-own-LRScheduler",
+]
+TRAINER_STEPS = 16
 
 
-def _decay_groups_with_one_cycle(module: nn.Module) -> dict[str, Any]:
-    """Decay / no-decay groups as transformers' recipes build them; the no-decay group (the frozen base's biases) is
-    wholly frozen, and OneCycleLR gives each group its own peak."""
-    no_decay = [p for n, p in module.named_parameters() if n.endswith("base.bias")]
-    decay = [p for n, p in module.named_parameters() if not n.endswith("base.bias")]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=0.01
-    )
-    scheduler = lr_scheduler.OneCycleLR(optimizer, max_lr=[0.05, 0.02], total_steps=16)
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+def _adapter_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """Layer 0's frozen base, an empty group, layer 0's adapter, layer 1's frozen base, layer 1's adapter and the
+    head: F E T F T, each with its own lr."""
+    named = dict(module.named_parameters())
+    names = [
+        ["layers.0.base.weight", "layers.0.base.bias"],
+        [],
+        ["layers.0.lora_a", "layers.0.lora_b"],
+        ["layers.1.base.weight", "layers.1.base.bias"],
+        ["layers.1.lora_a", "layers.1.lora_b", "head.weight", "head.bias"],
+    ]
+    return [{"params": [named[n] for n in group], "lr": 0.1 * (k + 1)} for k, group in enumerate(names)]
+
+
+class PlateauMetric(AdapterModel):
+    """Logs ReduceLROnPlateau's metric, one value of ``METRICS`` per step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("metric", METRICS[self.trainer.global_step])
+        return super().training_step(batch, batch_idx)
 
 
 class LearningRates(Callback):
@@ -287,18 +275,27 @@ class LearningRates(Callback):
         self.lrs.append([group["lr"] for group in trainer.optimizers[0].param_groups])
 
 
-def test_one_cycle_over_a_dropped_no_decay_group_in_a_trainer_follows_torch() -> None:
-    reference = _decay_groups_with_one_cycle(AdapterModel())
+@pytest.mark.parametrize("name", TRAINER_SCHEDULERS)
+def test_each_groups_lr_in_a_frozen_deepspeed_fit_is_plain_torchs(name: str) -> None:
+    make = SCHEDULERS[name]
+    reference_optimizer = torch.optim.SGD(_adapter_groups(AdapterModel()), lr=0.1)
+    reference = make(reference_optimizer, 5)
     expected = []
-    for _ in range(16):
-        expected.append([reference["optimizer"].param_groups[0]["lr"]])
-        reference["optimizer"].step()
-        reference["lr_scheduler"]["scheduler"].step()
+    for step in range(TRAINER_STEPS):
+        expected.append([group["lr"] for group in reference_optimizer.param_groups])
+        reference_optimizer.step()
+        _step(reference, step)
+
+    def optimizer_fn(module: nn.Module) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(_adapter_groups(module), lr=0.1)
+        config = {"scheduler": make(optimizer, 5), "interval": "step"}
+        if name == "ReduceLROnPlateau":
+            config["monitor"] = "metric"
+        return {"optimizer": optimizer, "lr_scheduler": config}
 
     recorder = LearningRates()
     trainer = cpu_trainer(max_epochs=2, callbacks=[recorder])
-    trainer.fit(AdapterModel(optimizer_fn=_decay_groups_with_one_cycle), regression_data())
-    assert trainer.global_step == 16 and len(trainer.optimizers[0].param_groups) == 1
+    trainer.fit(PlateauMetric(optimizer_fn=optimizer_fn), regression_data())
+    assert trainer.global_step == TRAINER_STEPS
     assert recorder.lrs == expected
-    # it climbed to near its peak and came down again: the phases the old length rule cut were both run
-    assert max(lr for (lr,) in expected) > 0.049 and expected[-1][0] < 0.01
+    assert len({lrs[4] for lrs in expected}) > 1  # a trained group's lr moved, so the comparison compared something

@@ -29,23 +29,32 @@ def test_plan_of_an_unfreeze_keeps_the_old_group_and_adds_the_new_one() -> None:
     model = _model()
     model[0].requires_grad_(True)
     groups = [{"params": list(model[1].parameters()), "lr": 0.1}, {"params": list(model[0].parameters()), "lr": 0.01}]
-    change = plan_change(model, groups, [0, None], [["1.weight", "1.bias"]])
+    change = plan_change(model, groups, [["1.weight", "1.bias"]])
     assert change.group_names == [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
     assert change.keep == ["1.weight", "1.bias"] and change.added == ["0.bias", "0.weight"]
-    assert change.refrozen == [] and change.continued == [0]
+    assert change.refrozen == []
     assert [g["lr"] for g in change.groups] == [0.1, 0.01]
     assert "2 tensors unfrozen, 0 frozen" in change.summary(carried=2)
 
 
-def test_plan_of_a_refreeze_drops_the_emptied_group() -> None:
+def test_plan_of_a_refreeze_keeps_the_group_it_empties_so_that_indices_hold() -> None:
     model = _model()
     model[0].requires_grad_(True)
     current = [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
     model[1].requires_grad_(False)
     groups = [{"params": list(model[1].parameters())}, {"params": list(model[0].parameters())}]
-    change = plan_change(model, groups, [0, 1], current)
-    assert change.group_names == [["0.weight", "0.bias"]] and change.continued == [1]
+    change = plan_change(model, groups, current)
+    assert change.group_names == current and change.keep == ["0.weight", "0.bias"]
     assert [id(p) for p in change.refrozen] == [id(model[1].weight), id(model[1].bias)] and change.added == []
+
+
+def test_plan_of_an_unfreeze_in_the_group_a_frozen_param_was_in() -> None:
+    model = _model()
+    groups = [{"params": [*model[1].parameters(), *model[0].parameters()], "lr": 0.1}]
+    model[0].weight.requires_grad_(True)  # trained until now: `1.weight`, `1.bias`
+    change = plan_change(model, groups, [["1.weight", "1.bias"]])
+    assert change.group_names == [["1.weight", "1.bias", "0.weight", "0.bias"]] and change.added == ["0.weight"]
+    assert change.keep == ["1.weight", "1.bias"] and change.refrozen == []
 
 
 def test_a_checkpoint_with_another_trainable_set_sets_the_flags_and_gives_its_groups() -> None:
@@ -61,10 +70,10 @@ def test_a_checkpoint_with_another_trainable_set_sets_the_flags_and_gives_its_gr
             }
         ],
     }
-    groups, origins = groups_from_checkpoint(model, saved, num_current_groups=1)
-    assert all(p.requires_grad for p in model.parameters()) and origins == [0, None]
+    groups = groups_from_checkpoint(model, saved)
+    assert all(p.requires_grad for p in model.parameters())
     assert [id(p) for p in groups[1]["params"]] == [id(model[0].weight), id(model[0].bias)] and groups[1]["lr"] == 0.01
-    assert groups_from_checkpoint(model, saved, num_current_groups=2) is None  # nothing differs now
+    assert groups_from_checkpoint(model, saved) is None  # nothing differs now
 
 
 def test_a_flag_flipped_mid_run_is_refused_with_the_names() -> None:
@@ -85,6 +94,7 @@ def test_the_trainable_groups_record_flags_and_ungrouped_params_and_forget_group
     optimized.record_groups(model, optimizer)
     optimized.record_flags(model, optimizer)
     assert optimized.group_names == [["1.weight"]] and optimized.ungrouped_names == ["1.bias"]
+    assert optimized.trained_names() == [["1.weight"]]
     model(torch.ones(1, 3)).sum().backward()
     assert model[1].bias.grad is None and model[1].weight.grad is not None  # plain torch would never step it
     optimized.check_unchanged()
@@ -108,7 +118,7 @@ def test_the_staged_optimizer_applies_hyperparameters_or_reports_a_new_trainable
     model[0].requires_grad_(True)
     staged.add_param_group({"params": model[0].parameters(), "lr": 0.01})
     staged.param_groups[0]["lr"] = 0.5
-    assert not staged.apply_hyperparameters(model, optimizer) and staged.origins == [0, None]
+    assert not staged.apply_hyperparameters(model, optimizer) and len(staged.param_groups) == 2
     assert optimizer.param_groups[0]["lr"] == 0.05  # left to the rebuild over `staged.param_groups`
     assert staged.param_groups[1]["momentum"] == 0  # the optimizer's defaults fill what the group leaves out
 

@@ -83,7 +83,7 @@ class CausalLoRA(L.LightningModule):
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # All params, as a plain fine-tuning script would pass them: frozen_deepspeed strips the frozen ones.
+        # All params, as a plain fine-tuning script would pass them: ZeRO-3 leaves the frozen ones out.
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 

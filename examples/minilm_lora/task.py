@@ -125,7 +125,7 @@ class LoRASentimentClassifier(L.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # All params, as a plain fine-tuning script would pass them: frozen_deepspeed strips the frozen ones.
+        # All params, as a plain fine-tuning script would pass them: ZeRO-3 leaves the frozen ones out.
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 

@@ -81,7 +81,8 @@ def optimizer_state_by_name(
     deepspeed_optimizer: Any, module: nn.Module, group_param_names: list[list[str]], deferred: DeferredTensors
 ) -> dict[str, Any]:
     """The optimizer state keyed by param name, whole tensors (any world size can resume it): each per-element state
-    a placeholder that ``deferred`` gathers as the file is written."""
+    a placeholder that ``deferred`` gathers as the file is written. The groups list their frozen params too, as the
+    user's optimizer holds them; those have no state."""
     params = dict(module.named_parameters())
     groups = [
         layout.param_group_entry(group, names)
@@ -91,6 +92,7 @@ def optimizer_state_by_name(
         name: deferred.optimizer_state(deepspeed_optimizer, params[name])
         for names in group_param_names
         for name in names
+        if params[name].requires_grad
     }
     return layout.optimizer_entry(state, groups, loss_scaler_state(deepspeed_optimizer))
 
@@ -107,7 +109,10 @@ def load_optimizer_state_by_name(deepspeed_optimizer: Any, module: nn.Module, sa
         raise CheckpointFormatError(
             f"The checkpoint's optimizer has {len(saved_groups)} param groups, the one"
             f" `configure_optimizers` built now has {len(deepspeed_optimizer.param_groups)}. Resume with the same"
-            " optimizer configuration and the same frozen/trainable split."
+            " optimizer configuration and the same frozen/trainable split. (lightning-frozen 0.1 left groups whose"
+            " params were all frozen out of its checkpoints, and out of its LR schedulers' state: resume such a"
+            " checkpoint with 0.1, or load its weights alone with `lightning_frozen.load_adapter` and start the"
+            " optimizer afresh.)"
         )
     for group, saved_group in zip(deepspeed_optimizer.param_groups, saved_groups):
         group.update(layout.group_hyper_parameters(saved_group))

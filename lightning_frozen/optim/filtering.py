@@ -1,13 +1,14 @@
-"""Stripping frozen parameters out of whatever ``configure_optimizers`` returned.
+"""What ``configure_optimizers`` returned, made ready for ZeRO-3: checked, the ``lr=0`` workaround recognised.
 
-Everything here works on plain torch optimizers and LR schedulers, before DeepSpeed sees them, so
-nothing is allocated for a frozen parameter: no gradient, no fp32 master copy, no optimizer state.
+The param groups stay as the user built them, frozen params included: DeepSpeed's ZeRO-3 optimizer leaves every
+``requires_grad=False`` param out of its partitions, group by group, so nothing is allocated for a frozen param (no
+gradient, no fp32 master copy, no optimizer state) and the LR scheduler acts on the groups it was built over. What
+DeepSpeed cannot recognise is a group frozen by a learning rate of 0 for the whole run: its params are frozen here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -21,25 +22,19 @@ from lightning_frozen.errors import (
     UnsupportedOffloadOptimizerError,
     format_names,
 )
-from lightning_frozen.optim.schedulers import filter_scheduler_groups, scheduler_chain
-from lightning_frozen.zero.optimizers import cpu_adam, cpu_adam_is_adamw, is_cpu_adam
+from lightning_frozen.zero.optimizers import (
+    cpu_adam,
+    cpu_adam_is_adamw,
+    is_cpu_adam,
+    point_schedulers_at,
+    scheduler_chain,
+)
 from lightning_frozen.zero.params import check_has_trainable
 
 # Keys under which torch and DeepSpeed schedulers keep a learning rate that a group can climb to.
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr")
-_SCHEDULER_PER_GROUP_LR_KEYS = ("base_lrs", "max_lrs", "min_lrs")
+_SCHEDULER_PER_GROUP_LR_KEYS = ("base_lrs", "max_lrs", "min_lrs", "org_lrs")  # org_lrs: DeepSpeed's WarmupCosineLR
 _SCHEDULER_SCALAR_LR_KEYS = ("eta_min",)
-
-
-@dataclass
-class StripReport:
-    """What :func:`prepare_optimizer` changed, for the notice and the summary."""
-
-    stripped_params: int = 0
-    stripped_numel: int = 0
-    lr_zero_params: int = 0
-    lr_zero_numel: int = 0
-    dropped_groups: list[int] = field(default_factory=list)
 
 
 def optimizer_params(optimizer: Optimizer) -> list[nn.Parameter]:
@@ -109,71 +104,22 @@ def freeze_lr_zero_groups(optimizer: Optimizer, scheduler: Any = None) -> list[n
     return frozen
 
 
-def strip_frozen_params(optimizer: Optimizer, scheduler: Any = None) -> StripReport:
-    """Remove every ``requires_grad=False`` param from every group, in place; drop groups left empty.
-
-    Per-group hyper-parameters stay with their group. Per-group attributes of the LR scheduler (``base_lrs``,
-    ``lr_lambdas``, ``_last_lr``, ...; see :func:`per_group_attributes`) are filtered the same way, so each kept group
-    gets exactly the learning rates it would get with the frozen groups left in.
-
-    Raises:
-        SchedulerGroupsError: groups are dropped and the scheduler is of a class whose per-group attributes are not
-            known (see ``schedulers.per_group_attributes``).
-    """
-    report = StripReport()
-    num_groups = len(optimizer.param_groups)
-    kept_groups: list[dict] = []
-    keep: list[int] = []
-    for index, group in enumerate(optimizer.param_groups):
-        trainable = [p for p in group["params"] if p.requires_grad]
-        for param in group["params"]:
-            if not param.requires_grad:
-                report.stripped_params += 1
-                report.stripped_numel += param.numel()
-                optimizer.state.pop(param, None)
-        if trainable:
-            group["params"] = trainable
-            kept_groups.append(group)
-            keep.append(index)
-        else:
-            report.dropped_groups.append(index)
-    optimizer.param_groups[:] = kept_groups
-    # with every group dropped nothing trains, and the caller says so; the scheduler is moot
-    if report.dropped_groups and kept_groups:
-        filter_scheduler_groups(scheduler, keep, num_groups)
-    return report
-
-
-def prepare_optimizer(
-    module: nn.Module, optimizer: Optimizer, scheduler: Any = None, convert_lr_zero: bool = True
-) -> StripReport:
-    """Validate the optimizer against ``module``, freeze ``lr=0`` groups if asked, and strip frozen params.
-
-    Raises:
-        ForeignParametersError: the optimizer holds tensors that are not parameters of ``module``.
-    """
-    check_params_belong_to(module, optimizer)
-    converted = freeze_lr_zero_groups(optimizer, scheduler) if convert_lr_zero else []
-    report = strip_frozen_params(optimizer, scheduler)
-    report.lr_zero_params = len(converted)
-    report.lr_zero_numel = sum(p.numel() for p in converted)
-    return report
-
-
 def prepare_for_zero(
     module: nn.Module, optimizer: Optimizer, scheduler: Any, convert_lr_zero: bool, strategy_name: str
 ) -> Optimizer:
-    """:func:`prepare_optimizer`, with the notices a run gets: ``lr=0`` groups frozen, nothing frozen at all.
+    """Check the optimizer against ``module`` and freeze ``lr=0`` groups if asked (:func:`freeze_lr_zero_groups`),
+    with the notices a run gets: ``lr=0`` groups frozen, nothing frozen at all. The groups are left as they are.
 
     Raises:
-        ForeignParametersError: as :func:`prepare_optimizer`.
+        ForeignParametersError: the optimizer holds tensors that are not parameters of ``module``.
         NoTrainableParametersError: nothing trainable in the module or in the optimizer.
     """
-    report = prepare_optimizer(module, optimizer, scheduler, convert_lr_zero)
-    if report.lr_zero_params:
+    check_params_belong_to(module, optimizer)
+    converted = freeze_lr_zero_groups(optimizer, scheduler) if convert_lr_zero else []
+    if converted:
         rank_zero_info(
-            f"lightning-frozen: froze {report.lr_zero_params} parameter tensors ({report.lr_zero_numel:,} elements)"
-            " whose learning rate is 0 for the whole run (the `lr=0` workaround); they get no gradient or"
+            f"lightning-frozen: froze {len(converted)} parameter tensors ({sum(p.numel() for p in converted):,}"
+            " elements) whose learning rate is 0 for the whole run (the `lr=0` workaround); they get no gradient or"
             " optimizer state. Pass `convert_lr_zero_groups=False` to keep them in the optimizer."
         )
     check_has_trainable(module)
@@ -184,7 +130,7 @@ def prepare_for_zero(
             " checkpoint size of frozen parameters only). Freeze the base before `fit` (`requires_grad_(False)`,"
             " or wrap the model with PEFT), or train with `strategy='deepspeed_stage_3'`."
         )
-    if not optimizer.param_groups:
+    if not any(p.requires_grad for p in optimizer_params(optimizer)):
         raise NoTrainableParametersError(
             f"The {type(optimizer).__name__} returned by `configure_optimizers` holds only frozen parameters"
             " (`requires_grad=False`), so nothing would train. Pass the trainable parameters to it, e.g."
@@ -274,8 +220,7 @@ def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
         for group in optimizer.param_groups
     ]
     converted = cpu_adam(groups, adamw, _cpu_adam_defaults(optimizer.defaults))
-    for scheduler_ in scheduler_chain(scheduler):
-        scheduler_.optimizer = converted
+    point_schedulers_at(scheduler, converted)
     return converted
 
 

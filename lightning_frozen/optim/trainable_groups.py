@@ -21,9 +21,9 @@ from lightning_frozen.optim.filtering import leave_ungrouped_unstepped
 
 @dataclass
 class TrainableGroups:
-    """What the ZeRO optimizer of a run was built over: its groups' param names, and every param's
-    ``requires_grad`` then (checked each training step); and the trainable params in no group, with the hooks that
-    drop their gradients."""
+    """What the ZeRO optimizer of a run was built over: its groups' param names (frozen ones included), and every
+    param's ``requires_grad`` then (checked each training step); and the trainable params in no group, with the hooks
+    that drop their gradients."""
 
     group_names: list[list[str]] = field(default_factory=list)
     watched: list[tuple[str, nn.Parameter]] = field(default_factory=list)
@@ -34,6 +34,12 @@ class TrainableGroups:
     def record_groups(self, module: nn.Module, optimizer: Optimizer) -> None:
         names = {id(p): n for n, p in module.named_parameters()}
         self.group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    def trained_names(self) -> list[list[str]]:
+        """Each group's params that train (``requires_grad`` as the engine was built): those with an fp32 master copy
+        and optimizer state. The groups themselves hold frozen params too, as the user's optimizer does."""
+        trained = {name for (name, _), flag in zip(self.watched, self.flags) if flag}
+        return [[name for name in names if name in trained] for names in self.group_names]
 
     def record_flags(self, module: nn.Module, optimizer: Optional[Optimizer]) -> None:
         """As an engine is built over ``module`` and ``optimizer``: the flags to hold, and the ungrouped params."""

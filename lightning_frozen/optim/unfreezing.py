@@ -4,9 +4,11 @@ plan, the state carried over, and the checks.
 A finetuning callback calls the strategy (``FrozenAwareDeepSpeedStrategy.finetune``), which runs the callback's change
 on a :class:`StagedOptimizer` and applies it (:func:`stage`). DeepSpeed cannot add params to or remove them from an
 initialised ZeRO-3 optimizer, so for a new trainable set the strategy destroys the engine and initialises a new one
-over the same (already partitioned) module. Around that rebuild, this module works out the new param groups
-(:func:`plan_change`), copies out the fp32 master weights and optimizer state of every param that keeps training
-(:func:`carry_state`) and writes them into the new optimizer (:func:`restore_state`). On resume,
+over the same (already partitioned) module. Groups keep their frozen params, as the user's optimizer holds them, so a
+group whose params were all frozen again stays (DeepSpeed leaves it out) and the LR scheduler's groups keep their
+indices. Around that rebuild, this module works out the change (:func:`plan_change`), copies out the fp32 master
+weights and optimizer state of every param that keeps training (:func:`carry_state`) and writes them into the new
+optimizer (:func:`restore_state`). On resume,
 :func:`groups_from_checkpoint` makes trainable what was trainable when the checkpoint was saved. The strategy refuses
 Lightning's own finetuning callbacks (:func:`check_finetuning_callbacks`); what the optimizer was built for is
 ``trainable_groups.py``'s record.
@@ -57,9 +59,9 @@ def check_finetuning_callbacks(module: nn.Module) -> None:
 
 class StagedOptimizer:
     """What a finetuning callback's ``finetune_function`` sees instead of the ZeRO optimizer: its groups with their
-    real params, and ``add_param_group``. Group dicts are copies, applied afterwards (:func:`stage`): new
-    hyper-parameters to the real optimizer, or, when the trainable set changed, a rebuild over :attr:`param_groups`,
-    with :attr:`origins` the current group each continues (None for a new one)."""
+    real params (frozen ones included, as in the user's optimizer), and ``add_param_group``. Group dicts are copies,
+    applied afterwards (:func:`stage`): new hyper-parameters to the real optimizer, or, when the trainable set
+    changed, a rebuild over :attr:`param_groups` (the current groups in order, then the added ones)."""
 
     def __init__(self, module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]]) -> None:
         params = dict(module.named_parameters())
@@ -70,7 +72,6 @@ class StagedOptimizer:
             {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in names]}
             for group, names in zip(optimizer.param_groups, group_names)
         ]
-        self.origins: list[Optional[int]] = list(range(len(self.param_groups)))
         self._flags = {id(p): p.requires_grad for p in module.parameters()}
         self._num_groups = len(self.param_groups)
 
@@ -81,7 +82,6 @@ class StagedOptimizer:
         if any(id(p) in present for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
         self.param_groups.append({**self.defaults, **param_group, "params": params})
-        self.origins.append(None)
 
     def apply_hyperparameters(self, module: nn.Module, optimizer: Any) -> bool:
         """Give the real ``optimizer``'s groups (the same, in the same order) the stand-in's hyper-parameters, unless a
@@ -96,28 +96,26 @@ class StagedOptimizer:
 
 def stage(
     module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]], finetune: Callable[[StagedOptimizer], None]
-) -> Optional[tuple[list[dict[str, Any]], list[Optional[int]]]]:
+) -> Optional[list[dict[str, Any]]]:
     """Run ``finetune`` (a finetuning callback's change) on a :class:`StagedOptimizer` of ``optimizer``, whose groups
     hold the params named in ``group_names``. New hyper-parameters alone go to ``optimizer`` (None is returned); a new
-    trainable set returns the new groups and their origins, for the strategy to rebuild the optimizer over."""
+    trainable set returns the new groups, for the strategy to rebuild the optimizer over."""
     staged = StagedOptimizer(module, optimizer, group_names)
     finetune(staged)
     if staged.apply_hyperparameters(module, optimizer):
         return None
-    return staged.param_groups, staged.origins
+    return staged.param_groups
 
 
 @dataclass
 class TrainableChange:
     """A new trainable set, by param group, against the groups the ZeRO optimizer holds now."""
 
-    groups: list[dict[str, Any]]  # the new groups, trainable params only; groups left empty are dropped
+    groups: list[dict[str, Any]]  # the new groups, frozen params included: the current ones in order, then new ones
     group_names: list[list[str]]  # their params' names
-    continued: list[int]  # for each new group that continues a current one, the current group's index
     keep: list[str]  # params trainable before and after: their weights and state are carried over
     refrozen: list[nn.Parameter]  # params that stop training
     added: list[str]  # params that start training
-    replaced_groups: int  # how many groups the current optimizer has
 
     def summary(self, carried: int) -> str:
         return (
@@ -127,28 +125,23 @@ class TrainableChange:
 
 
 def plan_change(
-    module: nn.Module,
-    param_groups: Sequence[dict[str, Any]],
-    origins: Sequence[Optional[int]],
-    current_group_names: Sequence[Sequence[str]],
+    module: nn.Module, param_groups: Sequence[dict[str, Any]], trained_groups: Sequence[Sequence[str]]
 ) -> TrainableChange:
-    """The change from the current groups (by name) to ``param_groups``; ``origins[i]`` is the current group that
-    group ``i`` continues, or None for a new group. Params made trainable but put in no group are left out."""
+    """The change from the params that trained until now (``trained_groups``, by name, group by group) to
+    ``param_groups``, whose params' ``requires_grad`` say what trains from now on. Params made trainable but put in no
+    group are left out."""
+    trained = [name for names in trained_groups for name in names]
     params = dict(module.named_parameters())
     names = {id(p): n for n, p in params.items()}
-    kept_groups = [(g, o) for g, o in zip(param_groups, origins) if any(p.requires_grad for p in g["params"])]
-    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g, _ in kept_groups]
+    groups = [{**g, "params": list(g["params"])} for g in param_groups]
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]
-    new_set = {n for group in group_names for n in group}
-    old_names = [n for group in current_group_names for n in group]
+    new_set = {n for group in group_names for n in group if params[n].requires_grad}
     return TrainableChange(
         groups=groups,
         group_names=group_names,
-        continued=[o for _, o in kept_groups if o is not None],
-        keep=[n for n in old_names if n in new_set],
-        refrozen=[params[n] for n in old_names if n not in new_set],
-        added=sorted(new_set - set(old_names)),
-        replaced_groups=len(current_group_names),
+        keep=[n for n in trained if n in new_set],
+        refrozen=[params[n] for n in trained if n not in new_set],
+        added=sorted(new_set - set(trained)),
     )
 
 
@@ -189,11 +182,9 @@ def restore_state(engine: Any, module: nn.Module, carried: CarriedState) -> int:
     return len(with_state)
 
 
-def groups_from_checkpoint(
-    module: nn.Module, checkpoint: Mapping[str, Any], num_current_groups: int
-) -> Optional[tuple[list[dict[str, Any]], list[Optional[int]]]]:
-    """The param groups (and their origins) a checkpoint was saved with, when its trainable set differs from the
-    module's now; the module's ``requires_grad`` flags are set to the checkpoint's. None when nothing differs."""
+def groups_from_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any]) -> Optional[list[dict[str, Any]]]:
+    """The param groups a checkpoint was saved with, when its trainable set differs from the module's now; the
+    module's ``requires_grad`` flags are set to the checkpoint's. None when nothing differs."""
     params = dict(module.named_parameters())
     saved_groups = layout.saved_param_groups(checkpoint)
     saved = {n for n in layout.state_dict_of(checkpoint) if n in params}
@@ -202,8 +193,7 @@ def groups_from_checkpoint(
         return None
     for name, param in params.items():
         param.requires_grad_(name in saved)
-    groups = [
+    return [
         {**layout.group_hyper_parameters(group), "params": [params[n] for n in group[layout.GROUP_PARAMS]]}
         for group in saved_groups
     ]
-    return groups, [i if i < num_current_groups else None for i in range(len(groups))]

@@ -6,7 +6,9 @@ or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed 
 When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; reads and
 writes whole fp32 weights and optimizer state through ``deepspeed.utils``' public ``safe_get_*`` and ``safe_set_*``,
 working around two of their bugs there, and calls the ZeRO-3 optimizer's private ``_optimizer_step`` to make the
-optimizer state they cannot write before the first step (``params``); wraps the optimizer's ``_get_norm_groups`` and
+optimizer state they cannot write before the first step (``params``); relies on its ``_get_trainable_parameter_groups``
+leaving frozen params out group by group and on the engine's ``_configure_optimizer`` dropping empty groups
+(``optimizers``); wraps the optimizer's ``_get_norm_groups`` and
 ``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
 ``partition``, keeping DeepSpeed's handle contract (``gathers`` owns which ones a param has; ``compute.quantized``,
 ``exact_gather`` build them), and ``Init._partition_param``,
@@ -46,10 +48,10 @@ is defined where it is listed):
   workers idle, found by the name torch gives their threads and read in /proc):
   ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
   ``GLOO_WORKER_THREAD``, ``ignore_dependency_deprecations``.
-- ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, its LR schedulers:
+- ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
-  ``set_engine_counters``, ``scheduler_per_group_attributes``; torch's schedulers: ``TORCH_PER_GROUP_ATTRIBUTES``,
-  ``LAST_LR`` (their last LRs), ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
+  ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,
+  ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
 - ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them: ``frozen_dtype_of``,
   ``store_codes``, ``restore_values``, ``check_config``, ``SourceValues``.
 - ``frozen_compute``: the one door to how frozen shards are gathered and computed, chosen per device (behind it,

@@ -26,10 +26,10 @@ _STAGE3_CONTRACT = ("_get_norm_groups", "unscale_and_clip_grads", "sub_group_to_
 GROUP_CLIP_KEY = "gradient_clip_val"
 
 
-def check_group_clips(group_adapters: Sequence[str], groups: Sequence[dict], trained: Sequence[str]) -> None:
+def check_group_clips(group_adapters: Sequence[Optional[str]], groups: Sequence[dict], trained: Sequence[str]) -> None:
     """Check the clipping values (:data:`GROUP_CLIP_KEY`) of the torch optimizer's param ``groups``:
-    ``group_adapters[i]`` names the adapter of group ``i`` (empty when fewer than two adapters train), ``trained``
-    the adapters that train.
+    ``group_adapters[i]`` names the adapter of group ``i`` (None for a group that trains nothing; the list is empty
+    when fewer than two adapters train), ``trained`` the adapters that train.
 
     Raises:
         AdapterSetupError: a value that is not a number >= 0; an adapter whose groups give different values (it is
@@ -42,6 +42,8 @@ def check_group_clips(group_adapters: Sequence[str], groups: Sequence[dict], tra
         )
     values: dict[str, set[Optional[float]]] = {}
     for adapter, group in zip(group_adapters, groups):
+        if adapter is None:
+            continue
         value = group.get(GROUP_CLIP_KEY)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise AdapterSetupError(
@@ -58,10 +60,11 @@ def check_group_clips(group_adapters: Sequence[str], groups: Sequence[dict], tra
             )
 
 
-def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[str]) -> None:
+def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[Optional[str]]) -> None:
     """Make ``zero_optimizer`` clip each adapter's gradients by that adapter's own norm, at the ``gradient_clip_val``
     of its param groups or else DeepSpeed's ``gradient_clipping``; ``group_adapters[i]`` names the adapter of param
-    group ``i``. Does nothing without any clipping value or with fewer than two adapters.
+    group ``i`` (None for a group that trains nothing, which has no sub-group). Does nothing without any clipping value
+    or with fewer than two adapters.
 
     Raises:
         UnsupportedConfigurationError: the optimizer is not a ZeRO-3 optimizer of the shape this relies on (another
@@ -69,7 +72,7 @@ def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[str]) -> None
     """
     groups = getattr(getattr(zero_optimizer, "optimizer", None), "param_groups", [])
     clips = [getattr(zero_optimizer, "clip_grad", 0)] + [group.get(GROUP_CLIP_KEY) for group in groups]
-    if len(set(group_adapters)) < 2 or not any(clips):
+    if len(set(group_adapters) - {None}) < 2 or not any(clips):
         return
     missing = [name for name in _STAGE3_CONTRACT if not hasattr(zero_optimizer, name)]
     if missing:

@@ -23,6 +23,7 @@ from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import forward_trace, frozen_storage
 from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.frozen_compute import frozen_compute_for
+from lightning_frozen.zero.optimizers import keep_empty_groups
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 from lightning_frozen.zero.private_names import ENGINE_HOOKS, IN_FORWARD, MODULE_STACK, RELEASE_CACHE, reaching
 
@@ -78,9 +79,9 @@ def initialize_engine(
     params stay 1/N shards afterwards (see :func:`release_frozen_persistence`), quantized when ``spec.frozen_dtype``
     says so; ``loaded`` (what the sliced loader stored) is settled first and keeps the source values. ZeRO-3's trace
     is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
-    (:func:`forward_trace.reset_trace_at_outermost_call`). How the frozen shards compute on ``where.device`` (on the
-    CPU, defaults for ZeRO-3's gather bounds the user left unset, codes shared and computed from) is
-    ``zero/frozen_compute.py``'s.
+    (:func:`forward_trace.reset_trace_at_outermost_call`). An optimizer's param groups keep their indices, empty ones
+    included (:func:`keep_empty_groups`). How the frozen shards compute on ``where.device`` (on the CPU, defaults for
+    ZeRO-3's gather bounds the user left unset, codes shared and computed from) is ``zero/frozen_compute.py``'s.
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -98,6 +99,8 @@ def initialize_engine(
         loaded.settle(model)
     partition_frozen_and_trainable(model, config, spec)
     place_model(model, config, where.device, spec)
+    if optimizer is not None and model_parameters:
+        keep_empty_groups(optimizer, model_parameters[0].dtype)  # placed: the dtype ZeRO-3 computes in
     engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
         args=argparse.Namespace(device_rank=where.device_rank),
         config=config,

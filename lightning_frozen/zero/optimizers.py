@@ -1,47 +1,22 @@
 """DeepSpeed's optimizer side, as the rest of the package meets it: its CPU Adam (what ZeRO-Offload steps with), the
-torch optimizer inside a ZeRO optimizer, the step counters an engine keeps, and the per-group attributes of
-torch's and DeepSpeed's LR schedulers (private names included). The ZeRO-3 optimizer's partitions and state are
+torch optimizer inside a ZeRO optimizer, the step counters an engine keeps, and the schedulers inside torch's
+``SequentialLR`` / ``ChainedScheduler`` (a private name). The ZeRO-3 optimizer's partitions and state are
 ``params.py``'s.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 # what a DeepSpeed engine counts (steps, samples, micro-steps, fp16 overflows skipped), carried to a rebuilt engine
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-# A scheduler's last LRs, one per param group (torch's and DeepSpeed's schedulers alike)
-LAST_LR = "_last_lr"
-# Scheduler attributes that hold sub-schedulers (SequentialLR, ChainedScheduler) rather than per-group values.
+# Attributes that hold sub-schedulers (SequentialLR, ChainedScheduler): each follows the optimizer it is pointed at
 SUB_SCHEDULER_KEYS = ("_schedulers",)
-
-# Attributes (beyond those of the base classes) that hold one value per param group, for each scheduler class, as
-# torch 2.13's lr_scheduler.py and DeepSpeed 0.19's lr_schedules.py define them. Values a scheduler keeps inside the
-# group dicts (OneCycleLR's max_lr/min_lr, momentum bounds) move with their group by themselves. Other list
-# attributes are not per group, whatever their length (OneCycleLR._schedule_phases, SequentialLR._milestones).
-TORCH_PER_GROUP_ATTRIBUTES: dict[type, tuple[str, ...]] = {
-    torch.optim.lr_scheduler.LRScheduler: ("base_lrs", LAST_LR),
-    torch.optim.lr_scheduler.LambdaLR: ("lr_lambdas",),
-    torch.optim.lr_scheduler.MultiplicativeLR: ("lr_lambdas",),
-    torch.optim.lr_scheduler.StepLR: (),
-    torch.optim.lr_scheduler.MultiStepLR: (),
-    torch.optim.lr_scheduler.ConstantLR: (),
-    torch.optim.lr_scheduler.LinearLR: (),
-    torch.optim.lr_scheduler.ExponentialLR: (),
-    torch.optim.lr_scheduler.PolynomialLR: (),
-    torch.optim.lr_scheduler.CosineAnnealingLR: (),
-    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts: (),
-    torch.optim.lr_scheduler.OneCycleLR: (),
-    torch.optim.lr_scheduler.CyclicLR: ("max_lrs", "base_momentums", "max_momentums"),
-    torch.optim.lr_scheduler.SequentialLR: (),
-    torch.optim.lr_scheduler.ChainedScheduler: (),
-    torch.optim.lr_scheduler.ReduceLROnPlateau: ("min_lrs",),
-}
 
 
 def is_cpu_adam(optimizer: Any) -> bool:
@@ -66,7 +41,7 @@ def cpu_adam_is_adamw(optimizer: Any) -> bool:
 
 
 def inner_optimizer(deepspeed_optimizer: Any) -> Any:
-    """The torch optimizer a ZeRO optimizer steps with (what ``configure_optimizers`` returned, after stripping);
+    """The torch optimizer a ZeRO optimizer steps with (what ``configure_optimizers`` returned);
     ``deepspeed_optimizer`` itself when it wraps none."""
     return getattr(deepspeed_optimizer, "optimizer", deepspeed_optimizer)
 
@@ -82,16 +57,32 @@ def set_engine_counters(engine: Any, counters: Mapping[str, Any]) -> None:
         setattr(engine, key, value)
 
 
-@functools.cache
-def scheduler_per_group_attributes() -> dict[type, tuple[str, ...]]:
-    """For each of DeepSpeed 0.19's LR scheduler classes (``deepspeed.runtime.lr_schedules``), the attributes that
-    hold one value per param group."""
-    from deepspeed.runtime import lr_schedules
+def scheduler_chain(scheduler: Any) -> list[Any]:
+    """The scheduler and, for SequentialLR / ChainedScheduler, every scheduler inside it."""
+    if scheduler is None:
+        return []
+    chain = [scheduler]
+    for key in SUB_SCHEDULER_KEYS:
+        for inner in getattr(scheduler, key, None) or []:
+            chain.extend(scheduler_chain(inner))
+    return chain
 
-    return {
-        lr_schedules.LRRangeTest: ("min_lr", "_last_lr"),
-        lr_schedules.OneCycle: ("min_lrs", "max_lrs", "min_moms", "max_moms", "_last_lr"),
-        lr_schedules.WarmupLR: ("min_lrs", "max_lrs", "delta_lrs", "_last_lr"),
-        lr_schedules.WarmupDecayLR: (),
-        lr_schedules.WarmupCosineLR: ("org_lrs", "_last_lr"),
-    }
+
+def point_schedulers_at(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point ``scheduler`` and every scheduler inside it at ``optimizer`` (one with the same param groups, in the
+    same order, and maybe more), as a scheduler of the old one would act on groups added to it."""
+    for inner in scheduler_chain(scheduler):
+        inner.optimizer = optimizer
+
+
+def keep_empty_groups(optimizer: Optimizer, dtype: torch.dtype) -> None:
+    """Give each param group without params one zero-element frozen param of ``dtype``.
+
+    DeepSpeed 0.19's engine drops such groups from the optimizer it is given (``_configure_optimizer``), which shifts
+    every later group under the LR scheduler; ZeRO-3 leaves the placeholder out as it does any frozen or empty param
+    (``is_optimized_parameter``), and the group keeps its index. ``dtype``: ZeRO-3 takes its own from the first param
+    of group 0.
+    """
+    for group in optimizer.param_groups:
+        if not group["params"]:
+            group["params"] = [nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)]

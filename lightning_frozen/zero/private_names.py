@@ -15,7 +15,6 @@ from lightning_frozen.foreign_names import ForeignName, reach_warning
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _INIT = "deepspeed.runtime.zero.partition_parameters:Init"
 _OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
-_SCHEDULES = "deepspeed.runtime.lr_schedules"
 _MERGE = "deepspeed.utils.zero_to_fp32"
 _KEPT = "a finished run's modules stay referenced until the process ends (their memory with them)"
 _UNSHARD = "an attribute ZeRO-3 set on a module stays there after `unshard`"
@@ -202,7 +201,14 @@ DEEPSPEED = (
     MODULE_STACK,
     IN_FORWARD,
     RELEASE_CACHE,
-    # the accelerator, CPU Adam, the LR schedulers' last LRs
+    # the param groups kept by index: ZeRO-3 leaves frozen params out group by group, the engine drops empty groups
+    ForeignName(
+        f"{_STAGE3}._get_trainable_parameter_groups",
+        "zero/optimizers.py",
+        in_code=("is_optimized_parameter", "_ds_source_param_group_id"),
+    ),
+    ForeignName("deepspeed.runtime.engine:DeepSpeedEngine._configure_optimizer", "zero/optimizers.py"),
+    # the accelerator, CPU Adam
     ForeignName(
         "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
     ),
@@ -210,10 +216,6 @@ DEEPSPEED = (
         "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
     ),
     ForeignName("deepspeed.ops.adam:DeepSpeedCPUAdam.__init__", "zero/optimizers.py", in_code=("adam_w_mode",)),
-    ForeignName(f"{_SCHEDULES}:LRRangeTest.step", "zero/optimizers.py", in_code=("_last_lr",)),
-    ForeignName(f"{_SCHEDULES}:OneCycle.step", "zero/optimizers.py", in_code=("_last_lr",)),
-    ForeignName(f"{_SCHEDULES}:WarmupLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
-    ForeignName(f"{_SCHEDULES}:WarmupCosineLR.step", "zero/optimizers.py", in_code=("_last_lr",)),
     # a stock DeepSpeed checkpoint directory, read by convert_deepspeed_checkpoint: the optimizer's moments merged (the
     # weights through zero_to_fp32's public function)
     ForeignName(
@@ -234,7 +236,6 @@ TORCH = (
     CHECKPOINT_OFFSET,
     ForeignName("torch._C:_storage_Use_Count", "zero/compute/host_memory.py"),
     ForeignName("torch:UntypedStorage._cdata", "zero/compute/host_memory.py"),
-    ForeignName("torch.optim.lr_scheduler:LRScheduler.get_last_lr", "zero/optimizers.py", in_code=("_last_lr",)),
     ForeignName("torch.optim.lr_scheduler:SequentialLR.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
     ForeignName("torch.optim.lr_scheduler:ChainedScheduler.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
 )

@@ -25,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     # registered before the strategy's handler, so it runs after it (atexit runs last-in first-out)
     atexit.register(_write_group_state_at_exit, Path(args.report))
-    module = BackboneModel()
+    module = BackboneModel(trainable_only=True)
     initial = module.backbone[0].weight.detach().clone()
     finetuning = lightning_frozen.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.005)
     trainer = cpu_trainer(devices=2, max_epochs=3, callbacks=[finetuning])
