@@ -33,7 +33,7 @@ from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.generation import wrap_generate
 from lightning_frozen.ledger import RunLedger, open_run
-from lightning_frozen.optim import trainable_groups, unfreezing
+from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
 from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
@@ -316,7 +316,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]]) -> None:
         """Rebuild the ZeRO optimizer over ``param_groups`` (the current ones in order, then any added) once params
         were unfrozen or frozen mid-run, carrying state. Collective."""
-        module = self._module
+        module, num_groups = self._module, len(self._optimized.group_names)
         change = unfreezing.plan_change(module, param_groups, self._optimized.trained_names())
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)
         optimizer = same_kind_of_optimizer(optimizers.inner_optimizer(self._deepspeed_optimizer), change.groups)
@@ -324,8 +324,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._optimized.group_names, self._anatomy = change.group_names, None  # what trains changed
         self.model, deepspeed_optimizer = self.build_engine(module, optimizer)
         self.optimizers = [deepspeed_optimizer]
-        for config in self.lr_scheduler_configs:  # as a scheduler meets groups a callback adds in plain Lightning
+        for config in self.lr_scheduler_configs:  # DeepSpeed runs one optimizer, so one scheduler at most
             optimizers.point_schedulers_at(config.scheduler, optimizer)
+            schedulers.follow_added_groups(config.scheduler, optimizer, num_groups)
         rank_zero_info(change.summary(unfreezing.restore_state(self.model, module, carried)))
 
     @property
