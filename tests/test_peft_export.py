@@ -97,3 +97,40 @@ def test_export_of_a_checkpoint_without_peft_says_so(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         lightning_frozen.export_peft_adapter(tmp_path / "plain.ckpt", tmp_path / "file")
+
+
+def test_a_crash_between_the_weights_and_the_config_leaves_the_previous_export_whole(
+    trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = trained["tmp"] / "replaced"
+    lightning_frozen.export_peft_adapter(trained["path"], out)
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    (out / "adapter_config.json").write_text('{"r": 4, "marker": "previous run"}')  # tell the old folder apart
+    before["adapter_config.json"] = (out / "adapter_config.json").read_bytes()
+
+    real_write_text = Path.write_text
+
+    def crash_at_the_config(self: Path, *args: Any, **kwargs: Any) -> int:
+        if self.name == "adapter_config.json":
+            assert (self.parent / "adapter_model.safetensors").exists()  # the weights were written: between the two
+            raise OSError("injected crash between the weights and the config")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", crash_at_the_config)
+    with pytest.raises(OSError, match="injected crash"):
+        lightning_frozen.export_peft_adapter(trained["path"], out)
+    monkeypatch.undo()
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []  # no temp folder left
+
+    lightning_frozen.export_peft_adapter(trained["path"], out)  # an earlier export is replaced whole
+    assert "marker" not in json.loads((out / "adapter_config.json").read_text())
+
+
+def test_an_export_into_a_folder_holding_other_files_is_refused(trained: dict[str, Any]) -> None:
+    out = trained["tmp"] / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(NotADirectoryError, match="busy holds notes.txt, which an export does not write"):
+        lightning_frozen.export_peft_adapter(trained["path"], out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]

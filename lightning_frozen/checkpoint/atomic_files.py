@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import threading
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_frozen.errors import CheckpointFormatError
+from lightning_frozen.errors import CheckpointFormatError, OutputDirectoryError
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,64 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     _fsync_dir(path.parent)
 
 
+@contextmanager
+def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) -> Iterator[Path]:
+    """Yield a new empty temporary folder beside ``destination`` to write into; when the block returns, the folder
+    takes ``destination``'s place, so a reader sees the previous folder or the new one, never a mix of two runs.
+
+    An existing ``destination`` is replaced whole only when every entry in it is a name ``replaceable`` accepts (what
+    an earlier export wrote); one holding anything else is refused before anything is written. A block that raises
+    leaves ``destination`` as it was and removes the temporary folder; a process killed meanwhile leaves it behind, and
+    a later write into the same parent removes it once its writer is dead (:func:`remove_stale_temp_files`).
+
+    Raises:
+        OutputDirectoryError: ``destination`` is a file, or a folder holding entries an export does not write.
+    """
+    check_output_folder(destination, replaceable)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(destination.parent)
+    tmp = destination.parent / f".{destination.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for entry in os.scandir(tmp):
+            _fsync_path(entry.path)
+        _fsync_path(str(tmp))
+        if destination.exists():
+            # a folder cannot be renamed over a non-empty one: the old one steps aside under a temp name first
+            old = tmp.with_name(f".{destination.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+            os.replace(destination, old)
+            try:
+                os.replace(tmp, destination)
+            except BaseException:
+                os.replace(old, destination)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(destination.parent)
+
+
+def check_output_folder(destination: Path, replaceable: Callable[[str], bool]) -> None:
+    """Refuse ``destination`` as a folder :func:`folder_written_whole` would replace: a file, or a folder holding an
+    entry ``replaceable`` does not accept (checked before an export reads anything, and again as it writes).
+
+    Raises:
+        OutputDirectoryError: naming the file or the entries, and what to do.
+    """
+    if destination.exists() and not destination.is_dir():
+        raise OutputDirectoryError(f"{destination} exists and is not a directory; choose a folder to export into.")
+    foreign = sorted(name for name in os.listdir(destination) if not replaceable(name)) if destination.exists() else []
+    if foreign:
+        raise OutputDirectoryError(
+            f"{destination} holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, which an export does"
+            " not write; the export replaces its folder whole. Choose a new or empty folder, or remove those entries."
+        )
+
+
 # signals whose default action ends the process; a handler of anyone else's is left alone
 _TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # SIGINT raises KeyboardInterrupt, which removes it too
 
@@ -150,13 +209,16 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
     space, now = pid_space_tag(), time.time()
     for entry in entries:
         match = _TEMP_FILE.match(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
+        if match is None or entry.is_symlink():
             continue
         try:
             idle = now - entry.stat(follow_symlinks=False).st_mtime
             dead = match["space"] == space and not process_runs(int(match["pid"]))
             if dead or idle > STALE_TEMP_SECONDS:
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):  # a folder being written whole (folder_written_whole)
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(Path(entry.path))
         except FileNotFoundError:
             continue  # another process removed or renamed it meanwhile
@@ -193,6 +255,14 @@ def process_runs(pid: int) -> bool:
     except PermissionError:
         return True  # it runs, under another user
     return True
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(folder: Path) -> None:

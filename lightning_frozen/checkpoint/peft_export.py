@@ -23,13 +23,16 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint, to_plain, write_file_atomic
-from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError, OutputDirectoryError
+from lightning_frozen.checkpoint.atomic_files import check_output_folder, folder_written_whole
+from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint, to_plain
+from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError
 from lightning_frozen.format import layout
 from lightning_frozen.hf import peft_saving
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+# what an export, or PEFT's own `save_pretrained`, writes: a folder holding only these is replaced whole
+EXPORTED_NAMES = frozenset((CONFIG_NAME, WEIGHTS_NAME, "README.md"))
 # the PEFT key prompt learning saves its encoder's output under (`BasePromptEncoder._get_adapter_state_dict`)
 PROMPT_EMBEDDINGS = "prompt_embeddings"
 # prompt learning methods whose saved tensor export can compute: PEFT's `get_prompt_embedding_to_save` runs their
@@ -123,16 +126,6 @@ def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, t
         return encoder(tokens)[0]
 
 
-def _inside(folder: Path, name: str) -> Path:
-    target = (folder / name).resolve()
-    if target.parent != folder.resolve():
-        raise InvalidArgumentValueError(
-            f"{folder / name} links to {target}, outside {folder}; the export writes only inside its folder. Remove"
-            " the link or choose another `output_dir`."
-        )
-    return target
-
-
 def peft_entry_of(frozen_base: Mapping[str, Any], adapter: Optional[str], source: PathLike) -> dict[str, Any]:
     """The checkpoint's PEFT entry (see :func:`peft_entry`) for ``adapter``: of the adapters trained at once, the one
     named (``peft_adapters``); else the one adapter, which ``adapter`` may name.
@@ -163,24 +156,25 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike, adapter
 
     Of a run that trained several adapters at once, ``adapter`` names the one to export (alone, as PEFT saves one).
 
-    Only the two files are written, inside ``output_dir`` (created if needed), each atomically through a new
-    temporary file: never through a link planted there. Trainable parameters that are not part of the PEFT adapter
+    The folder is written whole: the two files go into a new temporary folder beside ``output_dir``, which then
+    takes its place in one rename, so a crash at any moment leaves the previous folder as it was. An existing
+    ``output_dir`` is replaced only when it holds nothing but an earlier export (those two files and PEFT's
+    ``README.md``). Trainable parameters that are not part of the PEFT adapter
     (a head outside the ``PeftModel``) cannot go into it and are named in a warning. Returns ``output_dir``.
 
     Raises:
         TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.
         CheckpointFormatError: the checkpoint was not trained on a PEFT model, is not a lightning-frozen file,
             or holds a prompt learning method whose saved form export does not compute (multitask prompt tuning, CPT).
-        NotADirectoryError: ``output_dir`` exists and is a file.
-        ValueError: one of the two files in ``output_dir`` is a link to somewhere else; ``adapter`` names no adapter
-            of the checkpoint, or is None where it holds several.
+        NotADirectoryError: ``output_dir`` exists and is a file, or a folder holding other entries
+            (:class:`~lightning_frozen.errors.OutputDirectoryError`).
+        ValueError: ``adapter`` names no adapter of the checkpoint, or is None where it holds several.
     """
     from safetensors.torch import save
 
     checkpoint_path = checked_path(checkpoint_path, "checkpoint_path", "export_peft_adapter")
     folder = checked_path(output_dir, "output_dir", "export_peft_adapter")
-    if folder.exists() and not folder.is_dir():
-        raise OutputDirectoryError(f"{folder} exists and is not a directory; choose a folder for the PEFT adapter.")
+    check_output_folder(folder, EXPORTED_NAMES.__contains__)
     checkpoint = read_checkpoint(checkpoint_path)
     peft = peft_entry_of(layout.frozen_base_of(checkpoint), adapter, checkpoint_path)
     if peft.get(layout.NOT_EXPORTABLE):
@@ -188,7 +182,6 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike, adapter
             f"{checkpoint_path} cannot be exported to PEFT's format: {peft[layout.NOT_EXPORTABLE]}. Load it with"
             " `lightning_frozen.load_adapter` instead."
         )
-    folder.mkdir(parents=True, exist_ok=True)
     state_dict = layout.state_dict_of(checkpoint)
     missing = sorted(name for name in layout.adapter_tensor_names(peft) if name not in state_dict)
     if missing:
@@ -208,9 +201,7 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike, adapter
     reference = layout.reference_of(checkpoint)
     if reference and not config.get("base_model_name_or_path"):
         config["base_model_name_or_path"] = reference
-    weights_path = _inside(folder, WEIGHTS_NAME)
-    config_path = _inside(folder, CONFIG_NAME)
-    weights = save(tensors, metadata={"format": "pt"})
-    write_file_atomic(weights_path, lambda handle: handle.write(weights))
-    write_file_atomic(config_path, lambda handle: handle.write(json.dumps(config, indent=2, sort_keys=True).encode()))
+    with folder_written_whole(folder, EXPORTED_NAMES.__contains__) as written:
+        (written / WEIGHTS_NAME).write_bytes(save(tensors, metadata={"format": "pt"}))
+        (written / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     return folder
