@@ -25,8 +25,8 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released param's decoded storage is held
 elsewhere before decoding into it again (``compute.host_memory``); and writes a file in two passes with torch's
 ``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``). Each of them is a row
-of ``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the
-error that ended a run.
+of ``capabilities.py``, under the core or the capability that needs it; the teardown's reaches are guarded
+(``foreign_names.reaching``), so that a moved name warns rather than hiding the error that ended a run.
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -77,7 +77,5 @@ is defined where it is listed):
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
 - ``torch_file``: a ``torch.save`` file written in two passes, its structure then each tensor's bytes as they come:
-  ``save_in_two_passes``, ``available``, ``with_values``, ``Put``.
-- ``private_names``: every private name above, with the signature or attributes the seam relies on, one row each,
-  checked when a strategy is built: ``DEEPSPEED``, ``TORCH``.
+  ``save_in_two_passes``, ``with_values``, ``Put``.
 """
