@@ -292,10 +292,6 @@ SEVERAL_ADAPTERS = Capability(
             exact=True,
         ),
         ForeignName(
-            "peft.tuners.tuners_utils:BaseTunerLayer._cast_input_dtype", "hf/peft_adapters.py", ("self", "x", "dtype")
-        ),
-        ForeignName("peft.tuners.lora.layer:_ConvNd", "hf/peft_adapters.py"),
-        ForeignName(
             "peft.tuners.lora.layer:LoraLayer.__init__",
             "hf/peft_adapters.py",
             in_code=("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "lora_embedding_A", "lora_variant"),

@@ -8,23 +8,18 @@ name still raises when the strategy is built, and at an offline entry point.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from lightning_frozen import capabilities
-
-SCRIPT = Path(__file__).parent / "scripts" / "names_moved.py"
-sys.path.insert(0, str(SCRIPT.parent))
-from names_moved import PLAIN_FIT  # noqa: E402
+from tests.distributed import run_script
+from tests.scripts.names_moved import PLAIN_FIT
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("names_moved")
-    subprocess.run([sys.executable, str(SCRIPT), str(folder / "report.json"), str(folder)], check=True, timeout=300)
+    run_script("names_moved.py", str(folder / "report.json"), str(folder))
     return json.loads((folder / "report.json").read_text())
 
 

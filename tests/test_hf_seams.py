@@ -38,8 +38,6 @@ HF_INTERNALS = {
     "_hf_deepspeed_config_weak_ref",
     "_is_ds_init_called",
     "_is_hf_initialized",
-    "_cast_input_dtype",
-    "_ConvNd",
     "base_layer",
     "lora_A",
     "lora_B",
@@ -227,10 +225,10 @@ def test_the_checkers_fail_on_an_import_or_an_internal_outside_the_seam() -> Non
         "def reference(model):\n"
         "    import transformers.modeling_utils\n"
         "    from peft.tuners import lora\n"
-        "    return model._cast_input_dtype or getattr(model, 'lora_A', None)\n"
+        "    return model._is_ds_init_called or getattr(model, 'lora_A', None)\n"
     )
     assert hf_imports(source) == ["6: import transformers.modeling_utils", "7: from peft.tuners import lora"]
-    assert hf_internals_read(source) == ["8: _cast_input_dtype", "8: lora_A"]
+    assert hf_internals_read(source) == ["8: _is_ds_init_called", "8: lora_A"]
 
 
 def test_the_private_name_collector_tells_foreign_names_from_the_packages_own() -> None:
@@ -286,7 +284,7 @@ def test_private_names_of_other_packages_live_in_the_three_seams() -> None:
 
 def test_every_private_name_of_another_package_is_listed_in_docs_internals() -> None:
     used = package_private_names()
-    assert {"_partition_param", "_cast_input_dtype", "_slurm_sigusr_handler_fn", "_version"} <= set(used)
+    assert {"_partition_param", "_is_ds_init_called", "_slurm_sigusr_handler_fn", "_version"} <= set(used)
     section = pinned_section(INTERNALS.read_text())
     assert {name: used[name] for name in missing_from(section, used)} == {}  # add each to docs/internals.md
 

@@ -13,8 +13,8 @@ Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Module
 - ``peft_adapters``: :func:`~.peft_adapters.around_adapter_creation` wraps ``PeftModel.__init__`` and
   ``BaseTuner.inject_adapter`` class-wide for its duration only; finding ``PeftModel`` and ``ModulesToSaveWrapper``
   instances; each adapter's params in ``BaseTunerLayer``s; LoRA's forward on blocks of rows from ``base_layer``,
-  ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling`` and ``_cast_input_dtype`` of ``lora.layer.Linear`` /
-  ``lora.layer._ConvNd``.
+  ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling`` and the input cast of ``lora.layer.Linear`` and
+  its ``Conv1d/2d/3d``.
 - ``reference``: where each frozen base came from (PEFT's ``base_model_name_or_path``, ``config.name_or_path``) and the
   PEFT model inside a module.
 - ``row_guard``: a forward pre-hook on PEFT's LoRA layers that refuses a training forward of several adapters outside

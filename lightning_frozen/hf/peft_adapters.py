@@ -3,8 +3,8 @@
 - Where PEFT creates adapters, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter``, wrapped class-wide only
   while :func:`around_adapter_creation` is active.
 - The tuner layers: which params each adapter owns (``BaseTunerLayer.adapter_layer_names``), and LoRA's forward
-  on blocks of rows from its parts (``base_layer``, ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling``,
-  ``_cast_input_dtype``) for the layer types whose forward is exactly that (``lora.layer.Linear`` / ``_ConvNd``).
+  on blocks of rows from its parts (``base_layer``, ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling``, the input
+  cast) for the layer types whose forward is exactly that (``lora.layer.Linear`` and its ``Conv1d/2d/3d``).
 - ``PeftModel`` and ``ModulesToSaveWrapper`` instances found in a module.
 
 A module can hold a PEFT model only once ``peft`` is imported, so the finders return nothing before that rather than
@@ -114,7 +114,7 @@ def add_tuner_layer_params(owned: dict[str, list[str]], prefix: str, layer: nn.M
 
 def lora_row_layers(module: nn.Module) -> list[nn.Module]:
     """The LoRA layers inside ``module`` whose forward is ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``
-    (PEFT 0.21's ``Linear`` and ``_ConvNd``): those :func:`lora_forward_by_rows` computes."""
+    (PEFT 0.21's ``Linear`` and ``Conv1d``/``Conv2d``/``Conv3d``): those :func:`lora_forward_by_rows` computes."""
     types = _row_layer_types()
     return [layer for layer in module.modules() if isinstance(layer, types)]
 
@@ -152,7 +152,7 @@ def unmixable_layers(module: nn.Module, adapter: str) -> list[tuple[str, str]]:
 def _row_layer_types() -> tuple[type, ...]:
     from peft.tuners.lora import layer
 
-    return (layer.Linear, layer._ConvNd)
+    return (layer.Linear, layer.Conv1d, layer.Conv2d, layer.Conv3d)
 
 
 def lora_forward_by_rows(
@@ -168,6 +168,8 @@ def lora_forward_by_rows(
             out.append(result[rows])
             continue
         lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-        sub_batch = layer._cast_input_dtype(x[rows], lora_A.weight.dtype)
+        sub_batch = x[rows]
+        if getattr(layer, "cast_input_dtype_enabled", True):  # as PEFT's forward casts (`disable_input_dtype_casting`)
+            sub_batch = sub_batch.to(lora_A.weight.dtype)
         out.append(result[rows] + lora_B(lora_A(layer.lora_dropout[name](sub_batch))) * layer.scaling[name])
     return torch.cat(out).to(result.dtype)

@@ -38,7 +38,7 @@ PLAIN_FIT = {
         "replace",
     ),
     "STREAMED_SAVE": ("torch.serialization", "_load", "replace"),
-    "SEVERAL_ADAPTERS": ("peft.tuners.lora.layer", "_ConvNd", "delete"),
+    "SEVERAL_ADAPTERS": ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", "replace"),
     "UNFREEZING": ("lightning.pytorch.callbacks.finetuning:BaseFinetuning", "_store", "delete"),
     "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),
     "UNSHARD": ("deepspeed.runtime.zero.partition_parameters", "_init_external_params", "delete"),
