@@ -51,7 +51,7 @@ class ForeignName:
         return self.target.replace(":", ".")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per capability: looked up by identity, cheaply, where it is used
 class Capability:
     """A part of the package that needs private names of other packages: the core, which every run needs, or an
     optional capability, which a run may do without.

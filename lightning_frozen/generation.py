@@ -20,6 +20,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen.capabilities import GENERATE, available
 from lightning_frozen.hf.generation import generating_models
 from lightning_frozen.loops import gather_from_ranks
 from lightning_frozen.memory import format_bytes
@@ -31,17 +32,17 @@ GATHER_ONCE, PER_LAYER = "once per call", "layer by layer"
 _OFF = "gathering it once is off (a warning said why when the strategy was built)"
 
 
-def wrap_generate(ledger: Any, strategy: Any, gather_once: bool = True) -> None:
+def wrap_generate(ledger: Any, strategy: Any) -> None:
     """Wrap, for this run, the ``generate`` of each outermost transformers model in ``strategy``'s LightningModule,
     once (again after a call wraps nothing); through ``ledger`` (its ``set_attribute``), which puts them back when
     the run ends. ``strategy``: the run's ``FrozenAwareDeepSpeedStrategy``, its engine built (``strategy.model``).
-    Without ``gather_once`` every call gathers layer by layer."""
+    Where ``capabilities.GENERATE`` is off, every call gathers layer by layer."""
     device = strategy.root_device
     ranks_on_device = strategy.num_processes if device.type == "cpu" else 1  # on the CPU they share the host's memory
     for model in generating_models(strategy.lightning_module):
         if isinstance(vars(model).get("generate"), _GatheringCall):
             continue
-        budget = strategy.spec.generation_memory
+        budget, gather_once = strategy.spec.generation_memory, available(GENERATE)
         call = _GatheringCall(model, lambda: strategy.model, budget, ranks_on_device, gather_once)
         ledger.set_attribute(model, "generate", functools.update_wrapper(call, model.generate))
 

@@ -74,7 +74,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             (``zero/compute/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
-        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md).
+        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md);
+            a number asks for that gathering, so a DeepSpeed that moved its names raises here instead of warning.
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
@@ -278,7 +279,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
         self._preemption.install(self._module.trainer, self.launcher)
         self._preemption.training = True  # from now on a signal stops at the next step boundary
-        self._wrap_generate()
+        wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -288,13 +289,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def on_validation_start(self) -> None:
         self._preemption.install(self._module.trainer, self.launcher)  # Lightning's handler broadcasts: ours instead
         loops.check_even_batches_at_start(self._module.trainer, self.world_size)
-        self._wrap_generate()
+        wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 
     on_test_start = on_predict_start = on_validation_start
-
-    def _wrap_generate(self) -> None:
-        # `generate` gathers the base once per call where it fits, else (and without the capability) layer by layer
-        wrap_generate(self._ledger, self, gather_once=capabilities.available(capabilities.GENERATE))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
