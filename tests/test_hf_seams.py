@@ -341,8 +341,8 @@ def test_peft_creation_wrapper_runs_around_the_outermost_call_only_and_is_remove
 
     calls: list[str] = []
     originals = (peft.PeftModel.__init__, BaseTuner.inject_adapter)
-    with peft_adapters.around_adapter_creation(lambda: calls.append("enter"), lambda: calls.append("leave")) as wrapped:
-        assert wrapped and peft.PeftModel.__init__ is not originals[0]
+    with peft_adapters.around_adapter_creation(lambda: calls.append("enter"), lambda: calls.append("leave")):
+        assert peft.PeftModel.__init__ is not originals[0]
         model = peft.get_peft_model(_Tiny(), peft.LoraConfig(target_modules=["lin"], r=2))
         model.add_adapter("second", peft.LoraConfig(target_modules=["lin"], r=2))  # inject_adapter alone
     assert calls == ["enter", "leave", "enter", "leave"]

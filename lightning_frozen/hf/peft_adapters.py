@@ -25,16 +25,14 @@ from torch import nn
 
 
 @contextmanager
-def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[bool]:
+def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
     """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` (where PEFT creates and initialises
     adapter layers) are replaced class-wide by wrappers that call ``enter()`` before the outermost of those calls and
-    ``leave()`` after it; the originals are put back on exit.
-
-    Yields whether they were wrapped: not without PEFT installed. Their signatures are rows of the core
-    (``capabilities.CORE``), checked when a strategy is built.
+    ``leave()`` after it; the originals are put back on exit. Without PEFT installed nothing is wrapped. Their
+    signatures are rows of the core (``capabilities.CORE``), checked when a strategy is built.
     """
     if importlib.util.find_spec("peft") is None:
-        yield False
+        yield
         return
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
@@ -61,7 +59,7 @@ def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]
     for (owner, name), method in originals.items():
         setattr(owner, name, wrapped(method))
     try:
-        yield True
+        yield
     finally:
         for (owner, name), method in originals.items():
             setattr(owner, name, method)
