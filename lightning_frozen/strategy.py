@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
@@ -24,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, anatomy, arguments, dependencies, lightning_seam, loops, memory, preemption
+from lightning_frozen import adapters, anatomy, arguments, capabilities, lightning_seam, loops, memory, preemption
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
@@ -73,7 +74,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             (``zero/compute/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
-        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md).
+        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md);
+            a number asks for that gathering, so a DeepSpeed that moved its names raises here instead of warning.
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
@@ -106,7 +108,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        dependencies.check_private_names()  # a renamed hook would leave this strategy running as stock DeepSpeed
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         flags["return_freed_memory"] = return_freed_memory
@@ -131,6 +132,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
         own.update(generation_memory=generation_memory, preemption_grace=preemption_grace)
         self._spec = arguments.resolve_spec(self.config, config is not None, kwargs.get("pin_memory", False), **own)
+        capabilities.check_for_run(self._spec)  # a renamed hook would leave this strategy running as stock DeepSpeed
         self._preemption = preemption.Preemption(self._spec.preemption_grace)
         self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
         self._optimized = trainable_groups.TrainableGroups()
@@ -196,6 +198,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CPUAccelerator):  # no device index: DeepSpeedStrategy's check does not apply
+            reset_seed()
             self.set_world_ranks()
             self.start_deepspeed_distributed()
         else:
@@ -309,13 +312,23 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._freezes.append(freeze)
 
     def finetune(self, finetune: Callable[[unfreezing.StagedOptimizer], None]) -> None:
-        """Apply what ``finetune`` (a callback's) does to a stand-in optimizer: new hyper-parameters, or a rebuild."""
+        """Apply what ``finetune`` (a callback's) does to a stand-in optimizer: new hyper-parameters, or a rebuild.
+
+        Raises:
+            DependencyDriftError: a name progressive unfreezing needs moved.
+        """
+        capabilities.require(capabilities.UNFREEZING)
         if regrouped := unfreezing.stage(self._module, self._deepspeed_optimizer, self.param_group_names, finetune):
             self.reconfigure_trainable(regrouped)
 
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]]) -> None:
         """Rebuild the ZeRO optimizer over ``param_groups`` (the current ones in order, then any added) once params
-        were unfrozen or frozen mid-run, carrying state. Collective."""
+        were unfrozen or frozen mid-run, carrying state. Collective.
+
+        Raises:
+            DependencyDriftError: a name progressive unfreezing needs moved.
+        """
+        capabilities.require(capabilities.UNFREEZING)
         module, num_groups = self._module, len(self._optimized.group_names)
         change = unfreezing.plan_change(module, param_groups, self._optimized.trained_names())
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)

@@ -245,3 +245,18 @@ def test_the_gradient_reduce_bucket_is_sized_to_the_trainable_params() -> None:
     chosen = cpu_trainer(FrozenAwareDeepSpeedStrategy(reduce_bucket_size=1000), max_steps=1)
     chosen.fit(AdapterModel(), regression_data())
     assert chosen.strategy.deepspeed_engine.optimizer.reduce_bucket_size == 1000
+
+
+def test_setting_up_the_cpu_world_seeds_again_as_lightnings_deepspeed_strategy_does() -> None:
+    drawn: list[torch.Tensor] = []
+
+    class Draw(Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            drawn.append(torch.rand(4))  # after `setup_distributed`, before anything else draws
+
+    L.seed_everything(5)
+    expected = torch.rand(4)
+    L.seed_everything(5)
+    torch.rand(4)  # the generator moved on before the run, as a user's own code would move it
+    cpu_trainer(max_steps=1, callbacks=[Draw()]).fit(AdapterModel(), regression_data())
+    assert torch.equal(drawn[0], expected)

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_frozen.anatomy import anatomy_of
 from lightning_frozen.base.fingerprint import fingerprint_base
+from lightning_frozen.capabilities import CONVERT, require
 from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.checkpoint.file import (
     PathLike,
@@ -104,7 +105,9 @@ def convert_deepspeed_checkpoint(
         CheckpointFormatError: ``source`` is not a ZeRO-3 DeepSpeed checkpoint, has a damaged shard file or holds
             unexpected Python objects (refused unexecuted), or ``destination`` is a directory. Nothing is written
             then, and an existing file at ``destination`` stays as it was.
+        DependencyDriftError: a private name of DeepSpeed's that reading its directory needs moved.
     """
+    require(CONVERT)
     source = checked_path(source, "source", "convert_deepspeed_checkpoint")
     destination = checked_path(destination, "destination", "convert_deepspeed_checkpoint")
     folder = _checkpoint_folder(source)

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_frozen import anatomy
 from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import verify_checkpoint_base
+from lightning_frozen.capabilities import CORE, require
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
@@ -107,7 +108,9 @@ def load_adapter(
             is left unchanged.
         ValueError, AdapterSetupError: ``adapter`` is not in the checkpoint (or None where it holds several and
             ``strict``), or not in ``module``.
+        DependencyDriftError: a private name of another package that the core needs moved.
     """
+    require(CORE)
     if not isinstance(module, nn.Module):
         raise InvalidArgumentTypeError(
             f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
@@ -129,9 +132,10 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
 
     Raises:
         TypeError: ``cls`` is not a ``torch.nn.Module`` class (an instance, say) or ``checkpoint_path`` is not a path.
-        FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError: as
-            :func:`load_adapter`.
+        FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError,
+            DependencyDriftError: as :func:`load_adapter`.
     """
+    require(CORE)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
 from lightning_frozen.zero.compute import coded_linear, host_memory, node_codes, quantized
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
@@ -76,8 +77,8 @@ class CpuFrozenCompute(FrozenCompute):
 
 
 def frozen_compute_for(device: torch.device) -> FrozenCompute:
-    """How frozen shards are computed on ``device``: the CPU's stack, or an accelerator's."""
-    return CpuFrozenCompute() if device.type == "cpu" else FrozenCompute()
+    """How frozen shards compute on ``device``: the CPU's stack (its names as written for), else an accelerator's."""
+    return CpuFrozenCompute() if device.type == "cpu" and available(CPU_COMPUTE) else FrozenCompute()
 
 
 def compute_from_codes(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:

@@ -7,13 +7,12 @@ records, and each record's CRC-32 is put back once its bytes are in. What the fi
 there is given as a tensor on the meta device; torch writes a place for it when it is a ``FakeTensor`` of the same shape
 and dtype (``skip_data(materialize_fake_tensors=True)``), and a ``torch.load(..., map_location="meta")`` of the
 structure tags each storage with the offset of its bytes (``_checkpoint_offset``), as torch's own GPUDirect Storage
-recipe reads them. Both are torch's private names (``private_names.TORCH``); where they moved, :func:`available` is
-False and a caller writes the file in one ``torch.save``.
+recipe reads them. Both are torch's private names, the rows of ``capabilities.STREAMED_SAVE``; where they moved, the
+capability is off and a caller writes the file in one ``torch.save``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 import zipfile
@@ -24,8 +23,6 @@ from typing import IO, Any
 import torch
 
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.foreign_names import problem_of
-from lightning_frozen.zero.private_names import CHECKPOINT_OFFSET, FAKE_TENSOR_MODE
 
 # zip records (APPNOTE 4.3): a local header's CRC-32 and name and extra lengths, a central header's CRC-32, the data
 # descriptor miniz writes after each record's bytes (its signature, then the CRC-32)
@@ -34,12 +31,6 @@ _CENTRAL_SIGNATURE, _CENTRAL_CRC, _CENTRAL_LENGTHS, _CENTRAL_SIZE = b"PK\x01\x02
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 
 Put = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the installed torch still has what the two passes rely on (see the module's docstring)."""
-    return problem_of(FAKE_TENSOR_MODE) is None and problem_of(CHECKPOINT_OFFSET) is None
 
 
 def save_in_two_passes(

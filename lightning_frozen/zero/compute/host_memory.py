@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.zero.params import full_numel
 
 # each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
@@ -128,7 +129,7 @@ class DecodeBuffers:
 
     def give(self, tensor: torch.Tensor) -> None:
         """Keep the storage under ``tensor`` (a released param's decoded values) if nothing else holds it."""
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if tensor.device.type != "cpu" or tensor.numel() == 0 or not available(CPU_COMPUTE):
             return
         storage = tensor.untyped_storage()
         # held by `storage` and the caller's `tensor`: more means a view or a reference lives elsewhere
