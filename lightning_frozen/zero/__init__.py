@@ -52,12 +52,12 @@ is defined where it is listed):
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,
   ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
-- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them: ``frozen_dtype_of``,
-  ``store_codes``, ``restore_values``, ``check_config``, ``SourceValues``.
+- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them (the kernels handed in):
+  ``frozen_dtype_of``, ``store_codes``, ``restore_values``, ``keeps_a_copy``, ``check_config``, ``SourceValues``.
 - ``frozen_compute``: the one door to how frozen shards are gathered and computed, chosen per device (behind it,
   ``compute/``: the quantized gather, and the CPU's compiled kernels, layers computed from codes, codes shared in
   ``/dev/shm``, decode buffers and host-memory settings): ``frozen_compute_for``, ``FrozenCompute``,
-  ``compute_from_codes``.
+  ``compute_from_codes``, ``KERNELS`` (the compiled passes the core takes as a value).
 - ``gathers``: which gather methods each ZeRO-3 param has over its life, and DeepSpeed's own: ``use``,
   ``use_deepspeed``, ``deepspeed_method``, ``kind_of``, ``DEEPSPEED``, ``EXACT_FROM_FILE``, ``QUANTIZED``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them, and its broadcast of each

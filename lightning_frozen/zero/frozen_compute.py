@@ -1,5 +1,6 @@
 """The one door between the core and how frozen shards are computed: :func:`frozen_compute_for` a device gives a
-:class:`FrozenCompute` with the few operations the strategy, the engine and the fingerprint call.
+:class:`FrozenCompute` with the few operations the strategy and the engine call, and :data:`KERNELS` are the compiled
+passes the codec, the frozen storage and the fingerprint take as a value (they run tensor ops without them).
 
 As Lightning keeps its accelerators behind ``Accelerator`` and DeepSpeed its ops behind ``op_builder``, the core calls
 only this; what is behind it (``zero/compute/``: the quantized gather and, on the CPU, compiled kernels, layers
@@ -17,8 +18,13 @@ import torch
 from torch import nn
 
 from lightning_frozen.format import native_codec
+from lightning_frozen.format.codec import Kernels
 from lightning_frozen.zero.compute import coded_linear, host_memory, node_codes, quantized
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
+
+# the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
+# as they are read); they decline any other tensor
+KERNELS: Kernels = native_codec.KERNELS
 
 
 class FrozenCompute:
@@ -45,11 +51,6 @@ class FrozenCompute:
     def end_run(self) -> None:
         """After a run: what :meth:`prepare` changed outside the params undone, what it holds let go."""
 
-    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
-        """The fingerprint's checksums of ``values`` (flat, from index ``start``) where a compiled pass takes them,
-        else None (``base/fingerprint.py`` takes them with tensor ops)."""
-        return None
-
 
 class CpuFrozenCompute(FrozenCompute):
     """Frozen shards on DeepSpeed's CPU accelerator, where gathered params are host memory: gather bounds and glibc's
@@ -70,9 +71,6 @@ class CpuFrozenCompute(FrozenCompute):
     def end_run(self) -> None:
         coded_linear.end_of_run()
         host_memory.DECODE_BUFFERS.clear()
-
-    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
-        return native_codec.checksum16(values, start)
 
 
 def frozen_compute_for(device: torch.device) -> FrozenCompute:

@@ -2,8 +2,9 @@
 place of a shard's values and exact values put back, and whether a ``frozen_dtype`` fits the config and the device.
 
 The codes are ``format/codec.py``'s (each rank's shard block-wise quantized, stored as one ``uint8`` tensor: the
-codes, then the scales' bytes). How a param holding codes is gathered and computed is behind ``zero/frozen_compute.py``;
-which gather methods it has, ``zero/gathers.py``'s.
+codes, then the scales' bytes), encoded with the kernels a caller hands in (``zero/frozen_compute.py``'s), else tensor
+ops. How a param holding codes is gathered and computed is behind that door; which gather methods it has,
+``zero/gathers.py``'s.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.format.codec import block_format, decode, encode, split
-from lightning_frozen.zero.compute import node_codes
+from lightning_frozen.format.codec import Kernels, block_format, decode, encode, split
 from lightning_frozen.zero.params import compute_dtype, shard_numel
 
 # the format each quantized shard is stored in, kept here rather than on the user's params; it outlives a run as long
 # as the shard holds codes
 _stored_as: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# who keeps another copy of a shard's codes (the CPU's node-shared file), told when they are replaced
+_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # Told the values a frozen shard held just before they are encoded: the param, this rank's elements, the flat index of
 # the first, and the whole tensor when it is at hand (written under `GatheredParameters`). Whoever needs the source
@@ -35,8 +37,9 @@ def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
     return _stored_as.get(param)
 
 
-def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
-    """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype.
+def check_config(frozen_dtype: str, config: dict, device: torch.device, kernels: Optional[Kernels] = None) -> None:
+    """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype (with
+    ``kernels`` where they take it).
 
     Raises:
         FrozenDtypeError: ZeRO stage 3 is off, DeepSpeed's own ``zero_quantized_nontrainable_weights`` is on too,
@@ -58,11 +61,13 @@ def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
             f"`frozen_dtype={frozen_dtype!r}` keeps shards in host or device memory; DeepSpeed's NVMe parameter"
             " offload swaps them as compute-dtype tensors. Remove `offload_param: {device: nvme}` or the frozen_dtype."
         )
-    check_runs_on(frozen_dtype, device, compute_dtype(config) or torch.float32)
+    check_runs_on(frozen_dtype, device, compute_dtype(config) or torch.float32, kernels)
 
 
-def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will.
+def check_runs_on(
+    frozen_dtype: str, device: torch.device, dtype: torch.dtype, kernels: Optional[Kernels] = None
+) -> None:
+    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will (with ``kernels``).
 
     Raises:
         FrozenDtypeError: the accelerator cannot run it; the message names the device and the fix.
@@ -70,7 +75,7 @@ def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -
     fmt = block_format(frozen_dtype)
     try:
         sample = torch.linspace(-1, 1, fmt.block_size, device=device)
-        decode(encode(sample, frozen_dtype), fmt.block_size, frozen_dtype, dtype)
+        decode(encode(sample, frozen_dtype, kernels=kernels), fmt.block_size, frozen_dtype, dtype, kernels=kernels)
     except (RuntimeError, AssertionError, TypeError) as error:
         raise FrozenDtypeError(
             f"`frozen_dtype={frozen_dtype!r}` cannot dequantize to {dtype} on `{device}`"
@@ -79,17 +84,31 @@ def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -
         ) from error
 
 
-def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) -> None:
-    """Put the codes of ``values`` (this rank's elements of ``param``, in its dtype) in place of its ZeRO-3 shard,
-    padded as the shard is, so that blocks align with the shard: encoding a slice as it is read gives the codes of
-    encoding the shard it was read into."""
+def store_codes(
+    param: nn.Parameter, values: torch.Tensor, frozen_dtype: str, kernels: Optional[Kernels] = None
+) -> None:
+    """Put the codes of ``values`` (this rank's elements of ``param``, in its dtype; encoded with ``kernels`` where
+    they take them) in place of its ZeRO-3 shard, padded as the shard is, so that blocks align with the shard: encoding
+    a slice as it is read gives the codes of encoding the shard it was read into."""
     fmt = block_format(frozen_dtype)
-    _store(param, encode(values, fmt.name, numel=shard_numel(param)), fmt.name)
+    _store(param, encode(values, fmt.name, numel=shard_numel(param), kernels=kernels), fmt.name)
+
+
+def keeps_a_copy(param: nn.Parameter, replaced: Callable[[nn.Parameter], None]) -> None:
+    """Call ``replaced(param)`` once, before ``param``'s codes are replaced or its values restored: whoever keeps
+    another copy of them (the CPU's node-shared file) lets it go then."""
+    _copies[param] = replaced
+
+
+def _replace(param: nn.Parameter) -> None:
+    replaced = _copies.pop(param, None)
+    if replaced is not None:
+        replaced(param)
 
 
 def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     """Put this rank's exact ``values`` of ``param`` (in its dtype) back in place of its codes, as an ordinary shard."""
-    node_codes.leave(param)
+    _replace(param)
     shard = param.ds_tensor
     full = torch.zeros(shard_numel(param), dtype=param.dtype, device=shard.device)
     full[: values.numel()] = values.to(full.device)
@@ -102,7 +121,7 @@ def _store(param: nn.Parameter, stored: torch.Tensor, frozen_dtype: str) -> None
     """Put the encoded bytes in place of the shard; ``ds_quant_scale`` routes the param to the quantized gather."""
     from deepspeed.accelerator import get_accelerator
 
-    node_codes.leave(param)  # its rows in the shared file hold the old codes
+    _replace(param)  # another copy of the codes holds the old ones
     shard = param.ds_tensor
     if shard.device.type == "cpu" and shard.is_pinned():
         stored = get_accelerator().pin_memory(stored)
