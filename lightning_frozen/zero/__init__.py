@@ -24,7 +24,7 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``get_fp32_state_dict_from_zero_checkpoint`` and its optimizer state with the private ``_zero3_merge_trainable_params``
 (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released param's decoded storage is held
 elsewhere before decoding into it again (``compute.host_memory``); and writes a file in two passes with torch's
-``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``). Each of them is a row
+``FakeTensorMode``, the one way to reserve a storage's bytes without holding them (``torch_file``). Each of them is a row
 of ``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the
 error that ended a run.
 
