@@ -23,8 +23,7 @@ root module to and never clears, and resets the ``_in_forward`` flag of their ``
 ``release_and_reset_all`` (``gather_once``); and merges a stock directory's weights with ``zero_to_fp32``'s public
 ``get_fp32_state_dict_from_zero_checkpoint`` and its optimizer state with the private ``_zero3_merge_trainable_params``
 (``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released param's decoded storage is held
-elsewhere before decoding into it again (``compute.host_memory``); and writes a file in two passes with torch's
-``FakeTensorMode``, the one way to reserve a storage's bytes without holding them (``torch_file``). Each of them is a row
+elsewhere before decoding into it again (``compute.host_memory``). Each of them is a row
 of ``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the
 error that ended a run.
 
@@ -77,7 +76,7 @@ is defined where it is listed):
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
 - ``torch_file``: a ``torch.save`` file written in two passes, its structure then each tensor's bytes as they come:
-  ``save_in_two_passes``, ``available``, ``with_values``, ``Put``.
+  ``save_in_two_passes``, ``with_values``, ``Put``.
 - ``private_names``: every private name above, with the signature or attributes the seam relies on, one row each,
   checked when a strategy is built: ``DEEPSPEED``, ``TORCH``.
 """

@@ -42,12 +42,6 @@ RELEASE_CACHE = ForeignName(
     fallback=_KEPT,
 )
 
-# torch.save's file in two passes (zero/torch_file.py): only a FakeTensor gets a CPU storage's place reserved without
-# its bytes (`skip_data(materialize_fake_tensors=True)`), and torch makes one public nowhere; without it a save writes
-# its file in one torch.save
-_ONE_PASS = "a save's writing rank holds the whole trainable state at once (not one param at a time) while it writes"
-FAKE_TENSOR_MODE = ForeignName("torch._subclasses.fake_tensor:FakeTensorMode", "zero/torch_file.py", fallback=_ONE_PASS)
-
 DEEPSPEED = (
     # the ZeRO-3 optimizer: its inner state by param (scalars, keys), a sub-group's step that makes it, per-adapter
     # clipping (whole values read and written through deepspeed.utils' safe_get_* / safe_set_*)
@@ -231,7 +225,6 @@ TORCH = (
         in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
     ),
     ForeignName("torch:Tensor._version", "zero/params.py"),
-    FAKE_TENSOR_MODE,
     ForeignName("torch._C:_storage_Use_Count", "zero/compute/host_memory.py"),
     ForeignName("torch:UntypedStorage._cdata", "zero/compute/host_memory.py"),
     ForeignName("torch.optim.lr_scheduler:SequentialLR.__init__", "zero/optimizers.py", in_code=("_schedulers",)),

@@ -4,17 +4,16 @@ each tensor's bytes at its place, whenever the caller has them.
 
 The file is the one ``torch.save`` writes (a zip archive, ``weights_only`` loadable, ``mmap`` loadable): the same
 records, and each record's CRC-32 is put back once its bytes are in (torch has no switch that writes it later:
-``compute_crc32=False`` leaves 0, which ``unzip -t`` refuses). What the first pass reserves for a tensor not yet there
-is given as a tensor on the meta device; torch writes a place for it when it is a ``FakeTensor`` of the same shape and
-dtype (``skip_data(materialize_fake_tensors=True)``), and ``FakeTensorMode``, which makes one, is torch's private name
-(``private_names.TORCH``; where it moved, :func:`available` is False and a caller writes the file in one
-``torch.save``). Where each storage's bytes go is read with public means: the structure loaded with ``mmap=True`` puts
-each storage at its record's offset from the mapping's start, and the zip's directory lists the records in file order.
+``compute_crc32=False`` leaves 0, which ``unzip -t`` refuses). A tensor not there yet is given as a tensor on the meta
+device; the first pass writes in its place a CPU tensor of its shape and dtype over anonymous pages that nobody touches
+(no memory), whose bytes ``skip_data`` leaves out. Where each storage's bytes go is read with public means too: the
+structure loaded with ``mmap=True`` puts each storage at its record's offset from the mapping's start, and the zip's
+directory lists the records in file order.
 """
 
 from __future__ import annotations
 
-import functools
+import mmap
 import os
 import re
 import struct
@@ -26,8 +25,6 @@ from typing import IO, Any
 import torch
 
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.foreign_names import problem_of
-from lightning_frozen.zero.private_names import FAKE_TENSOR_MODE
 
 # zip records (APPNOTE 4.3): a local header's CRC-32 and name and extra lengths, a central header's CRC-32, the data
 # descriptor miniz writes after each record's bytes (its signature, then the CRC-32)
@@ -37,12 +34,6 @@ _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 _STORAGE_RECORD = re.compile(r"[^/]+/data/\d+")  # torch.save's record of one storage's bytes
 
 Put = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the installed torch still has what the two passes rely on (see the module's docstring)."""
-    return problem_of(FAKE_TENSOR_MODE) is None
 
 
 def save_in_two_passes(
@@ -66,13 +57,10 @@ def save_in_two_passes(
             " may move or drop their tensors, but not compute new ones from them: they are filled as the file is"
             " written."
         )
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        fakes = {id(t): torch.empty(t.shape, dtype=t.dtype) for t in _tensors(obj) if id(t) in later_ids}
-    structure = with_values(obj, fakes)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(structure, handle)
+    untouched = {id(t): _untouched_like(t) for t in _tensors(obj) if id(t) in later_ids}
+    with torch.serialization.skip_data():
+        torch.save(with_values(obj, untouched), handle)
+    del untouched
     handle.flush()
     places = _places(obj, handle)
     descriptor = handle.fileno()
@@ -104,6 +92,15 @@ def save_in_two_passes(
     if waiting:
         raise CheckpointFormatError(f"{len(waiting)} tensor(s) of the checkpoint were never given their values.")
     _put_back_crcs(handle, crcs)
+
+
+def _untouched_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``tensor``'s shape and dtype over anonymous pages nobody writes: they take no memory, and
+    ``skip_data`` reads none of them."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
