@@ -39,7 +39,7 @@ from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.frozen_compute import KERNELS, frozen_compute_for
+from lightning_frozen.zero.frozen_compute import KERNELS, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             self.start_deepspeed_distributed()
         else:
             super().setup_distributed()
-        accelerator.destroy_gloo_group_at_exit()
+        exit_cleanly()
         index = self.local_rank if self.root_device.index is None else self.root_device.index  # CPU: the local rank
         self._placement = Placement(self.root_device, index)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_frozen.format import native_codec
 from lightning_frozen.format.codec import Kernels
-from lightning_frozen.zero.compute import coded_linear, host_memory, node_codes, quantized
+from lightning_frozen.zero.compute import coded_linear, gloo_exit, host_memory, node_codes, quantized
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
 
 # the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
@@ -82,3 +82,9 @@ def compute_from_codes(param: nn.Parameter, before_encoding: Optional[SourceValu
     """``param``'s shard holds codes already (stored as the loader read it): gather and decode them from now on; a
     write to it tells ``before_encoding`` its new values before they are encoded."""
     quantized.install_quantized_gather(param, before_encoding)
+
+
+def exit_cleanly() -> None:
+    """At the process's exit, destroy a gloo default group and wait until its workers are idle, before the interpreter
+    is torn down (``zero/compute/gloo_exit.py``); registered once per process."""
+    gloo_exit.destroy_gloo_group_at_exit()
