@@ -140,20 +140,17 @@ def storage_bytes(numel: int, frozen_dtype: Optional[str], compute_bytes: int) -
 
 
 class Kernels(Protocol):
-    """Compiled passes the codec runs where they take the tensors at hand; each gives the tensor ops' codes and
-    values to the bit. ``checksum`` is the fingerprint's (``base/fingerprint.py``)."""
+    """Compiled passes the codec runs where they take the tensors at hand, each giving the tensor ops' codes and values
+    to the bit: ``encode`` returns None where it cannot, else 0 or the 1-based index of a block beyond the format's
+    range; ``decode`` whether it did. ``checksum`` is the fingerprint's (``base/fingerprint.py``)."""
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
-
-    def encode(self, flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor) -> Optional[int]:
-        """Encode ``flat`` into ``codes`` and ``scales`` (the last block padded); None where they cannot, else 0, or
-        the 1-based index of a block beyond the format's range."""
-
+    def encode(
+        self, flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor
+    ) -> Optional[int]: ...
     def decode(
         self, codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor
-    ) -> bool:
-        """Decode the first ``numel`` values into ``out``; False where they cannot."""
-
+    ) -> bool: ...
     def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]: ...
 
 

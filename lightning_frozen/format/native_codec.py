@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -346,13 +347,5 @@ def decode_blocks(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: Bl
     return True
 
 
-class _Kernels:
-    """The compiled passes as the core takes them (``codec.Kernels``, ``fingerprint.Checksummer``)."""
-
-    empty = staticmethod(empty_output)
-    encode = staticmethod(encode_blocks)
-    decode = staticmethod(decode_blocks)
-    checksum = staticmethod(checksum16)
-
-
-KERNELS = _Kernels()
+# the compiled passes as the core takes them (``codec.Kernels``, ``fingerprint.Checksummer``)
+KERNELS = SimpleNamespace(empty=empty_output, encode=encode_blocks, decode=decode_blocks, checksum=checksum16)

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import forward_trace, frozen_storage
 from lightning_frozen.zero.config import fit_reduce_bucket
-from lightning_frozen.zero.frozen_compute import KERNELS, frozen_compute_for
+from lightning_frozen.zero.frozen_compute import frozen_compute_for
 from lightning_frozen.zero.optimizers import keep_empty_groups
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 from lightning_frozen.zero.private_names import ENGINE_HOOKS, IN_FORWARD, MODULE_STACK, RELEASE_CACHE, reaching
@@ -94,7 +94,7 @@ def initialize_engine(
     compute = frozen_compute_for(where.device)
     compute.bound_gathers(config, model)  # on the CPU the gathered params are host memory, once per rank
     if spec.frozen_dtype:
-        frozen_storage.check_config(spec.frozen_dtype, config, where.device, KERNELS)
+        frozen_storage.check_config(spec.frozen_dtype, config, where.device)
     if loaded is not None:
         loaded.settle(model)
     partition_frozen_and_trainable(model, config, spec)

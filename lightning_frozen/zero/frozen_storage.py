@@ -37,9 +37,8 @@ def frozen_dtype_of(param: nn.Parameter) -> Optional[str]:
     return _stored_as.get(param)
 
 
-def check_config(frozen_dtype: str, config: dict, device: torch.device, kernels: Optional[Kernels] = None) -> None:
-    """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype (with
-    ``kernels`` where they take it).
+def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
+    """Check that ``frozen_dtype`` fits the DeepSpeed ``config`` and runs on ``device`` in the compute dtype.
 
     Raises:
         FrozenDtypeError: ZeRO stage 3 is off, DeepSpeed's own ``zero_quantized_nontrainable_weights`` is on too,
@@ -61,13 +60,12 @@ def check_config(frozen_dtype: str, config: dict, device: torch.device, kernels:
             f"`frozen_dtype={frozen_dtype!r}` keeps shards in host or device memory; DeepSpeed's NVMe parameter"
             " offload swaps them as compute-dtype tensors. Remove `offload_param: {device: nvme}` or the frozen_dtype."
         )
-    check_runs_on(frozen_dtype, device, compute_dtype(config) or torch.float32, kernels)
+    check_runs_on(frozen_dtype, device, compute_dtype(config) or torch.float32)
 
 
-def check_runs_on(
-    frozen_dtype: str, device: torch.device, dtype: torch.dtype, kernels: Optional[Kernels] = None
-) -> None:
-    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will (with ``kernels``).
+def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will (the compiled kernels decline
+    device tensors).
 
     Raises:
         FrozenDtypeError: the accelerator cannot run it; the message names the device and the fix.
@@ -75,7 +73,7 @@ def check_runs_on(
     fmt = block_format(frozen_dtype)
     try:
         sample = torch.linspace(-1, 1, fmt.block_size, device=device)
-        decode(encode(sample, frozen_dtype, kernels=kernels), fmt.block_size, frozen_dtype, dtype, kernels=kernels)
+        decode(encode(sample, frozen_dtype), fmt.block_size, frozen_dtype, dtype)
     except (RuntimeError, AssertionError, TypeError) as error:
         raise FrozenDtypeError(
             f"`frozen_dtype={frozen_dtype!r}` cannot dequantize to {dtype} on `{device}`"

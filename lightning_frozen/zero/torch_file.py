@@ -144,7 +144,7 @@ def _places(saved: Any, handle: IO[bytes]) -> list[tuple[torch.Tensor, int]]:
             pending.extend((value, b[key]) for key, value in a.items())
         elif isinstance(a, (list, tuple)):
             pending.extend(zip(a, b))
-    del loaded, pending  # the file is mapped no longer
+    del loaded  # the file is mapped no longer
     archive = zipfile.ZipFile(handle)
     starts = sorted(_data_start(handle, i) for i in archive.infolist() if _STORAGE_RECORD.fullmatch(i.filename))
     starts = [start for start, size in starts if size]
