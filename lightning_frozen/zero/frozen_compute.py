@@ -4,9 +4,9 @@ passes the codec, the frozen storage and the fingerprint take as a value (they r
 
 As Lightning keeps its accelerators behind ``Accelerator`` and DeepSpeed its ops behind ``op_builder``, the core calls
 only this; what is behind it (``zero/compute/``: the quantized gather and, on the CPU, compiled kernels, layers
-computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings) can be skipped by a
-reader who changes how a checkpoint is written or where frozen params are placed. On an accelerator (CUDA) shards
-are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
+computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings; a gloo group's exit)
+can be skipped by a reader who changes how a checkpoint is written or where frozen params are placed. On an
+accelerator (CUDA) shards are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
 """
 
 from __future__ import annotations
