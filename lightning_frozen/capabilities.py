@@ -268,15 +268,6 @@ GENERATE = Capability(
     ),
 )
 
-STREAMED_SAVE = Capability(
-    "the streamed two-pass save",
-    fallback="a save's writing rank holds the whole trainable state at once while it writes (one `torch.save`)",
-    rows=(
-        ForeignName("torch._subclasses.fake_tensor:FakeTensorMode", "zero/torch_file.py"),
-        ForeignName("torch.serialization:_load", "zero/torch_file.py", in_code=("_checkpoint_offset",)),
-    ),
-)
-
 SEVERAL_ADAPTERS = Capability(
     "several adapters trained at once (per-adapter clipping, a batch's rows by adapter)",
     fallback="a run that trains two or more adapters at once raises DependencyDriftError when its engine is built",
@@ -401,7 +392,6 @@ OPTIONAL = (
     CPU_COMPUTE,
     SLICED_LOADING,
     GENERATE,
-    STREAMED_SAVE,
     SEVERAL_ADAPTERS,
     UNFREEZING,
     CONVERT,

@@ -40,7 +40,7 @@ from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
+from lightning_frozen.zero.frozen_compute import KERNELS, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._deferred = streamed_save.DeferredTensors()  # the trainable tensors of the save being built
         self._freezes: list[Callable[[Module], None]] = []  # this run's finetuning callbacks' `freeze_before_training`
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
-        self._fingerprints = FingerprintCache(self._loaded_base)
+        self._fingerprints = FingerprintCache(self._loaded_base, KERNELS)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
         self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
@@ -203,7 +203,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             self.start_deepspeed_distributed()
         else:
             super().setup_distributed()
-        accelerator.destroy_gloo_group_at_exit()
+        exit_cleanly()
         index = self.local_rank if self.root_device.index is None else self.root_device.index  # CPU: the local rank
         self._placement = Placement(self.root_device, index)
 

@@ -29,10 +29,10 @@ from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.format import layout
+from lightning_frozen.format.codec import Kernels
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.hf.reference import base_of
 from lightning_frozen.progress import Progress
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
 from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_partitioned, local_shard, shard_range
 
 
@@ -117,19 +117,20 @@ class Checksummer:
     """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime.
 
     Its buffers and position weights (about 29 MB) are reused across the chunks and tensors of one pass and freed
-    with it: keep one for a pass, not for the process."""
+    with it: keep one for a pass, not for the process. ``kernels`` (``zero/frozen_compute.py``'s) take the same sums in
+    one compiled pass where they can, several times faster."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: Optional[Kernels] = None) -> None:
+        self._kernels = kernels
         self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
         self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
         # weights 1..PERIOD repeated, long enough for any chunk starting at any phase
         self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
 
     def __call__(self, values: torch.Tensor, start: int) -> list[int]:
-        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the CPU
-        kernels where they run (``zero/frozen_compute.py`` on the CPU; the same sums, several times faster), else in
-        chunks of tensor ops."""
-        compiled = frozen_compute_for(values.device).checksum(values, start)
+        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the
+        kernels where they take ``values``, else in chunks of tensor ops."""
+        compiled = None if self._kernels is None else self._kernels.checksum(values, start)
         if compiled is not None:
             return compiled
         keys = checksum_keys(values.dtype)
@@ -193,12 +194,15 @@ def _progress(named: list[tuple[str, torch.Tensor]], mode: str) -> Iterator[tupl
 
 
 def fingerprint_base(
-    named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum", loaded: Optional[LoadedSums] = None
+    named_frozen: list[tuple[str, torch.Tensor]],
+    mode: str = "checksum",
+    loaded: Optional[LoadedSums] = None,
+    kernels: Optional[Kernels] = None,
 ) -> Fingerprint:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
 
     ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
-    shard's as its source values were encoded: those tensors are not read again.
+    shard's as its source values were encoded: those tensors are not read again. ``kernels`` as :class:`Checksummer`.
 
     Returns a :data:`Fingerprint`; in ``checksum`` mode each tensor's ``value`` is the checksum of its values cast to
     bf16 and ``value_fp16`` cast to fp16 (an fp32 tensor gets both, a bf16 or fp16 one its own).
@@ -213,7 +217,7 @@ def fingerprint_base(
         tensors[name] = layout.tensor_record(full_shape(param), str(param.dtype).replace("torch.", ""))
     known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":
-        checksum = Checksummer()
+        checksum = Checksummer(kernels)
         pending = [(n, p) for n, p in named if known(p) is None]
         computed = {name: checksum(*local_values(param)) for name, param in _progress(pending, mode)}
         del checksum  # its buffers are not needed after the pass
@@ -236,12 +240,13 @@ class FingerprintCache:
     """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
     a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
     what ``loaded``, the strategy's record of the base, already summed); computed again when ``loaded`` changed (a
-    quantized param was written and encoded again)."""
+    quantized param was written and encoded again). ``kernels`` as :class:`Checksummer`."""
 
-    def __init__(self, loaded: Optional[LoadedSums] = None) -> None:
+    def __init__(self, loaded: Optional[LoadedSums] = None, kernels: Optional[Kernels] = None) -> None:
         self._key: Optional[tuple[Any, ...]] = None
         self._value: Fingerprint = {}
         self.loaded = loaded
+        self.kernels = kernels
 
     def clear(self) -> None:
         """Forget the cached fingerprint (the frozen base may have changed between runs)."""
@@ -251,7 +256,7 @@ class FingerprintCache:
         """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
         key = (mode, getattr(self.loaded, "changes", 0), *(name for name, _ in named_frozen))
         if self._key != key:
-            self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded), key
+            self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded, self.kernels), key
         return self._value
 
 

@@ -36,6 +36,7 @@ from lightning_frozen.checkpoint.file import (
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_frozen.format import layout
 from lightning_frozen.zero import checkpoint_files
+from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.params import scaler_state
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ def convert_deepspeed_checkpoint(
     for name in found.trained_copies if found is not None else ():
         frozen.pop(name, None)  # as a save does: the adapted model computes with their trained copies instead
     if frozen:
-        fingerprint = fingerprint_base(sorted(frozen.items()))
+        fingerprint = fingerprint_base(sorted(frozen.items()), kernels=KERNELS)
     else:
         log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
         fingerprint = layout.fingerprint_entry("none", None, {})

@@ -17,7 +17,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.capabilities import STREAMED_SAVE, available
 from lightning_frozen.checkpoint import file
 from lightning_frozen.zero import torch_file
 from lightning_frozen.zero.params import gather_to_writer, optimizer_state_with, whole_on_meta
@@ -76,7 +75,7 @@ def write(
         deferred.gather()
         return
     try:
-        if checkpoint_io is None and not file.is_url(path) and available(STREAMED_SAVE):
+        if checkpoint_io is None and not file.is_url(path):
             file.write_in_two_passes(checkpoint, path, deferred.placeholders, deferred.gather)
         else:
             values: dict[int, torch.Tensor] = {}

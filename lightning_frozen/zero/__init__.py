@@ -26,20 +26,19 @@ is defined where it is listed):
   ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
-- ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit (destroyed, then its
-  workers idle, found by the name torch gives their threads and read in /proc):
-  ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
-  ``GLOO_WORKER_THREAD``, ``ignore_dependency_deprecations``.
+- ``accelerator``: DeepSpeed's accelerator matched to Lightning's: ``align_deepspeed_accelerator``,
+  ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,
   ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
-- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them: ``frozen_dtype_of``,
-  ``store_codes``, ``restore_values``, ``check_config``, ``SourceValues``.
+- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them (the kernels handed in):
+  ``frozen_dtype_of``, ``store_codes``, ``restore_values``, ``keeps_a_copy``, ``check_config``, ``SourceValues``.
 - ``frozen_compute``: the one door to how frozen shards are gathered and computed, chosen per device (behind it,
   ``compute/``: the quantized gather, and the CPU's compiled kernels, layers computed from codes, codes shared in
   ``/dev/shm``, decode buffers and host-memory settings): ``frozen_compute_for``, ``FrozenCompute``,
-  ``compute_from_codes``.
+  ``compute_from_codes``, ``KERNELS`` (the compiled passes the core takes as a value), ``exit_cleanly`` (a gloo
+  group destroyed at exit and its workers left idle, ``zero/compute/gloo_exit.py``, read in /proc).
 - ``gathers``: which gather methods each ZeRO-3 param has over its life, and DeepSpeed's own: ``use``,
   ``use_deepspeed``, ``deepspeed_method``, ``kind_of``, ``DEEPSPEED``, ``EXACT_FROM_FILE``, ``QUANTIZED``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them, and its broadcast of each

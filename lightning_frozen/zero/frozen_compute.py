@@ -1,11 +1,12 @@
 """The one door between the core and how frozen shards are computed: :func:`frozen_compute_for` a device gives a
-:class:`FrozenCompute` with the few operations the strategy, the engine and the fingerprint call.
+:class:`FrozenCompute` with the few operations the strategy and the engine call, and :data:`KERNELS` are the compiled
+passes the codec, the frozen storage and the fingerprint take as a value (they run tensor ops without them).
 
 As Lightning keeps its accelerators behind ``Accelerator`` and DeepSpeed its ops behind ``op_builder``, the core calls
 only this; what is behind it (``zero/compute/``: the quantized gather and, on the CPU, compiled kernels, layers
-computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings) can be skipped by a
-reader who changes how a checkpoint is written or where frozen params are placed. On an accelerator (CUDA) shards
-are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
+computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings; a gloo group's exit)
+can be skipped by a reader who changes how a checkpoint is written or where frozen params are placed. On an
+accelerator (CUDA) shards are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from torch import nn
 
 from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
-from lightning_frozen.zero.compute import coded_linear, host_memory, node_codes, quantized
+from lightning_frozen.format.codec import Kernels
+from lightning_frozen.zero.compute import coded_linear, gloo_exit, host_memory, node_codes, quantized
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
+
+# the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
+# as they are read); they decline any other tensor
+KERNELS: Kernels = native_codec.KERNELS
 
 
 class FrozenCompute:
@@ -46,11 +52,6 @@ class FrozenCompute:
     def end_run(self) -> None:
         """After a run: what :meth:`prepare` changed outside the params undone, what it holds let go."""
 
-    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
-        """The fingerprint's checksums of ``values`` (flat, from index ``start``) where a compiled pass takes them,
-        else None (``base/fingerprint.py`` takes them with tensor ops)."""
-        return None
-
 
 class CpuFrozenCompute(FrozenCompute):
     """Frozen shards on DeepSpeed's CPU accelerator, where gathered params are host memory: gather bounds and glibc's
@@ -72,9 +73,6 @@ class CpuFrozenCompute(FrozenCompute):
         coded_linear.end_of_run()
         host_memory.DECODE_BUFFERS.clear()
 
-    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
-        return native_codec.checksum16(values, start)
-
 
 def frozen_compute_for(device: torch.device) -> FrozenCompute:
     """How frozen shards compute on ``device``: the CPU's stack (its names as written for), else an accelerator's."""
@@ -85,3 +83,9 @@ def compute_from_codes(param: nn.Parameter, before_encoding: Optional[SourceValu
     """``param``'s shard holds codes already (stored as the loader read it): gather and decode them from now on; a
     write to it tells ``before_encoding`` its new values before they are encoded."""
     quantized.install_quantized_gather(param, before_encoding)
+
+
+def exit_cleanly() -> None:
+    """At the process's exit, destroy a gloo default group and wait until its workers are idle, before the interpreter
+    is torn down (``zero/compute/gloo_exit.py``); registered once per process."""
+    gloo_exit.destroy_gloo_group_at_exit()

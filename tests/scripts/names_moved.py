@@ -37,7 +37,6 @@ PLAIN_FIT = {
         "release_and_reset_all",
         "replace",
     ),
-    "STREAMED_SAVE": ("torch.serialization", "_load", "replace"),
     "SEVERAL_ADAPTERS": ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", "replace"),
     "UNFREEZING": ("lightning.pytorch.callbacks.finetuning:BaseFinetuning", "_store", "delete"),
     "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),

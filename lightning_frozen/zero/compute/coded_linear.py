@@ -143,7 +143,8 @@ def decode_whole(weight: nn.Parameter) -> None:
     if held is None:
         return
     rows, numel, frozen_dtype = held
-    whole = codec.decode(rows, numel, frozen_dtype, weight.dtype)[: weight.ds_numel].view(weight.ds_shape)
+    whole = codec.decode(rows, numel, frozen_dtype, weight.dtype, kernels=native_codec.KERNELS)
+    whole = whole[: weight.ds_numel].view(weight.ds_shape)
     drop_codes(weight)
     weight.data = whole
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import block_format, decode
-from lightning_frozen.format.native_codec import empty_output
+from lightning_frozen.format.native_codec import KERNELS, empty_output
 from lightning_frozen.zero import gathers
 from lightning_frozen.zero.compute import coded_linear, node_codes
 from lightning_frozen.zero.compute.host_memory import DECODE_BUFFERS
@@ -94,7 +94,7 @@ def quantize_param_shard(
     values = param.ds_tensor.detach().reshape(-1)[:count]
     if before_encoding is not None:
         before_encoding(param, values, start, None)
-    store_codes(param, values, frozen_dtype)
+    store_codes(param, values, frozen_dtype, KERNELS)
     install_quantized_gather(param, before_encoding)
 
 
@@ -154,7 +154,7 @@ def _requantize_from_full(param: nn.Parameter, before_encoding: Optional[SourceV
     piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
     if before_encoding is not None:
         before_encoding(param, piece, start, param.data)
-    store_codes(param, piece, frozen_dtype)
+    store_codes(param, piece, frozen_dtype, KERNELS)
 
 
 class _Handles:
@@ -202,7 +202,7 @@ class _GatherHandle:
                 out = None
                 if rows.device.type == "cpu":
                     out = DECODE_BUFFERS.take(rows.shape[0] * numel, param.dtype, asker=id(param))
-                values = decode(rows, numel, frozen_dtype, param.dtype, out=out)
+                values = decode(rows, numel, frozen_dtype, param.dtype, out=out, kernels=KERNELS)
                 mark_gathered(param, values[: param.ds_numel].view(param.ds_shape))
         self.groups, self.sent = [], []  # the codes are garbage once decoded
         self.complete = True
