@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_frozen.checkpoint.convert import convert_deepspeed_checkpoint
 from lightning_frozen.checkpoint.file import read_checkpoint
 from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoint
+from lightning_frozen.checkpoint.merged_export import export_merged
 from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
     BitsAndBytesConfigError,
@@ -61,6 +62,7 @@ __all__ = [
     "UnsupportedOffloadOptimizerError",
     "convert_deepspeed_checkpoint",
     "estimate_memory",
+    "export_merged",
     "export_peft_adapter",
     "load_adapter",
     "load_from_checkpoint",
