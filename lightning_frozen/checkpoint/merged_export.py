@@ -16,7 +16,7 @@ import json
 import re
 import shutil
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional, Union
@@ -159,7 +159,7 @@ def export_merged(
         )
     shards = _shards(plan.items, limit)
     with folder_written_whole(folder, replaceable) as written:
-        _write_tensors(plan, shards, written, base, stored)
+        _write_tensors(plan, shards, written)
         verify_base(
             plan.recorded,
             plan.stand_ins,
@@ -263,25 +263,34 @@ def _adapted_model(
     """
     config = merging.folder_config(base)
     lead = f"{entry[layout.PEFT_PREFIX]}." if entry[layout.PEFT_PREFIX] else ""
-    trained = [name for name in [*entry[layout.PEFT_KEYS], *entry[layout.NOT_IN_ADAPTER]] if name.startswith(lead)]
+    several, single = layout.peft_entries_of(layout.frozen_base_of(checkpoint))
+    entries = dict(several) or {entry[layout.ADAPTER_NAME]: entry}  # every adapter of the run: its layers' structure
+    trained = [n for n in [*layout.adapter_tensor_names(entry), *entry[layout.NOT_IN_ADAPTER]] if n.startswith(lead)]
+    others = [
+        name for other in entries.values() for name in layout.adapter_tensor_names(other) if name.startswith(lead)
+    ]
     recorded = [name for name in layout.fingerprint_tensors(layout.fingerprint_of(checkpoint)) if name.startswith(lead)]
-    expected = {name[len(lead) :] for name in [*trained, *recorded]}
+    expected = {name[len(lead) :] for name in [*trained, *others, *recorded]}
     outside = [name for name in entry[layout.NOT_IN_ADAPTER] if not name.startswith(lead)]
     if outside:
         rank_zero_warn(
             f"lightning-frozen: {len(outside)} trainable tensors are outside the PEFT model and not in the merged"
             f" model: {format_names(outside)}."
         )
-    peft_config = dict(entry[layout.PEFT_CONFIG])
+    peft_configs = {name: other[layout.PEFT_CONFIG] for name, other in entries.items()}
     differences = []
-    for model_class in merging.model_classes(config, peft_config.get("task_type")):
+    for model_class in merging.model_classes(config, entry[layout.PEFT_CONFIG].get("task_type")):
         plain = merging.meta_model(model_class, config)
         # each tensor's names in the plain model (several where tied): PEFT's injection keeps the tensors
         names_of: dict[int, list[str]] = {}
         for name, tensor in [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()]:
             names_of.setdefault(id(tensor), []).append(name)
         keys = merging.folder_keys(plain, list(stored))
-        model = merging.adapted(plain, peft_config, entry[layout.ADAPTER_NAME])
+        try:
+            model = merging.adapted(plain, peft_configs, entry[layout.ADAPTER_NAME])
+        except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
+            differences.append(f"{model_class.__name__}: {type(error).__name__}: {error}")
+            continue
         names = {name for name, _ in model.named_parameters() if ".original_module." not in name}
         if names == expected:
             state_dict = layout.state_dict_of(checkpoint)
@@ -387,13 +396,13 @@ class _Plan:
     def _unit_item(self, lead: str, unit: nn.Module) -> _Item:
         """A tuner layer or wrapper: its meta tensors to read, and the tensors of what PEFT puts in its place."""
         item = _Item([], unit, lead)
-        for module_name, module in unit.named_modules():
+        for module_name, module in merging.merge_inputs(unit):
             for attr, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if not tensor.is_meta:
                     continue
                 name = f"{lead}{module_name}.{attr}".replace("..", ".")
                 key = self._key_of(tensor)
-                if key is None:  # an original that a trained copy replaces, or state PEFT computes at creation
+                if key is None:  # state PEFT computes when it creates the layer
                     item.missing.append(name)
                     continue
                 at = _Tensor(name, self._out_dtype(key, tensor.dtype), tuple(tensor.shape), key)
@@ -528,48 +537,58 @@ def _counted(plan: _Plan, tensor: _Tensor, values: torch.Tensor, start: int) -> 
         plan.sums.add(tensor.record, values.to(tensor.record.dtype), start)
 
 
-def _write_tensors(
-    plan: _Plan, shards: list[tuple[str, list[_Tensor]]], folder: Path, base: Path, stored: Mapping[str, Any]
-) -> None:
+def _write_tensors(plan: _Plan, shards: list[tuple[str, list[_Tensor]]], folder: Path) -> None:
     """The pass: every read of the base folder, each unit merged by PEFT, every tensor written as it comes."""
-    progress = Progress(sum(t.nbytes for _, s in shards for t in s))
-    writer = _ShardWriter(folder, shards, progress)
-    with torch.no_grad(), slice_reads.read_ahead(_reads(plan)) as slices:
-        for item in plan.items:
-            if item.unit is None:
-                tensor = item.tensors[0]
-                if tensor.value is not None:
-                    writer.write(tensor.name, tensor.value.to(tensor.dtype))
-                    continue
-                start = 0
-                numel = _numel(tensor.shape)
-                while True:
-                    values = next(slices)
-                    _counted(plan, tensor, values, start)
-                    writer.write(tensor.name, values.to(tensor.dtype))
-                    start += values.numel()
-                    if start >= numel:
-                        break
-                continue
-            for module, attr, tensor in item.reads:
-                values = next(slices)
-                _counted(plan, tensor, values, 0)
-                whole = values.to(tensor.dtype).reshape(tensor.shape)
-                setattr(
-                    module,
-                    attr,
-                    nn.Parameter(whole, requires_grad=False)
-                    if attr in dict(module.named_parameters(recurse=False))
-                    else whole,
-                )
-            merged = merging.merged_module(item.unit, plan.adapter).state_dict()
-            if any(value.is_meta for value in merged.values()):
-                raise UnsupportedConfigurationError(
-                    f"The adapter's layer `{item.lead[:-1]}` needs {format_names(item.missing)}, in neither the"
-                    " checkpoint nor the base folder (PEFT computes it when it creates the layer), so the merged"
-                    f" export cannot merge this tuner. {_PEFT_WAY}"
-                )
-            for tensor in item.tensors:
-                writer.write(tensor.name, merged[tensor.name[len(item.lead) :]].to(tensor.dtype))
-            item.unit.to_empty(device="meta")
-    writer.close()
+    writer = _ShardWriter(folder, shards, Progress(sum(t.nbytes for _, s in shards for t in s)))
+    try:
+        with torch.no_grad(), slice_reads.read_ahead(_reads(plan)) as slices:
+            for item in plan.items:
+                if item.unit is not None:
+                    _merge_unit(plan, item, slices, writer)
+                elif item.tensors[0].value is not None:
+                    writer.write(item.tensors[0].name, item.tensors[0].value.to(item.tensors[0].dtype))
+                else:
+                    _copy_through(plan, item.tensors[0], slices, writer)
+    finally:
+        writer.close()
+
+
+def _copy_through(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
+    """A tensor of the base folder, chunk by chunk: counted in the fingerprint, cast, written."""
+    start, numel = 0, _numel(tensor.shape)
+    while True:
+        values = next(slices)
+        _counted(plan, tensor, values, start)
+        writer.write(tensor.name, values.to(tensor.dtype))
+        start += values.numel()
+        if start >= numel:
+            return
+
+
+def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
+    """A tuner layer or wrapper: its base tensors read whole into it, PEFT's merge, what PEFT puts in its place
+    written; then the base tensors are freed (back on the meta device).
+
+    Raises:
+        UnsupportedConfigurationError: the merge needs tensors PEFT computes when it creates the layer.
+    """
+    assert item.unit is not None
+    for module, attr, tensor in item.reads:
+        values = next(slices)
+        _counted(plan, tensor, values, 0)
+        whole = values.to(tensor.dtype).reshape(tensor.shape)
+        is_param = attr in dict(module.named_parameters(recurse=False))
+        setattr(module, attr, nn.Parameter(whole, requires_grad=False) if is_param else whole)
+    merged = merging.merged_module(item.unit, plan.adapter).state_dict()
+    if any(value.is_meta for value in merged.values()):
+        raise UnsupportedConfigurationError(
+            f"The adapter's layer `{item.lead[:-1]}` needs {format_names(item.missing)}, in neither the checkpoint nor"
+            " the base folder (PEFT computes it when it creates the layer), so the merged export cannot merge this"
+            f" tuner. {_PEFT_WAY}"
+        )
+    for tensor in item.tensors:
+        writer.write(tensor.name, merged[tensor.name[len(item.lead) :]].to(tensor.dtype))
+    for module, attr, tensor in item.reads:  # freed; the adapter's tensors stay (views of the checkpoint file)
+        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        is_param = attr in dict(module.named_parameters(recurse=False))
+        setattr(module, attr, nn.Parameter(placeholder, requires_grad=False) if is_param else placeholder)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_frozen.hf.peft_adapters import is_modules_to_save_wrapper
 from lightning_frozen.hf.transformers_loading import model_keys
 
 # the transformers class each PEFT task type wraps (PEFT's `AutoPeftModelFor*` classes)
@@ -56,19 +57,27 @@ def meta_model(model_class: Any, config: Any) -> nn.Module:
         return model_class(config)
 
 
-def adapted(model: nn.Module, peft_config: Mapping[str, Any], adapter_name: str) -> Any:
-    """``model`` (on the meta device) with the adapter that ``peft_config`` (an adapter config as a plain dict)
-    describes injected as ``get_peft_model`` injects it, its adapter tensors on the meta device too.
+def adapted(model: nn.Module, peft_configs: Mapping[str, Mapping[str, Any]], adapter_name: str) -> Any:
+    """``model`` (on the meta device) with the adapters of ``peft_configs`` (name -> adapter config as a plain dict,
+    each run's adapters in order) injected as ``get_peft_model`` and ``add_adapter`` inject them, their tensors on the
+    meta device too; ``adapter_name`` is the active one.
 
     Raises:
         ValueError: what PEFT raises for a config it cannot apply to ``model``.
     """
     from peft import PeftConfig, get_peft_model
 
-    config = PeftConfig.from_peft_type(**{**peft_config, "inference_mode": True})
+    configs = {
+        name: PeftConfig.from_peft_type(**{**config, "inference_mode": True}) for name, config in peft_configs.items()
+    }
+    first, *others = configs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return get_peft_model(model, config, adapter_name=adapter_name, low_cpu_mem_usage=True)
+        peft_model = get_peft_model(model, configs[first], adapter_name=first, low_cpu_mem_usage=True)
+        for name in others:
+            peft_model.add_adapter(name, configs[name], low_cpu_mem_usage=True)
+        peft_model.set_adapter(adapter_name)
+    return peft_model
 
 
 def unmergeable(peft_model: Any) -> Optional[str]:
@@ -102,6 +111,15 @@ def merge_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
         if is_unit:
             units.append(name)
         yield name, module, is_unit
+
+
+def merge_inputs(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules of ``unit`` (named within it) whose tensors its merge reads: all of them, but the original a
+    ``modules_to_save`` wrapper replaces by its trained copy."""
+    skipped = is_modules_to_save_wrapper(unit)
+    for name, module in unit.named_modules():
+        if not (skipped and (name == "original_module" or name.startswith("original_module."))):
+            yield name, module
 
 
 def merged_module(unit: nn.Module, adapter_name: str) -> nn.Module:
