@@ -90,6 +90,13 @@ PEFT = (
         in_code=("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "lora_embedding_A", "lora_variant"),
     ),
     ForeignName(
+        f"{_TUNERS}:BaseTuner._check_merge_allowed",
+        "hf/merging.py",
+        ("self",),
+        fallback="`export_merged` cannot ask PEFT whether it merges the adapter (a GPTQ base, replicated layers): the"
+        " merge of such an adapter fails in PEFT's own layer merge instead",
+    ),
+    ForeignName(
         "peft.utils.other:prepare_model_for_kbit_training",
         _LOADING,
         in_code=("is_loaded_in_4bit", "is_loaded_in_8bit"),
