@@ -219,7 +219,8 @@ def write_results(results: dict[str, Any], out: Path) -> None:
         f"`python benchmarks/merged_export/run.py`, {meta['date']}, commit {meta['commit']}, {meta['cpu']}"
         f" ({meta['machine']}); load average {meta['load_before']} before, {meta['load_after']} after"
         f" ({meta['wall_s']:.0f} s). TinyLlama-1.1B shape, random weights, bf16, {gib(model)} GiB in one shard;"
-        f" LoRA r=16 on {', '.join(TARGETS)} ({results['merged_layers']} layers merged). Page cache warm (the base read once before each run);"
+        f" LoRA r=16 on {', '.join(TARGETS)} ({results['merged_layers']} layers merged). Page cache warm (the base"
+        " read once before each run);"
         " every written file fsynced. Memory: the process's peak USS over its USS just before the call (after every"
         " import). Time: wall time of the call, and its ratio to reading and writing the bytes once (the copy, the mean"
         " of a run before and one after the two ways).",

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import struct
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional, Union
@@ -40,6 +43,7 @@ from lightning_frozen.errors import (
 from lightning_frozen.format import layout
 from lightning_frozen.hf import merging
 from lightning_frozen.progress import Progress
+from lightning_frozen.zero.frozen_compute import frozen_compute_for
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,7 +52,9 @@ CONFIG_NAME = "config.json"
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)$|.*\.index\.json$")
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 # elements read, checksummed, cast and written at a time for a tensor that is copied through (32 MiB in bf16)
-CHUNK_ELEMENTS = 1 << 24
+CHUNK_ELEMENTS = 1 << 23
+WRITE_AHEAD_BYTES = 16 << 20
+SYNC_EVERY_BYTES = 256 << 20
 _DTYPE_NAMES = {dtype: name for name, dtype in slice_reads.SAFETENSORS_DTYPES.items()}
 _PEFT_WAY = (
     "Merge it with PEFT itself: `export_peft_adapter`, then `PeftModel.from_pretrained(base, ...).merge_and_unload()`."
@@ -158,8 +164,14 @@ def export_merged(
             " merged model holds both, untied (`tie_word_embeddings: false` in its config.json)."
         )
     shards = _shards(plan.items, limit)
+    # glibc gives each freed layer back: a process keeps no heap of the model's size after the pass
+    give_back = frozen_compute_for(torch.device("cpu")).set_process_memory()
     with folder_written_whole(folder, replaceable) as written:
-        _write_tensors(plan, shards, written)
+        try:
+            _write_tensors(plan, shards, written)
+        finally:
+            if give_back is not None:
+                give_back()
         verify_base(
             plan.recorded,
             plan.stand_ins,
@@ -460,14 +472,21 @@ def _shards(items: list[_Item], limit: int) -> list[tuple[str, list[_Tensor]]]:
 
 
 class _ShardWriter:
-    """The shards, each written as its tensors come in the planned order: its header first, then each tensor's bytes."""
+    """The shards, each written as its tensors come in the planned order: its header first, then each tensor's bytes.
+
+    A thread writes while the caller merges the next layer, holding at most ``WRITE_AHEAD_BYTES`` (or one tensor) not
+    yet written, and flushes each shard to disk every ``SYNC_EVERY_BYTES``, so that the disk writes as the pass goes
+    instead of all at the final fsync."""
 
     def __init__(self, folder: Path, shards: list[tuple[str, list[_Tensor]]], progress: Progress) -> None:
         self._order = [
             (folder / name if i == 0 else None, tensors, t) for name, tensors in shards for i, t in enumerate(tensors)
         ]
         self._order.reverse()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-frozen-write")
+        self._pending: deque[tuple[Future, int]] = deque()
         self._file: Optional[IO[bytes]] = None
+        self._unsynced = 0
         self._current: Optional[_Tensor] = None
         self._left = 0
         self._progress = progress
@@ -477,19 +496,34 @@ class _ShardWriter:
         if self._left == 0:
             path, tensors, self._current = self._order.pop()
             if path is not None:
-                self._open(path, tensors)
+                self._submit(functools.partial(self._open, path, tensors), 0)
             self._left = self._current.nbytes
-        data = values.contiguous().reshape(-1).view(torch.uint8).numpy()
-        assert self._file is not None and self._current is not None
-        assert self._current.name == name and data.nbytes <= self._left, (name, self._current.name)
-        self._file.write(data)
-        self._left -= data.nbytes
+        data = values.contiguous().reshape(-1).view(torch.uint8)
+        assert self._current is not None and self._current.name == name and data.numel() <= self._left, name
+        self._submit(functools.partial(self._append, data), data.numel())
+        self._left -= data.numel()
         if self._left == 0 and self._progress.advance(self._current.nbytes):
             status = self._progress.status("MiB", 2**20)
             rank_zero_info(f"lightning-frozen: writing the merged model: {self._progress.items} tensors, {status}")
 
+    def close(self) -> None:
+        """Wait for every write, close the last shard; raise what a write raised."""
+        try:
+            self._submit(self._close, 0)
+            while self._pending:
+                self._pending.popleft()[0].result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, work: Any, nbytes: int) -> None:
+        self._pending.append((self._pool.submit(work), nbytes))
+        while len(self._pending) > 1 and sum(n for _, n in self._pending) > WRITE_AHEAD_BYTES:
+            self._pending.popleft()[0].result()
+        while self._pending and self._pending[0][0].done():
+            self._pending.popleft()[0].result()
+
     def _open(self, path: Path, tensors: list[_Tensor]) -> None:
-        self.close()
+        self._close()
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for tensor in tensors:
@@ -502,63 +536,71 @@ class _ShardWriter:
             offset = end
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes, padding the header with spaces
-        self._file = open(path, "wb")  # noqa: SIM115  (open across the writes of its tensors, closed by close())
+        self._file = open(path, "wb")  # noqa: SIM115  (open across the writes of its tensors, closed by _close)
         self._file.write(struct.pack("<Q", len(text)) + text)
 
-    def close(self) -> None:
+    def _append(self, data: torch.Tensor) -> None:
+        assert self._file is not None
+        self._file.write(data.numpy())
+        self._unsynced += data.numel()
+        if self._unsynced >= SYNC_EVERY_BYTES:
+            self._file.flush()
+            os.fdatasync(self._file.fileno())
+            self._unsynced = 0
+
+    def _close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-def _reads(plan: _Plan) -> list[slice_reads.SliceRead]:
-    """Every read of the pass, in order: a unit's base tensors whole, a copied tensor in chunks."""
-    reads = []
+def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[_Tensor]]]:
+    """Every read of the pass, in order (a unit's base tensors whole, a copied tensor in chunks), and for each the
+    tensor whose fingerprint record it counts for, if any."""
+    reads: list[slice_reads.SliceRead] = []
+    counted: list[Optional[_Tensor]] = []
     for item in plan.items:
-        if item.unit is not None:
-            for _, _, tensor in item.reads:
-                path, at = plan.stored[tensor.folder_key]
-                reads.append(slice_reads.SliceRead(path, tensor.folder_key, 0, _numel(at.shape)))
-            continue
-        tensor = item.tensors[0]
-        if tensor.folder_key is not None:
+        tensors = [t for _, _, t in item.reads] if item.unit is not None else item.tensors
+        for tensor in tensors:
+            if tensor.folder_key is None or tensor.value is not None:
+                continue
             path, at = plan.stored[tensor.folder_key]
             numel = _numel(at.shape)
-            reads += [
-                slice_reads.SliceRead(path, tensor.folder_key, start, min(CHUNK_ELEMENTS, numel - start))
-                for start in range(0, numel, CHUNK_ELEMENTS)
-            ] or [slice_reads.SliceRead(path, tensor.folder_key, 0, 0)]
-    return reads
-
-
-def _counted(plan: _Plan, tensor: _Tensor, values: torch.Tensor, start: int) -> None:
-    """Count ``values`` (elements of ``tensor`` from ``start``, as read) in the fingerprint of the base folder."""
-    if tensor.record is not None:
-        plan.sums.add(tensor.record, values.to(tensor.record.dtype), start)
+            step = numel if item.unit is not None else CHUNK_ELEMENTS
+            starts = range(0, numel, step) if numel else range(1)
+            reads += [slice_reads.SliceRead(path, tensor.folder_key, s, min(step, numel - s)) for s in starts]
+            counted += [tensor if tensor.record is not None else None] * len(starts)
+    return reads, counted
 
 
 def _write_tensors(plan: _Plan, shards: list[tuple[str, list[_Tensor]]], folder: Path) -> None:
     """The pass: every read of the base folder, each unit merged by PEFT, every tensor written as it comes."""
     writer = _ShardWriter(folder, shards, Progress(sum(t.nbytes for _, s in shards for t in s)))
+    reads, counted = _reads(plan)
+
+    def count(index: int, values: torch.Tensor) -> None:  # on the reading thread, beside the merge
+        tensor = counted[index]
+        if tensor is not None and tensor.record is not None:
+            plan.sums.add(tensor.record, values.to(tensor.record.dtype), reads[index].start)
+
     try:
-        with torch.no_grad(), slice_reads.read_ahead(_reads(plan)) as slices:
+        with torch.no_grad(), slice_reads.read_ahead(reads, count) as slices:
             for item in plan.items:
                 if item.unit is not None:
                     _merge_unit(plan, item, slices, writer)
                 elif item.tensors[0].value is not None:
                     writer.write(item.tensors[0].name, item.tensors[0].value.to(item.tensors[0].dtype))
                 else:
-                    _copy_through(plan, item.tensors[0], slices, writer)
+                    _copy_through(item.tensors[0], slices, writer)
     finally:
         writer.close()
 
 
-def _copy_through(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
-    """A tensor of the base folder, chunk by chunk: counted in the fingerprint, cast, written."""
+def _copy_through(tensor: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
+    """A tensor of the base folder, chunk by chunk (counted in the fingerprint as they were read): cast, written."""
     start, numel = 0, _numel(tensor.shape)
     while True:
         values = next(slices)
-        _counted(plan, tensor, values, start)
         writer.write(tensor.name, values.to(tensor.dtype))
         start += values.numel()
         if start >= numel:
@@ -575,7 +617,6 @@ def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], writer
     assert item.unit is not None
     for module, attr, tensor in item.reads:
         values = next(slices)
-        _counted(plan, tensor, values, 0)
         whole = values.to(tensor.dtype).reshape(tensor.shape)
         is_param = attr in dict(module.named_parameters(recurse=False))
         setattr(module, attr, nn.Parameter(whole, requires_grad=False) if is_param else whole)
