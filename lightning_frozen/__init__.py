@@ -11,6 +11,7 @@ from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoi
 from lightning_frozen.checkpoint.merged_export import export_merged
 from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
+    BaseFolderError,
     BitsAndBytesConfigError,
     CheckpointFormatError,
     CheckpointKeysError,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackboneFinetuning",
+    "BaseFolderError",
     "BaseFinetuning",
     "BitsAndBytesConfigError",
     "CheckpointFormatError",

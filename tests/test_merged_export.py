@@ -64,8 +64,8 @@ TUNERS: dict[str, Callable[[], Any]] = {
 }
 
 
-def llama_folder(folder: Path, dtype: torch.dtype = torch.float32, **config: Any) -> Path:
-    write_random_llama(folder, {**TINY_LLAMA, **config}, dtype)
+def llama_folder(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, **config: Any) -> Path:
+    write_random_llama(folder, {**TINY_LLAMA, **config}, dtype, seed)
     return folder
 
 
@@ -313,3 +313,23 @@ def test_prompt_tuning_is_refused_pointing_to_the_adapter_export(tmp_path: Path)
     ):
         lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_moved_base_is_named_and_taken_from_base(tmp_path: Path) -> None:
+    folder = llama_folder(tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    folder.rename(tmp_path / "moved")
+    with pytest.raises(
+        lightning_frozen.BaseFolderError,
+        match=r"trained on the frozen base .*base'?, which is no folder.*base='path/to/base'",
+    ):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", base=tmp_path / "moved")
+    theirs = peft_merged(transformers.AutoModelForCausalLM, tmp_path / "moved", checkpoint, tmp_path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=1e-5, atol=1e-5)
+    with pytest.raises(FrozenBaseMismatchError, match="holds different values"):  # another base is verified as well
+        lightning_frozen.export_merged(
+            checkpoint, tmp_path / "other", base=llama_folder(tmp_path / "other_base", seed=1)
+        )

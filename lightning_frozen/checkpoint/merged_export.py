@@ -34,8 +34,8 @@ from lightning_frozen.checkpoint.atomic_files import check_output_folder, folder
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint
 from lightning_frozen.checkpoint.peft_export import peft_entry_of
 from lightning_frozen.errors import (
+    BaseFolderError,
     CheckpointFormatError,
-    FrozenBaseFileError,
     InvalidArgumentValueError,
     UnsupportedConfigurationError,
     format_names,
@@ -96,14 +96,16 @@ def export_merged(
     adapter: Optional[str] = None,
     dtype: Optional[Union[str, torch.dtype]] = None,
     max_shard_size: Union[int, str] = "5GB",
+    base: Optional[PathLike] = None,
 ) -> Path:
     """Write a Hugging Face model folder with the checkpoint's adapter merged into its base, for serving:
     ``AutoModel*.from_pretrained(output_dir)`` loads it without PEFT or DeepSpeed.
 
     The folder holds safetensors shards of at most ``max_shard_size`` (with ``model.safetensors.index.json`` when
     there are several), ``config.json`` with the weights' dtype, and every other file of the base folder (tokenizer,
-    generation config). The frozen weights are read from the base folder the checkpoint references, verified against
-    its fingerprint as they are read; each adapted layer is merged by PEFT's own per-layer ``merge`` in the base's
+    generation config). The frozen weights are read from the base folder the checkpoint references (a hub id: its
+    snapshot in the local Hugging Face cache; ``base``: another folder, where the base moved), verified against its
+    fingerprint as they are read; each adapted layer is merged by PEFT's own per-layer ``merge`` in the base's
     dtype, or in ``dtype`` (``"bfloat16"``, ``torch.float16``...); ``modules_to_save`` copies replace their originals
     and fully trained params are written as trained. Tied weights stay tied unless the adapter changed one side. A
     base stored as int8 or nf4 during training is merged into the folder's original weights.
@@ -122,7 +124,8 @@ def export_merged(
             ``dtype`` or ``max_shard_size`` is not one.
         UnsupportedConfigurationError: the tuner cannot be merged (prompt learning, ...): export it with
             ``export_peft_adapter`` instead.
-        FrozenBaseFileError: the base folder is missing, holds no safetensors weights, or lacks a tensor.
+        BaseFolderError: the base folder is missing, holds no safetensors weights, or lacks a tensor.
+        FrozenBaseFileError: a safetensors file of the base folder is truncated or corrupt.
         FrozenBaseMismatchError: the base folder is not the base the checkpoint was trained on.
         NotADirectoryError: ``output_dir`` is a file, or a folder holding other entries.
     """
@@ -132,9 +135,9 @@ def export_merged(
     limit = _shard_size_argument(max_shard_size)
     checkpoint = read_checkpoint(checkpoint_path)
     entry = peft_entry_of(layout.frozen_base_of(checkpoint), adapter, checkpoint_path)
-    base = _base_folder(checkpoint, checkpoint_path)
-    stored = _folder_tensors(base)
-    copied = sorted(p.name for p in base.iterdir() if p.is_file() and not _WEIGHT_FILE.match(p.name))
+    base_folder = _base_folder(checkpoint, checkpoint_path, base)
+    stored = _folder_tensors(base_folder)
+    copied = sorted(p.name for p in base_folder.iterdir() if p.is_file() and not _WEIGHT_FILE.match(p.name))
     copied = [name for name in copied if name != CONFIG_NAME and not name.startswith(".")]
     ours = set(copied) | {CONFIG_NAME, INDEX_NAME}
 
@@ -142,7 +145,7 @@ def export_merged(
         return name in ours or bool(_SHARD.match(name))
 
     check_output_folder(folder, replaceable)
-    adapted = _adapted_model(checkpoint, entry, base, stored, checkpoint_path)
+    adapted = _adapted_model(checkpoint, entry, base_folder, stored, checkpoint_path)
     model = adapted.model
     reason = merging.unmergeable(model)
     if reason:
@@ -154,7 +157,7 @@ def export_merged(
     if quantized:
         rank_zero_info(
             f"lightning-frozen: {checkpoint_path} was trained on a base stored as {quantized}; the adapter is merged"
-            f" into the original weights of {base}, which its fingerprint is of."
+            f" into the original weights of {base_folder}, which its fingerprint is of."
         )
     plan = _Plan(adapted, entry, checkpoint, stored, wanted_dtype)
     untied = plan.untied()
@@ -188,7 +191,7 @@ def export_merged(
             adapted.config, written, plan.dtype, bool(untied), type(merging.inner_model(model)).__name__
         )
         for name in copied:
-            shutil.copyfile(base / name, written / name)
+            shutil.copyfile(base_folder / name, written / name)
     return folder
 
 
@@ -217,16 +220,25 @@ def _shard_size_argument(size: Union[int, str]) -> int:
     return limit
 
 
-def _base_folder(checkpoint: Mapping[str, Any], source: Path) -> Path:
-    """The base folder the checkpoint references."""
+def _base_folder(checkpoint: Mapping[str, Any], source: Path, base: Optional[PathLike]) -> Path:
+    """``base``, else the base folder the checkpoint references, else the cached hub snapshot it names.
+
+    Raises:
+        BaseFolderError: none of them is a folder here.
+    """
     reference = layout.reference_of(checkpoint)
-    if reference and Path(reference).is_dir():
-        return Path(reference)
-    raise FrozenBaseFileError(
-        str(reference),
-        f"{source} references this frozen base, which is no folder here. Export where the base folder the run loaded"
-        " is at the same path (a hub model: download it with `huggingface_hub.snapshot_download` and train from that"
-        " folder)",
+    if base is not None:
+        found: Optional[Path] = checked_path(base, "base", "export_merged")
+    elif reference and Path(reference).is_dir():
+        found = Path(reference)
+    else:
+        found = merging.cached_snapshot(reference) if reference else None
+    if found is not None and found.is_dir():
+        return found
+    raise BaseFolderError(
+        f"{source} was trained on the frozen base {reference!r}, {'and ' + repr(str(base)) if base else 'which'} is"
+        " no folder here (nor a hub model in the local cache). Pass the base folder: `export_merged(...,"
+        " base='path/to/base')`; it is verified against the checkpoint's fingerprint all the same."
     )
 
 
@@ -238,10 +250,9 @@ def _folder_tensors(base: Path) -> dict[str, tuple[str, slice_reads.StoredTensor
     elif (base / WEIGHTS_NAME).exists():
         files = [WEIGHTS_NAME]
     else:
-        raise FrozenBaseFileError(
-            str(base),
-            "it holds no safetensors weights (`model.safetensors` or its index); the merged export reads only"
-            " those. Save the base with `save_pretrained` (transformers writes safetensors)",
+        raise BaseFolderError(
+            f"{base} holds no safetensors weights (`model.safetensors` or its index), the only ones the merged export"
+            " reads. Save the base with `save_pretrained` (transformers writes safetensors) and pass it as `base=`."
         )
     return {
         key: (str(base / name), at) for name in files for key, at in slice_reads.read_header(str(base / name)).items()
@@ -398,8 +409,9 @@ class _Plan:
     def _tensor(self, name: str, tensor: torch.Tensor) -> _Tensor:
         key = self._key_of(tensor) if tensor.is_meta else None
         if tensor.is_meta and key is None:
-            raise FrozenBaseFileError(
-                str(name), "the merged model needs this tensor, which is neither in the base folder nor trained"
+            raise BaseFolderError(
+                f"The merged model needs `{name}`, which is neither in the base folder nor trained. Pass the folder the"
+                " run loaded its base from as `base=`."
             )
         value = None if tensor.is_meta else tensor.detach()
         dtype = self._out_dtype(key, tensor.dtype)

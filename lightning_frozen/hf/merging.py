@@ -36,6 +36,17 @@ def folder_config(folder: Path) -> Any:
     return AutoConfig.from_pretrained(str(folder))
 
 
+def cached_snapshot(reference: str) -> Optional[Path]:
+    """The folder of the hub model ``reference`` in the local Hugging Face cache (what ``from_pretrained`` downloaded),
+    or None where it is not cached; nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(reference, local_files_only=True))
+    except Exception:  # not a repository id, or not in the cache: the caller names the fix
+        return None
+
+
 def model_classes(config: Any, task_type: Optional[str]) -> list[Any]:
     """The classes a module may have built from a folder of ``config``, likeliest first: the one of the adapter's task
     type, those the folder names (``architectures``), the bare model."""
