@@ -61,6 +61,9 @@ TUNERS: dict[str, Callable[[], Any]] = {
     "c3a": lambda: peft.C3AConfig(block_size=16, target_modules=QV),
     "gralora": lambda: peft.GraloraConfig(r=4, gralora_k=2, target_modules=QV),
     "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
+    "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=QV),
+    "road": lambda: peft.RoadConfig(group_size=4, target_modules=QV),
+    "trainable_tokens": lambda: peft.TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[47, 172, 211]),
 }
 
 
@@ -301,6 +304,23 @@ def test_a_changed_base_folder_is_refused_and_nothing_is_left(llama: Path, tmp_p
     # refused after every shard was written, before the rename: the earlier export is whole, no temp folder is left
     assert {path.name: path.read_bytes() for path in earlier.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["base", "merged", "run.ckpt"]
+
+
+@pytest.mark.parametrize(
+    "config, lacking",
+    [
+        (lambda: peft.AdaLoraConfig(r=4, target_modules=QV, total_step=10), "needs `.*ranknum.default`"),
+        (lambda: peft.ShiraConfig(r=4, target_modules=QV), "cannot create this adapter's layers without their base"),
+    ],
+)
+def test_a_tuner_needing_state_peft_computes_from_the_base_is_refused(
+    config: Callable[[], Any], lacking: str, llama: Path, tmp_path: Path
+) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    checkpoint = write_checkpoint(Adapted(base, config()), tmp_path / "run.ckpt")
+    with pytest.raises(UnsupportedConfigurationError, match=f"{lacking}.*export_peft_adapter"):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    assert sorted(os.listdir(tmp_path)) == ["run.ckpt"]
 
 
 def test_prompt_tuning_is_refused_pointing_to_the_adapter_export(tmp_path: Path) -> None:

@@ -51,9 +51,11 @@ CONFIG_NAME = "config.json"
 # the base folder's files that are not copied: its weights (written merged) and its config (written anew)
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)$|.*\.index\.json$")
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-# elements read, checksummed, cast and written at a time for a tensor that is copied through (32 MiB in bf16)
+# elements read, checksummed, cast and written at a time for a tensor that is copied through (16 MiB in bf16)
 CHUNK_ELEMENTS = 1 << 23
+# bytes handed to the writing thread and not yet written, beyond one tensor (see _ShardWriter)
 WRITE_AHEAD_BYTES = 16 << 20
+# bytes a shard is written between two flushes to disk
 SYNC_EVERY_BYTES = 256 << 20
 _DTYPE_NAMES = {dtype: name for name, dtype in slice_reads.SAFETENSORS_DTYPES.items()}
 _PEFT_WAY = (
@@ -286,7 +288,7 @@ def _adapted_model(
     """
     config = merging.folder_config(base)
     lead = f"{entry[layout.PEFT_PREFIX]}." if entry[layout.PEFT_PREFIX] else ""
-    several, single = layout.peft_entries_of(layout.frozen_base_of(checkpoint))
+    several, _ = layout.peft_entries_of(layout.frozen_base_of(checkpoint))
     entries = dict(several) or {entry[layout.ADAPTER_NAME]: entry}  # every adapter of the run: its layers' structure
     trained = [n for n in [*layout.adapter_tensor_names(entry), *entry[layout.NOT_IN_ADAPTER]] if n.startswith(lead)]
     others = [
@@ -314,8 +316,15 @@ def _adapted_model(
         except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
             differences.append(f"{model_class.__name__}: {type(error).__name__}: {error}")
             continue
-        names = {name for name, _ in model.named_parameters() if ".original_module." not in name}
-        if names == expected:
+        except (RuntimeError, NotImplementedError) as error:  # PEFT computes from the base as it creates a layer
+            raise UnsupportedConfigurationError(
+                f"{source}: PEFT cannot create this adapter's layers without their base weights"
+                f" ({type(error).__name__}: {str(error)[:200]}), so the merged export cannot merge it. {_PEFT_WAY}"
+            ) from error
+        params = {name for name, _ in model.named_parameters() if ".original_module." not in name}
+        # a tuner's frozen state may be a buffer where PEFT builds on the meta device: its merge says what it lacks
+        tensors = params | {name for name, _ in model.named_buffers()}
+        if params <= expected <= tensors:
             state_dict = layout.state_dict_of(checkpoint)
             buffers = {name for name, _ in model.named_buffers()}
             values = {name[len(lead) :]: state_dict[name] for name in trained}
@@ -330,8 +339,8 @@ def _adapted_model(
                 )
             return _Adapted(model, config, names_of, keys)
         differences.append(
-            f"{model_class.__name__}: lacks {format_names(sorted(expected - names))}, has"
-            f" {format_names(sorted(names - expected))}"
+            f"{model_class.__name__}: lacks {format_names(sorted(expected - tensors))}, has"
+            f" {format_names(sorted(params - expected))}"
         )
     raise CheckpointFormatError(
         f"{source}: no model class of {base} holds the tensors the checkpoint was trained with"
@@ -632,7 +641,12 @@ def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], writer
         whole = values.to(tensor.dtype).reshape(tensor.shape)
         is_param = attr in dict(module.named_parameters(recurse=False))
         setattr(module, attr, nn.Parameter(whole, requires_grad=False) if is_param else whole)
-    merged = merging.merged_module(item.unit, plan.adapter).state_dict()
+    try:
+        merged = merging.merged_module(item.unit, plan.adapter).state_dict()
+    except (RuntimeError, NotImplementedError):
+        if not item.missing:
+            raise
+        merged = {"": torch.empty(0, device="meta")}  # refused below, naming what the layer lacks
     if any(value.is_meta for value in merged.values()):
         raise UnsupportedConfigurationError(
             f"The adapter's layer `{item.lead[:-1]}` needs {format_names(item.missing)}, in neither the checkpoint nor"
