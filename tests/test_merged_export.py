@@ -61,6 +61,8 @@ TUNERS: dict[str, Callable[[], Any]] = {
     "c3a": lambda: peft.C3AConfig(block_size=16, target_modules=QV),
     "gralora": lambda: peft.GraloraConfig(r=4, gralora_k=2, target_modules=QV),
     "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
+    "delora": lambda: peft.DeloraConfig(r=4, target_modules=QV),
+    "randlora": lambda: peft.RandLoraConfig(r=4, target_modules=QV),
     "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=QV),
     "road": lambda: peft.RoadConfig(group_size=4, target_modules=QV),
     "trainable_tokens": lambda: peft.TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[47, 172, 211]),
