@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 import lightning_frozen
-from lightning_frozen import anatomy
+from lightning_frozen import anatomy, progress
 from lightning_frozen.base.fingerprint import fingerprint_base, named_frozen
 from lightning_frozen.checkpoint.trainable_state import saved_checkpoint
 from lightning_frozen.errors import FrozenBaseMismatchError, UnsupportedConfigurationError
@@ -65,7 +66,9 @@ TUNERS: dict[str, Callable[[], Any]] = {
     "randlora": lambda: peft.RandLoraConfig(r=4, target_modules=QV),
     "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=QV),
     "road": lambda: peft.RoadConfig(group_size=4, target_modules=QV),
-    "trainable_tokens": lambda: peft.TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[47, 172, 211]),
+    "trainable_tokens": lambda: peft.TrainableTokensConfig(
+        target_modules=["embed_tokens"], token_indices=[47, 172, 211]
+    ),
 }
 
 
@@ -230,10 +233,17 @@ def test_tied_embeddings_stay_tied_unless_the_adapter_changed_one_side(tmp_path:
     torch.testing.assert_close(ours.model.embed_tokens.weight, base.model.embed_tokens.weight, rtol=0, atol=0)
 
 
-def test_a_sharded_folder_has_a_valid_index(llama: Path, tmp_path: Path) -> None:
+def test_a_sharded_folder_has_a_valid_index_and_progress_is_shown(
+    llama: Path, tmp_path: Path, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
     checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
-    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", max_shard_size="40KB")
+    monkeypatch.setattr(progress, "INTERVAL_SECONDS", -1.0)  # a line after every tensor
+    with caplog.at_level(logging.INFO):
+        out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", max_shard_size="40KB")
+    assert re.search(
+        r"writing the merged model: 1 tensors, 0\.\d of 0\.\d MiB \(\d+%\) in .* MiB/s, about", caplog.text
+    )
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 3 and not (out / "model.safetensors").exists()
     assert all(path.stat().st_size <= 40_000 + 4096 or _tensors_in(path) == 1 for path in shards)
