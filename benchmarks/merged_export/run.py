@@ -1,22 +1,23 @@
 """A merged model for serving: ``export_merged`` beside PEFT's ``merge_and_unload`` + ``save_pretrained``.
 
-A TinyLlama-1.1B-shaped Llama with random weights, written in bf16 with ``save_pretrained`` (one 2.2 GB shard), and a
-LoRA adapter (r=16 on every linear layer of the decoder: q, k, v, o, gate, up, down) moved off its initial values. The
-checkpoint is the file a save of that module writes (``saved_checkpoint``: trainable tensors, fingerprint, PEFT entry),
-built without a fit: a step of 1.1B on 2 shared cores is not what this study measures. Each way runs in a fresh
-process, with the base folder's files in the page cache (read once before each run):
+A TinyLlama-1.1B-shaped Llama with random weights, written in bf16 with ``save_pretrained`` (one 2.2 GB shard), and
+two LoRA adapters (r=16), each moved off its initial values: on q and v (the usual), and on every linear layer of the
+decoder (q, k, v, o, gate, up, down: the most merging). Each checkpoint is the file a save of that module writes
+(``saved_checkpoint``: trainable tensors in fp32, fingerprint, PEFT entry), built without a fit: a step of 1.1B on 2
+shared cores is not what this study measures. Each way runs in a fresh process, with the base folder's files in the
+page cache (read once before each run):
 
     ours:   export_merged(checkpoint, out)
     PEFT:   export_peft_adapter(checkpoint, adapter); AutoModelForCausalLM.from_pretrained(base, dtype=bf16);
             PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(out); every file fsynced
     copy:   each file of the base read once and written once (64 MiB buffer), fsynced: the time floor (run before
-            and after the two ways; their mean)
+            and after the others; their mean)
 
 Memory: the peak USS of the process (psutil, sampled every 50 ms) over its USS just before the call, after every
 import, as a ratio to the model's bytes. Goals: ours ≤ 0.1x, where PEFT's way is ≥ 1.0x; ours ≤ 1.5x the copy's time.
-The two folders are then compared tensor by tensor.
+The two ways' folders are then compared tensor by tensor.
 
-    flock /tmp/lf-2rank.lock python benchmarks/merged_export/run.py     # ~6 min on 2 shared cores; 9 GB of disk
+    flock /tmp/lf-2rank.lock python benchmarks/merged_export/run.py     # ~5 min on 2 shared cores; 9 GB of disk
     python benchmarks/merged_export/run.py --report                      # rewrite the table from the JSON
 """
 
@@ -44,7 +45,7 @@ from benchmarks.harness.records import (
     versions,
     write_json,
 )  # noqa: E402
-from benchmarks.harness.tables import gib, num, ratio, table  # noqa: E402
+from benchmarks.harness.tables import gib, mib, num, ratio, table  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TINYLLAMA = dict(
@@ -59,7 +60,11 @@ TINYLLAMA = dict(
 )
 # a shape for a trial of the script (`--trial`), not for results
 TRIAL = dict(TINYLLAMA, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the adapters: LoRA r=16 on q and v (the usual), and on every linear layer of the decoder (the most merging)
+ADAPTERS = {
+    "q_v": ["q_proj", "v_proj"],
+    "all_linear": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 COPY_BUFFER = 64 * 2**20
 
 
@@ -74,7 +79,7 @@ def write_base(base: Path, trial: bool) -> None:
     write_random_llama(base, TRIAL if trial else TINYLLAMA, torch.bfloat16)
 
 
-def write_checkpoint(base: Path, checkpoint: Path, adapter: Path) -> None:
+def write_checkpoint(base: Path, checkpoint: Path, adapter: Path, targets: list[str]) -> None:
     """The file a save of a LoRA module over ``base`` writes, and PEFT's adapter folder exported from it."""
     import peft
     import torch
@@ -89,7 +94,7 @@ def write_checkpoint(base: Path, checkpoint: Path, adapter: Path) -> None:
         def __init__(self) -> None:
             super().__init__()
             model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
-            self.model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+            self.model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
 
     torch.manual_seed(0)
     module = Module()
@@ -190,20 +195,26 @@ def worker(args: list[str], runs: Path, name: str, timeout_min: float = 20) -> d
 
 
 def measure(scratch: Path, trial: bool) -> dict[str, Any]:
-    paths = {name: scratch / name for name in ("base", "checkpoint", "adapter")}
     runs = scratch / "runs"
-    worker(["base", str(paths["base"]), "trial" if trial else "full"], runs, "write-base")
-    worker(["checkpoint", str(paths["base"]), str(paths["checkpoint"]), str(paths["adapter"])], runs, "checkpoint")
-    files = sorted(paths["base"].glob("*.safetensors"))
-    model_bytes = sum(p.stat().st_size for p in files)
-    layers = (TRIAL if trial else TINYLLAMA)["num_hidden_layers"] * len(TARGETS)
-    results: dict[str, Any] = {"model_bytes": model_bytes, "merged_layers": layers, "trial": trial, "runs": {}}
-    for way in ("copy", "ours", "peft", "copy-after"):
+    worker(["base", str(scratch / "base"), "trial" if trial else "full"], runs, "write-base")
+    files = sorted((scratch / "base").glob("*.safetensors"))
+    results: dict[str, Any] = {"model_bytes": sum(p.stat().st_size for p in files), "trial": trial, "runs": {}}
+    layers = (TRIAL if trial else TINYLLAMA)["num_hidden_layers"]
+    results["merged_layers"] = {name: layers * len(targets) for name, targets in ADAPTERS.items()}
+    cleared = ["checkpoint", "adapter", "out-ours", "out-peft"]
+    ways = [("copy", "copy", None)] + [(f"{way}-{name}", way, name) for name in ADAPTERS for way in ("ours", "peft")]
+    for label, way, adapter in [*ways, ("copy-after", "copy", None)]:
+        if way == "ours":
+            for name in cleared:
+                subprocess.run(["rm", "-rf", str(scratch / name)], check=True)
+            arguments = [str(scratch / "base"), str(scratch / "checkpoint"), str(scratch / "adapter"), adapter]
+            worker(["checkpoint", *arguments], runs, f"checkpoint-{adapter}")
         results["cache"] = prepare_cache(files, "warm")
-        results["runs"][way] = worker(["way", way.removesuffix("-after"), str(scratch)], runs, way)
-        for leftover in scratch.glob("out-copy"):
-            subprocess.run(["rm", "-rf", str(leftover)], check=True)
-    results["compare"] = worker(["compare", str(scratch / "out-ours"), str(scratch / "out-peft")], runs, "compare")
+        results["runs"][label] = worker(["way", way, str(scratch)], runs, label)
+        subprocess.run(["rm", "-rf", str(scratch / "out-copy")], check=True)
+        if way == "peft":
+            compared = [str(scratch / "out-ours"), str(scratch / "out-peft")]
+            results["runs"][label]["compare"] = worker(["compare", *compared], runs, f"compare-{adapter}")
     return results
 
 
@@ -212,57 +223,43 @@ def write_results(results: dict[str, Any], out: Path) -> None:
     meta, runs = results["meta"], results["runs"]
     model = results["model_bytes"]
     floor_s = (runs["copy"]["s"] + runs["copy-after"]["s"]) / 2
-    same = results["compare"]
     lines = [
         "# A merged model for serving: export_merged beside PEFT's merge_and_unload + save_pretrained",
         "",
         f"`python benchmarks/merged_export/run.py`, {meta['date']}, commit {meta['commit']}, {meta['cpu']}"
         f" ({meta['machine']}); load average {meta['load_before']} before, {meta['load_after']} after"
         f" ({meta['wall_s']:.0f} s). TinyLlama-1.1B shape, random weights, bf16, {gib(model)} GiB in one shard;"
-        f" LoRA r=16 on {', '.join(TARGETS)} ({results['merged_layers']} layers merged). Page cache warm (the base"
-        " read once before each run);"
-        " every written file fsynced. Memory: the process's peak USS over its USS just before the call (after every"
-        " import). Time: wall time of the call, and its ratio to reading and writing the bytes once (the copy, the mean"
-        " of a run before and one after the two ways).",
+        " LoRA r=16 (fp32 in the checkpoint, as a save writes it) on q and v, and on every linear layer of the decoder."
+        " Page cache warm (the base read once before each run); every written file fsynced. Memory: the process's"
+        " peak USS over its USS just before the call (after every import), per model byte. Time: wall time of the"
+        " call, per the time of reading and writing the bytes once (the copy: the mean of a run before the others and"
+        f" one after, {num(runs['copy']['s'], 1)} s and {num(runs['copy-after']['s'], 1)} s).",
         "",
     ]
-    header = ["way", "peak over floor (GiB)", "**/ model bytes**", "goal", "time (s)", "**/ copy**", "goal"]
+    header = ["adapter", "way", "peak over floor (MiB)", "**/ model bytes**", "goal", "time (s)", "**/ copy**", "goal"]
+    header.append("folders bit-equal")
     cells = []
-    for way, label in (("ours", "`export_merged`"), ("peft", "PEFT `merge_and_unload` + `save_pretrained`")):
-        memory, seconds = ratio(runs[way]["over_floor"], model), ratio(runs[way]["s"], floor_s)
-        memory_goal = (
-            ("met" if memory <= 0.1 else "not met") if way == "ours" else f"≥ 1.0: {'yes' if memory >= 1.0 else 'no'}"
-        )
-        time_goal = ("met" if seconds <= 1.5 else "not met") if way == "ours" else ""
-        cells.append(
-            [
-                label,
-                gib(runs[way]["over_floor"]),
-                f"**{num(memory)}x**",
-                memory_goal,
-                num(runs[way]["s"], 1),
-                f"**{num(seconds)}x**",
-                time_goal,
-            ]
-        )
-    cells.append(
-        [
-            "copy (read + write once)",
-            "",
-            "",
-            "",
-            f"{num(runs['copy']['s'], 1)} / {num(runs['copy-after']['s'], 1)}",
-            "1.00x",
-            "",
-        ]
-    )
+    for name, targets in ADAPTERS.items():
+        described = f"{', '.join(targets)} ({results['merged_layers'][name]} layers)"
+        for way in ("ours", "peft"):
+            run = runs[f"{way}-{name}"]
+            memory, seconds = ratio(run["over_floor"], model), ratio(run["s"], floor_s)
+            ours = way == "ours"
+            same = runs[f"peft-{name}"]["compare"]
+            cells.append(
+                [
+                    described if ours else "",
+                    "`export_merged`" if ours else "PEFT `merge_and_unload` + `save_pretrained`",
+                    mib(run["over_floor"], 0),
+                    f"**{num(memory)}x**",
+                    ("met" if memory <= 0.1 else "not met") if ours else f"≥ 1.0: {'yes' if memory >= 1.0 else 'no'}",
+                    num(run["s"], 1),
+                    f"**{num(seconds)}x**",
+                    ("met" if seconds <= 1.5 else "not met") if ours else "",
+                    "" if ours else f"{same['bit_equal']} of {same['tensors']} (names equal: {same['names_equal']})",
+                ]
+            )
     lines += table(header, cells)
-    lines += [
-        "",
-        f"The two folders: names {'equal' if same['names_equal'] else 'differ'}, {same['bit_equal']} of"
-        f" {same['tensors']} tensors bit-equal, largest difference {same['max_abs_diff']:.3g}.",
-        "",
-    ]
     (out / "merged_export.md").write_text("\n".join(lines) + "\n")
 
 
@@ -279,7 +276,7 @@ def main() -> None:
         if kind == "base":
             write_base(Path(rest[0]), rest[1] == "trial")
         elif kind == "checkpoint":
-            write_checkpoint(Path(rest[0]), Path(rest[1]), Path(rest[2]))
+            write_checkpoint(Path(rest[0]), Path(rest[1]), Path(rest[2]), ADAPTERS[rest[3]])
         elif kind == "way":
             scratch = Path(rest[1])
             paths = {name: scratch / name for name in ("base", "checkpoint", "adapter")}

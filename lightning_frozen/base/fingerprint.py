@@ -116,14 +116,12 @@ def checksum_keys(dtype: torch.dtype) -> list[str]:
 class Checksummer:
     """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime.
 
-    Its buffers and position weights (about 29 MB) are reused across the chunks and tensors of one pass and freed
-    with it: keep one for a pass, not for the process."""
+    Its buffers and position weights (about 29 MB, made at the first sums the compiled kernels do not take) are reused
+    across the chunks and tensors of one pass and freed with it: keep one for a pass, not for the process."""
 
     def __init__(self) -> None:
-        self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
-        self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
-        # weights 1..PERIOD repeated, long enough for any chunk starting at any phase
-        self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
+        self._narrow: dict[str, torch.Tensor] = {}
+        self._wide = self._weights = torch.empty(0)
 
     def __call__(self, values: torch.Tensor, start: int) -> list[int]:
         """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the CPU
@@ -132,6 +130,11 @@ class Checksummer:
         compiled = frozen_compute_for(values.device).checksum(values, start)
         if compiled is not None:
             return compiled
+        if not self._narrow:
+            self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
+            self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
+            # weights 1..PERIOD repeated, long enough for any chunk starting at any phase
+            self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
         keys = checksum_keys(values.dtype)
         weights = self._weights
         sums = [0] * (2 * len(keys))
