@@ -172,6 +172,9 @@ def test_mt5_seq2seq(tmp_path: Path) -> None:
     torch.manual_seed(0)
     transformers.MT5ForConditionalGeneration(config).save_pretrained(tmp_path / "mt5")
     folder = tmp_path / "mt5"
+    (
+        folder / "generation_config.json"
+    ).unlink()  # a base folder without one: the export writes what save_pretrained does
     base = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(folder))
     lora = peft.LoraConfig(r=4, target_modules=["q", "v"], task_type="SEQ_2_SEQ_LM")
     checkpoint = write_checkpoint(Adapted(base, lora), tmp_path / "run.ckpt")
@@ -179,6 +182,10 @@ def test_mt5_seq2seq(tmp_path: Path) -> None:
     theirs = peft_merged(transformers.AutoModelForSeq2SeqLM, folder, checkpoint, tmp_path)
     ours = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(out))
     assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")
+    generation = json.loads((out / "generation_config.json").read_text())  # the folder had none: as save_pretrained
+    theirs_generation = json.loads((tmp_path / "peft_merged" / "generation_config.json").read_text())
+    tokens = ("decoder_start_token_id", "eos_token_id", "pad_token_id")
+    assert {key: generation[key] for key in tokens} == {key: theirs_generation[key] for key in tokens}
     inputs = dict(input_ids=TOKENS % 128, decoder_input_ids=TOKENS[:, :4] % 128)
     torch.testing.assert_close(logits(ours, **inputs), logits(theirs, **inputs), rtol=1e-5, atol=1e-5)
 
@@ -198,6 +205,7 @@ def test_bert_classifier_with_modules_to_save_and_its_tokenizer(tmp_path: Path) 
     ours = transformers.AutoModelForSequenceClassification.from_pretrained(str(out))
     assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))  # copied from the base folder
+    assert not (out / "generation_config.json").exists()  # an encoder generates nothing
     inputs = dict(tokenizer(["a wonderful film", "dull"], padding=True, return_tensors="pt"))
     torch.testing.assert_close(logits(ours, **inputs), logits(theirs, **inputs), rtol=1e-5, atol=1e-5)
     trained_head = torch.load(checkpoint, weights_only=True)["state_dict"]

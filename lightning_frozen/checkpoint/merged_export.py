@@ -141,7 +141,7 @@ def export_merged(
     stored = _folder_tensors(base_folder)
     copied = sorted(p.name for p in base_folder.iterdir() if p.is_file() and not _WEIGHT_FILE.match(p.name))
     copied = [name for name in copied if name != CONFIG_NAME and not name.startswith(".")]
-    ours = set(copied) | {CONFIG_NAME, INDEX_NAME}
+    ours = set(copied) | {CONFIG_NAME, INDEX_NAME, merging.GENERATION_CONFIG_NAME}
 
     def replaceable(name: str) -> bool:
         return name in ours or bool(_SHARD.match(name))
@@ -189,11 +189,9 @@ def export_merged(
             weight_map = {t.name: name for name, shard in shards for t in shard}
             index = {"metadata": {"total_size": sum(t.nbytes for _, s in shards for t in s)}, "weight_map": weight_map}
             (written / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        merging.written_config(
-            adapted.config, written, plan.dtype, bool(untied), type(merging.inner_model(model)).__name__
-        )
         for name in copied:
             shutil.copyfile(base_folder / name, written / name)
+        merging.written_config(merging.inner_model(model), adapted.config, written, plan.dtype, bool(untied))
     return folder
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_frozen.hf.peft_adapters import is_modules_to_save_wrapper
 from lightning_frozen.hf.transformers_loading import model_keys
 
+GENERATION_CONFIG_NAME = "generation_config.json"
 # the transformers class each PEFT task type wraps (PEFT's `AutoPeftModelFor*` classes)
 TASK_MODEL_CLASSES = {
     "CAUSAL_LM": "AutoModelForCausalLM",
@@ -172,11 +173,15 @@ def shard_bytes(size: Any) -> int:
     return int(convert_file_size_to_int(size))
 
 
-def written_config(config: Any, folder: Path, dtype: torch.dtype, untied: bool, architecture: str) -> None:
-    """Write ``config`` as the merged folder's ``config.json``: its model class, the dtype of its weights, and word
-    embeddings untied where the adapter changed one side."""
-    config.architectures = [architecture]
+def written_config(model: nn.Module, config: Any, folder: Path, dtype: torch.dtype, untied: bool) -> None:
+    """Write ``config`` as the merged folder's ``config.json``: the class of ``model`` (the inner model of an adapted
+    one), the dtype of its weights, word embeddings untied where the adapter changed one side; and, for a model that
+    generates and a base folder without one, the ``generation_config.json`` that ``save_pretrained`` writes."""
+    config.architectures = [type(model).__name__]
     config.dtype = dtype
     if untied:
         config.tie_word_embeddings = False
     config.save_pretrained(str(folder))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate() and not (folder / GENERATION_CONFIG_NAME).exists():
+        generation.save_pretrained(str(folder))
