@@ -47,7 +47,8 @@ TINY_LLAMA = dict(
 TOKENS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 QV = ["q_proj", "v_proj"]
 
-# every tuner PEFT merges, on the tiny Llama
+# every tuner PEFT merges, on the tiny Llama (BOFT merges as well, but its probe for a CUDA extension leaves the
+# process's DeepSpeed fits 15x slower: it is left out of the suite)
 TUNERS: dict[str, Callable[[], Any]] = {
     "lora": lambda: peft.LoraConfig(r=4, target_modules=QV, task_type="CAUSAL_LM"),
     "rslora": lambda: peft.LoraConfig(r=4, lora_alpha=16, target_modules=QV, use_rslora=True),
@@ -64,7 +65,6 @@ TUNERS: dict[str, Callable[[], Any]] = {
     "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
     "delora": lambda: peft.DeloraConfig(r=4, target_modules=QV),
     "randlora": lambda: peft.RandLoraConfig(r=4, target_modules=QV),
-    "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=QV),
     "road": lambda: peft.RoadConfig(group_size=4, target_modules=QV),
     "trainable_tokens": lambda: peft.TrainableTokensConfig(
         target_modules=["embed_tokens"], token_indices=[47, 172, 211]
