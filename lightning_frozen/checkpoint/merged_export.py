@@ -431,7 +431,7 @@ class _Plan:
             for attr, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if not tensor.is_meta:
                     continue
-                name = f"{lead}{module_name}.{attr}".replace("..", ".")
+                name = ".".join(part for part in (lead[:-1], module_name, attr) if part)
                 key = self._key_of(tensor)
                 if key is None:  # state PEFT computes when it creates the layer
                     item.missing.append(name)
