@@ -325,6 +325,12 @@ CONVERT = Capability(
     ),
 )
 
+MERGE_CHECK = Capability(
+    "PEFT's own refusal to merge, asked by `export_merged`",
+    fallback="an adapter PEFT refuses to merge (a GPTQ base, replicated layers) fails in PEFT's own layer merge",
+    rows=(ForeignName("peft.tuners.tuners_utils:BaseTuner._check_merge_allowed", "hf/merging.py", ("self",)),),
+)
+
 UNSHARD = Capability(
     "`unshard`",
     fallback="`unshard` raises DependencyDriftError",
@@ -395,6 +401,7 @@ OPTIONAL = (
     SEVERAL_ADAPTERS,
     UNFREEZING,
     CONVERT,
+    MERGE_CHECK,
     UNSHARD,
     RELEASE,
     TRACE,

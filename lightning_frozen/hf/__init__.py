@@ -23,6 +23,10 @@ Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Module
   ``adapter_rows`` is open so that a block recomputed in backward gets its rows' adapters again.
 - ``generation``: the outermost models inside a module that ``generate`` (``GenerationMixin`` instances), whose
   ``generate`` a run wraps to gather the base once per call.
+- ``merging``: for ``export_merged``, a folder's model built on the meta device, the adapters injected with
+  ``get_peft_model`` / ``add_adapter`` (``low_cpu_mem_usage``), PEFT's own ``merge`` and
+  ``unload_and_optionally_merge_module`` of one tuner layer, ``BaseTuner._check_merge_allowed``, and the folder's keys
+  through ``conversion_mapping.get_model_conversion_mapping``.
 - ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt
   encoders of ``PEFT_TYPE_TO_TUNER_MAPPING`` (built from ``PeftConfig.from_peft_type``).
 """
