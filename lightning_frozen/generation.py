@@ -8,7 +8,10 @@ compute dtype with the budget, the strategy's ``generation_memory``: a number of
 available memory shared by the ranks on it), agreed by every rank. Within it, the model's params are gathered once
 (``zero/gather_once.py``), the call runs without ZeRO-3's per-layer fetches, and they are released after. Beyond it,
 ZeRO-3 gathers each layer for each forward. A one-line notice on rank 0 says which mode ran and why, the first time
-each mode runs in a run.
+each mode runs in a run. On several ranks each call passes ``synced_gpus=True`` unless it sets it: a rank that has
+finished its sequences keeps running forwards until every rank has, instead of leaving the others waiting in a gather
+(transformers turns it on by itself only while it believes ZeRO-3 is on, which the strategy tells it in
+``configure_model`` alone).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ def wrap_generate(ledger: Any, strategy: Any) -> None:
     the run ends. ``strategy``: the run's ``FrozenAwareDeepSpeedStrategy``, its engine built (``strategy.model``)."""
     device = strategy.root_device
     ranks_on_device = strategy.num_processes if device.type == "cpu" else 1  # on the CPU they share the host's memory
+    budget, synced = strategy.spec.generation_memory, strategy.world_size > 1
     for model in generating_models(strategy.lightning_module):
         if isinstance(vars(model).get("generate"), _GatheringCall):
             continue
-        call = _GatheringCall(model, lambda: strategy.model, strategy.spec.generation_memory, ranks_on_device)
+        call = _GatheringCall(model, lambda: strategy.model, budget, ranks_on_device, synced)
         ledger.set_attribute(model, "generate", functools.update_wrapper(call, model.generate))
 
 
@@ -63,15 +67,20 @@ def choose_mode(model: nn.Module, budget: Optional[int], ranks_on_device: int) -
 class _GatheringCall:
     """A model's ``generate``, gathering its params once per call when they fit (nested calls pass through)."""
 
-    def __init__(self, model: nn.Module, engine: Callable[[], Any], budget: Optional[int], ranks: int) -> None:
+    def __init__(
+        self, model: nn.Module, engine: Callable[[], Any], budget: Optional[int], ranks: int, synced: bool
+    ) -> None:
         self.model, self.generate, self.engine = model, model.generate, engine
         self.budget, self.ranks = budget, ranks
+        self.synced = synced  # several ranks: each runs as many forwards as the one that generates longest
         self.noticed: set[str] = set()
         self.depth = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.depth:
             return self.generate(*args, **kwargs)
+        if self.synced and kwargs.get("synced_gpus") is None:
+            kwargs["synced_gpus"] = True
         mode, why = choose_mode(self.model, self.budget, self.ranks)
         if mode not in self.noticed:
             self.noticed.add(mode)

@@ -181,11 +181,11 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_environment(self) -> None:
         compute = frozen_compute_for(self.root_device)  # how this run's frozen shards compute on its device
-        open_run(self._ledger, self._module, self.config, self._preemption, compute)
+        open_run(self._ledger, self._module, self._preemption, compute)
         self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
-        accelerator.align_deepspeed_accelerator(self.accelerator)
+        self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         arguments.check_config_for_accelerator(self.config, self.accelerator)

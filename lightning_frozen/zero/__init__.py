@@ -46,7 +46,7 @@ is defined where it is listed):
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
 - ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit (destroyed, then its
   workers idle, found by the name torch gives their threads and read in /proc):
-  ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
+  ``deepspeed_accelerator_matching``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
   ``GLOO_WORKER_THREAD``, ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
