@@ -180,7 +180,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def setup_environment(self) -> None:
-        compute = frozen_compute_for(self.root_device)  # how this run's frozen shards compute on its device
+        self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
         open_run(self._ledger, self._module, self._preemption, compute)
         self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
@@ -231,8 +231,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         check_has_trainable(model)
         self._optimized.record_flags(model, optimizer)
         trainable = trainable_params(model)
+        where, loaded = self._placement, self._loaded_base
         built = initialize_engine(
-            model, self.config, self.spec, self._placement, optimizer, lr_scheduler, trainable, self._loaded_base
+            model, self.config, self.spec, where, self._compute, optimizer, lr_scheduler, trainable, loaded
         )
         adapters.engine_built(built[1], self._module_anatomy(), self._optimized.trained_names(), self._row_hooks)
         return built
@@ -264,7 +265,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
         config, loaded = inference_config(self.config), self._loaded_base
-        self.model, _ = initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
+        self.model, _ = initialize_engine(model, config, self.spec, self._placement, self._compute, loaded=loaded)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -182,7 +182,7 @@ def test_the_core_reaches_the_frozen_compute_only_through_its_door() -> None:
 def test_the_layering_test_sees_the_machinery() -> None:
     graph, _ = _structure()
     assert _within("zero.compute.coded_linear", MACHINERY) and not _within("zero.computed", MACHINERY)
-    assert {"zero.compute.coded_linear", "zero.compute.host_memory", "format.native_codec"} <= graph[DOOR]
+    assert {"zero.compute.quantized", "zero.compute.host_memory", "format.native_codec"} <= graph[DOOR]
     assert DOOR in graph["zero.engine"] and DOOR in graph["ledger"] and DOOR in graph["base.fingerprint"]
 
 
