@@ -182,12 +182,12 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def setup_environment(self) -> None:
-        compute = frozen_compute_for(self.root_device)  # how this run's frozen shards compute on its device
-        open_run(self._ledger, self._module, self.config, self._preemption, compute)
+        self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
+        open_run(self._ledger, self._module, self._preemption, compute)
         self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
-        accelerator.align_deepspeed_accelerator(self.accelerator)
+        self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
@@ -234,8 +234,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         check_has_trainable(model)
         self._optimized.record_flags(model, optimizer)
         trainable = trainable_params(model)
+        where, loaded = self._placement, self._loaded_base
         built = initialize_engine(
-            model, self.config, self.spec, self._placement, optimizer, lr_scheduler, trainable, self._loaded_base
+            model, self.config, self.spec, where, self._compute, optimizer, lr_scheduler, trainable, loaded
         )
         adapters.engine_built(built[1], self._module_anatomy(), self._optimized.trained_names(), self._row_hooks)
         return built
@@ -267,7 +268,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
         config, loaded = inference_config(self.config), self._loaded_base
-        self.model, _ = initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
+        self.model, _ = initialize_engine(model, config, self.spec, self._placement, self._compute, loaded=loaded)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

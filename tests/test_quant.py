@@ -236,7 +236,7 @@ def test_unknown_frozen_dtype_is_refused_at_construction() -> None:
 def test_quantizing_a_trainable_param_is_refused() -> None:
     param = torch.nn.Parameter(torch.randn(8, 8))
     with pytest.raises(FrozenDtypeError, match=r"trainable param \(shape \(8, 8\)\) cannot be stored as nf4.*Freeze"):
-        quantized.quantize_param_shard(param, "nf4")
+        quantized.quantize_param_shard(param, "nf4", quantized.RunTables())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs an accelerator that cannot run the dequantization")
@@ -397,7 +397,7 @@ def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainabl
 
     weight.requires_grad_(True)
     with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):
-        quantized.quantize_frozen_shards(model, "int8")
+        quantized.quantize_frozen_shards(model, "int8", quantized.RunTables())
 
 
 def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> None:

@@ -189,13 +189,18 @@ def test_deepspeed_accelerator_follows_lightning_or_says_why_not(monkeypatch: py
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    set_accelerator(CUDA_Accelerator())
+    cuda = CUDA_Accelerator()
+    set_accelerator(cuda)
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     with pytest.raises(RuntimeError, match="CPUAccelerator.*DS_ACCELERATOR=cuda"):
         cpu_trainer().fit(AdapterModel(), regression_data())
     monkeypatch.delenv("DS_ACCELERATOR")
-    cpu_trainer(max_steps=1).fit(AdapterModel(), regression_data())
-    assert get_accelerator()._name == "cpu"
+    during = []
+    model = AdapterModel()
+    model.on_train_start = lambda: during.append(get_accelerator()._name)  # type: ignore[method-assign]
+    cpu_trainer(max_steps=1).fit(model, regression_data())
+    assert during == ["cpu"]
+    assert get_accelerator() is cuda  # the process's own again after the run
 
 
 @pytest.mark.slow

@@ -3,11 +3,11 @@
 Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Modules outside it import neither package
 (except under ``TYPE_CHECKING``) and read none of the private names below (tests/test_hf_seams.py checks both).
 
-- ``transformers_loading``: :func:`~.transformers_loading.zero3_known` keeps an ``HfDeepSpeedConfig`` alive for a
-  run (``integrations.deepspeed._hf_deepspeed_config_weak_ref`` restored on exit), so that ``generate`` is synced
-  across ranks. ``from_pretrained`` under ZeRO-3: :func:`~.transformers_loading.zero3_loading` does the same and, for
-  its duration only, replaces ``modeling_utils.load_state_dict`` and ``_load_state_dict_into_zero3_model`` where
-  their signatures are those of 5.x; with other versions transformers' own ZeRO-3 loader runs. Also the key
+- ``transformers_loading``: ``from_pretrained`` under ZeRO-3 in ``configure_model``:
+  :func:`~.transformers_loading.zero3_loading` keeps an ``HfDeepSpeedConfig`` alive for its duration only
+  (``integrations.deepspeed._hf_deepspeed_config_weak_ref`` restored on exit) and replaces
+  ``modeling_utils.load_state_dict`` and ``_load_state_dict_into_zero3_model`` where their signatures are those of
+  5.x; with other versions transformers' own ZeRO-3 loader runs. Also the key
   renamings of ``core_model_loading`` (``WeightRenaming``, ``WeightConverter``, ``rename_source_key``), and the
   private markers ``modeling_utils._is_ds_init_called`` and a tensor's ``_is_hf_initialized``.
 - ``peft_adapters``: :func:`~.peft_adapters.around_adapter_creation` wraps ``PeftModel.__init__`` and

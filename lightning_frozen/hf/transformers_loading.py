@@ -91,10 +91,10 @@ def zero3_loading(
 @contextmanager
 def zero3_known(config: dict) -> Iterator[None]:
     """While active, transformers knows that models run under ZeRO-3 with the DeepSpeed ``config``: an
-    ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true. Then ``from_pretrained`` builds ZeRO-3
-    params, and ``generate`` turns on ``synced_gpus`` on several ranks: a rank that has finished its sequences keeps
-    running forwards (and their gathers) until every rank has, instead of leaving the others waiting forever in a
-    gather. The ``HfDeepSpeedConfig`` the caller made before is restored on exit. Without transformers: nothing."""
+    ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true and every ``from_pretrained`` builds
+    ZeRO-3 params. Only :func:`zero3_loading` enters it, around ``configure_model``: a model loaded anywhere else in a
+    run (a scorer in ``setup()``) is built whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit.
+    Without transformers: nothing."""
     if importlib.util.find_spec("transformers") is None:
         yield
         return

@@ -26,7 +26,7 @@ is defined where it is listed):
   ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
-- ``accelerator``: DeepSpeed's accelerator matched to Lightning's: ``align_deepspeed_accelerator``,
+- ``accelerator``: DeepSpeed's accelerator matched to Lightning's for a run: ``deepspeed_accelerator_matching``,
   ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,

@@ -1,11 +1,13 @@
-"""DeepSpeed's accelerator made to match Lightning's, and the deprecation warnings of dependencies a run ignores."""
+"""DeepSpeed's accelerator made to match Lightning's for a run, and the deprecation warnings of dependencies a run
+ignores."""
 
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
@@ -15,8 +17,14 @@ from lightning_frozen.errors import UnsupportedConfigurationError
 _DEEPSPEED_ACCELERATOR_OF = {CPUAccelerator: "cpu", CUDAAccelerator: "cuda"}
 
 
-def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
-    """Make DeepSpeed's accelerator match Lightning's, or raise if ``DS_ACCELERATOR`` pins another one."""
+@contextmanager
+def deepspeed_accelerator_matching(accelerator: Optional[Accelerator]) -> Iterator[None]:
+    """While active, DeepSpeed's accelerator matches Lightning's ``accelerator``; on exit DeepSpeed's own one is back
+    (the object it had before, where it was changed).
+
+    Raises:
+        UnsupportedConfigurationError: ``accelerator`` is neither CUDA nor the CPU, or ``DS_ACCELERATOR`` pins another.
+    """
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
     wanted = next((name for cls, name in _DEEPSPEED_ACCELERATOR_OF.items() if isinstance(accelerator, cls)), None)
@@ -25,14 +33,15 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
             f"lightning-frozen runs DeepSpeed on `CUDAAccelerator` or `CPUAccelerator`, not"
             f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
         )
-    current = get_accelerator()._name
-    if current == wanted:
+    before = get_accelerator()
+    if before._name == wanted:
+        yield
         return
     pinned = os.environ.get("DS_ACCELERATOR")
     if pinned:
         raise UnsupportedConfigurationError(
             f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
-            f" its `{current}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
+            f" its `{before._name}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
             " `accelerator`."
         )
     if wanted == "cpu":
@@ -43,6 +52,10 @@ def align_deepspeed_accelerator(accelerator: Optional[Accelerator]) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
+    try:
+        yield
+    finally:
+        set_accelerator(before)
 
 
 # torch 2.13's deprecation messages for what DeepSpeed 0.19 and Lightning 2.6 call every step: not the user's to fix

@@ -24,7 +24,7 @@ from lightning_frozen.foreign_names import reaching
 from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import forward_trace, frozen_storage
 from lightning_frozen.zero.config import fit_reduce_bucket
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
+from lightning_frozen.zero.frozen_compute import FrozenCompute
 from lightning_frozen.zero.optimizers import keep_empty_groups
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
 
@@ -70,6 +70,7 @@ def initialize_engine(
     config: dict,
     spec: StrategySpec,
     where: Placement,
+    compute: FrozenCompute,
     optimizer: Any = None,
     lr_scheduler: Any = None,
     model_parameters: Optional[list[nn.Parameter]] = None,
@@ -82,7 +83,8 @@ def initialize_engine(
     is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
     (:func:`forward_trace.reset_trace_at_outermost_call`). An optimizer's param groups keep their indices, empty ones
     included (:func:`keep_empty_groups`). How the frozen shards compute on ``where.device`` (on the CPU, defaults for
-    ZeRO-3's gather bounds the user left unset, codes shared and computed from) is ``zero/frozen_compute.py``'s.
+    ZeRO-3's gather bounds the user left unset, codes shared and computed from) is the run's ``compute``'s
+    (``zero/frozen_compute.py``).
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -92,7 +94,6 @@ def initialize_engine(
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     if model_parameters and spec.fit_reduce_bucket:
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
-    compute = frozen_compute_for(where.device)
     compute.bound_gathers(config, model)  # on the CPU the gathered params are host memory, once per rank
     if spec.frozen_dtype:
         frozen_storage.check_config(spec.frozen_dtype, config, where.device)
