@@ -108,26 +108,28 @@ _UNDONE = textwrap.dedent(
     import ctypes, torch
     from lightning_frozen.zero.compute import host_memory
 
-    undo = host_memory.return_freed_memory()
-    undo()  # the end of the run: glibc's starting threshold (128 KiB) again
-    buffers = [torch.empty(512 << 10, dtype=torch.uint8).fill_(1) for _ in range(8)]
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = type("MallInfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]})
-    print(libc.mallinfo2().hblks)  # chunks glibc mmapped
+    undo = host_memory.return_freed_memory()
+    undo()  # the end of the run: glibc's starting threshold (128 KiB) again
+    before = libc.mallinfo2().hblks
+    buffers = [torch.empty(512 << 10, dtype=torch.uint8).fill_(1) for _ in range(16)]
+    print(libc.mallinfo2().hblks - before)  # of these, the chunks glibc mmapped
     """
 )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_the_threshold_goes_back_when_the_run_ends() -> None:
-    # under the run's 1 MiB threshold 512 KiB buffers come from the heap; with glibc's 128 KiB they are mmapped each
-    counts = {}
+    # under the run's 1 MiB threshold 512 KiB buffers come from the heap; with glibc's 128 KiB they are mmapped each,
+    # but for the few that a free chunk already in the heap serves (it varies with what the imports freed)
+    mmapped = {}
     for undo in ("undo()", "pass"):
         code = _UNDONE.replace("undo()  #", f"{undo}  #")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        counts[undo] = int(run.stdout.split()[-1])
-    assert counts["undo()"] >= counts["pass"] + 8, counts
+        mmapped[undo] = int(run.stdout.split()[-1])
+    assert mmapped["undo()"] >= 12 and mmapped["pass"] <= 2, mmapped
 
 
 def test_a_threshold_the_user_chose_is_kept() -> None:
