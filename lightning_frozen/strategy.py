@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -33,6 +33,7 @@ from lightning_frozen.checkpoint import file, streamed_save, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.generation import wrap_generate
+from lightning_frozen.hf import transformers_loading
 from lightning_frozen.ledger import RunLedger, open_run
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
@@ -143,6 +144,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
         self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
+        self._drops_layers = False  # the module skips layers at random in training (LayerDrop): found at each fit
 
     @property
     def spec(self) -> StrategySpec:
@@ -257,6 +259,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def start_training(self, model: Module) -> None:
         super().start_training(model)
+        self._drops_layers = transformers_loading.drops_layers(model)
         if self.is_global_zero:
             rank_zero_info(self.memory_summary())
         self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
@@ -273,7 +276,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._optimized.check_unchanged()
-        return super().training_step(*args, **kwargs)
+        # LayerDrop runs every layer on every rank only where transformers believes ZeRO-3 is on: for the step alone
+        with transformers_loading.zero3_known(self.config) if self._drops_layers else nullcontext():
+            return super().training_step(*args, **kwargs)
 
     @override
     def on_train_start(self) -> None:

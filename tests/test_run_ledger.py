@@ -194,6 +194,27 @@ def test_the_zero3_belief_lasts_configure_model_and_deepspeeds_accelerator_the_r
     assert get_accelerator() is cuda
 
 
+class _DropsLayers(_RecordsTheBelief):
+    """A transformers model whose config asks for LayerDrop (wav2vec2's `layerdrop`; Llama's forward ignores it)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for sub in self.modules():
+            if hasattr(sub, "config"):
+                sub.config.layerdrop = 0.1
+
+
+def test_the_zero3_belief_holds_for_the_steps_of_a_model_that_drops_layers(llama_folder: str) -> None:
+    # its forward runs every layer on every rank only where transformers believes ZeRO-3 is on (each layer's gather
+    # is a collective); the belief still ends with the run
+    module = _DropsLayers(llama_folder, ["x"], together=False, in_configure_model=True)
+    before = Snapshot.take()
+    trainer = cpu_trainer(strategy=_strategy(), max_steps=1)
+    trainer.fit(module, token_batches(samples=4))
+    assert module.seen == {"configure_model": True, "training_step": True, "accelerator": "cpu"}
+    _unchanged(before, module, trainer=trainer)
+
+
 def test_two_strategies_in_one_process_keep_their_own_compute_tables() -> None:
     """Each run's layers computed from codes and decode buffers are its compute object's: the second strategy's run
     neither sees nor clears the first's (``zero/frozen_compute.py``)."""

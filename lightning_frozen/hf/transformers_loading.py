@@ -109,6 +109,14 @@ def zero3_known(config: dict) -> Iterator[None]:
         del hf_config
 
 
+def drops_layers(module: nn.Module) -> bool:
+    """Whether a transformers model in ``module`` skips layers at random in training (``config.layerdrop > 0``:
+    wav2vec2, HuBERT, WavLM, ...). Its forward asks transformers whether ZeRO-3 is on, to run every layer on every rank
+    then: each layer's gather is a collective, and ranks that skipped different layers would wait on each other."""
+    rates = (getattr(getattr(sub, "config", None), "layerdrop", 0) for sub in module.modules())
+    return any(isinstance(rate, (int, float)) and rate > 0 for rate in rates)
+
+
 @contextmanager
 def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
     """While active, ``from_pretrained`` builds its model with ``dtype`` as torch's default (the dtype DeepSpeed's
