@@ -32,6 +32,7 @@ from lightning_frozen.errors import (
 from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero.init import import_deepspeed
 from lightning_frozen.zero.whole import unshard
 
 __version__ = "0.1.0"
@@ -67,6 +68,8 @@ __all__ = [
     "read_checkpoint",
     "unshard",
 ]
+
+import_deepspeed()  # before anything else imports it: its accelerator chosen without its "unable to detect" warning
 
 if "frozen_deepspeed" not in StrategyRegistry:
     FrozenAwareDeepSpeedStrategy.register_strategies(StrategyRegistry)
