@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_frozen.checkpoint.convert import convert_deepspeed_checkpoint
 from lightning_frozen.checkpoint.file import read_checkpoint
-from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoint
+from lightning_frozen.checkpoint.loading import AdapterCheckpointMixin, load_adapter, load_from_checkpoint
 from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
     BitsAndBytesConfigError,
@@ -38,6 +38,7 @@ from lightning_frozen.zero.whole import unshard
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterCheckpointMixin",
     "BackboneFinetuning",
     "BaseFinetuning",
     "BitsAndBytesConfigError",

@@ -4,7 +4,7 @@ module built from the checkpoint's hyper-parameters, checking keys and shapes an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 from torch import nn
@@ -14,7 +14,12 @@ from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import verify_checkpoint_base
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
-from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
+from lightning_frozen.errors import (
+    CheckpointKeysError,
+    InvalidArgumentTypeError,
+    InvalidArgumentValueError,
+    format_names,
+)
 from lightning_frozen.format import layout
 from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero.params import persistent_buffers
@@ -160,3 +165,50 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)
     return module.eval()
+
+
+class AdapterCheckpointMixin:
+    """Makes Lightning's own ``MyModule.load_from_checkpoint(path)`` read lightning-frozen checkpoints.
+
+    Put it before ``LightningModule`` in the module's bases (``class MyModule(AdapterCheckpointMixin,
+    L.LightningModule)``). Without it, Lightning loads the file's trainable-only ``state_dict`` strictly and torch
+    raises ``Missing key(s) in state_dict`` for every frozen weight; with it, the call is
+    :func:`load_from_checkpoint`'s (the base built and verified, the trainable state loaded, eval mode).
+    """
+
+    @classmethod
+    def load_from_checkpoint(
+        cls: type[ModuleT],
+        checkpoint_path: PathLike,
+        map_location: Optional[Union[str, torch.device]] = None,
+        hparams_file: Optional[PathLike] = None,
+        strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> ModuleT:
+        """Lightning's signature, answered by :func:`lightning_frozen.load_from_checkpoint`.
+
+        ``map_location`` (a device) moves the loaded module there; ``strict`` is passed on; ``weights_only`` is
+        accepted and has no effect, since the file is always read with ``weights_only=True``. Other keyword arguments
+        override the saved hyper-parameters, as in Lightning.
+
+        Raises:
+            InvalidArgumentValueError: ``hparams_file`` given (pass the hyper-parameters as keyword arguments).
+            InvalidArgumentTypeError: ``map_location`` is not a device (a dict or a function, as ``torch.load`` takes).
+            FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError: as
+                :func:`load_from_checkpoint`.
+        """
+        if hparams_file is not None:
+            raise InvalidArgumentValueError(
+                f"`{cls.__name__}.load_from_checkpoint`: `hparams_file` is not read for lightning-frozen checkpoints;"
+                " pass the hyper-parameters to override as keyword arguments instead."
+            )
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise InvalidArgumentTypeError(
+                f"`{cls.__name__}.load_from_checkpoint`: `map_location` must be a device such as 'cpu' or 'cuda:0'"
+                f" for lightning-frozen checkpoints, got {type(map_location).__name__}."
+            )
+        if strict is not None:
+            kwargs["strict"] = strict
+        module = load_from_checkpoint(cls, checkpoint_path, **kwargs)
+        return module if map_location is None else module.to(map_location)
