@@ -70,7 +70,7 @@ __all__ = [
     "unshard",
 ]
 
-import_deepspeed()  # before anything else imports it: its accelerator chosen without its "unable to detect" warning
+import_deepspeed()  # before anything else does: its log lines on stderr, its accelerator chosen without a warning
 
 if "frozen_deepspeed" not in StrategyRegistry:
     FrozenAwareDeepSpeedStrategy.register_strategies(StrategyRegistry)

@@ -40,7 +40,7 @@ is defined where it is listed):
   and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (from a module's
   non-persistent buffer set), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
-  ``import_deepspeed``, ``import_with_logs_to_stderr``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of
+  ``import_deepspeed``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of
   ``F.linear`` that ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.

@@ -122,12 +122,15 @@ def _is_partition_wrapper(function: Any) -> bool:
 
 
 def import_deepspeed() -> None:
-    """Import DeepSpeed, choosing its CPU accelerator where torch sees no accelerator. Does nothing once imported.
+    """Import DeepSpeed with its log lines on stderr and, where torch sees no accelerator, its CPU accelerator chosen.
+    Does nothing once DeepSpeed is imported.
 
-    DeepSpeed picks its accelerator while it is imported, and where it finds none it falls back to the CPU with a
-    warning ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."). Its
-    own ``DS_ACCELERATOR`` makes the same choice without the warning: it is set for the import only (DeepSpeed reads
-    it nowhere else), and a ``DS_ACCELERATOR`` the user set is left as it is.
+    DeepSpeed's logger keeps the stream it finds at import: stdout pointing at stderr meanwhile keeps its lines out of
+    a command's output (`lightning-frozen fit --print_config > config.yaml`). DeepSpeed picks its accelerator while it
+    is imported, and where it finds none it falls back to the CPU with a warning ("Setting accelerator to CPU. If you
+    have GPU or other accelerator, we were unable to detect it."). Its own ``DS_ACCELERATOR`` makes the same choice
+    without the warning: it is set for the import only (DeepSpeed reads it nowhere else), and a ``DS_ACCELERATOR``
+    the user set is left as it is.
     """
     if "deepspeed" in sys.modules:
         return
@@ -135,17 +138,11 @@ def import_deepspeed() -> None:
     if chosen:
         os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        import deepspeed  # noqa: F401
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
     finally:
         if chosen:
             del os.environ["DS_ACCELERATOR"]
-
-
-def import_with_logs_to_stderr() -> None:
-    """:func:`import_deepspeed` with stdout pointing at stderr: DeepSpeed's logger keeps the stream it finds at
-    import, so its lines go to stderr for the rest of the process. Does nothing once imported."""
-    with contextlib.redirect_stdout(sys.stderr):
-        import_deepspeed()
 
 
 def deepspeed_linear_copy() -> tuple[type, str]:
