@@ -29,6 +29,7 @@ from typing_extensions import override
 import lightning_frozen
 from lightning_frozen import arguments
 from lightning_frozen.errors import FrozenTrainingError, InvalidArgumentValueError
+from lightning_frozen.hf import reference
 from lightning_frozen.memory import format_bytes
 
 PROG = "lightning-frozen"
@@ -153,7 +154,7 @@ def _estimate(options: argparse.Namespace) -> str:
     if options.source.endswith((".yaml", ".yml")):
         settings = _cli_config_settings(Path(options.source))
     if options.base or not settings:
-        model = _lora_model_on_meta(options.base or options.source, options.lora_r, options.target_modules)
+        model = reference.lora_model_on_meta(options.base or options.source, options.lora_r, options.target_modules)
     else:
         model = _module_on_meta(settings["model"], Path(options.source))
     given = {"precision": options.precision, "frozen_dtype": options.frozen_dtype}
@@ -210,25 +211,6 @@ def _assumptions(given: dict[str, Any], settings: dict[str, Any]) -> tuple[dict[
             assumed[name], origins[name] = default, whose
     assumed |= {key: settings[key] for key in ("offload_frozen", "offload_optimizer") if key in settings}
     return assumed, origins
-
-
-def _lora_model_on_meta(source: str, rank: int, target_modules: Optional[list[str]]) -> torch.nn.Module:
-    """The model a config.json describes (a folder holding one, the file, or a hub id), built on the meta device,
-    with LoRA of ``rank`` on ``target_modules`` (PEFT's choice for the model type where None)."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    config = transformers.AutoConfig.from_pretrained(source)
-    architecture = getattr(transformers, (config.architectures or [""])[0], None)
-    with torch.device("meta"):
-        model = architecture(config) if architecture else transformers.AutoModel.from_config(config)
-    try:
-        return get_peft_model(model, LoraConfig(r=rank, target_modules=target_modules))
-    except ValueError as error:
-        raise InvalidArgumentValueError(
-            f"{source}: LoRA found no target modules in `{type(model).__name__}` ({error}). Name them with"
-            " `--target-modules`."
-        ) from error
 
 
 def _module_on_meta(entry: Any, source: Path) -> torch.nn.Module:

@@ -79,8 +79,8 @@ def still_sharded_notice(model: nn.Module) -> Optional[str]:
         return None
     name = type(model).__name__
     return (
-        f"lightning-frozen: `{name}`'s params are still ZeRO-3 shards, empty outside the Trainer (torch raises `'weight'"
-        f" must be 2-D` or `mat2 must be a matrix`). To use it in this script, call `lightning_frozen.unshard(model)` on every rank; to load it"
-        f" for inference or serving, `lightning_frozen.load_from_checkpoint({name}, path)` or `lightning-frozen"
-        " export-peft` (docs/faq.md)."
+        f"lightning-frozen: `{name}`'s params are still ZeRO-3 shards, empty outside the Trainer (torch raises"
+        " `'weight' must be 2-D` or `mat2 must be a matrix`). To use it in this script, call"
+        " `lightning_frozen.unshard(model)` on every rank; to load it for inference or serving,"
+        f" `lightning_frozen.load_from_checkpoint({name}, path)` or `lightning-frozen export-peft` (docs/faq.md)."
     )
