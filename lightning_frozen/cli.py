@@ -232,6 +232,8 @@ def _module_on_meta(entry: Any, source: Path) -> torch.nn.Module:
             if callable(getattr(module, "configure_model", None)):
                 module.configure_model()
     except RuntimeError as error:
+        if "meta" not in str(error):
+            raise  # the module's own error
         raise InvalidArgumentValueError(
             f"`{module_class.__name__}` loads weights while it is built ({str(error).splitlines()[0]}), which the"
             " estimate does not do: pass its base's config.json or folder with `--base`; the config's trainer and"
@@ -290,36 +292,45 @@ def _steps_epilog() -> str:
     return f"Steps after fit: {', '.join(STEPS)} (`{PROG} STEP --help` says what each does)."
 
 
-def strategy_named_with_options(argv: list[str], configured: Optional[str]) -> list[str]:
-    """``argv`` with a registered strategy name turned into its class and that name's options, where a
-    ``--trainer.strategy.OPTION`` follows and the strategy is that name (``configured``, the config's; None where the
-    config gives a ``class_path``): the class goes before the first option, as ``--trainer.strategy=`` a class does."""
-    names = {name: options for name, _, options in arguments.REGISTERED_NAMES}
+def strategy_named_with_options(argv: list[str]) -> list[str]:
+    """``argv`` with a registered strategy name turned into its class and that name's options where a
+    ``--trainer.strategy.OPTION`` follows it: the name a ``--config`` file or ``--trainer.strategy=NAME`` gives (or the
+    default, ``frozen_deepspeed``). The class goes before the first option, as ``--trainer.strategy=`` a class does;
+    a ``class_path`` form, or a name of another package, is left as it is."""
     first = next((i for i, arg in enumerate(argv) if _STRATEGY_OPTION.match(arg)), None)
-    if first is None or configured not in names or any(_STRATEGY_GIVEN.match(arg) for arg in argv[:first]):
+    if first is None:
+        return argv
+    strategy, given_at = _strategy_before(argv[:first])
+    names = {name: options for name, _, options in arguments.REGISTERED_NAMES}
+    if not isinstance(strategy, str) or strategy not in names:
         return argv
     as_class = ["--trainer.strategy=FrozenAwareDeepSpeedStrategy"]
-    as_class += [f"--trainer.strategy.{key}={json.dumps(value)}" for key, value in names[configured].items()]
-    return [*argv[:first], *as_class, *argv[first:]]
+    as_class += [f"--trainer.strategy.{key}={json.dumps(value)}" for key, value in names[strategy].items()]
+    before = [arg for i, arg in enumerate(argv[:first]) if i not in given_at]
+    return [*before, *as_class, *argv[first:]]
 
 
 # `--trainer.strategy.frozen_dtype=nf4`, not `--trainer.strategy.init_args.x` (the class form's) or `.help`
 _STRATEGY_OPTION = re.compile(r"--trainer\.strategy\.(?!init_args\b|help\b|class_path\b)\w+")
-_STRATEGY_GIVEN = re.compile(r"--trainer\.strategy(=|$)")
 
 
-def _configured_strategy(argv: list[str]) -> Optional[str]:
-    """The strategy the last ``--config`` file in ``argv`` names, ``frozen_deepspeed`` (the default) where none sets
-    one, None where it is a ``class_path`` form."""
-    configs = [value for flag, value in zip(argv, argv[1:]) if flag in ("--config", "-c")]
-    configs += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+def _strategy_before(argv: list[str]) -> tuple[Any, set[int]]:
+    """The strategy that ``argv``'s ``--config`` files and ``--trainer.strategy`` give, in order (a name, or a
+    ``class_path`` dict), ``frozen_deepspeed`` where none does; and the positions of the arguments that give it on the
+    command line."""
     strategy: Any = "frozen_deepspeed"
-    for config in configs:
-        path = Path(config)
-        trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") if path.is_file() else None
-        if isinstance(trainer, dict) and "strategy" in trainer:
-            strategy = trainer["strategy"]
-    return strategy if isinstance(strategy, str) else None
+    given_at: set[int] = set()
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if not value and i + 1 < len(argv):
+            value = argv[i + 1]
+        if flag in ("--config", "-c") and Path(value).is_file():
+            trainer = (yaml.safe_load(Path(value).read_text()) or {}).get("trainer")
+            if isinstance(trainer, dict) and "strategy" in trainer:
+                strategy, given_at = trainer["strategy"], set()
+        elif flag == "--trainer.strategy":
+            strategy, given_at = value, {i} if "=" in arg else {i, i + 1}
+    return strategy, given_at
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -342,4 +353,4 @@ def main(args: Optional[list[str]] = None) -> None:
             f"{PROG}: error: invalid choice: {argv[0]!r} (choose from {choices}); see `{PROG} --help`", file=sys.stderr
         )
         sys.exit(2)
-    lightning_cli(strategy_named_with_options(argv, _configured_strategy(argv)))
+    lightning_cli(strategy_named_with_options(argv))

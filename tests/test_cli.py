@@ -408,3 +408,17 @@ def test_a_registered_name_in_yaml_takes_strategy_options_on_the_command_line(tm
     assert saved["frozen_base"]["fingerprint"]["mode"] == "none"  # the option reached the strategy
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["strategy"]
     assert written["class_path"] == CLASS_PATH and written["init_args"]["offload_frozen"] is False  # the name's
+
+
+def test_a_registered_name_on_the_command_line_becomes_its_class_before_the_first_option() -> None:
+    given = ["fit", "--trainer.strategy", "frozen_deepspeed_offload", "--trainer.strategy.frozen_dtype=nf4"]
+    assert cli.strategy_named_with_options(given) == [
+        "fit",
+        "--trainer.strategy=FrozenAwareDeepSpeedStrategy",
+        "--trainer.strategy.offload_optimizer=true",
+        "--trainer.strategy.frozen_dtype=nf4",
+    ]
+    as_class = ["fit", "--trainer.strategy=FrozenAwareDeepSpeedStrategy", "--trainer.strategy.frozen_dtype=nf4"]
+    assert cli.strategy_named_with_options(as_class) == as_class
+    stock = ["fit", "--trainer.strategy=deepspeed_stage_3", "--trainer.strategy.stage=3"]
+    assert cli.strategy_named_with_options(stock) == stock  # another package's name: jsonargparse's own answer
