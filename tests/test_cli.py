@@ -21,6 +21,7 @@ import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, cli
 from lightning_frozen.cli import lightning_cli, main
 from tests.cli_support import SavedHparamsAdapterModel, command_env
+from tests.distributed import fresh_env
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -422,3 +423,14 @@ def test_a_registered_name_on_the_command_line_becomes_its_class_before_the_firs
     assert cli.strategy_named_with_options(as_class) == as_class
     stock = ["fit", "--trainer.strategy=deepspeed_stage_3", "--trainer.strategy.stage=3"]
     assert cli.strategy_named_with_options(stock) == stock  # another package's name: jsonargparse's own answer
+
+
+def test_help_prints_no_deepspeed_accelerator_warning() -> None:
+    code = "from lightning_frozen.cli import main; main(['--help'])"
+    env = fresh_env()
+    env.pop("DS_ACCELERATOR", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "export-peft" in result.stdout
+    assert "accelerator" not in result.stderr, result.stderr  # DeepSpeed's "Setting accelerator to CPU" warning
