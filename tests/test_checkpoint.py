@@ -154,6 +154,8 @@ def test_lightnings_own_load_from_checkpoint_reads_the_file_with_the_mixin(train
         _MixedAdapterModel.load_from_checkpoint(trained["two"], rank=2, verify_base=False)
     with pytest.raises(lightning_frozen.InvalidArgumentValueError, match="pass the hyper-parameters"):
         _MixedAdapterModel.load_from_checkpoint(trained["two"], hparams_file="hparams.yaml")
+    with pytest.raises(lightning_frozen.InvalidArgumentTypeError, match="put the mixin first"):
+        type("MixinLast", (AdapterModel, lightning_frozen.AdapterCheckpointMixin), {})
 
 
 def test_validate_with_ckpt_path_under_the_strategy_uses_the_adapter(trained: dict[str, Path]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional, TypeVar, Union
 
+import lightning.pytorch as L
 import torch
 from torch import nn
 
@@ -173,8 +174,19 @@ class AdapterCheckpointMixin:
     Put it before ``LightningModule`` in the module's bases (``class MyModule(AdapterCheckpointMixin,
     L.LightningModule)``). Without it, Lightning loads the file's trainable-only ``state_dict`` strictly and torch
     raises ``Missing key(s) in state_dict`` for every frozen weight; with it, the call is
-    :func:`load_from_checkpoint`'s (the base built and verified, the trainable state loaded, eval mode).
+    :func:`load_from_checkpoint`'s (the base built and verified, the trainable state loaded, eval mode). A class
+    that lists it after ``LightningModule`` would get Lightning's classmethod instead, and is refused when defined.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = next(klass for klass in cls.__mro__ if "load_from_checkpoint" in vars(klass))
+        if owner is L.LightningModule:
+            raise InvalidArgumentTypeError(
+                f"`{cls.__name__}` lists `AdapterCheckpointMixin` after `LightningModule`, so Lightning's own"
+                " `load_from_checkpoint` would answer: put the mixin first,"
+                f" `class {cls.__name__}(AdapterCheckpointMixin, L.LightningModule)`."
+            )
 
     @classmethod
     def load_from_checkpoint(
