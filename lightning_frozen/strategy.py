@@ -305,7 +305,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             release_engine(self.model, module)
             notice = still_sharded_notice(module)
             # RUNNING: the run returned (Lightning marks a raised one INTERRUPTED before its teardown)
-            if notice and self.is_global_zero and module.trainer.state.status == TrainerStatus.RUNNING:
+            if notice and module.trainer.state.status == TrainerStatus.RUNNING:
                 rank_zero_info(notice)
         self._ledger.close()  # the module outlives the run: outside it, it and the process are the user's own
         self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
