@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_frozen.checkpoint.convert import convert_deepspeed_checkpoint
 from lightning_frozen.checkpoint.file import read_checkpoint
-from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoint
+from lightning_frozen.checkpoint.loading import AdapterCheckpointMixin, load_adapter, load_from_checkpoint
 from lightning_frozen.checkpoint.merged_export import export_merged
 from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
@@ -34,11 +34,13 @@ from lightning_frozen.errors import (
 from lightning_frozen.finetuning import BackboneFinetuning, BaseFinetuning
 from lightning_frozen.memory import MemoryEstimate, estimate_memory
 from lightning_frozen.strategy import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero.init import import_deepspeed
 from lightning_frozen.zero.whole import unshard
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterCheckpointMixin",
     "BackboneFinetuning",
     "BaseFolderError",
     "BaseFinetuning",
@@ -71,6 +73,8 @@ __all__ = [
     "read_checkpoint",
     "unshard",
 ]
+
+import_deepspeed()  # before anything else does: its log lines on stderr, its accelerator chosen without a warning
 
 if "frozen_deepspeed" not in StrategyRegistry:
     FrozenAwareDeepSpeedStrategy.register_strategies(StrategyRegistry)

@@ -1,39 +1,45 @@
-"""The ``lightning-frozen`` command: Lightning's CLI with the frozen strategies registered, plus ``convert``.
+"""The ``lightning-frozen`` command: Lightning's CLI with the frozen strategies registered, and the steps after a fit.
 
-``lightning-frozen fit --config config.yaml`` is :class:`~lightning.pytorch.cli.LightningCLI` in subclass mode
-(any LightningModule and LightningDataModule named by ``class_path``), with ``frozen_deepspeed`` as the default
-strategy. ``lightning-frozen convert SRC_DIR DST_FILE`` turns a stock Lightning DeepSpeed checkpoint directory
-into a lightning-frozen checkpoint file.
+``lightning-frozen fit --config config.yaml`` (and ``validate``, ``test``, ``predict``) is
+:class:`~lightning.pytorch.cli.LightningCLI` in subclass mode (any LightningModule and LightningDataModule named by
+``class_path``), with ``frozen_deepspeed`` as the default strategy. The steps after a fit are :data:`STEPS`:
+``export-peft`` (PEFT's adapter format), ``convert`` (a stock Lightning DeepSpeed checkpoint directory into a
+lightning-frozen file) and ``estimate`` (memory per rank, from a model's config or a LightningCLI config).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pkgutil
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import yaml
 from lightning.pytorch.cli import ArgsType, LightningCLI
 from typing_extensions import override
 
 import lightning_frozen
-from lightning_frozen.errors import FrozenTrainingError
+from lightning_frozen import arguments
+from lightning_frozen.errors import FrozenTrainingError, InvalidArgumentValueError
+from lightning_frozen.hf import reference
 from lightning_frozen.memory import format_bytes
-from lightning_frozen.zero.init import import_with_logs_to_stderr
 
 PROG = "lightning-frozen"
 
-_DESCRIPTION = f"""\
+_DESCRIPTION = """\
 Lightning's CLI with the lightning-frozen strategies registered: trainer.strategy defaults to frozen_deepspeed
 and accepts frozen_deepspeed_offload, frozen_deepspeed_no_offload or `class_path:
-lightning_frozen.FrozenAwareDeepSpeedStrategy` with `init_args`. On the command line, strategy options need the
-class form: `--trainer.strategy=FrozenAwareDeepSpeedStrategy --trainer.strategy.offload_frozen=false` (a class
-name with no option after it is read as a registered name, and fails); `--trainer.strategy.help
-FrozenAwareDeepSpeedStrategy` lists the options. Also: `{PROG} convert SRC_DIR DST_FILE` converts a stock
-Lightning DeepSpeed checkpoint directory (`{PROG} convert --help`)."""
+lightning_frozen.FrozenAwareDeepSpeedStrategy` with `init_args`. A strategy option on the command line
+(`--trainer.strategy.frozen_dtype=nf4`) applies to the registered name the config gives, as its class with that
+name's options; `--trainer.strategy.help FrozenAwareDeepSpeedStrategy` lists the options."""
 
 
 class _FrozenCLI(LightningCLI):
@@ -87,55 +93,264 @@ def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
         "subclass_mode_model": True,
         "subclass_mode_data": True,
         "trainer_defaults": {"strategy": "frozen_deepspeed"},
-        "parser_kwargs": {"prog": PROG, "description": _DESCRIPTION},
+        "parser_kwargs": {"prog": PROG, "description": _DESCRIPTION, "epilog": _steps_epilog()},
         "args": args,
     }
     options.update(kwargs)
     return _FrozenCLI(**options)
 
 
-def _convert_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"{PROG} convert",
-        description=(
-            "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy (ZeRO-3) into one"
-            " lightning-frozen checkpoint file: trainable state and optimizer state by name, plus the frozen base's"
-            " fingerprint when the directory holds the frozen weights. `lightning_frozen.load_adapter`,"
-            " `load_from_checkpoint`, `export_peft_adapter` and `fit(ckpt_path=...)` under frozen_deepspeed read it."
-        ),
-    )
+@dataclass(frozen=True)
+class Step:
+    """A subcommand for a step after ``fit``: one line on what it does, the arguments it takes, and the call that does
+    it, which returns what it prints. A new step is an entry of :data:`STEPS`."""
+
+    summary: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], str]
+
+
+def _export_peft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_path", type=Path, help="a lightning-frozen checkpoint file of a PEFT model")
+    parser.add_argument("output_dir", type=Path, help="the folder to write (replaced only if it holds an export)")
+    parser.add_argument("--adapter", help="of a run that trained several adapters at once, the one to export")
+
+
+def _export_peft(options: argparse.Namespace) -> str:
+    written = lightning_frozen.export_peft_adapter(options.checkpoint_path, options.output_dir, options.adapter)
+    return f"wrote {written} (load it with `peft.PeftModel.from_pretrained(base, {str(written)!r})`)"
+
+
+def _convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src_dir", type=Path, help="checkpoint directory written by DeepSpeedStrategy")
     parser.add_argument("dst_file", type=Path, help="the lightning-frozen checkpoint file to write")
     parser.add_argument("--reference", help="where the frozen base comes from (a path or hub id), stored in the file")
-    return parser
 
 
-def convert(argv: list[str]) -> None:
-    """Run ``lightning-frozen convert``: parse ``argv`` and call :func:`lightning_frozen.convert_deepspeed_checkpoint`.
+def _convert(options: argparse.Namespace) -> str:
+    written = lightning_frozen.convert_deepspeed_checkpoint(options.src_dir, options.dst_file, options.reference)
+    return f"wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}"
 
-    Exits with status 2 on bad arguments and 1, printing the reason, when the conversion raises a
-    :class:`~lightning_frozen.FrozenTrainingError` or an ``OSError`` (a missing or unreadable source).
+
+def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source",
+        help="a model's config.json, the folder holding it (a hub checkpoint), a hub id, or a LightningCLI config"
+        " (.yaml) whose trainer and strategy settings are read and whose model is built on the meta device",
+    )
+    parser.add_argument("--base", help="with a .yaml source: the base's config.json or folder to build instead")
+    parser.add_argument("--devices", type=int, help="ranks per node (default: the config's, else 1)")
+    parser.add_argument("--num-nodes", type=int, help="nodes (default: the config's, else 1)")
+    parser.add_argument("--precision", help="the Trainer's precision (default: the config's, else its default 32-true)")
+    parser.add_argument("--frozen-dtype", help="int8, nf4, bf16 or fp16 (default: the config's, else None)")
+    parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank on a config.json's model (default: 8)")
+    parser.add_argument(
+        "--target-modules", nargs="+", help="LoRA's target modules (default: PEFT's for the model type)"
+    )
+
+
+def _estimate(options: argparse.Namespace) -> str:
+    settings: dict[str, Any] = {}
+    if options.source.endswith((".yaml", ".yml")):
+        settings = _cli_config_settings(Path(options.source))
+    if options.base or not settings:
+        model = reference.lora_model_on_meta(options.base or options.source, options.lora_r, options.target_modules)
+    else:
+        model = _module_on_meta(settings["model"], Path(options.source))
+    given = {"precision": options.precision, "frozen_dtype": options.frozen_dtype}
+    given |= {"num_devices": options.devices, "num_nodes": options.num_nodes}
+    assumed, origins = _assumptions(given, settings)
+    estimate = lightning_frozen.estimate_memory(model, print_table=False, **assumed)
+    said = ", ".join(f"{name} {assumed[name]!s} ({origins[name]})" for name in ("precision", "frozen_dtype"))
+    return f"{options.source}: assumed {said}\n{estimate.table()}"
+
+
+def _cli_config_settings(path: Path) -> dict[str, Any]:
+    """What a LightningCLI config says that the estimate needs: the Trainer's precision, devices and nodes, the
+    strategy's ``frozen_dtype`` and offloads (a registered name's, or its ``init_args``), and the model's entry."""
+    config = yaml.safe_load(path.read_text()) or {}
+    trainer = config.get("trainer") or {}
+    strategy = trainer.get("strategy", "frozen_deepspeed")
+    names = {name: options for name, _, options in arguments.REGISTERED_NAMES}
+    if isinstance(strategy, str) and strategy not in names:
+        raise InvalidArgumentValueError(
+            f"{path}: `trainer.strategy: {strategy}` is not a lightning-frozen strategy; the estimate is for"
+            f" {', '.join(names)} or `lightning_frozen.FrozenAwareDeepSpeedStrategy`."
+        )
+    options = names[strategy] if isinstance(strategy, str) else strategy.get("init_args") or {}
+    settings = {"model": config.get("model")}
+    settings |= {name: trainer[key] for key, name in _TRAINER_SETTINGS.items() if key in trainer}
+    settings |= {key: options[key] for key in ("frozen_dtype", "offload_frozen", "offload_optimizer") if key in options}
+    if not isinstance(settings.get("num_devices", 1), int):
+        raise InvalidArgumentValueError(
+            f"{path}: `trainer.devices: {settings['num_devices']}` is no number of devices; pass `--devices N`."
+        )
+    return settings
+
+
+_TRAINER_SETTINGS = {"precision": "precision", "devices": "num_devices", "num_nodes": "num_nodes"}
+# what the estimate assumes where neither the command line nor the config says, and whose default it is
+_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "precision": ("32-true", "the Trainer's default"),
+    "frozen_dtype": (None, "the strategy's default"),
+    "num_devices": (1, "the default"),
+    "num_nodes": (1, "the default"),
+}
+
+
+def _assumptions(given: dict[str, Any], settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``estimate_memory``'s arguments, each from the command line, else the config, else its default; and where
+    each of them came from."""
+    assumed, origins = {}, {}
+    for name, (default, whose) in _DEFAULTS.items():
+        if given.get(name) is not None:
+            assumed[name], origins[name] = given[name], "given"
+        elif name in settings:
+            assumed[name], origins[name] = settings[name], "the config's"
+        else:
+            assumed[name], origins[name] = default, whose
+    assumed |= {key: settings[key] for key in ("offload_frozen", "offload_optimizer") if key in settings}
+    return assumed, origins
+
+
+def _module_on_meta(entry: Any, source: Path) -> torch.nn.Module:
+    """The LightningModule a config's ``model`` entry names, built (``__init__``, then ``configure_model``) on the meta
+    device.
+
+    Raises:
+        InvalidArgumentValueError: no ``class_path``, or the module loads weights (``from_pretrained`` refuses the
+            meta device): the message says to pass ``--base``.
     """
-    parser = _convert_parser()
+    if not (isinstance(entry, dict) and "class_path" in entry):
+        raise InvalidArgumentValueError(
+            f"{source} has no `model: class_path:` entry: pass the base's config.json or folder with `--base`."
+        )
+    module_class = pkgutil.resolve_name(entry["class_path"])
+    try:
+        with torch.device("meta"):
+            module = module_class(**(entry.get("init_args") or {}))
+            if callable(getattr(module, "configure_model", None)):
+                module.configure_model()
+    except RuntimeError as error:
+        if "meta" not in str(error):
+            raise  # the module's own error
+        raise InvalidArgumentValueError(
+            f"`{module_class.__name__}` loads weights while it is built ({str(error).splitlines()[0]}), which the"
+            " estimate does not do: pass its base's config.json or folder with `--base`; the config's trainer and"
+            " strategy settings still apply."
+        ) from error
+    return module
+
+
+STEPS: dict[str, Step] = {
+    "export-peft": Step(
+        "Export a lightning-frozen checkpoint of a PEFT model to PEFT's format: adapter_config.json and"
+        " adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, OUTPUT_DIR)`.",
+        _export_peft_arguments,
+        _export_peft,
+    ),
+    "convert": Step(
+        "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy (ZeRO-3) into one"
+        " lightning-frozen checkpoint file: trainable state and optimizer state by name, plus the frozen base's"
+        " fingerprint when the directory holds the frozen weights. `lightning_frozen.load_adapter`,"
+        " `load_from_checkpoint`, `export_peft_adapter` and `fit(ckpt_path=...)` under frozen_deepspeed read it.",
+        _convert_arguments,
+        _convert,
+    ),
+    "estimate": Step(
+        "Estimate the per-rank memory of training a model under frozen_deepspeed, without allocating it (built on"
+        " the meta device), and say the precision and frozen_dtype it assumed.",
+        _estimate_arguments,
+        _estimate,
+    ),
+}
+
+
+def run_step(name: str, argv: list[str]) -> None:
+    """Run the step ``name`` of :data:`STEPS` with ``argv`` and print what it returns.
+
+    Exits with status 2 on bad arguments and 1, printing the reason, when the step raises a
+    :class:`~lightning_frozen.FrozenTrainingError` or an ``OSError`` (a missing or unreadable file).
+    """
+    step = STEPS[name]
+    parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=step.summary)
+    step.arguments(parser)
     options = parser.parse_args(argv)
     try:
-        written = lightning_frozen.convert_deepspeed_checkpoint(options.src_dir, options.dst_file, options.reference)
+        printed = step.run(options)
     except (FrozenTrainingError, OSError) as error:
-        parser.exit(1, f"{PROG} convert: error: {error}\n")
-    print(f"{PROG} convert: wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}")
+        parser.exit(1, f"{PROG} {name}: error: {error}\n")
+    print(f"{PROG} {name}: {printed}")
+
+
+def subcommands() -> list[str]:
+    """Every subcommand of the command: Lightning's, then the steps after ``fit``."""
+    return [*LightningCLI.subcommands(), *STEPS]
+
+
+def _steps_epilog() -> str:
+    return f"Steps after fit: {', '.join(STEPS)} (`{PROG} STEP --help` says what each does)."
+
+
+def strategy_named_with_options(argv: list[str]) -> list[str]:
+    """``argv`` with a registered strategy name turned into its class and that name's options where a
+    ``--trainer.strategy.OPTION`` follows it: the name a ``--config`` file or ``--trainer.strategy=NAME`` gives (or the
+    default, ``frozen_deepspeed``). The class goes before the first option, as ``--trainer.strategy=`` a class does;
+    a ``class_path`` form, or a name of another package, is left as it is."""
+    first = next((i for i, arg in enumerate(argv) if _STRATEGY_OPTION.match(arg)), None)
+    if first is None:
+        return argv
+    strategy, given_at = _strategy_before(argv[:first])
+    names = {name: options for name, _, options in arguments.REGISTERED_NAMES}
+    if not isinstance(strategy, str) or strategy not in names:
+        return argv
+    as_class = ["--trainer.strategy=FrozenAwareDeepSpeedStrategy"]
+    as_class += [f"--trainer.strategy.{key}={json.dumps(value)}" for key, value in names[strategy].items()]
+    before = [arg for i, arg in enumerate(argv[:first]) if i not in given_at]
+    return [*before, *as_class, *argv[first:]]
+
+
+# `--trainer.strategy.frozen_dtype=nf4`, not `--trainer.strategy.init_args.x` (the class form's) or `.help`
+_STRATEGY_OPTION = re.compile(r"--trainer\.strategy\.(?!init_args\b|help\b|class_path\b)\w+")
+
+
+def _strategy_before(argv: list[str]) -> tuple[Any, set[int]]:
+    """The strategy that ``argv``'s ``--config`` files and ``--trainer.strategy`` give, in order (a name, or a
+    ``class_path`` dict), ``frozen_deepspeed`` where none does; and the positions of the arguments that give it on the
+    command line."""
+    strategy: Any = "frozen_deepspeed"
+    given_at: set[int] = set()
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if not value and i + 1 < len(argv):
+            value = argv[i + 1]
+        if flag in ("--config", "-c") and Path(value).is_file():
+            trainer = (yaml.safe_load(Path(value).read_text()) or {}).get("trainer")
+            if isinstance(trainer, dict) and "strategy" in trainer:
+                strategy, given_at = trainer["strategy"], set()
+        elif flag == "--trainer.strategy":
+            strategy, given_at = value, {i} if "=" in arg else {i, i + 1}
+    return strategy, given_at
 
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``.
 
-    The current directory goes first on ``sys.path``, as with ``python -m``, so that a ``class_path`` naming a
-    module of the project one runs from (``examples.minilm_lora.task.LoRASentimentClassifier``) imports.
+    A step of :data:`STEPS` runs by itself; anything else goes to Lightning's CLI, and a first word that is no
+    subcommand exits with status 2 listing them all. The current directory goes first on ``sys.path``, as with
+    ``python -m``, so that a ``class_path`` naming a module of the project one runs from
+    (``examples.minilm_lora.task.LoRASentimentClassifier``) imports.
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    import_with_logs_to_stderr()  # DeepSpeed's log lines must stay out of `--print_config > config.yaml`
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["convert"]:
-        convert(argv[1:])
-    else:
-        lightning_cli(args)
+    if argv[:1] and argv[0] in STEPS:
+        run_step(argv[0], argv[1:])
+        return
+    if argv[:1] and not argv[0].startswith("-") and argv[0] not in subcommands():
+        choices = ", ".join(repr(name) for name in subcommands())
+        print(
+            f"{PROG}: error: invalid choice: {argv[0]!r} (choose from {choices}); see `{PROG} --help`", file=sys.stderr
+        )
+        sys.exit(2)
+    lightning_cli(strategy_named_with_options(argv))

@@ -67,6 +67,9 @@ class MemoryEstimate:
     # a rank's frozen shards while loading: quantized as they are read when the sliced loader reads them (a
     # `frozen_dtype` base arriving another way is held in the compute dtype until setup: `frozen_params` x its bytes)
     loaded_shards: int = 0
+    # what the estimate assumed, echoed at the top of its table
+    precision: str = "32-true"
+    frozen_dtype: Optional[str] = None
 
     @property
     def limit_bytes(self) -> int:
@@ -104,6 +107,8 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows = [
+            ("precision", self.precision, "Trainer's `precision`"),
+            ("frozen dtype", str(self.frozen_dtype), "strategy's `frozen_dtype`"),
             ("trainable params", f"{self.trainable_params:,}", ""),
             ("frozen params", f"{self.frozen_params:,}", ""),
             ("ranks", str(self.world_size), ""),
@@ -190,6 +195,8 @@ def estimate_from_counts(
         ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
         load_in_flight=load_in_flight,
         loaded_shards=storage_bytes(frozen_shard, frozen_dtype, weight_bytes),
+        precision=str(precision),
+        frozen_dtype=frozen_dtype,
     )
 
 
@@ -202,7 +209,7 @@ def estimate_memory(
     model: nn.Module,
     num_devices: int = 1,
     num_nodes: int = 1,
-    precision: str = "bf16-mixed",
+    precision: str = "32-true",
     offload_frozen: bool = True,
     offload_optimizer: bool = False,
     optimizer_state_bytes: int = 8,
@@ -216,7 +223,9 @@ def estimate_memory(
     gradients, optimizer state (Adam-type by default: ``optimizer_state_bytes=8``) and ZeRO-3's two working
     buffers (the largest module's params gathered whole, and the gradient bucket of ``reduce_bucket_size``
     elements: by default what the strategy picks, the trainable elements up to Lightning's 2e8), the host memory
-    per node that loading the base in ``configure_model`` needs (``host_load_bytes``), and prints its table.
+    per node that loading the base in ``configure_model`` needs (``host_load_bytes``), and prints its table, whose
+    first rows say the ``precision`` and ``frozen_dtype`` it assumed. ``precision`` is the Trainer's: its default,
+    ``"32-true"``, is this function's too, so pass the one the Trainer gets (``"bf16-mixed"`` halves the shards).
     ``frozen_dtype`` (``"int8"``/``"nf4"``, as the strategy's option) counts the frozen shards quantized: codes
     plus one scale per block. Activations are not included. The model may live on the ``meta`` device, so a 13B
     model can be estimated without allocating it, or be partitioned by ZeRO-3 already.

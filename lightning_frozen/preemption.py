@@ -225,7 +225,7 @@ class StopAtStepBoundary(Callback):
         signum = signal.SIGTERM if terminate else self.preemption._requeue_signum or signal.SIGUSR1
         if terminate:
             path = stop_checkpoint_path(trainer)
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the whole state, for a resume
         else:
             # Lightning's requeue: loggers finalized, `hpc_ckpt_<n>.ckpt` saved (every rank), `scontrol requeue`
             path = lightning_seam.requeue(trainer, signum)

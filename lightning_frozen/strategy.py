@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -43,6 +44,7 @@ from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
 from lightning_frozen.zero.frozen_compute import KERNELS, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
+from lightning_frozen.zero.whole import still_sharded_notice
 
 if TYPE_CHECKING:
     import deepspeed
@@ -307,8 +309,13 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def teardown(self) -> None:
         """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone."""
-        if self.lightning_module is not None:
-            release_engine(self.model, self.lightning_module)
+        module = self.lightning_module
+        if module is not None:
+            release_engine(self.model, module)
+            notice = still_sharded_notice(module)
+            # RUNNING: the run returned (Lightning marks a raised one INTERRUPTED before its teardown)
+            if notice and module.trainer.state.status == TrainerStatus.RUNNING:
+                rank_zero_info(notice)
         self._ledger.close()  # the module outlives the run: outside it, it and the process are the user's own
         self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
         super().teardown()

@@ -136,6 +136,28 @@ def test_load_from_checkpoint_builds_the_module_from_its_hyper_parameters(traine
         lightning_frozen.load_from_checkpoint(AdapterModel, trained["two"], rank=2, verify_base=False)
 
 
+class _MixedAdapterModel(lightning_frozen.AdapterCheckpointMixin, AdapterModel):
+    """What a user's module looks like once it opts in to Lightning's ``load_from_checkpoint``."""
+
+
+def test_lightnings_own_load_from_checkpoint_reads_the_file_with_the_mixin(trained: dict[str, Path]) -> None:
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers.0.base.weight\""):
+        AdapterModel.load_from_checkpoint(trained["two"])  # what Lightning does without the mixin
+
+    module = _MixedAdapterModel.load_from_checkpoint(trained["two"], map_location="cpu", weights_only=True)
+
+    assert type(module) is _MixedAdapterModel and not module.training
+    checkpoint = torch.load(trained["two"], weights_only=True)
+    for name, value in checkpoint["state_dict"].items():
+        torch.testing.assert_close(module.get_parameter(name), value)
+    with pytest.raises(CheckpointKeysError, match="shape"):
+        _MixedAdapterModel.load_from_checkpoint(trained["two"], rank=2, verify_base=False)
+    with pytest.raises(lightning_frozen.InvalidArgumentValueError, match="pass the hyper-parameters"):
+        _MixedAdapterModel.load_from_checkpoint(trained["two"], hparams_file="hparams.yaml")
+    with pytest.raises(lightning_frozen.InvalidArgumentTypeError, match="put the mixin first"):
+        type("MixinLast", (AdapterModel, lightning_frozen.AdapterCheckpointMixin), {})
+
+
 def test_validate_with_ckpt_path_under_the_strategy_uses_the_adapter(trained: dict[str, Path]) -> None:
     loaded = lightning_frozen.load_adapter(AdapterModel(), trained["two"]).eval()
     x, y = next(iter(regression_data(batch_size=64)))

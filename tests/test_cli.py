@@ -18,9 +18,10 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 import lightning_frozen
-from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, cli
 from lightning_frozen.cli import lightning_cli, main
 from tests.cli_support import SavedHparamsAdapterModel, command_env
+from tests.distributed import fresh_env
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,3 +326,111 @@ def test_convert_explains_its_arguments_and_failures(capsys: pytest.CaptureFixtu
         error = capsys.readouterr().err
         assert error.startswith("lightning-frozen convert: error:") and reason in error and str(source) in error
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_help_and_an_unknown_subcommand_list_every_step(capsys: pytest.CaptureFixture[str]) -> None:
+    steps = ["fit", "validate", "test", "predict", "export-peft", "convert", "estimate"]
+    assert cli.subcommands() == steps
+    help_text = " ".join(_exit_output(capsys, "--help").split())
+    assert all(step in help_text for step in steps), help_text
+
+    with pytest.raises(SystemExit) as exited:
+        main(["export", "adapter.ckpt", "out/"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "lightning-frozen: error: invalid choice: 'export' (choose from 'fit', 'validate', 'test', 'predict',"
+        " 'export-peft', 'convert', 'estimate'); see `lightning-frozen --help`"
+    )
+
+
+def test_export_peft_writes_the_folder_peft_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.peft_models import PeftModule, batches
+
+    trainer = cpu_trainer(max_steps=2)
+    trainer.fit(PeftModule("lora_modules_to_save"), batches("lora_modules_to_save"))
+    trainer.save_checkpoint(tmp_path / "adapter.ckpt", weights_only=False)
+
+    main(["export-peft", str(tmp_path / "adapter.ckpt"), str(tmp_path / "out")])
+
+    assert f"lightning-frozen export-peft: wrote {tmp_path / 'out'}" in capsys.readouterr().out
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    with pytest.raises(SystemExit) as exited:
+        main(["export-peft", str(tmp_path / "missing.ckpt"), str(tmp_path / "out2")])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.startswith("lightning-frozen export-peft: error: No checkpoint at")
+
+
+def _estimate_table(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, str]:
+    """``lightning-frozen estimate ARGS``: its first line, and each row of its table by name."""
+    main(["estimate", *args])
+    first, *rows = capsys.readouterr().out.splitlines()
+    table = {re.split(r"\s{2,}", row)[0]: re.split(r"\s{2,}", row)[1] for row in rows}
+    return {"first": first, **table}
+
+
+def test_estimate_from_a_config_json_or_a_lightningcli_config_says_what_it_assumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.peft_models import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "llama")
+    plain = _estimate_table(capsys, str(folder / "config.json"), "--devices", "2")
+    assert (
+        "assumed precision 32-true (the Trainer's default), frozen_dtype None (the strategy's default)"
+        in (plain["first"])
+    )
+    assert (plain["precision"], plain["frozen dtype"], plain["ranks"]) == ("32-true", "None", "2")
+    # PEFT's choice for Llama, r=8 on q_proj (64 -> 64) and v_proj (64 -> 32, two key-value heads), two layers
+    assert plain["trainable params"] == f"{2 * 8 * (64 + 64 + 64 + 32):,}"
+
+    config = tmp_path / "fit.yaml"
+    strategy = {"class_path": CLASS_PATH, "init_args": {"frozen_dtype": "nf4"}}
+    config.write_text(yaml.safe_dump({"trainer": {"precision": "bf16-mixed", "devices": 2, "strategy": strategy}}))
+    from_yaml = _estimate_table(capsys, str(config), "--base", str(folder))
+    assert "assumed precision bf16-mixed (the config's), frozen_dtype nf4 (the config's)" in from_yaml["first"]
+    assert (from_yaml["precision"], from_yaml["frozen dtype"], from_yaml["ranks"]) == ("bf16-mixed", "nf4", "2")
+
+    config.write_text(_config(tmp_path, "frozen_deepspeed").read_text())
+    built = _estimate_table(capsys, str(config), "--precision", "bf16-true")
+    assert "assumed precision bf16-true (given)" in built["first"]
+    assert (built["trainable params"], built["frozen params"]) == ("545", "2,112")  # SavedHparamsAdapterModel
+
+
+def test_a_registered_name_in_yaml_takes_strategy_options_on_the_command_line(tmp_path: Path) -> None:
+    config = _config(tmp_path, "frozen_deepspeed_no_offload")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        main(["fit", "--config", str(config), "--trainer.strategy.fingerprint=none", "--trainer.max_steps=1"])
+
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "adapter.ckpt", weights_only=True)
+    assert saved["frozen_base"]["fingerprint"]["mode"] == "none"  # the option reached the strategy
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["strategy"]
+    assert written["class_path"] == CLASS_PATH and written["init_args"]["offload_frozen"] is False  # the name's
+
+
+def test_a_registered_name_on_the_command_line_becomes_its_class_before_the_first_option() -> None:
+    given = ["fit", "--trainer.strategy", "frozen_deepspeed_offload", "--trainer.strategy.frozen_dtype=nf4"]
+    assert cli.strategy_named_with_options(given) == [
+        "fit",
+        "--trainer.strategy=FrozenAwareDeepSpeedStrategy",
+        "--trainer.strategy.offload_optimizer=true",
+        "--trainer.strategy.frozen_dtype=nf4",
+    ]
+    as_class = ["fit", "--trainer.strategy=FrozenAwareDeepSpeedStrategy", "--trainer.strategy.frozen_dtype=nf4"]
+    assert cli.strategy_named_with_options(as_class) == as_class
+    stock = ["fit", "--trainer.strategy=deepspeed_stage_3", "--trainer.strategy.stage=3"]
+    assert cli.strategy_named_with_options(stock) == stock  # another package's name: jsonargparse's own answer
+
+
+def test_help_prints_no_deepspeed_accelerator_warning() -> None:
+    code = "from lightning_frozen.cli import main; main(['--help'])"
+    env = fresh_env()
+    env.pop("DS_ACCELERATOR", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "export-peft" in result.stdout
+    assert "accelerator" not in result.stderr, result.stderr  # DeepSpeed's "Setting accelerator to CPU" warning

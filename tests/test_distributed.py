@@ -1,11 +1,14 @@
-"""Two CPU processes under Lightning's own launcher: shard sizes, training, and checkpoints moved between world sizes.
+"""Two CPU processes under Lightning's own launcher: shard sizes, training, checkpoints moved between world sizes, and
+what a plain fit prints.
 
 Each multi-process run is a script in a subprocess (``tests/scripts/train_adapter.py``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,42 @@ def test_validate_on_two_ranks_from_a_checkpoint(two_ranks: dict[str, Path]) -> 
     # each rank validates half of the data: the mean of the two halves' losses is the loss of the whole
     halves = [r["metrics"][0]["val_loss"] for r in reports]
     assert len(halves) == 2 and sum(halves) / 2 == pytest.approx(expected, rel=1e-4)
+
+
+# what a plain fit prints that is Lightning's usual output: its rank-zero lines, its warnings, the model summary
+LIGHTNING_USUAL = re.compile(
+    r"^(GPU available|TPU available|💡 Tip|initializing deepspeed distributed|`Trainer\.fit` stopped|`Trainer\(limit_"
+    r"|Trainable params|Non-trainable params|Total params|Total estimated model params size"
+    r"|Modules in (train|eval) mode|Total FLOPs|[┏┃┡│└])|/lightning/(pytorch|fabric)/\S+\.py:\d+: "
+)
+# every other line, named with whose it is and why it stays, and how many of its lines each rank prints
+DEPENDENCY_LINES = {
+    # DeepSpeed's CPU collectives: a print of its op builder
+    r"^DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully$": 1,
+    # transformers' progress bar in the user's `from_pretrained` (its first and last state)
+    r"^Loading weights: ": 2,
+    # PEFT 0.21.2's `get_peft_model` reads a property transformers 5 deprecated: the user's call, stock Lightning too
+    r"transformers/modeling_utils\.py:\d+: FutureWarning: `is_gradient_checkpointing` is deprecated"
+    r"|^  warnings\.warn\(": 2,
+}
+# where bitsandbytes is installed (the test extra; a plain install has none), PEFT imports it, and on CPUs with
+# AVX-512 BF16 it tries to download a kernel through the `kernels` package
+BITSANDBYTES_LINES = {r"^Failed to load CPU gemm_4bit_forward from kernels-community|^Skipping publisher trust": 2}
+
+
+def test_a_plain_two_rank_fit_prints_only_its_own_lightnings_and_named_dependency_lines(tmp_path: Path) -> None:
+    result = run_script("plain_fit.py", str(tmp_path), timeout=300)
+
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith("lightning-frozen: ")]
+    known = DEPENDENCY_LINES | (BITSANDBYTES_LINES if importlib.util.find_spec("bitsandbytes") else {})
+    others = [line for line in lines if line not in own and not LIGHTNING_USUAL.search(line)]
+    unnamed = [line for line in others if not any(re.search(pattern, line) for pattern in known)]
+
+    assert unnamed == [], f"{len(lines)} lines, {len(others)} from dependencies; not named:\n" + "\n".join(unnamed)
+    assert [line.split(".")[0] for line in own] == [
+        "lightning-frozen: 37,634 trainable / 22,713,986 frozen params on 2 rank(s)",
+        "lightning-frozen: `LoRASentimentClassifier`'s params are still ZeRO-3 shards, empty outside the Trainer (torch"
+        " raises `'weight' must be 2-D` or `mat2 must be a matrix`)",
+    ]
+    assert len(others) <= 2 * sum(known.values()), "\n".join(others)  # each rank prints its own

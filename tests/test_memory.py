@@ -37,6 +37,20 @@ def test_estimate_matches_hand_computed_bytes(capsys: pytest.CaptureFixture[str]
     assert "frozen shards / rank" in printed and "110 B  host" in printed
 
 
+def test_precision_defaults_to_the_trainers_and_the_table_says_what_was_assumed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = _frozen_body_trainable_head()
+    default = lightning_frozen.estimate_memory(model, reduce_bucket_size=0)
+    table = capsys.readouterr().out.splitlines()
+    bf16 = lightning_frozen.estimate_memory(model, precision="bf16-mixed", frozen_dtype="nf4", print_table=False)
+
+    assert default.frozen_shards == 110 * 4  # fp32: the Trainer's default precision, "32-true"
+    assert table[0].split() == ["precision", "32-true", "Trainer's", "`precision`"]
+    assert table[1].split() == ["frozen", "dtype", "None", "strategy's", "`frozen_dtype`"]
+    assert bf16.table().splitlines()[0].split()[1] == "bf16-mixed" and "nf4" in bf16.table().splitlines()[1]
+
+
 def test_offload_flags_move_bytes_between_device_and_host() -> None:
     model = _frozen_body_trainable_head()
     on_device = lightning_frozen.estimate_memory(model, offload_frozen=False, reduce_bucket_size=0, print_table=False)
@@ -96,10 +110,14 @@ def test_load_estimate_counts_the_base_once_per_node_and_each_ranks_bytes_in_fli
     assert estimate.load_in_flight == 110 * 2 + 55 * 2 + 22 * 4
     assert estimate.host_load_bytes == 110 * 2 + 2 * estimate.load_in_flight  # the base once, two ranks in flight
     assert "host at load / node" in capsys.readouterr().out
-    two_nodes = lightning_frozen.estimate_memory(model, num_devices=2, num_nodes=2, print_table=False)
+    two_nodes = lightning_frozen.estimate_memory(
+        model, num_devices=2, num_nodes=2, precision="bf16-mixed", print_table=False
+    )
     assert (two_nodes.ranks_per_node, two_nodes.load_in_flight) == (2, 110 * 2 + 28 * 2 + 22 * 4)
     assert two_nodes.host_load_bytes == 2 * 28 * 2 + 2 * two_nodes.load_in_flight  # its two ranks: half the base
-    on_device = lightning_frozen.estimate_memory(model, num_devices=2, offload_frozen=False, print_table=False)
+    on_device = lightning_frozen.estimate_memory(
+        model, num_devices=2, precision="bf16-mixed", offload_frozen=False, print_table=False
+    )
     assert on_device.host_load_bytes == 2 * on_device.load_in_flight  # the shards go to the accelerator
 
 
@@ -113,7 +131,7 @@ def test_load_estimate_of_a_llama_on_meta_is_bounded_by_its_embedding_created_wh
     )
     with torch.device("meta"):
         model = get_peft_model(transformers.LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj"]))
-    estimate = lightning_frozen.estimate_memory(model, num_devices=8, print_table=False)
+    estimate = lightning_frozen.estimate_memory(model, num_devices=8, precision="bf16-mixed", print_table=False)
 
     base_bytes = 2 * sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trainable = 2 * 4 * (64 + 64)  # r=4 A and B of q_proj, two layers

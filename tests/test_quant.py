@@ -212,7 +212,9 @@ def test_estimate_memory_counts_quantized_frozen_shards() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))
     model[0].requires_grad_(False)  # 65,792 frozen elements
     estimates = {
-        dtype: lightning_frozen.estimate_memory(model, num_devices=2, frozen_dtype=dtype, print_table=False)
+        dtype: lightning_frozen.estimate_memory(
+            model, num_devices=2, precision="bf16-mixed", frozen_dtype=dtype, print_table=False
+        )
         for dtype in (None, "int8", "nf4")
     }
     assert estimates[None].frozen_shards == 32896 * 2

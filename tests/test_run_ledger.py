@@ -120,6 +120,24 @@ def test_fit_validate_test_predict_leave_the_module_and_the_libraries_as_they_we
             torch.testing.assert_close(model(x), expected, **tolerance)
 
 
+def test_a_run_that_returns_ends_with_one_line_on_how_to_use_the_sharded_module(lightning_log: Any) -> None:
+    module = Evaluated()
+    cpu_trainer(max_steps=2).fit(module, regression_data())
+
+    notices = [line for line in lightning_log.lines if "still ZeRO-3 shards" in line]
+    assert len(notices) == 1 and "`lightning_frozen.unshard(model)` on every rank" in notices[0]
+    assert "`lightning_frozen.load_from_checkpoint(Evaluated, path)`" in notices[0]
+    with pytest.raises(RuntimeError, match="mat2 must be a matrix"), torch.no_grad():
+        module(torch.randn(2, 32))  # a linear layer's error; an embedding's is "'weight' must be 2-D" (docs/faq.md)
+    lightning_frozen.unshard(module)
+    assert lightning_frozen.zero.whole.still_sharded_notice(module) is None
+
+    lightning_log.lines.clear()
+    with pytest.raises(RuntimeError, match="the user's step failed"):
+        cpu_trainer(max_steps=3).fit(Raising(), regression_data())
+    assert not [line for line in lightning_log.lines if "still ZeRO-3 shards" in line]  # the error speaks alone
+
+
 def test_a_fit_that_raises_mid_step_leaves_nothing(tmp_path: Path) -> None:
     module = Raising()
     before = Snapshot.take(module)

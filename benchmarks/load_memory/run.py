@@ -356,7 +356,9 @@ def estimate_load(sizes: dict[str, int], devices: int) -> dict:
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**llama_config(sizes)))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    return lightning_frozen.estimate_memory(model, num_devices=devices, print_table=False).as_dict()
+    return lightning_frozen.estimate_memory(
+        model, num_devices=devices, precision="bf16-mixed", print_table=False
+    ).as_dict()
 
 
 def main() -> None:

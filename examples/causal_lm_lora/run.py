@@ -1,4 +1,5 @@
-"""LoRA on a causal LM loaded in ``configure_model``, end to end, on two CPU processes in a minute or two:
+"""LoRA on a causal LM loaded in ``configure_model``, end to end, on two CPU processes (docs/large-models.md gives a
+measured time):
 
 1. write the frozen base: a small Llama-architecture model with random weights, saved with ``save_pretrained``
    (a stand-in for a hub checkpoint: nothing is downloaded);

@@ -1,4 +1,4 @@
-"""The main example, end to end, on two CPU cores in about 2 to 3 minutes:
+"""The main example, end to end, on two CPU cores (the README gives a measured time):
 
 1. fit a LoRA adapter on all-MiniLM-L6-v2 through the lightning-frozen CLI
    (`lightning-frozen fit --config examples/minilm_lora/config.yaml`), ModelCheckpoint keeping the best epoch;

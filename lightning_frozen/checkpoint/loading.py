@@ -4,8 +4,9 @@ module built from the checkpoint's hyper-parameters, checking keys and shapes an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, Union
 
+import lightning.pytorch as L
 import torch
 from torch import nn
 
@@ -15,7 +16,12 @@ from lightning_frozen.base.fingerprint import FingerprintCache, verify_checkpoin
 from lightning_frozen.capabilities import CORE, require
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
-from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
+from lightning_frozen.errors import (
+    CheckpointKeysError,
+    InvalidArgumentTypeError,
+    InvalidArgumentValueError,
+    format_names,
+)
 from lightning_frozen.format import layout
 from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero.frozen_compute import KERNELS
@@ -165,3 +171,61 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)
     return module.eval()
+
+
+class AdapterCheckpointMixin:
+    """Makes Lightning's own ``MyModule.load_from_checkpoint(path)`` read lightning-frozen checkpoints.
+
+    Put it before ``LightningModule`` in the module's bases (``class MyModule(AdapterCheckpointMixin,
+    L.LightningModule)``). Without it, Lightning loads the file's trainable-only ``state_dict`` strictly and torch
+    raises ``Missing key(s) in state_dict`` for every frozen weight; with it, the call is
+    :func:`load_from_checkpoint`'s (the base built and verified, the trainable state loaded, eval mode). A class
+    that lists it after ``LightningModule`` would get Lightning's classmethod instead, and is refused when defined.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = next(klass for klass in cls.__mro__ if "load_from_checkpoint" in vars(klass))
+        if owner is L.LightningModule:
+            raise InvalidArgumentTypeError(
+                f"`{cls.__name__}` lists `AdapterCheckpointMixin` after `LightningModule`, so Lightning's own"
+                " `load_from_checkpoint` would answer: put the mixin first,"
+                f" `class {cls.__name__}(AdapterCheckpointMixin, L.LightningModule)`."
+            )
+
+    @classmethod
+    def load_from_checkpoint(
+        cls: type[ModuleT],
+        checkpoint_path: PathLike,
+        map_location: Optional[Union[str, torch.device]] = None,
+        hparams_file: Optional[PathLike] = None,
+        strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> ModuleT:
+        """Lightning's signature, answered by :func:`lightning_frozen.load_from_checkpoint`.
+
+        ``map_location`` (a device) moves the loaded module there; ``strict`` is passed on; ``weights_only`` is
+        accepted and has no effect, since the file is always read with ``weights_only=True``. Other keyword arguments
+        override the saved hyper-parameters, as in Lightning.
+
+        Raises:
+            InvalidArgumentValueError: ``hparams_file`` given (pass the hyper-parameters as keyword arguments).
+            InvalidArgumentTypeError: ``map_location`` is not a device (a dict or a function, as ``torch.load`` takes).
+            FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError: as
+                :func:`load_from_checkpoint`.
+        """
+        if hparams_file is not None:
+            raise InvalidArgumentValueError(
+                f"`{cls.__name__}.load_from_checkpoint`: `hparams_file` is not read for lightning-frozen checkpoints;"
+                " pass the hyper-parameters to override as keyword arguments instead."
+            )
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise InvalidArgumentTypeError(
+                f"`{cls.__name__}.load_from_checkpoint`: `map_location` must be a device such as 'cpu' or 'cuda:0'"
+                f" for lightning-frozen checkpoints, got {type(map_location).__name__}."
+            )
+        if strict is not None:
+            kwargs["strict"] = strict
+        module = load_from_checkpoint(cls, checkpoint_path, **kwargs)
+        return module if map_location is None else module.to(map_location)

@@ -52,7 +52,7 @@ def dequantize(
     if not _same_code_values(tuple(values)):
         raise FrozenDtypeError(
             "bitsandbytes' NF4 code values differ from the ones these frozen shards were encoded with: install"
-            " bitsandbytes 0.50 (`pip install 'bitsandbytes>=0.50,<0.51'`)."
+            " bitsandbytes 0.50 (`pip install 'lightning-frozen[bitsandbytes]'`)."
         )
     functional = _functional()
     packed = codes[: (numel + 1) // 2].contiguous()

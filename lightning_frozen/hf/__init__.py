@@ -16,7 +16,7 @@ Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Module
   ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling`` and the input cast of ``lora.layer.Linear`` and
   its ``Conv1d/2d/3d``.
 - ``reference``: where each frozen base came from (PEFT's ``base_model_name_or_path``, ``config.name_or_path``) and the
-  PEFT model inside a module.
+  PEFT model inside a module; a base with LoRA built on the meta device from its config (``lora_model_on_meta``).
 - ``row_guard``: a forward pre-hook on PEFT's LoRA layers that refuses a training forward of several adapters outside
   ``adapter_rows`` / ``shared_rows``.
 - ``checkpointing``: transformers' ``_gradient_checkpointing_func`` on each checkpointing module, wrapped while

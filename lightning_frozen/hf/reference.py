@@ -1,13 +1,16 @@
 """The frozen base's reference: where each frozen base inside a module came from (a hub id or folder), found from
-PEFT's ``base_model_name_or_path`` or a Hugging Face ``config.name_or_path``, as checkpoints record it."""
+PEFT's ``base_model_name_or_path`` or a Hugging Face ``config.name_or_path``, as checkpoints record it; and a base
+built from its reference's config alone, on the meta device, for a memory estimate."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
+from lightning_frozen.errors import InvalidArgumentValueError
 from lightning_frozen.hf import peft_adapters, transformers_loading
 
 
@@ -66,3 +69,28 @@ def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
         if peft_adapters.is_peft_model(submodule):
             return name, submodule
     return None
+
+
+def lora_model_on_meta(source: str, rank: int, target_modules: Optional[list[str]]) -> nn.Module:
+    """The model a config.json describes (a folder holding one, the file, or a hub id), built on the meta device
+    (nothing allocated, for a memory estimate), with LoRA of ``rank`` on ``target_modules`` (PEFT's choice for the
+    model type where None).
+
+    Raises:
+        InvalidArgumentValueError: PEFT finds no target modules of its own for the model type.
+        OSError, ValueError: transformers cannot read the config at ``source``.
+    """
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.AutoConfig.from_pretrained(source)
+    architecture = getattr(transformers, (config.architectures or [""])[0], None)
+    with torch.device("meta"):
+        model = architecture(config) if architecture else transformers.AutoModel.from_config(config)
+    try:
+        return get_peft_model(model, LoraConfig(r=rank, target_modules=target_modules))
+    except ValueError as error:
+        raise InvalidArgumentValueError(
+            f"{source}: LoRA found no target modules in `{type(model).__name__}` ({error}). Name them with"
+            " `--target-modules`."
+        ) from error

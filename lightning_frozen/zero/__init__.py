@@ -22,8 +22,8 @@ is defined where it is listed):
   and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (from a module's
   non-persistent buffer set), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
-  ``import_with_logs_to_stderr``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of ``F.linear`` that
-  ``zero.Init`` keeps on a class, for the run's ledger to put back).
+  ``import_deepspeed``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of
+  ``F.linear`` that ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
 - ``accelerator``: DeepSpeed's accelerator matched to Lightning's for a run: ``deepspeed_accelerator_matching``,
@@ -51,7 +51,8 @@ is defined where it is listed):
   ``ENGINE_STATE_KEYS``.
 - ``config``: what the DeepSpeed config says about ZeRO: ``ZeroSettings``, ``zero_settings``,
   ``fitted_reduce_bucket``, ``fit_reduce_bucket``, ``inference_config``.
-- ``whole``: ZeRO-3 params made plain tensors again after a run: ``unshard``.
+- ``whole``: ZeRO-3 params made plain tensors again after a run: ``unshard``, ``still_sharded_notice`` (the line a run
+  ends with where they are shards).
 - ``gather_once``: a model's params gathered whole for one call of its generate, its modules' fetches and releases
   bypassed meanwhile: ``gathered_once``, ``whole_bytes`` (its size whole in the compute dtype), ``available_bytes``
   (the free memory of the device that computes).

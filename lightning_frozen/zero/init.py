@@ -16,6 +16,7 @@ first imported inside ``configure_model`` lost it, and every attention layer bui
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -120,11 +121,28 @@ def _is_partition_wrapper(function: Any) -> bool:
     return code is not None and code.co_name == "wrapper" and code.co_filename == partition_parameters.__file__
 
 
-def import_with_logs_to_stderr() -> None:
-    """Import DeepSpeed with stdout pointing at stderr: its logger keeps the stream it finds at import, so its lines
-    (such as the accelerator it detected) go to stderr for the rest of the process. Does nothing once imported."""
-    with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed  # noqa: F401
+def import_deepspeed() -> None:
+    """Import DeepSpeed with its log lines on stderr and, where torch sees no accelerator, its CPU accelerator chosen.
+    Does nothing once DeepSpeed is imported.
+
+    DeepSpeed's logger keeps the stream it finds at import: stdout pointing at stderr meanwhile keeps its lines out of
+    a command's output (`lightning-frozen fit --print_config > config.yaml`). DeepSpeed picks its accelerator while it
+    is imported, and where it finds none it falls back to the CPU with a warning ("Setting accelerator to CPU. If you
+    have GPU or other accelerator, we were unable to detect it."). Its own ``DS_ACCELERATOR`` makes the same choice
+    without the warning: it is set for the import only (DeepSpeed reads it nowhere else), and a ``DS_ACCELERATOR``
+    the user set is left as it is.
+    """
+    if "deepspeed" in sys.modules:
+        return
+    chosen = "DS_ACCELERATOR" not in os.environ and not torch.accelerator.is_available()
+    if chosen:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+    finally:
+        if chosen:
+            del os.environ["DS_ACCELERATOR"]
 
 
 def deepspeed_linear_copy() -> tuple[type, str]:

@@ -10,7 +10,7 @@ attributes ZeRO-3 set on the modules go, and their param dicts are plain ones ag
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -76,3 +76,17 @@ def _plain_module(module: nn.Module) -> None:
     if type(module._parameters) is not dict:  # ZeRO-3's ZeROOrderedDict gathers on read inside a forward
         params: Any = dict(module._parameters)
         module._parameters = params
+
+
+def still_sharded_notice(model: nn.Module) -> Optional[str]:
+    """The line a run that returned logs where ``model``'s params are still ZeRO-3 shards: how to use the module
+    outside the Trainer and how to load it for inference or serving; None where no param is a shard."""
+    if not any(is_partitioned(param) for param in model.parameters()):
+        return None
+    name = type(model).__name__
+    return (
+        f"lightning-frozen: `{name}`'s params are still ZeRO-3 shards, empty outside the Trainer (torch raises"
+        " `'weight' must be 2-D` or `mat2 must be a matrix`). To use it in this script, call"
+        " `lightning_frozen.unshard(model)` on every rank; to load it for inference or serving,"
+        f" `lightning_frozen.load_from_checkpoint({name}, path)` or `lightning-frozen export-peft` (docs/faq.md)."
+    )
