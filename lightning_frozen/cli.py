@@ -121,6 +121,27 @@ def _export_peft(options: argparse.Namespace) -> str:
     return f"wrote {written} (load it with `peft.PeftModel.from_pretrained(base, {str(written)!r})`)"
 
 
+def _export_merged_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_path", type=Path, help="a lightning-frozen checkpoint file of a PEFT model")
+    parser.add_argument("output_dir", type=Path, help="the folder to write (replaced only if it holds such an export)")
+    parser.add_argument("--adapter", help="of a run that trained several adapters at once, the one to merge")
+    parser.add_argument("--dtype", help="the weights' dtype, e.g. bfloat16 (default: the base's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="the largest safetensors shard (default: 5GB)")
+    parser.add_argument("--base", type=Path, help="the base's folder, where it moved since training")
+
+
+def _export_merged(options: argparse.Namespace) -> str:
+    written = lightning_frozen.export_merged(
+        options.checkpoint_path,
+        options.output_dir,
+        options.adapter,
+        options.dtype,
+        options.max_shard_size,
+        options.base,
+    )
+    return f"wrote {written} (load it with `AutoModel*.from_pretrained({str(written)!r})`)"
+
+
 def _convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src_dir", type=Path, help="checkpoint directory written by DeepSpeedStrategy")
     parser.add_argument("dst_file", type=Path, help="the lightning-frozen checkpoint file to write")
@@ -248,6 +269,12 @@ STEPS: dict[str, Step] = {
         " adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, OUTPUT_DIR)`.",
         _export_peft_arguments,
         _export_peft,
+    ),
+    "export-merged": Step(
+        "Write a Hugging Face folder with the adapter merged into its base, for serving (vLLM, TGI, llama.cpp):"
+        " safetensors shards, config.json and the base folder's tokenizer files, one tuner layer at a time.",
+        _export_merged_arguments,
+        _export_merged,
     ),
     "convert": Step(
         "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy (ZeRO-3) into one"

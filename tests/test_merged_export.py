@@ -24,6 +24,7 @@ import lightning_frozen
 from lightning_frozen import anatomy, progress
 from lightning_frozen.base.fingerprint import fingerprint_base, named_frozen
 from lightning_frozen.checkpoint.trainable_state import saved_checkpoint
+from lightning_frozen.cli import main
 from lightning_frozen.errors import FrozenBaseMismatchError, UnsupportedConfigurationError
 from lightning_frozen.zero.params import persistent_buffers
 
@@ -373,3 +374,17 @@ def test_a_moved_base_is_named_and_taken_from_base(tmp_path: Path) -> None:
         lightning_frozen.export_merged(
             checkpoint, tmp_path / "other", base=llama_folder(tmp_path / "other_base", seed=1)
         )
+
+
+def test_the_cli_step_writes_the_same_folder(llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    main(["export-merged", str(checkpoint), str(tmp_path / "cli"), "--dtype", "bfloat16", "--max-shard-size", "200KB"])
+    assert f"lightning-frozen export-merged: wrote {tmp_path / 'cli'}" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "model.safetensors.index.json").exists()  # the small shard size was passed on
+    python = lightning_frozen.export_merged(checkpoint, tmp_path / "python", dtype="bfloat16", max_shard_size="200KB")
+    assert saved_keys(tmp_path / "cli") == saved_keys(python)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "cli"), dtype=torch.bfloat16)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(python), dtype=torch.bfloat16)
+    for name, value in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name
