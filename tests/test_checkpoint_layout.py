@@ -113,8 +113,8 @@ def test_convert_without_the_module_leaves_out_only_what_the_directory_lacks(
 
 _PACKAGE = Path(lightning_frozen.__file__).parent
 _LAYOUT = _PACKAGE / "format" / "layout.py"
-# spelled by modules for the torch optimizers and DeepSpeed configs they handle, which use the same names
-_SHARED_WITH_TORCH_AND_DEEPSPEED = {"params", "state", "param_groups", "config"}
+# keys torch's and DeepSpeed's optimizer states and safetensors' headers (the merged export) spell too
+_SHARED_WITH_TORCH_AND_DEEPSPEED = {"params", "state", "param_groups", "config", "dtype", "shape"}
 
 
 def _layout_keys() -> set[str]:

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -326,7 +327,7 @@ def _peft_checkpoint(path: Path) -> Path:
     return path
 
 
-def test_export_writes_only_inside_its_folder(tmp_path: Path) -> None:
+def test_export_never_writes_through_a_link_nor_deletes_what_is_not_its_own(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     source = _peft_checkpoint(tmp_path / "peft.ckpt")
@@ -334,24 +335,24 @@ def test_export_writes_only_inside_its_folder(tmp_path: Path) -> None:
     outside.write_text("keep me")
     folder = tmp_path / "adapter"
     folder.mkdir()
-    # a fixed temp name was a way to write through a planted link
-    (folder / ".adapter_model.safetensors.tmp").symlink_to(outside)
-    (folder / ".adapter_config.json.tmp").symlink_to(outside)
-    (folder / "README.md").write_text("mine")
+    # a fixed temp name was a way to write through a planted link; the user's own file is never replaced
+    for planted in (".adapter_model.safetensors.tmp", "README.md"):
+        if planted.endswith(".tmp"):
+            (folder / planted).symlink_to(outside)
+        else:
+            (folder / planted).write_text("mine")
+        with pytest.raises(NotADirectoryError, match=f"adapter holds {re.escape(planted)}, which an export does not"):
+            lightning_frozen.export_peft_adapter(source, folder)
+        assert outside.read_text() == "keep me" and sorted(p.name for p in folder.iterdir()) == [planted]
+        (folder / planted).unlink()
+
+    (folder / "adapter_model.safetensors").symlink_to(outside)  # a link where the weights go: replaced, not followed
     lightning_frozen.export_peft_adapter(source, folder)
-    assert outside.read_text() == "keep me" and (folder / "README.md").read_text() == "mine"
+    assert outside.read_text() == "keep me" and not (folder / "adapter_model.safetensors").is_symlink()
     assert torch.equal(
         load_file(folder / "adapter_model.safetensors")["base_model.model.layer.lora_A.weight"], torch.ones(4, 8)
     )
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "my-base"
-
-    (folder / "adapter_model.safetensors").unlink()
-    (folder / "adapter_model.safetensors").symlink_to(outside)
-    with pytest.raises(
-        ValueError, match=r"adapter_model.safetensors links to .*outside.txt, outside .*Remove the link"
-    ):
-        lightning_frozen.export_peft_adapter(source, folder)
-    assert outside.read_text() == "keep me"
 
 
 # ---------------------------------------------------------------------------------------------- many ranks

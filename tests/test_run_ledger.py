@@ -160,6 +160,23 @@ def test_peft_fits_from_a_folder_leave_peft_and_transformers_unpatched(llama_fol
     assert peft.PeftModel.__init__ is init
 
 
+def test_what_a_stock_zero_init_left_on_classes_stays_as_it_was(llama_folder: str) -> None:
+    # a stock DeepSpeed run earlier in the process leaves `_old_init` on every module class it saw (a full suite's
+    # worker met it); the run's own zero.Init rebinds it, and the run must put the earlier value back
+    import peft
+
+    stale = peft.PeftModel.__init__
+    peft.PeftModel._old_init = stale
+    try:
+        before = Snapshot.take()
+        module = CausalAdapters(llama_folder, ["x"], in_configure_model=True)
+        cpu_trainer(strategy=_strategy(), max_steps=1).fit(module, token_batches(samples=4))
+        _unchanged(before, module)
+        assert vars(peft.PeftModel)["_old_init"] is stale
+    finally:
+        del peft.PeftModel._old_init
+
+
 def test_a_module_the_user_gave_its_own_instance_forward_keeps_it() -> None:
     module = AdapterModel()
     own = module.forward

@@ -31,8 +31,8 @@ from lightning_frozen.hf import peft_saving
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-# what an export, or PEFT's own `save_pretrained`, writes: a folder holding only these is replaced whole
-EXPORTED_NAMES = frozenset((CONFIG_NAME, WEIGHTS_NAME, "README.md"))
+# what an export writes: a folder holding only these is replaced whole (anything else of the user's is never deleted)
+EXPORTED_NAMES = frozenset((CONFIG_NAME, WEIGHTS_NAME))
 # the PEFT key prompt learning saves its encoder's output under (`BasePromptEncoder._get_adapter_state_dict`)
 PROMPT_EMBEDDINGS = "prompt_embeddings"
 # prompt learning methods whose saved tensor export can compute: PEFT's `get_prompt_embedding_to_save` runs their
@@ -158,9 +158,10 @@ def export_peft_adapter(checkpoint_path: PathLike, output_dir: PathLike, adapter
 
     The folder is written whole: the two files go into a new temporary folder beside ``output_dir``, which then
     takes its place in one rename, so a crash at any moment leaves the previous folder as it was. An existing
-    ``output_dir`` is replaced only when it holds nothing but an earlier export (those two files and PEFT's
-    ``README.md``). Trainable parameters that are not part of the PEFT adapter
-    (a head outside the ``PeftModel``) cannot go into it and are named in a warning. Returns ``output_dir``.
+    ``output_dir`` is replaced only when it holds nothing but an earlier export (those two files); one holding
+    anything else (PEFT's ``README.md``, a planted link) is refused before anything is read or written. Trainable
+    parameters that are not part of the PEFT adapter (a head outside the ``PeftModel``) cannot go into it and are
+    named in a warning. Returns ``output_dir``.
 
     Raises:
         TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.

@@ -79,16 +79,21 @@ def _bookkeeping_owners() -> list[tuple[type, tuple[str, ...]]]:
     return [*owners, (torch.Tensor, _TENSOR_BOOKKEEPING)]
 
 
-def _bookkeeping_present() -> dict[type, set[str]]:
-    return {cls: {name for name in names if name in vars(cls)} for cls, names in _bookkeeping_owners()}
+def _bookkeeping_present() -> dict[type, dict[str, Any]]:
+    return {cls: {name: vars(cls)[name] for name in names if name in vars(cls)} for cls, names in _bookkeeping_owners()}
 
 
-def _forget_bookkeeping(present_before: dict[type, set[str]]) -> None:
-    """Once the outermost ``zero.Init`` put every class's methods back: delete the attributes it left on classes
-    that did not have them before (classes created meanwhile had none)."""
+def _forget_bookkeeping(present_before: dict[type, dict[str, Any]]) -> None:
+    """Once the outermost ``zero.Init`` put every class's methods back: the attributes it left on classes as they
+    were before, deleted where a class did not have them (classes created meanwhile had none); one a stock
+    ``zero.Init`` left earlier in the process keeps its earlier value."""
     for cls, names in _bookkeeping_owners():
+        before = present_before.get(cls, {})
         for name in names:
-            if name in vars(cls) and name not in present_before.get(cls, ()):
+            if name in before:
+                if vars(cls).get(name) is not before[name]:
+                    setattr(cls, name, before[name])
+            elif name in vars(cls):
                 delattr(cls, name)
 
 
