@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_frozen import process
 from lightning_frozen.errors import FrozenBaseFileError
 
 # the signatures the replacements stand in for (transformers 5.x); other versions keep their own path
@@ -82,16 +83,22 @@ def zero3_loading(
     from transformers import modeling_utils
 
     patched = replaceable(modeling_utils)
-    if patched:
-        originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
-        modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
-        modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
-    try:
-        with zero3_known(config), base_files_named(), built_in(build_dtype if patched else None):
-            yield patched
-    finally:
+    with process.uninterrupted():  # a stop a signal raises lands in the load, never between a patch and its `try:`
         if patched:
-            modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
+            originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
+            modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
+            modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
+        try:
+            with (
+                zero3_known(config),
+                base_files_named(),
+                built_in(build_dtype if patched else None),
+                process.interruptible(),
+            ):
+                yield patched
+        finally:
+            if patched:
+                modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
 
 
 @contextmanager

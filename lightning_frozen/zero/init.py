@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_frozen import process
+
 
 @contextmanager
 def sharded_creation(config: dict, remote_device: Optional[str]) -> Iterator[None]:
@@ -33,15 +35,18 @@ def sharded_creation(config: dict, remote_device: Optional[str]) -> Iterator[Non
 
     outermost = partition_parameters.top_level_context is None
     kept = _bookkeeping_present() if outermost else {}
-    try:
-        with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
-            try:
-                yield
-            finally:
-                _keep_decorated_inits()
-    finally:
-        if outermost:
-            _forget_bookkeeping(kept)
+    # a stop a signal raises lands in `configure_model`, never inside zero.Init's patching of classes or its undoing
+    with process.uninterrupted():
+        try:
+            with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
+                try:
+                    with process.interruptible():
+                        yield
+                finally:
+                    _keep_decorated_inits()
+        finally:
+            if outermost:
+                _forget_bookkeeping(kept)
 
 
 @contextmanager

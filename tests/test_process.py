@@ -1,0 +1,114 @@
+"""How a process ends (issue 45, ``lightning_frozen/process.py``): a stop raised from a signal handler waits for the
+end of an uninterrupted window (a class patch and its ``try:``); the watchdog set up before any signal ends the
+process ``grace`` seconds after one, or at once after a second, even while the main thread never runs the handler,
+removing the file being written first; one sweeper removes dead processes' temp files and shared-memory files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_frozen import process
+
+
+class _Stop(BaseException):
+    pass
+
+
+def test_a_stop_raised_in_an_uninterrupted_window_waits_for_its_end() -> None:
+    went_on = []
+    with pytest.raises(_Stop), process.uninterrupted():
+        with process.uninterrupted():  # nested: only the outermost raises
+            process.raise_when_safe(_Stop())  # as a signal handler would
+            went_on.append("inner")
+        went_on.append("outer")
+    assert went_on == ["inner", "outer"]
+    with process.uninterrupted():  # the next window starts without a stop pending
+        went_on.append("next")
+    assert went_on[-1] == "next"
+
+
+def test_a_patch_windows_body_is_interruptible_and_its_patch_is_put_back() -> None:
+    patched = {"function": "original"}
+    reached = []
+    with pytest.raises(_Stop), process.uninterrupted():
+        patched["function"] = "patch"
+        process.raise_when_safe(_Stop())  # a signal between the patch and its `try:`: it waits
+        try:
+            with process.interruptible():  # ... and is raised where the load would run, inside the `try:`
+                reached.append("body")
+        finally:
+            patched["function"] = "original"
+    assert patched == {"function": "original"} and reached == []
+    with pytest.raises(_Stop), process.uninterrupted(), process.interruptible():
+        process.raise_when_safe(_Stop())  # in the body: at once
+        reached.append("after the stop")
+    assert reached == []
+
+
+_WRITER = """
+import os, pathlib, signal, sys, time
+from lightning_frozen import process
+from lightning_frozen.checkpoint import atomic_files
+
+target, how = pathlib.Path(sys.argv[1]), sys.argv[2]
+atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
+recorded = []
+watch = process.StopSignals([signal.SIGTERM], lambda s, f: recorded.append(s), 1.0, lambda s: 128 + s, lambda: None)
+if how == "stuck":  # the main thread will not run the handler: the kernel gives the signal to another thread
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+def write(handle):
+    handle.write(b"half of the next one")
+    handle.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
+    if how == "second":
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+atomic_files.write_file_atomic(target, write)
+"""
+
+
+@pytest.mark.parametrize("how", ["deadline", "second", "stuck"])
+def test_the_watchdog_ends_the_process_and_removes_the_file_being_written(tmp_path: Path, how: str) -> None:
+    target = tmp_path / "last.ckpt"
+    began = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_WRITER), str(target), how],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - began
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr
+    why = "a second SIGTERM arrived" if how == "second" else "the rank did not stop within 1 s"
+    assert f"lightning-frozen: {why}; exiting now with status 143 (removed the unfinished .last.ckpt.lf-" in run.stderr
+    assert took < 20  # not the 30 s the write sleeps: "stuck" never ran the handler, the watchdog counted anyway
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_one_sweeper_removes_dead_processes_files_and_keeps_live_ones(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = process.owned_names("lightning-frozen")  # the shared-memory files of node_codes.py
+    mine = tmp_path / process.owned_name("lightning-frozen")
+    gone = tmp_path / mine.name.replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    folder = tmp_path / process.owned_name(".adapter.lf", ".tmp").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    other = tmp_path / "lightning-frozen-notes"
+    for path in (mine, gone, other):
+        path.write_bytes(b"codes")
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    assert process.remove_dead_files(tmp_path, names) == [gone]
+    assert process.remove_dead_files(tmp_path, process.owned_names(r"\..+\.lf", r"\.tmp")) == [folder]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([mine.name, other.name])
