@@ -3,11 +3,12 @@ watchdog that bounds a stop, the windows a stop waits for, the files this proces
 once, and the sweeping of files that dead processes left.
 
 **Signals.** :class:`StopSignals` sets the handler of a run's stop signals (SIGTERM, SLURM's requeue signal) and starts
-a watchdog thread, both before any signal comes; the handler runs in the main thread and only records
-(``preemption.py`` says what). The watchdog learns of each signal from the wakeup fd CPython's C-level handler writes
-to, so it counts a signal even while the main thread is stuck in C code and never runs the handler: ``grace`` seconds
-after the first, or at once after a second, it ends the process (:func:`exit_now`). Nothing is started in a handler:
-``Thread.start`` takes a lock of ``threading`` that the main thread may hold at that moment.
+a watchdog thread, both before any signal comes; the handler runs in the main thread and records (``preemption.py``
+says what; before a run's first step it also raises the run's stop, see below). The watchdog learns of each signal
+from the wakeup fd CPython's C-level handler writes to, so it counts a signal even while the main thread is stuck in
+C code and never runs the handler: ``grace`` seconds after the first, or at once after a second, it ends the process
+(:func:`exit_now`). Nothing is started in a handler: ``Thread.start`` takes a lock of ``threading`` that the main
+thread may hold at that moment.
 
 **Uninterrupted windows.** A stop raised from a signal handler lands between any two bytecodes of the main thread, also
 between a class patch and the ``try:`` that puts it back. Inside :func:`uninterrupted` such a stop waits: it is raised
@@ -163,6 +164,7 @@ class StopSignals:
         signal.set_wakeup_fd(self._previous_fd)
         self._closed = True
         os.write(self._write, b"\0")  # no signal has number 0: it wakes the watchdog to end
+        os.close(self._write)  # here, not by the watchdog: its number could be another file's by the write above
 
     def _watch(self) -> None:
         first, deadline = 0, float("inf")
@@ -187,7 +189,6 @@ class StopSignals:
                     first, deadline = signum, time.monotonic() + self.grace
         finally:
             os.close(self._read)
-            os.close(self._write)
 
 
 def exit_now(status: int, why: str, before_exit: Callable[[], None] = lambda: None) -> NoReturn:
