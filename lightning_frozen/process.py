@@ -152,6 +152,7 @@ class StopSignals:
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         for signum in self.signums:
             signal.signal(signum, handler)
+        _installed[:] = [self]
         threading.Thread(target=self._watch, name="lightning-frozen stop watchdog", daemon=True).start()
 
     def close(self) -> None:
@@ -162,6 +163,7 @@ class StopSignals:
             if signal.getsignal(signum) == self.handler and before is not None:
                 signal.signal(signum, before)
         signal.set_wakeup_fd(self._previous_fd)
+        _installed.clear()
         self._closed = True
         os.write(self._write, b"\0")  # no signal has number 0: it wakes the watchdog to end
         os.close(self._write)  # here, not by the watchdog: its number could be another file's by the write above
@@ -189,6 +191,23 @@ class StopSignals:
                     first, deadline = signum, time.monotonic() + self.grace
         finally:
             os.close(self._read)
+
+
+_installed: list[StopSignals] = []  # the run's, while set: a forked child (a DataLoader worker) takes it off
+
+
+def _not_in_a_forked_child() -> None:
+    """In a child forked while a run's handler is set: the handlers found before, no wakeup fd. The child is not the
+    rank: its SIGTERM (a DataLoader shutting its workers down) must end it, and must not reach the rank's watchdog
+    through the inherited pipe."""
+    for watch in _installed:
+        for signum, before in watch.before.items():
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
+        signal.set_wakeup_fd(-1)
+    _installed.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_a_forked_child)
 
 
 def exit_now(status: int, why: str, before_exit: Callable[[], None] = lambda: None) -> NoReturn:

@@ -112,3 +112,30 @@ def test_one_sweeper_removes_dead_processes_files_and_keeps_live_ones(tmp_path: 
     assert process.remove_dead_files(tmp_path, names) == [gone]
     assert process.remove_dead_files(tmp_path, process.owned_names(r"\..+\.lf", r"\.tmp")) == [folder]
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([mine.name, other.name])
+
+
+_FORKING = """
+import os, signal, time
+from lightning_frozen import process
+
+watch = process.StopSignals([signal.SIGTERM], lambda s, f: None, 1.0, lambda s: 128 + s, lambda: None)
+child = os.fork()
+if child == 0:  # a DataLoader worker, shut down by its loader
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+time.sleep(2)  # past the grace: the rank's watchdog must not have counted the worker's signal
+print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
+"""
+
+
+def test_a_forked_childs_sigterm_ends_the_child_and_never_reaches_the_ranks_watchdog() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FORKING)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (run.returncode, run.stdout.strip()) == (0, f"child {int(signal.SIGTERM)}"), run.stderr
