@@ -57,14 +57,16 @@ def outside_zero_init() -> Iterator[None]:
 
     context = partition_parameters.top_level_context
     patched = context is not None and context.patched
-    if patched:
-        _keep_decorated_inits()
-        partition_parameters.shutdown_init_context()
-    try:
-        yield
-    finally:
+    with process.uninterrupted():  # a stop a signal raises never lands between undoing zero.Init and the `try:`
         if patched:
-            partition_parameters.restore_init_context()
+            _keep_decorated_inits()
+            partition_parameters.shutdown_init_context()
+        try:
+            with process.interruptible():
+                yield
+        finally:
+            if patched:
+                partition_parameters.restore_init_context()
 
 
 # what `zero.Init` writes on classes to put their methods back, and leaves there once it did (DeepSpeed 0.19's
