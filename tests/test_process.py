@@ -9,13 +9,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 from lightning_frozen import process
+from lightning_frozen.checkpoint import atomic_files
 
 
 class _Stop(BaseException):
@@ -53,45 +55,46 @@ def test_a_patch_windows_body_is_interruptible_and_its_patch_is_put_back() -> No
     assert reached == []
 
 
-_WRITER = """
-import os, pathlib, signal, sys, time
-from lightning_frozen import process
-from lightning_frozen.checkpoint import atomic_files
+def _forked(run: Callable[[], None]) -> int:
+    """``run()`` in a forked child (which holds the imports already); its exit status, negative for a signal."""
+    child = os.fork()
+    if child == 0:
+        try:
+            run()
+        finally:
+            os._exit(1)  # never back into pytest
+    _, status = os.waitpid(child, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
-target, how = pathlib.Path(sys.argv[1]), sys.argv[2]
-atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
-recorded = []
-watch = process.StopSignals([signal.SIGTERM], lambda s, f: recorded.append(s), 1.0, lambda s: 128 + s, lambda: None)
-if how == "stuck":  # the main thread will not run the handler: the kernel gives the signal to another thread
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
-def write(handle):
-    handle.write(b"half of the next one")
-    handle.flush()
-    target.with_name("signalled").write_text(str(time.monotonic()))  # one clock for every process of the machine
-    os.kill(os.getpid(), signal.SIGTERM)
-    if how == "second":
+def _write_while_signalled(target: Path, how: str) -> None:
+    atomic_files.write_file_atomic(target, lambda handle: handle.write(b"the previous checkpoint"))
+    process.StopSignals([signal.SIGTERM], lambda s, f: None, 1.0, lambda s: 128 + s, lambda: None)
+    if how == "stuck":  # the main thread never runs the handler: the kernel gives the signal to another thread
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def write(handle: IO[bytes]) -> None:
+        handle.write(b"half of the next one")
+        handle.flush()
+        target.with_name("signalled").write_text(str(time.monotonic()))
         os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(30)
+        if how == "second":
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
 
-atomic_files.write_file_atomic(target, write)
-"""
+    atomic_files.write_file_atomic(target, write)
 
 
 @pytest.mark.parametrize("how", ["deadline", "second", "stuck"])
-def test_the_watchdog_ends_the_process_and_removes_the_file_being_written(tmp_path: Path, how: str) -> None:
+def test_the_watchdog_ends_the_process_and_removes_the_file_being_written(
+    tmp_path: Path, capfd: pytest.CaptureFixture, how: str
+) -> None:
     target = tmp_path / "last.ckpt"
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_WRITER), str(target), how],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    assert _forked(lambda: _write_while_signalled(target, how)) == 128 + signal.SIGTERM
     took = time.monotonic() - float((tmp_path / "signalled").read_text())
-    assert run.returncode == 128 + signal.SIGTERM, run.stderr
     why = "a second SIGTERM arrived" if how == "second" else "the rank did not stop within 1 s"
-    assert f"lightning-frozen: {why}; exiting now with status 143 (removed the unfinished .last.ckpt.lf-" in run.stderr
+    stderr = capfd.readouterr().err
+    assert f"lightning-frozen: {why}; exiting now with status 143 (removed the unfinished .last.ckpt.lf-" in stderr
     assert took < 15  # not the 30 s the write sleeps: "stuck" never ran the handler, the watchdog counted anyway
     assert target.read_bytes() == b"the previous checkpoint"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt", "signalled"]
@@ -114,28 +117,17 @@ def test_one_sweeper_removes_dead_processes_files_and_keeps_live_ones(tmp_path: 
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([mine.name, other.name])
 
 
-_FORKING = """
-import os, signal, time
-from lightning_frozen import process
-
-watch = process.StopSignals([signal.SIGTERM], lambda s, f: None, 1.0, lambda s: 128 + s, lambda: None)
-child = os.fork()
-if child == 0:  # a DataLoader worker, shut down by its loader
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(5)
-    os._exit(0)
-_, status = os.waitpid(child, 0)
-time.sleep(2)  # past the grace: the rank's watchdog must not have counted the worker's signal
-print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
-"""
+def _fork_a_worker_that_is_terminated() -> None:
+    process.StopSignals([signal.SIGTERM], lambda s, f: None, 1.0, lambda s: 128 + s, lambda: None)
+    worker = os.fork()
+    if worker == 0:  # a DataLoader worker, shut down by its loader
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        os._exit(0)
+    _, status = os.waitpid(worker, 0)
+    time.sleep(2)  # past the grace: the rank's watchdog must not have counted the worker's signal
+    os._exit(200 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0)
 
 
 def test_a_forked_childs_sigterm_ends_the_child_and_never_reaches_the_ranks_watchdog() -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FORKING)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (run.returncode, run.stdout.strip()) == (0, f"child {int(signal.SIGTERM)}"), run.stderr
+    assert _forked(_fork_a_worker_that_is_terminated) == 200 + signal.SIGTERM
