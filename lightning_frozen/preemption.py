@@ -125,14 +125,18 @@ class Preemption:
 
     def end_run(self, launcher: Any, exception: BaseException) -> None:
         """After ``fit`` raised ``exception`` on this rank: requeue the job when a requeue signal stopped it before the
-        first training step (rank 0), then end the ranks ``launcher`` started (after an agreed stop, once they have
-        ended by themselves, within what is left of ``grace``; none where every rank raised it)."""
+        first training step (rank 0), then end the ranks ``launcher`` started (after a stop, once they have ended by
+        themselves, within what is left of ``grace``, half of it before the first step; none where every rank raised
+        it)."""
         before_training = is_stop(exception) and not self.training and self.signum is not None
         if before_training and self.signum == self._requeue_signum and requeue_without_checkpoint():
             log.warning("lightning-frozen: the job was requeued (no checkpoint: it had not trained yet).")
         if not raised_on_every_rank(exception):  # each rank that raised it goes on, or ends, by itself
             left = self.grace - (time.monotonic() - self._signalled_at) - 1.0 if self.signum is not None else self.grace
-            end_launched_ranks(launcher, max(left, 0.0) if is_stop(exception) else 0.0)
+            # before the first step a rank that did not get the signal never stops by itself: half of what is left
+            # for the others to end, half for this rank's own teardown, inside its deadline
+            wait = left / 2 if before_training else left
+            end_launched_ranks(launcher, max(wait, 0.0) if is_stop(exception) else 0.0)
 
     def _end_ranks_now(self) -> None:
         end_launched_ranks(self._launcher, wait=0.0)
