@@ -173,15 +173,14 @@ class StopSignals:
         try:
             while True:
                 ready, _, _ = select.select([self._read], [], [], max(0.0, min(deadline - time.monotonic(), 3600.0)))
-                if self._closed:
-                    return
                 if not ready:
                     if time.monotonic() >= deadline:
                         why = f"the rank did not stop within {self.grace:g} s"
                         exit_now(self._status(first), why, self._before_exit)
                     continue
-                received = os.read(self._read, 512)
-                if self._previous_fd >= 0:  # whoever set a wakeup fd before (an asyncio loop) still hears of them
+                # in order: a signal that came before close() (a second one its handler saw) is acted on first
+                received, closed, _ = os.read(self._read, 512).partition(b"\0")
+                if self._previous_fd >= 0 and received:  # whoever set a wakeup fd before (asyncio) still hears them
                     with suppress(OSError):
                         os.write(self._previous_fd, received)
                 for signum in (s for s in received if s in self.signums):
@@ -189,6 +188,8 @@ class StopSignals:
                         why = f"a second {signal.Signals(signum).name} arrived"
                         exit_now(self._status(signum), why, self._before_exit)
                     first, deadline = signum, time.monotonic() + self.grace
+                if closed or self._closed:
+                    return
         finally:
             os.close(self._read)
 
