@@ -4,6 +4,7 @@ starts; on one rank, or before any process group, each returns this rank's own v
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,10 +12,10 @@ import torch
 
 
 def distributed() -> bool:
-    """Whether this process is one of several ranks of DeepSpeed's process group."""
-    import deepspeed.comm as dist
-
-    return dist.is_initialized() and dist.get_world_size() > 1
+    """Whether this process is one of several ranks of DeepSpeed's process group (never importing DeepSpeed: without
+    it imported there is none)."""
+    dist = sys.modules.get("deepspeed.comm")
+    return dist is not None and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def gather_objects(value: Any) -> list[Any]:
