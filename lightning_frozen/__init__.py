@@ -8,8 +8,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_frozen.checkpoint.convert import convert_deepspeed_checkpoint
 from lightning_frozen.checkpoint.file import read_checkpoint
 from lightning_frozen.checkpoint.loading import load_adapter, load_from_checkpoint
+from lightning_frozen.checkpoint.merged_export import export_merged
 from lightning_frozen.checkpoint.peft_export import export_peft_adapter
 from lightning_frozen.errors import (
+    BaseFolderError,
     BitsAndBytesConfigError,
     CheckpointFormatError,
     CheckpointKeysError,
@@ -38,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackboneFinetuning",
+    "BaseFolderError",
     "BaseFinetuning",
     "BitsAndBytesConfigError",
     "CheckpointFormatError",
@@ -61,6 +64,7 @@ __all__ = [
     "UnsupportedOffloadOptimizerError",
     "convert_deepspeed_checkpoint",
     "estimate_memory",
+    "export_merged",
     "export_peft_adapter",
     "load_adapter",
     "load_from_checkpoint",

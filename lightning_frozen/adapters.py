@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_frozen.anatomy import Anatomy, adapter_param_names, trained_adapters
+from lightning_frozen.capabilities import SEVERAL_ADAPTERS, require
 from lightning_frozen.errors import AdapterSetupError, format_names
 from lightning_frozen.hf import checkpointing, peft_adapters, row_guard
 from lightning_frozen.hf.reference import find_peft_model
@@ -380,7 +381,10 @@ def engine_built(
     with two or more adapters training:
     clip each one's gradients in ``zero_optimizer`` by its own norm (``zero/adapter_clipping.py``) and refuse a
     training forward outside :func:`adapter_rows` (:func:`guard_rows`; ``row_hooks`` is emptied first, then holds the
-    hooks). Raises as :func:`group_adapters` does."""
+    hooks). Raises as :func:`group_adapters` does, and :class:`DependencyDriftError` where a name that training
+    several adapters at once needs moved (``capabilities.SEVERAL_ADAPTERS``)."""
+    if len(anatomy.trained_adapters) >= 2:
+        require(SEVERAL_ADAPTERS)
     adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(anatomy, group_names))
     row_hooks.close()
     guard_rows(anatomy, row_hooks)

@@ -79,6 +79,10 @@ class CheckpointNotFoundError(FrozenTrainingError, FileNotFoundError):
     """Nothing at the checkpoint path given."""
 
 
+class BaseFolderError(FrozenTrainingError, FileNotFoundError):
+    """The base folder a merged export reads is not there, holds no safetensors weights, or lacks a tensor."""
+
+
 class OutputDirectoryError(FrozenTrainingError, NotADirectoryError):
     """The output folder given is an existing file."""
 

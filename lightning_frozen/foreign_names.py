@@ -1,11 +1,10 @@
 """The private names of other packages the package relies on, as values: what each one is, how to tell that an
-installed release still has it, and how to say that it moved.
+installed release still has it, how to say that it moved, and the capability (the core, or an optional part) that
+needs it.
 
-Each seam declares the rows of its packages (``lightning_seam.py``, ``zero/private_names.py``,
-``hf/private_names.py``); ``dependencies.py`` checks them all once per process, when a strategy is built. A row names
-where the name is, the parameters the package passes or receives where a call depends on them, and the attributes a
-function must still set or read; a row with a ``fallback`` is one the package runs correctly without (slower, or
-holding memory longer), so a moved one warns instead of raising.
+A row names where the name is, the parameters the package passes or receives where a call depends on them, and the
+attributes a function must still set or read. ``capabilities.py`` holds the one table of rows, by capability, and
+checks them.
 """
 
 from __future__ import annotations
@@ -14,9 +13,12 @@ import importlib.metadata
 import inspect
 import pkgutil
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_frozen.errors import format_names
 
@@ -32,7 +34,6 @@ class ForeignName:
     ``params``: the parameters the package passes, in order (any later one must have a default); with ``exact``, the
     package overrides or replaces the function, so its callers pass exactly these. ``in_code``: attributes the
     function must still set or read (on instances, where no class attribute shows them), looked for in its code.
-    ``fallback``: what runs without the name, where that is correct; empty for a name the package needs.
     """
 
     target: str
@@ -40,7 +41,6 @@ class ForeignName:
     params: Optional[tuple[str, ...]] = None
     exact: bool = False
     in_code: tuple[str, ...] = ()
-    fallback: str = ""
 
     @property
     def package(self) -> str:
@@ -49,6 +49,24 @@ class ForeignName:
     @property
     def dotted(self) -> str:
         return self.target.replace(":", ".")
+
+
+@dataclass(frozen=True, eq=False)  # one object per capability: looked up by identity, cheaply, where it is used
+class Capability:
+    """A part of the package that needs private names of other packages: the core, which every run needs, or an
+    optional capability, which a run may do without.
+
+    ``rows``: the names it needs. ``fallback``: what a run does while they moved (the capability is off); empty for
+    the core. ``changes``: what it changes in the process while on, entered in the run's ledger, and where.
+    ``asked``: whether a strategy's resolved spec asks for it by argument (then a moved name raises when the strategy
+    is built); None where no argument does.
+    """
+
+    name: str
+    rows: tuple[ForeignName, ...]
+    fallback: str
+    changes: str = ""
+    asked: Optional[Callable[[Any], bool]] = None
 
 
 def installed_version(package: str) -> Optional[str]:
@@ -127,20 +145,27 @@ def moved_message(row: ForeignName, problem: str) -> str:
     return f"{row.package} {installed_version(row.package)}: `{row.dotted}` {problem} (used in {row.used_in})"
 
 
-def fallback_warning(row: ForeignName, problem: str) -> str:
-    """The warning for a moved name the package runs without: what it does instead, and what it was written for."""
+def off_warning(capability: Capability, moved: list[tuple[ForeignName, str]]) -> str:
+    """The warning for an optional capability turned off because names of its moved: which, and what runs instead."""
+    names = "; ".join(moved_message(row, problem) for row, problem in moved)
     return (
-        f"lightning-frozen: {moved_message(row, problem)}, so {row.fallback}. lightning-frozen was written for"
-        f" {written_for()}."
+        f"lightning-frozen: {capability.name} is off, because {names}; so {capability.fallback}. lightning-frozen was"
+        f" written for {written_for()}."
     )
 
 
-def reach_warning(row: ForeignName, error: BaseException) -> str:
-    """The warning for a step that reached ``row``'s moved name and was skipped: what that leaves behind."""
-    return (
-        f"lightning-frozen: {moved_message(row, f'moved ({type(error).__name__}: {error})')}, so"
-        f" {row.fallback}. lightning-frozen was written for {written_for()}."
-    )
+@contextmanager
+def reaching(capability: Capability) -> Iterator[None]:
+    """Run the block, a teardown's reach into a name of ``capability``; where that name moved since the run started
+    (``AttributeError``, ``KeyError``, ``ImportError``), skip the rest of the block with a warning that names it and
+    what that leaves behind: a teardown that raised would hide the error that ended the run."""
+    try:
+        yield
+    except (AttributeError, KeyError, ImportError) as moved:
+        rank_zero_warn(
+            f"lightning-frozen: a name of {capability.name} moved ({type(moved).__name__}: {moved}), so"
+            f" {capability.fallback}. lightning-frozen was written for {written_for()}."
+        )
 
 
 def drift_message(moved: list[tuple[ForeignName, str]]) -> str:

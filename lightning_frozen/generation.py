@@ -8,7 +8,10 @@ compute dtype with the budget, the strategy's ``generation_memory``: a number of
 available memory shared by the ranks on it), agreed by every rank. Within it, the model's params are gathered once
 (``zero/gather_once.py``), the call runs without ZeRO-3's per-layer fetches, and they are released after. Beyond it,
 ZeRO-3 gathers each layer for each forward. A one-line notice on rank 0 says which mode ran and why, the first time
-each mode runs in a run.
+each mode runs in a run. On several ranks each call passes ``synced_gpus=True`` unless it sets it: a rank that has
+finished its sequences keeps running forwards until every rank has, instead of leaving the others waiting in a gather
+(transformers turns it on by itself only while it believes ZeRO-3 is on, which the strategy tells it in
+``configure_model`` alone).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen.capabilities import GENERATE, available
 from lightning_frozen.hf.generation import generating_models
 from lightning_frozen.memory import format_bytes
 from lightning_frozen.zero.collectives import gather_objects
@@ -28,18 +32,22 @@ from lightning_frozen.zero.gather_once import available_bytes, gathered_once, wh
 # the part of the free memory the default budget allows: the rest holds the KV cache, logits and what the step keeps
 AUTO_FRACTION = 0.5
 GATHER_ONCE, PER_LAYER = "once per call", "layer by layer"
+_OFF = "gathering it once is off (a warning said why when the strategy was built)"
 
 
 def wrap_generate(ledger: Any, strategy: Any) -> None:
     """Wrap, for this run, the ``generate`` of each outermost transformers model in ``strategy``'s LightningModule,
     once (again after a call wraps nothing); through ``ledger`` (its ``set_attribute``), which puts them back when
-    the run ends. ``strategy``: the run's ``FrozenAwareDeepSpeedStrategy``, its engine built (``strategy.model``)."""
+    the run ends. ``strategy``: the run's ``FrozenAwareDeepSpeedStrategy``, its engine built (``strategy.model``).
+    Where ``capabilities.GENERATE`` is off, every call gathers layer by layer."""
     device = strategy.root_device
     ranks_on_device = strategy.num_processes if device.type == "cpu" else 1  # on the CPU they share the host's memory
+    budget, synced = strategy.spec.generation_memory, strategy.world_size > 1
     for model in generating_models(strategy.lightning_module):
         if isinstance(vars(model).get("generate"), _GatheringCall):
             continue
-        call = _GatheringCall(model, lambda: strategy.model, strategy.spec.generation_memory, ranks_on_device)
+        gather_once = available(GENERATE)
+        call = _GatheringCall(model, lambda: strategy.model, budget, ranks_on_device, synced, gather_once)
         ledger.set_attribute(model, "generate", functools.update_wrapper(call, model.generate))
 
 
@@ -63,16 +71,27 @@ def choose_mode(model: nn.Module, budget: Optional[int], ranks_on_device: int) -
 class _GatheringCall:
     """A model's ``generate``, gathering its params once per call when they fit (nested calls pass through)."""
 
-    def __init__(self, model: nn.Module, engine: Callable[[], Any], budget: Optional[int], ranks: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        engine: Callable[[], Any],
+        budget: Optional[int],
+        ranks: int,
+        synced: bool,
+        gather_once: bool,
+    ) -> None:
         self.model, self.generate, self.engine = model, model.generate, engine
-        self.budget, self.ranks = budget, ranks
+        self.budget, self.ranks, self.gather_once = budget, ranks, gather_once
+        self.synced = synced  # several ranks: each runs as many forwards as the one that generates longest
         self.noticed: set[str] = set()
         self.depth = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.depth:
             return self.generate(*args, **kwargs)
-        mode, why = choose_mode(self.model, self.budget, self.ranks)
+        if self.synced and kwargs.get("synced_gpus") is None:
+            kwargs["synced_gpus"] = True
+        mode, why = choose_mode(self.model, self.budget, self.ranks) if self.gather_once else (PER_LAYER, _OFF)
         if mode not in self.noticed:
             self.noticed.add(mode)
             rank_zero_info(f"lightning-frozen: generate() gathers the frozen base {mode}: {why}.")

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 
-from lightning_frozen.hf import transformers_loading
 from lightning_frozen.preemption import Preemption
 from lightning_frozen.zero import accelerator
 from lightning_frozen.zero.frozen_compute import FrozenCompute
@@ -87,15 +86,12 @@ class RunLedger:
                 )
 
 
-def open_run(
-    ledger: RunLedger, module: pl.LightningModule, config: Any, preemption: Preemption, compute: FrozenCompute
-) -> None:
+def open_run(ledger: RunLedger, module: pl.LightningModule, preemption: Preemption, compute: FrozenCompute) -> None:
     """Enter in ``ledger`` what every run of the strategy changes, before it changes it (``compute``: how this run's
     frozen shards compute, whose changes its ``end_run`` undoes)."""
     ledger.callback(accelerator.ignore_dependency_deprecations(), "the filter of dependencies' deprecation warnings")
     ledger.callback(linear_restorer(), "torch.nn.functional.linear")  # `zero.Init` replaces it for good
     ledger.keep_attribute(*deepspeed_linear_copy())
-    ledger.enter(transformers_loading.zero3_known(config), "transformers' belief that ZeRO-3 is on")  # synced generate
     ledger.keep_attribute(module, "forward")  # Lightning's forward redirection leaves a bound method on the instance
     ledger.callback(compute.end_run, "the frozen compute's layers and buffers")
     trainer = module.trainer

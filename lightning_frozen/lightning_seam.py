@@ -6,7 +6,6 @@
   public methods a subclass overrides, and its private helpers (``_init_deepspeed_distributed``,
   ``_init_config_if_needed``) callable under public names.
 
-- ``attached_trainer``: ``LightningModule._trainer`` (``LightningModule.trainer`` raises when none is attached).
 - ``record_added_groups``: ``BaseFinetuning._store``, which remembers the param groups a ``finetune_function`` added.
 - ``resolved_ckpt_path``: the ``ckpt_path`` argument of ``Trainer._run``, read from the call stack. Lightning resolves
   ``"last"``, ``"best"`` and ``"hpc"`` before ``_run`` and holds the result only there until it restores, after the
@@ -17,9 +16,8 @@
   ``trainer._signal_connector``; ``_get_sigkill_signal``; ``trainer._checkpoint_connector._hpc_resume_path``; the
   epoch loop's ``_should_accumulate``; and ``_ChildProcessObserver``'s list of the ranks it watches.
 
-:data:`PRIVATE_NAMES` lists each of them with what the package relies on; ``dependencies.py`` checks them when a
-strategy is built. Private names are reached through their modules, at call time, so that a moved one meets that
-check rather than failing ``import lightning_frozen``.
+Each of them is a row of ``capabilities.py``, checked when a strategy is built. Private names are reached through their
+modules, at call time, so that a moved one meets that check rather than failing ``import lightning_frozen``.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.launchers import subprocess_script
@@ -36,57 +34,7 @@ from lightning.pytorch.trainer.connectors import signal_connector
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_frozen.foreign_names import ForeignName
-
 _TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
-
-_STRATEGY = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
-_SIGNALS = "lightning.pytorch.trainer.connectors.signal_connector"
-_TRAINER = "lightning.pytorch.trainer.trainer:Trainer"
-# Lightning's private names the package overrides, calls or reads (Lightning 2.6.6), checked when a strategy is built
-PRIVATE_NAMES = (
-    # overridden: Lightning calls them with exactly these; renamed, the strategy would quietly run as stock DeepSpeed
-    ForeignName(f"{_STRATEGY}._init_optimizers", "lightning_seam.py", ("self",), exact=True),
-    ForeignName(
-        f"{_STRATEGY}._setup_model_and_optimizer",
-        "lightning_seam.py",
-        ("self", "model", "optimizer", "lr_scheduler"),
-        exact=True,
-    ),
-    ForeignName(f"{_STRATEGY}._initialize_deepspeed_train", "lightning_seam.py", ("self", "model"), exact=True),
-    ForeignName(f"{_STRATEGY}._initialize_deepspeed_inference", "lightning_seam.py", ("self", "model"), exact=True),
-    ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
-    ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
-    ForeignName(
-        f"{_TRAINER}._run",
-        "lightning_seam.py's resolved_ckpt_path",
-        ("self", "model", "ckpt_path"),
-        fallback="a `ckpt_path` that names no checkpoint is refused only once the model is built and DeepSpeed started",
-    ),
-    ForeignName("lightning.pytorch.core.module:LightningModule.__init__", "optim/unfreezing.py", in_code=("_trainer",)),
-    ForeignName(
-        "lightning.pytorch.callbacks.finetuning:BaseFinetuning._store",
-        "finetuning.py",
-        ("self", "pl_module", "opt_idx", "num_param_groups", "current_param_groups"),
-    ),
-    # preemption's
-    ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
-    ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
-    ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
-    ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
-    ForeignName(
-        "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
-        "preemption.py",
-    ),
-    ForeignName(
-        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_accumulate", "preemption.py", ("self",)
-    ),
-    ForeignName(
-        "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
-        "preemption.py",
-        in_code=("_child_processes",),
-    ),
-)
 
 
 class DeepSpeedHooks(DeepSpeedStrategy):
@@ -132,11 +80,6 @@ class DeepSpeedHooks(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
         self.start_inference(model)
-
-
-def attached_trainer(module: Any) -> Optional[pl.Trainer]:
-    """The Trainer ``module`` is attached to, or None (where ``module.trainer`` would raise)."""
-    return getattr(module, "_trainer", None)
 
 
 def record_added_groups(callback: Any, pl_module: Any, num_groups: int, groups: Sequence[dict]) -> None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
@@ -24,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_frozen import adapters, anatomy, arguments, dependencies, lightning_seam, loops, memory, preemption
+from lightning_frozen import adapters, anatomy, arguments, capabilities, lightning_seam, loops, memory, preemption
 from lightning_frozen.base import pretrained, qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, named_frozen, verify_checkpoint_base
 from lightning_frozen.base.loaded import LoadedBase
@@ -32,6 +33,7 @@ from lightning_frozen.checkpoint import file, streamed_save, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.generation import wrap_generate
+from lightning_frozen.hf import transformers_loading
 from lightning_frozen.ledger import RunLedger, open_run
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
@@ -39,7 +41,7 @@ from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
+from lightning_frozen.zero.frozen_compute import KERNELS, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 
 if TYPE_CHECKING:
@@ -73,7 +75,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             (``zero/compute/host_memory.py``).
         preemption_grace: seconds from a SIGTERM for a rank to stop at the next step boundary, save and exit;
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
-        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md).
+        generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md);
+            a number asks for that gathering, so a DeepSpeed that moved its names raises here instead of warning.
         parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
         cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
@@ -106,7 +109,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        dependencies.check_private_names()  # a renamed hook would leave this strategy running as stock DeepSpeed
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         flags["return_freed_memory"] = return_freed_memory
@@ -131,16 +133,18 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
         own.update(generation_memory=generation_memory, preemption_grace=preemption_grace)
         self._spec = arguments.resolve_spec(self.config, config is not None, kwargs.get("pin_memory", False), **own)
+        capabilities.check_for_run(self._spec)  # a renamed hook would leave this strategy running as stock DeepSpeed
         self._preemption = preemption.Preemption(self._spec.preemption_grace)
         self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
         self._optimized = trainable_groups.TrainableGroups()
         self._deferred = streamed_save.DeferredTensors()  # the trainable tensors of the save being built
         self._freezes: list[Callable[[Module], None]] = []  # this run's finetuning callbacks' `freeze_before_training`
         self._loaded_base = LoadedBase()  # what the sliced loader read: sums for the fingerprint, sources for setup
-        self._fingerprints = FingerprintCache(self._loaded_base)
+        self._fingerprints = FingerprintCache(self._loaded_base, KERNELS)
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
         self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
+        self._drops_layers = False  # the module skips layers at random in training (LayerDrop): found at each fit
 
     @property
     def spec(self) -> StrategySpec:
@@ -180,14 +184,14 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def setup_environment(self) -> None:
-        compute = frozen_compute_for(self.root_device)  # how this run's frozen shards compute on its device
-        open_run(self._ledger, self._module, self.config, self._preemption, compute)
+        self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
+        open_run(self._ledger, self._module, self._preemption, compute)
         # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
         # or the dataloaders ends the run
         self._preemption.install(self._module.trainer, self.launcher)
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
-        accelerator.align_deepspeed_accelerator(self.accelerator)
+        self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
@@ -198,11 +202,12 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CPUAccelerator):  # no device index: DeepSpeedStrategy's check does not apply
+            reset_seed()
             self.set_world_ranks()
             self.start_deepspeed_distributed()
         else:
             super().setup_distributed()
-        accelerator.destroy_gloo_group_at_exit()
+        exit_cleanly()
         index = self.local_rank if self.root_device.index is None else self.root_device.index  # CPU: the local rank
         self._placement = Placement(self.root_device, index)
 
@@ -233,8 +238,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         check_has_trainable(model)
         self._optimized.record_flags(model, optimizer)
         trainable = trainable_params(model)
+        where, loaded = self._placement, self._loaded_base
         built = initialize_engine(
-            model, self.config, self.spec, self._placement, optimizer, lr_scheduler, trainable, self._loaded_base
+            model, self.config, self.spec, where, self._compute, optimizer, lr_scheduler, trainable, loaded
         )
         adapters.engine_built(built[1], self._module_anatomy(), self._optimized.trained_names(), self._row_hooks)
         return built
@@ -255,6 +261,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def start_training(self, model: Module) -> None:
         super().start_training(model)
+        self._drops_layers = transformers_loading.drops_layers(model)
         if self.is_global_zero:
             rank_zero_info(self.memory_summary())
         self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
@@ -266,12 +273,14 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
         config, loaded = inference_config(self.config), self._loaded_base
-        self.model, _ = initialize_engine(model, config, self.spec, self._placement, loaded=loaded)
+        self.model, _ = initialize_engine(model, config, self.spec, self._placement, self._compute, loaded=loaded)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._optimized.check_unchanged()
-        return super().training_step(*args, **kwargs)
+        # LayerDrop runs every layer on every rank only where transformers believes ZeRO-3 is on: for the step alone
+        with transformers_loading.zero3_known(self.config) if self._drops_layers else nullcontext():
+            return super().training_step(*args, **kwargs)
 
     @override
     def on_train_start(self) -> None:
@@ -309,13 +318,23 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._freezes.append(freeze)
 
     def finetune(self, finetune: Callable[[unfreezing.StagedOptimizer], None]) -> None:
-        """Apply what ``finetune`` (a callback's) does to a stand-in optimizer: new hyper-parameters, or a rebuild."""
+        """Apply what ``finetune`` (a callback's) does to a stand-in optimizer: new hyper-parameters, or a rebuild.
+
+        Raises:
+            DependencyDriftError: a name progressive unfreezing needs moved.
+        """
+        capabilities.require(capabilities.UNFREEZING)
         if regrouped := unfreezing.stage(self._module, self._deepspeed_optimizer, self.param_group_names, finetune):
             self.reconfigure_trainable(regrouped)
 
     def reconfigure_trainable(self, param_groups: list[dict[str, Any]]) -> None:
         """Rebuild the ZeRO optimizer over ``param_groups`` (the current ones in order, then any added) once params
-        were unfrozen or frozen mid-run, carrying state. Collective."""
+        were unfrozen or frozen mid-run, carrying state. Collective.
+
+        Raises:
+            DependencyDriftError: a name progressive unfreezing needs moved.
+        """
+        capabilities.require(capabilities.UNFREEZING)
         module, num_groups = self._module, len(self._optimized.group_names)
         change = unfreezing.plan_change(module, param_groups, self._optimized.trained_names())
         carried = unfreezing.carry_state(self.deepspeed_engine, module, change.keep)

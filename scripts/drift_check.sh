@@ -76,7 +76,7 @@ stage "installing ${NEWEST[*]}"
 "${PIP[@]}" check >"$OUT/pip_check.log" 2>&1 || true
 
 cd "$COPY"
-stage "looking up the private names (lightning_frozen.dependencies)"
+stage "looking up the private names (lightning_frozen.capabilities)"
 NAMES_STATUS=0
 "$PYTHON_IN_VENV" scripts/drift_report.py names >"$OUT/names.log" 2>"$OUT/names.stderr.log" || NAMES_STATUS=$?
 

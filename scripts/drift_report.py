@@ -1,7 +1,7 @@
 """The two reports of scripts/drift_check.sh, which runs this file with its scratch venv's Python.
 
 ``names``: each package's version against the release the package was written for, and every private name of
-:data:`lightning_frozen.dependencies.PRIVATE_NAMES` that moved, looked up as a strategy's constructor does.
+:mod:`lightning_frozen.capabilities`' table that moved, by the capability that needs it.
 ``tests LOG``: the counts and each failing test's id with its one-line error, read from the output of ``pytest -ra``.
 Both exit 1 when something moved or broke.
 """
@@ -66,24 +66,18 @@ def report_names() -> int:
     # DeepSpeed's logger writes to the stdout it finds at import: its notices go to stderr, the report alone to stdout
     with contextlib.redirect_stdout(sys.stderr):
         # imported here: `tests` reads a log without the package; `names` runs where the releases under test are
-        from lightning_frozen.dependencies import PRIVATE_NAMES
-        from lightning_frozen.foreign_names import WRITTEN_FOR, installed_version, moved_message, problem_of
+        from lightning_frozen import capabilities
+        from lightning_frozen.foreign_names import WRITTEN_FOR, installed_version, moved_message
 
-        moved = [
-            (row, problem)
-            for package, rows in PRIVATE_NAMES.items()
-            if installed_version(package)
-            for row in rows
-            if (problem := problem_of(row)) is not None
-        ]
+        found = (capabilities.CORE, *capabilities.OPTIONAL)
+        moved = [(capability, *name) for capability in found for name in capabilities.moved_names(capability)]
     print("versions (installed, written for):")
     for package, version in WRITTEN_FOR.items():
         installed = installed_version(package)
         print(f"  {package:<13} {installed or 'not installed':<14} {version}")
-    total = sum(len(rows) for rows in PRIVATE_NAMES.values())
-    print(f"private names: {len(moved)} of {total} moved")
-    for row, problem in moved:
-        kind = f"runs without it: {row.fallback}" if row.fallback else "needed: DependencyDriftError"
+    print(f"private names: {len(moved)} of {len(capabilities.ROWS)} moved")
+    for capability, row, problem in moved:
+        kind = f"{capability.name} off: {capability.fallback}" if capability.fallback else "core: DependencyDriftError"
         print(f"  {moved_message(row, problem)} [{kind}]")
     return 1 if moved else 0
 

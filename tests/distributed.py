@@ -179,12 +179,12 @@ def destroy_only_at_exit() -> None:
 
     import torch.distributed as dist
 
-    from lightning_frozen.zero import accelerator
+    from lightning_frozen.zero.compute import gloo_exit
 
     def destroy_gloo_group() -> None:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
 
-    accelerator.destroy_gloo_group_at_exit()  # registered once per process: a later setup adds no second hook
-    atexit.unregister(accelerator.end_gloo_work)
+    gloo_exit.destroy_gloo_group_at_exit()  # registered once per process: a later setup adds no second hook
+    atexit.unregister(gloo_exit.end_gloo_work)
     atexit.register(destroy_gloo_group)

@@ -242,9 +242,9 @@ def test_the_base_is_fingerprinted_once_per_run(trained: dict[str, Path], tmp_pa
     calls: list[int] = []
     real = fingerprint.fingerprint_base
 
-    def counting(named: Any, mode: str = "checksum", loaded: Any = None) -> dict:
+    def counting(named: Any, mode: str = "checksum", loaded: Any = None, kernels: Any = None) -> dict:
         calls.append(len(named))
-        return real(named, mode, loaded)
+        return real(named, mode, loaded, kernels)
 
     monkeypatch.setattr(fingerprint, "fingerprint_base", counting)
     trainer = cpu_trainer(max_epochs=2)

@@ -4,6 +4,7 @@ reads the weight."""
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -46,12 +47,13 @@ def test_part_of_a_gathered_param_decodes_to_those_values_of_the_whole(frozen_dt
         partial_decode.decode_range(rows, numel, frozen_dtype, 2 * numel - 1, torch.empty(2))
 
 
-def _coded_weight(weight: torch.Tensor, frozen_dtype: str) -> nn.Parameter:
-    """A frozen param as a 2-rank gather for its layer leaves it: codes held, a placeholder as its data."""
+def _coded_weight(weight: torch.Tensor, frozen_dtype: str, layers: coded_linear.CodedLayers) -> nn.Parameter:
+    """A frozen param as a 2-rank gather for its layer leaves it: codes held in ``layers``, a placeholder as its
+    data."""
     param = nn.Parameter(torch.empty(0), requires_grad=False)
     param.ds_shape, param.ds_numel = weight.shape, weight.numel()
     rows, numel = _rows(weight, frozen_dtype, ranks=2)
-    param.data = coded_linear.keep_codes(param, rows, numel, frozen_dtype)
+    param.data = layers.keep_codes(param, rows, numel, frozen_dtype)
     return param
 
 
@@ -62,14 +64,14 @@ def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     # tiles of 3 rows of 100 weights: tiles straddle NF4's 64-weight blocks and the two shards
     monkeypatch.setattr(coded_linear, "TILE_ROWS", 3)
     monkeypatch.setattr(coded_linear, "TILE_ELEMENTS", 1)
-    coded_linear._tiles.clear()
+    layers = coded_linear.CodedLayers()
     weight = torch.randn(37, 100)
-    param = _coded_weight(weight, frozen_dtype)
+    param = _coded_weight(weight, frozen_dtype, layers)
     assert torch.isnan(param).all() and param.shape == (37, 100)  # a reader we did not foresee sees NaN
-    rows, numel, _ = coded_linear.held_codes(param)
+    rows, numel, _ = layers.held_codes(param)
     decoded = codec.decode(rows, numel, frozen_dtype)[: weight.numel()].view_as(weight)
     x = torch.randn(2, 5, 100, requires_grad=True)
-    output = coded_linear._CodedMatmul.apply(x, param)
+    output = coded_linear._CodedMatmul.apply(x, param, layers)
     output.backward(torch.ones_like(output))
     reference_x = x.detach().clone().requires_grad_(True)
     reference = reference_x @ decoded.t()
@@ -79,16 +81,16 @@ def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     torch.testing.assert_close(output, reference, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-6, atol=1e-5)
     assert not torch.equal(decoded, weight)  # what was compared is the codes' values, not the source's
-    coded_linear._tiles.clear()
 
 
 @pytest.mark.parametrize("frozen_dtype", ["nf4", "int8"])
 def test_an_embedding_decodes_only_the_rows_it_looks_up(frozen_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     table = torch.randn(50, 64)
     embedding = nn.Embedding(50, 64, padding_idx=0)
-    embedding.weight = _coded_weight(table, frozen_dtype)
-    embedding.forward = coded_linear._FORWARDS[nn.Embedding].__get__(embedding)
-    rows, numel, _ = coded_linear.held_codes(embedding.weight)
+    layers = coded_linear.CodedLayers()
+    embedding.weight = _coded_weight(table, frozen_dtype, layers)
+    embedding.forward = functools.partial(coded_linear._FORWARDS[nn.Embedding], layers, embedding)
+    rows, numel, _ = layers.held_codes(embedding.weight)
     decoded = codec.decode(rows, numel, frozen_dtype)[: table.numel()].view_as(table)
     decoded_values = []
     decode_range = partial_decode.decode_range
@@ -131,17 +133,24 @@ def test_only_plain_layers_nothing_else_reads_are_computed_from_codes() -> None:
     for param in model.parameters():
         param.ds_tensor = torch.empty(1)  # a shard in CPU memory
     stored_as = {id(p): "nf4" for p in model.parameters() if not p.requires_grad}
-    assert coded_linear.compute_from_codes(model, lambda p: stored_as.get(id(p))) == 3
+    layers = coded_linear.CodedLayers()
+    assert layers.compute_from_codes(model, lambda p: stored_as.get(id(p))) == 3
     towers = model.base_model.model
     coded = {
         name
         for name, m in towers.named_modules()
-        if isinstance(m, (nn.Linear, nn.Embedding)) and coded_linear.computes_from_codes(m.weight)
+        if isinstance(m, (nn.Linear, nn.Embedding)) and layers.computes_from_codes(m.weight)
     }
     assert coded == {"plain", "lora.base_layer", "vocab"}
+    assert not coded_linear.CodedLayers().computes_from_codes(towers.plain.weight)  # another run's table is its own
+    layers.end_of_run()
+    assert "forward" not in vars(towers.plain)
 
 
-def _fit(coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4") -> tuple[AdapterModel, dict]:
+def _fit(
+    coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4"
+) -> tuple[AdapterModel, dict, coded_linear.CodedLayers]:
+    """A 3-step fit; the model, what was decoded how, and the run's coded layers (its compute object's)."""
     seen: dict[str, Any] = {"whole decodes": 0, "tile decodes": 0, "nan weights": 0}
     decode, decode_range = codec.decode, partial_decode.decode_range
 
@@ -156,7 +165,7 @@ def _fit(coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4"
     monkeypatch.setattr(partial_decode, "decode_range", counting_range)
     monkeypatch.setattr("lightning_frozen.zero.compute.quantized.decode", counting_decode)
     if not coded:
-        monkeypatch.setattr(coded_linear, "compute_from_codes", lambda model, stored_as: 0)
+        monkeypatch.setattr(coded_linear.CodedLayers, "compute_from_codes", lambda self, model, stored_as: 0)
     model = AdapterModel(width=WIDTH, depth=3, optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
 
     def during_forward(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
@@ -166,24 +175,24 @@ def _fit(coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4"
     trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype), max_steps=3, precision="32-true")
     trainer.fit(model, regression_data(width=WIDTH))
     monkeypatch.undo()
-    return model, seen
+    return model, seen, trainer.strategy._compute.tables.layers
 
 
 def test_a_fit_computes_the_frozen_layers_from_codes_and_trains_as_with_whole_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, seen = _fit(True, monkeypatch)
+    model, seen, layers = _fit(True, monkeypatch)
     # after the run the layers compute as their class says again (the tile counts below show they did not in it)
-    assert not any(coded_linear.computes_from_codes(layer.base.weight) for layer in model.layers)
+    assert not any(layers.computes_from_codes(layer.base.weight) for layer in model.layers)
     assert not any("forward" in vars(layer.base) for layer in model.layers)
     assert seen["whole decodes"] == 0  # no frozen weight was decoded whole ...
     # ... but in one tile each (64 x 64 weights), 3 steps x (3 forwards + 2 backwards: the first layer's input
     # needs no gradient)
     assert seen["tile decodes"] == 3 * (3 + 2)
     assert seen["nan weights"] == 3  # the layer's data was the placeholder while it computed
-    assert not coded_linear._tiles  # the row buffer was given back after the run
-    assert all(coded_linear.held_codes(layer.base.weight) is None for layer in model.layers)  # and the codes
-    reference, whole = _fit(False, monkeypatch)
+    assert not layers._tiles  # the row buffer was given back after the run
+    assert all(layers.held_codes(layer.base.weight) is None for layer in model.layers)  # and the codes
+    reference, whole, _ = _fit(False, monkeypatch)
     assert whole["whole decodes"] >= 3 * 3 and whole["tile decodes"] == 0 and whole["nan weights"] == 0
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         if param.requires_grad:

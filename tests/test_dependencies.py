@@ -1,8 +1,9 @@
-"""Loud on drift (issue 36): every private name of Lightning, DeepSpeed, transformers, PEFT and torch the package relies
-on is a row of ``dependencies.PRIVATE_NAMES``, checked when a strategy is built. A name the package needs that moved
-raises there, naming the package, its version, the name and the releases the package was written for; one it runs
-without warns once; a teardown that reaches a moved DeepSpeed name warns and lets the run's own error through.
-pyproject's lower bounds are the releases the tests run on.
+"""Loud on drift (issues 36, 44): every private name of Lightning, DeepSpeed, transformers, PEFT and torch the package
+relies on is a row of ``capabilities.py``'s one table, under the core or the capability that needs it, checked when a
+strategy is built. A moved name of the core raises there, naming the package, its version, the name and the releases
+the package was written for; one of an optional capability turns it off with one warning; a teardown that reaches a
+moved DeepSpeed name warns and lets the run's own error through. pyproject's lower bounds are the releases the tests
+run on. tests/test_capabilities.py deletes names as a release would, in a fresh process.
 """
 
 from __future__ import annotations
@@ -19,24 +20,27 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 import lightning_frozen
-from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, dependencies, foreign_names
+from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, capabilities, foreign_names
 from lightning_frozen.foreign_names import ForeignName, problem_of
 from tests.models import AdapterModel, cpu_trainer, regression_data
 from tests.test_hf_seams import HF_INTERNALS, package_private_names
 from tests.test_seams import DEEPSPEED_INTERNALS, SEAM
 
 ROOT = Path(lightning_frozen.__file__).parent.parent
-ROWS = [row for rows in dependencies.PRIVATE_NAMES.values() for row in rows]
+ROWS = capabilities.ROWS
 # bitsandbytes' param classes, read by their names only where bitsandbytes quantized a model (not one of the five)
 READ_BY_CLASS_NAME = {"Params4bit", "Int8Params"}
 
 
 @pytest.fixture
 def fresh_lookup() -> Iterator[None]:
-    """The once-per-process lookup done again in this test, and again after it: the names it moves come back."""
-    dependencies.look_up_private_names.cache_clear()
+    """The once-per-process lookup (and its warnings) done again in this test, and again after it: the names it moves
+    come back."""
+    capabilities.moved_names.cache_clear()
+    capabilities._warn_off.cache_clear()
     yield
-    dependencies.look_up_private_names.cache_clear()
+    capabilities.moved_names.cache_clear()
+    capabilities._warn_off.cache_clear()
 
 
 def _covered() -> set[str]:
@@ -60,7 +64,8 @@ def test_every_private_name_the_package_uses_has_a_row() -> None:
 def test_every_row_holds_in_the_installed_packages() -> None:
     assert {row.dotted: problem for row in ROWS if (problem := problem_of(row))} == {}
     assert {row.package for row in ROWS} == set(foreign_names.WRITTEN_FOR)
-    assert dependencies.look_up_private_names() == ()
+    assert [capability.name for capability in capabilities.OPTIONAL if not capabilities.available(capability)] == []
+    assert capabilities.moved_names(capabilities.CORE) == ()
 
 
 def test_the_check_finds_a_name_gone_a_signature_changed_and_an_attribute_no_longer_set() -> None:
@@ -123,18 +128,22 @@ def test_a_changed_signature_fails_at_construction(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(DeepSpeedStrategy, "_setup_model_and_optimizer", setup)
     monkeypatch.setattr(BaseFinetuning, "_store", store)
-    with pytest.raises(DependencyDriftError) as raised:
+    with (
+        pytest.raises(DependencyDriftError) as raised,
+        pytest.warns(UserWarning, match="progressive unfreezing is off"),
+    ):
         FrozenAwareDeepSpeedStrategy()
     message = str(raised.value)
-    assert "2 of them" in message
+    assert "1 of them" in message  # `_store` is progressive unfreezing's, which this run does not ask for
     assert (
         "`lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy._setup_model_and_optimizer` takes (self, model,"
         " optimizer, lr_scheduler, model_parameters), not (self, model, optimizer, lr_scheduler)" in message
     )
-    assert "`lightning.pytorch.callbacks.finetuning.BaseFinetuning._store` takes (self, pl_module," in message
+    with pytest.raises(DependencyDriftError, match=r"`.*BaseFinetuning\._store` takes \(self, pl_module,"):
+        capabilities.require(capabilities.UNFREEZING)  # where a finetuning callback first unfreezes
 
 
-def test_a_name_with_a_fallback_warns_once(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
+def test_a_capability_the_run_did_not_ask_for_warns_once(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
     from transformers import modeling_utils
 
     monkeypatch.delattr(modeling_utils, "safe_open")
@@ -144,7 +153,9 @@ def test_a_name_with_a_fallback_warns_once(monkeypatch: pytest.MonkeyPatch, fres
         FrozenAwareDeepSpeedStrategy()
     moved = [str(w.message) for w in caught if "safe_open" in str(w.message)]
     assert len(moved) == 1
-    assert "transformers 5.25" in moved[0] and "does not name the file" in moved[0] and "written for" in moved[0]
+    assert moved[0].startswith("lightning-frozen: sliced loading from hub folders is off, because transformers 5.25")
+    assert "each rank reads every tensor whole" in moved[0] and "written for" in moved[0]
+    assert not capabilities.available(capabilities.SLICED_LOADING) and capabilities.available(capabilities.CORE)
 
 
 class _RaisesAfterDeepSpeedMoved(AdapterModel):
@@ -168,7 +179,9 @@ def test_a_teardown_that_reaches_a_moved_name_warns_and_lets_the_runs_error_thro
     trainer = cpu_trainer(max_steps=2)
     with (
         pytest.raises(ValueError, match="the run's own error"),
-        pytest.warns(UserWarning, match=r"deepspeed 0\.19\.8: `.*parameter_offload\.FWD_MODULE_STACK` moved"),
+        pytest.warns(
+            UserWarning, match=r"a name of releasing a finished run's engine moved \(AttributeError: .*FWD_MOD"
+        ),
     ):
         trainer.fit(_RaisesAfterDeepSpeedMoved(monkeypatch), regression_data())
 

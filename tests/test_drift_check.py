@@ -60,15 +60,19 @@ def test_a_run_passes_only_with_no_failure_and_its_summary_line(tmp_path: Path, 
 
 
 def test_the_names_report_says_which_private_name_moved(monkeypatch, capsys) -> None:
-    from lightning_frozen import dependencies
+    import dataclasses
+
+    from lightning_frozen import capabilities
     from lightning_frozen.foreign_names import ForeignName
 
     gone = ForeignName("torch:nn.Module._no_such_name", used_in="zero/params.py")
-    slower = ForeignName("torch:nn.Module._also_gone", used_in="zero/engine.py", fallback="memory is held longer")
-    torch_rows = (gone, slower, *dependencies.PRIVATE_NAMES["torch"])
-    monkeypatch.setattr(dependencies, "PRIVATE_NAMES", dict(torch=torch_rows))
+    slower = ForeignName("torch:nn.Module._also_gone", used_in="zero/engine.py")
+    core = dataclasses.replace(capabilities.CORE, rows=(gone, *capabilities.CORE.rows))
+    release = dataclasses.replace(capabilities.RELEASE, rows=(slower, *capabilities.RELEASE.rows))
+    monkeypatch.setattr(capabilities, "CORE", core)
+    monkeypatch.setattr(capabilities, "OPTIONAL", (release,))
     assert drift_report.report_names() == 1
     report = capsys.readouterr().out
-    assert f"private names: 2 of {len(torch_rows)} moved" in report
-    assert "`torch.nn.Module._no_such_name` is gone (used in zero/params.py) [needed: DependencyDriftError]" in report
-    assert "[runs without it: memory is held longer]" in report
+    assert f"private names: 2 of {len(capabilities.ROWS)} moved" in report
+    assert "`torch.nn.Module._no_such_name` is gone (used in zero/params.py) [core: DependencyDriftError]" in report
+    assert "[releasing a finished run's engine off: a finished run's modules stay referenced" in report

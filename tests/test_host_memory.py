@@ -14,7 +14,7 @@ import torch
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.format import native_codec
-from lightning_frozen.zero.compute import host_memory
+from lightning_frozen.zero.compute import host_memory, quantized
 from lightning_frozen.zero.params import full_param, gathered
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -108,26 +108,28 @@ _UNDONE = textwrap.dedent(
     import ctypes, torch
     from lightning_frozen.zero.compute import host_memory
 
-    undo = host_memory.return_freed_memory()
-    undo()  # the end of the run: glibc's starting threshold (128 KiB) again
-    buffers = [torch.empty(512 << 10, dtype=torch.uint8).fill_(1) for _ in range(8)]
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = type("MallInfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]})
-    print(libc.mallinfo2().hblks)  # chunks glibc mmapped
+    undo = host_memory.return_freed_memory()
+    undo()  # the end of the run: glibc's starting threshold (128 KiB) again
+    before = libc.mallinfo2().hblks
+    buffers = [torch.empty(512 << 10, dtype=torch.uint8).fill_(1) for _ in range(16)]
+    print(libc.mallinfo2().hblks - before)  # of these, the chunks glibc mmapped
     """
 )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_the_threshold_goes_back_when_the_run_ends() -> None:
-    # under the run's 1 MiB threshold 512 KiB buffers come from the heap; with glibc's 128 KiB they are mmapped each
-    counts = {}
+    # under the run's 1 MiB threshold 512 KiB buffers come from the heap; with glibc's 128 KiB they are mmapped each,
+    # but for the few that a free chunk already in the heap serves (it varies with what the imports freed)
+    mmapped = {}
     for undo in ("undo()", "pass"):
         code = _UNDONE.replace("undo()  #", f"{undo}  #")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        counts[undo] = int(run.stdout.split()[-1])
-    assert counts["undo()"] >= counts["pass"] + 8, counts
+        mmapped[undo] = int(run.stdout.split()[-1])
+    assert mmapped["undo()"] >= 12 and mmapped["pass"] <= 2, mmapped
 
 
 def test_a_threshold_the_user_chose_is_kept() -> None:
@@ -209,10 +211,12 @@ def test_decode_buffers_keep_an_unshared_tensor_of_a_repeated_size_for_the_next_
     taken = {buffers.take(1000, torch.float32, asker=0).data_ptr() for _ in range(2)}
     assert taken == set(pointers[1:])
     buffers.give(torch.ones(1000))
-    buffers.clear()
+    buffers.close()  # the run ended: everything given back, nothing kept from now on
     assert buffers.bytes_kept == 0 and buffers.take(1000, torch.float32, asker=0) is None
+    for asker in range(host_memory.PARAMS_PER_SIZE_KEPT):
+        buffers.take(1000, torch.float32, asker=asker)
     buffers.give(torch.ones(1000))
-    assert buffers.bytes_kept == 0  # the sizes asked for are forgotten too
+    assert buffers.bytes_kept == 0
 
 
 class ViewLinear(torch.nn.Linear):
@@ -230,24 +234,23 @@ def test_an_nf4_fit_decodes_into_kept_buffers_and_trains_exactly_as_without(
     """Each gather after the first decodes into a tensor a released param left, and training is unchanged to the bit,
     also where autograd saved a view of a released weight (that one is never handed out again)."""
     seen: dict[str, list[int]] = {}
-    clear = host_memory.DecodeBuffers.clear
+    close = host_memory.DecodeBuffers.close
 
-    def count_then_clear(buffers: host_memory.DecodeBuffers) -> None:
+    def count_then_close(buffers: host_memory.DecodeBuffers) -> None:
         seen.setdefault("hits", []).append(buffers.hits)
-        clear(buffers)
+        close(buffers)
 
-    monkeypatch.setattr(host_memory.DecodeBuffers, "clear", count_then_clear)
+    monkeypatch.setattr(host_memory.DecodeBuffers, "close", count_then_close)
     trained, default = {}, host_memory.DECODE_BUDGET_MULTIPLE
     for multiple in (default, 0):  # 0: nothing is kept, each decode is a new tensor
         monkeypatch.setattr(host_memory, "DECODE_BUDGET_MULTIPLE", multiple)
-        host_memory.DECODE_BUFFERS.hits = 0
         model = AdapterModel(width=WIDTH, depth=3)
         if layer != "linear":
             for block in model.layers:
                 block.base.__class__ = ViewLinear
         trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), max_steps=4, precision="32-true")
         trainer.fit(model, regression_data(width=WIDTH))
-        assert host_memory.DECODE_BUFFERS.bytes_kept == 0  # given back after the run
+        assert trainer.strategy._compute.tables.buffers.bytes_kept == 0  # the run's, given back after it
         trained[multiple] = {n: full_param(p) for n, p in model.named_parameters() if p.requires_grad}
     kept_hits, fresh_hits = seen["hits"][-2:]
     assert fresh_hits == 0
@@ -263,7 +266,11 @@ def test_a_released_weight_whose_view_lives_on_is_never_decoded_into() -> None:
     trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), max_steps=1, precision="32-true")
     trainer.fit(model, regression_data(width=WIDTH))
     first, second, third = (layer.base.weight for layer in model.layers)
-    for other in (third, second):  # after the run the sizes asked for were forgotten: three params ask again
+    tables = quantized.RunTables()  # the run's were closed at its end: these gathers keep decoded tensors again
+    for weight in (first, second, third):
+        quantized.install_quantized_gather(weight, tables)
+    buffers = tables.buffers
+    for other in (third, second):  # three params ask for the size
         with gathered(other):
             pass
     with gathered(first):
@@ -272,7 +279,7 @@ def test_a_released_weight_whose_view_lives_on_is_never_decoded_into() -> None:
     with gathered(second):  # a new tensor: first's is still read through the view
         assert not torch.equal(second.data.t(), expected) and torch.equal(transposed, expected)
         pointer = second.data.data_ptr()
-    assert host_memory.DECODE_BUFFERS.bytes_kept == WIDTH * WIDTH * 4  # second's, kept once released
+    assert buffers.bytes_kept == WIDTH * WIDTH * 4  # second's, kept once released
     with gathered(first):  # decoded into what second left
         assert first.data.data_ptr() == pointer and torch.equal(first.data.t(), expected)
-    host_memory.DECODE_BUFFERS.clear()
+    buffers.close()

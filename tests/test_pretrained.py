@@ -181,7 +181,7 @@ def test_a_broken_shard_is_named_when_transformers_own_loader_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broken = _sharded_llama_with_a_broken_shard(tmp_path / "base", "truncated")
-    monkeypatch.setattr(transformers_loading, "replaceable", lambda modeling_utils: False)  # ours bypassed
+    monkeypatch.setattr(transformers_loading, "available", lambda capability: False)  # sliced loading off
     with pytest.raises(lightning_frozen.FrozenBaseFileError, match=str(broken)):
         cpu_trainer(max_steps=1).fit(PretrainedLoRA(str(broken.parent)), token_data())
 

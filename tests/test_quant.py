@@ -116,10 +116,6 @@ def test_nf4_packs_two_codes_per_byte_high_nibble_first_as_bitsandbytes_does() -
     assert codec.FORMATS["nf4"].describe()["packing"] == "high nibble first"
 
 
-def _tensor_op_codec(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_codec, "kernels", lambda: None)
-
-
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
 @pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("count", [1100, 3 * 65536 + 7])  # a padded last block, and more than a thread's share
@@ -137,10 +133,11 @@ def test_compiled_kernels_give_the_tensor_ops_codes_and_values_to_the_bit(
     if split == "thread pool":
         monkeypatch.setattr(lib, "lf_openmp", lambda: 0)
         monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three threads split the blocks
-    native = codec.encode(values, frozen_dtype, numel=count + 300)
-    native_values = {d: codec.decode(torch.stack([native, native]), count - 5, frozen_dtype, d) for d in DTYPES}
-    _tensor_op_codec(monkeypatch)
-    reference = codec.encode(values, frozen_dtype, numel=count + 300)
+    kernels = native_codec.KERNELS
+    native = codec.encode(values, frozen_dtype, numel=count + 300, kernels=kernels)
+    rows = torch.stack([native, native])
+    native_values = {d: codec.decode(rows, count - 5, frozen_dtype, d, kernels=kernels) for d in DTYPES}
+    reference = codec.encode(values, frozen_dtype, numel=count + 300)  # no kernels handed in: tensor ops
     assert torch.equal(native, reference)
     for dtype in DTYPES:
         expected = codec.decode(torch.stack([reference, reference]), count - 5, frozen_dtype, dtype)
@@ -151,7 +148,7 @@ def test_the_compiled_nf4_encoder_refuses_a_block_beyond_fp16_range() -> None:
     values = torch.zeros(256)
     values[130] = 70000.0
     with pytest.raises(FrozenDtypeError, match="7e\\+04.*frozen_dtype='int8'"):
-        codec.encode(values, "nf4")
+        codec.encode(values, "nf4", kernels=native_codec.KERNELS)
 
 
 def test_bitsandbytes_reads_the_nf4_codes_as_they_are_stored() -> None:
@@ -175,15 +172,15 @@ def test_without_a_compiler_the_codec_warns_once_and_uses_tensor_ops(
         with pytest.warns(UserWarning, match="no C compiler.*apt-get install gcc"):
             assert native_codec.kernels() is None
         values = _weights()
-        with_tensor_ops = codec.encode(values, "nf4")
-        decoded = codec.decode(with_tensor_ops, values.numel(), "nf4")
+        with_tensor_ops = codec.encode(values, "nf4", kernels=native_codec.KERNELS)
+        decoded = codec.decode(with_tensor_ops, values.numel(), "nf4", kernels=native_codec.KERNELS)
     finally:
         native_codec.kernels.cache_clear()
     assert not list(tmp_path.iterdir())  # nothing was built
     monkeypatch.undo()
     assert native_codec.kernels() is not None
-    assert torch.equal(codec.encode(values, "nf4"), with_tensor_ops)
-    assert torch.equal(codec.decode(with_tensor_ops, values.numel(), "nf4"), decoded)
+    assert torch.equal(codec.encode(values, "nf4", kernels=native_codec.KERNELS), with_tensor_ops)
+    assert torch.equal(codec.decode(with_tensor_ops, values.numel(), "nf4", kernels=native_codec.KERNELS), decoded)
 
 
 def test_the_kernels_build_into_the_cache_once_and_leave_no_temporary_file(
@@ -239,7 +236,7 @@ def test_unknown_frozen_dtype_is_refused_at_construction() -> None:
 def test_quantizing_a_trainable_param_is_refused() -> None:
     param = torch.nn.Parameter(torch.randn(8, 8))
     with pytest.raises(FrozenDtypeError, match=r"trainable param \(shape \(8, 8\)\) cannot be stored as nf4.*Freeze"):
-        quantized.quantize_param_shard(param, "nf4")
+        quantized.quantize_param_shard(param, "nf4", quantized.RunTables())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs an accelerator that cannot run the dequantization")
@@ -400,7 +397,7 @@ def test_writing_a_quantized_param_requantizes_it_and_it_cannot_be_made_trainabl
 
     weight.requires_grad_(True)
     with pytest.raises(FrozenDtypeError, match=r"`layers.0.base.weight` is stored quantized.*cannot be trained"):
-        quantized.quantize_frozen_shards(model, "int8")
+        quantized.quantize_frozen_shards(model, "int8", quantized.RunTables())
 
 
 def test_frozen_dtype_comes_from_yaml_and_the_command_line(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import lightning_frozen
 from lightning_frozen import CheckpointFormatError, process, read_checkpoint
 from lightning_frozen.checkpoint import atomic_files, file
 from lightning_frozen.format import layout
-from lightning_frozen.zero import accelerator
+from lightning_frozen.zero.compute import gloo_exit
 from tests.distributed import SCRIPTS, fresh_env, launch, read_reports, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
@@ -434,13 +434,13 @@ def test_gloo_workers_are_idle_only_when_no_collective_waits_for_a_peer() -> Non
     for thread in meeting:
         thread.join()
     names = {(Path("/proc/self/task") / task / "comm").read_text().strip() for task in os.listdir("/proc/self/task")}
-    assert accelerator.GLOO_WORKER_THREAD in names  # the name torch gives its gloo workers
-    assert accelerator.wait_for_idle_gloo_workers(timeout=5)
+    assert gloo_exit.GLOO_WORKER_THREAD in names  # the name torch gives its gloo workers
+    assert gloo_exit.wait_for_idle_gloo_workers(timeout=5)
     waiting = groups[0].allreduce([torch.ones(4)])  # rank 1 has not called it: rank 0's worker waits for it
-    assert not accelerator.wait_for_idle_gloo_workers(timeout=0.3)
+    assert not gloo_exit.wait_for_idle_gloo_workers(timeout=0.3)
     groups[1].allreduce([torch.ones(4)]).wait()
     waiting.wait()
-    assert accelerator.wait_for_idle_gloo_workers(timeout=5)
+    assert gloo_exit.wait_for_idle_gloo_workers(timeout=5)
 
 
 @pytest.mark.slow

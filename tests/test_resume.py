@@ -5,6 +5,7 @@ on two ranks."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -62,6 +63,18 @@ def test_the_loss_scaler_state_is_saved_and_a_resume_continues_it(tmp_path: Path
     assert resumed["optimizer_states"][0]["loss_scaler"] == straight["optimizer_states"][0]["loss_scaler"]
     assert straight["optimizer_states"][0]["loss_scaler"]["cur_iter"] == 16
     _assert_same_training_state(straight, resumed)
+
+
+def test_a_loss_scale_this_run_does_not_keep_warns_that_it_starts_afresh() -> None:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from lightning_frozen.zero.params import restore_loss_scaler
+
+    optimizer = SimpleNamespace(loss_scaler=LossScaler(1.0))  # a bf16 or fp32 run's static scaler
+    saved = {"cur_scale": 16.0, "cur_iter": 8, "cur_hysteresis": 2}  # a 16-mixed run's
+    with pytest.warns(UserWarning, match=r"`cur_iter`, `cur_hysteresis`, which this run's `LossScaler` does not keep"):
+        restore_loss_scaler(optimizer, saved)
+    assert optimizer.loss_scaler.cur_scale == 16.0
 
 
 # ---------------------------------------------------------------------------------------------- accumulation

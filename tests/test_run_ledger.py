@@ -3,8 +3,10 @@ Lightning, DeepSpeed, transformers or PEFT, or in the process, after ``fit``, ``
 returned or raised (``lightning_frozen/ledger.py``); and ``lightning_frozen.unshard`` makes the module an ordinary
 one that ``torch.save`` and ``copy.deepcopy`` take, with the trained weights.
 
-Each test snapshots the user's module and the libraries' bindings before the run (``tests/traces.py``) and compares
-after it; a patch, hook, instance attribute or class attribute left in place fails it.
+Each test snapshots the user's module, the libraries' bindings and the object-valued globals of the libraries and of
+the package before the run (``tests/traces.py``) and compares after it; a patch, hook, instance attribute, class
+attribute, process-wide object (DeepSpeed's accelerator, transformers' ``HfDeepSpeedConfig`` reference) or table of the
+package's left in place fails it. The compute tables are the run's own (its compute object's) and empty after it.
 """
 
 from __future__ import annotations
@@ -38,13 +40,19 @@ def _strategy(frozen_dtype: Optional[str] = None) -> FrozenAwareDeepSpeedStrateg
     return FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)
 
 
-def _unchanged(before: Snapshot, *models: nn.Module) -> None:
-    """No library binding changed, and nothing of the package is on ``models``."""
+def _unchanged(before: Snapshot, *models: nn.Module, trainer: Optional[L.Trainer] = None) -> None:
+    """No library binding or global object changed, nothing of the package is on ``models``, and the compute tables of
+    ``trainer``'s last run hold nothing."""
     after = Snapshot.take(*models)
     rebound = [change for change in after.changes_since(before) if not change.startswith(tuple("0123456789"))]
     assert rebound == [], rebound
     for model in models:
         assert package_traces(model) == []
+    if trainer is not None:
+        tables = trainer.strategy._compute.tables
+        layers, buffers = tables.layers, tables.buffers
+        assert not (layers._coded or layers._gathered or layers._layers or layers._tiles), vars(layers)
+        assert buffers.bytes_kept == 0 and buffers.take(1, torch.float32, asker=0) is None  # closed
 
 
 class Raising(AdapterModel):
@@ -83,14 +91,14 @@ def test_fit_validate_test_predict_leave_the_module_and_the_libraries_as_they_we
     filters, handler = list(warnings.filters), signal.getsignal(signal.SIGTERM)
     trainer = cpu_trainer(strategy=_strategy(frozen_dtype), max_steps=3)
     trainer.fit(module, regression_data())
-    _unchanged(before, module)
+    _unchanged(before, module, trainer=trainer)
     assert signal.getsignal(signal.SIGTERM) == handler
     assert not any("lightning_frozen" in type(c).__module__ for c in trainer.callbacks)  # the run's callback went
     assert warnings.filters == filters
     assert torch.nn.functional.linear is before_linear
     for run in ("validate", "test", "predict"):
         getattr(trainer, run)(module, regression_data())
-        _unchanged(before, module)
+        _unchanged(before, module, trainer=trainer)
 
     # the documented call gives the shards whole: then the module is exactly the user's kind of module again
     trainer.save_checkpoint(tmp_path / "trained.ckpt")
@@ -147,3 +155,80 @@ def test_two_fits_in_one_process_leave_one_strategy_callback_at_most() -> None:
     for _ in range(2):
         trainer.fit(AdapterModel(), regression_data())
         assert [type(c).__name__ for c in trainer.callbacks if "lightning_frozen" in type(c).__module__] == []
+
+
+class _RecordsTheBelief(CausalAdapters):
+    """Records, where transformers asks, whether it believes ZeRO-3 is on (every `from_pretrained` then builds under
+    `zero.Init`) and which DeepSpeed accelerator runs."""
+
+    seen: dict[str, Any]
+
+    def configure_model(self) -> None:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        super().configure_model()
+        self.seen = {"configure_model": is_deepspeed_zero3_enabled()}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from deepspeed.accelerator import get_accelerator
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        self.seen.update(training_step=is_deepspeed_zero3_enabled(), accelerator=get_accelerator()._name)
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_zero3_belief_lasts_configure_model_and_deepspeeds_accelerator_the_run(llama_folder: str) -> None:
+    # CUDA cannot run here: DeepSpeed's CUDA accelerator object stands in for a GPU machine's auto-detection, which a
+    # CPU run replaces for its length
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    cuda = CUDA_Accelerator()
+    set_accelerator(cuda)
+    module = _RecordsTheBelief(llama_folder, ["x"], together=False, in_configure_model=True)
+    before = Snapshot.take()
+    trainer = cpu_trainer(strategy=_strategy("nf4"), max_steps=1)
+    trainer.fit(module, token_batches(samples=4))
+    assert module.seen == {"configure_model": True, "training_step": False, "accelerator": "cpu"}
+    _unchanged(before, module, trainer=trainer)
+    assert get_accelerator() is cuda
+
+
+class _DropsLayers(_RecordsTheBelief):
+    """A transformers model whose config asks for LayerDrop (wav2vec2's `layerdrop`; Llama's forward ignores it)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for sub in self.modules():
+            if hasattr(sub, "config"):
+                sub.config.layerdrop = 0.1
+
+
+def test_the_zero3_belief_holds_for_the_steps_of_a_model_that_drops_layers(llama_folder: str) -> None:
+    # its forward runs every layer on every rank only where transformers believes ZeRO-3 is on (each layer's gather
+    # is a collective); the belief still ends with the run
+    module = _DropsLayers(llama_folder, ["x"], together=False, in_configure_model=True)
+    before = Snapshot.take()
+    trainer = cpu_trainer(strategy=_strategy(), max_steps=1)
+    trainer.fit(module, token_batches(samples=4))
+    assert module.seen == {"configure_model": True, "training_step": True, "accelerator": "cpu"}
+    _unchanged(before, module, trainer=trainer)
+
+
+def test_two_strategies_in_one_process_keep_their_own_compute_tables() -> None:
+    """Each run's layers computed from codes and decode buffers are its compute object's: the second strategy's run
+    neither sees nor clears the first's (``zero/frozen_compute.py``)."""
+    first, second = _strategy("nf4"), _strategy("nf4")
+    held: dict[str, Any] = {}
+
+    class Interleaved(AdapterModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            tables = self.trainer.strategy._compute.tables
+            held[self.trainer.strategy is first] = (tables, len(tables.layers._layers))
+            return super().training_step(batch, batch_idx)
+
+    cpu_trainer(strategy=first, max_steps=1).fit(Interleaved(), regression_data())
+    cpu_trainer(strategy=second, max_steps=1).fit(Interleaved(), regression_data())
+    (first_tables, first_layers), (second_tables, second_layers) = held[True], held[False]
+    assert first_tables is not second_tables and first_tables.buffers is not second_tables.buffers
+    assert first_layers == second_layers > 0  # each run computed its own frozen layers from their codes

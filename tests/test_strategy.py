@@ -189,13 +189,18 @@ def test_deepspeed_accelerator_follows_lightning_or_says_why_not(monkeypatch: py
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    set_accelerator(CUDA_Accelerator())
+    cuda = CUDA_Accelerator()
+    set_accelerator(cuda)
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     with pytest.raises(RuntimeError, match="CPUAccelerator.*DS_ACCELERATOR=cuda"):
         cpu_trainer().fit(AdapterModel(), regression_data())
     monkeypatch.delenv("DS_ACCELERATOR")
-    cpu_trainer(max_steps=1).fit(AdapterModel(), regression_data())
-    assert get_accelerator()._name == "cpu"
+    during = []
+    model = AdapterModel()
+    model.on_train_start = lambda: during.append(get_accelerator()._name)  # type: ignore[method-assign]
+    cpu_trainer(max_steps=1).fit(model, regression_data())
+    assert during == ["cpu"]
+    assert get_accelerator() is cuda  # the process's own again after the run
 
 
 @pytest.mark.slow
@@ -245,3 +250,18 @@ def test_the_gradient_reduce_bucket_is_sized_to_the_trainable_params() -> None:
     chosen = cpu_trainer(FrozenAwareDeepSpeedStrategy(reduce_bucket_size=1000), max_steps=1)
     chosen.fit(AdapterModel(), regression_data())
     assert chosen.strategy.deepspeed_engine.optimizer.reduce_bucket_size == 1000
+
+
+def test_setting_up_the_cpu_world_seeds_again_as_lightnings_deepspeed_strategy_does() -> None:
+    drawn: list[torch.Tensor] = []
+
+    class Draw(Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            drawn.append(torch.rand(4))  # after `setup_distributed`, before anything else draws
+
+    L.seed_everything(5)
+    expected = torch.rand(4)
+    L.seed_everything(5)
+    torch.rand(4)  # the generator moved on before the run, as a user's own code would move it
+    cpu_trainer(max_steps=1, callbacks=[Draw()]).fit(AdapterModel(), regression_data())
+    assert torch.equal(drawn[0], expected)

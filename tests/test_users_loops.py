@@ -186,3 +186,39 @@ def test_generate_gathers_the_base_once_per_call_within_the_budget_and_per_layer
             with torch.no_grad():
                 ids = plain.model.generate(input_ids=torch.tensor(seen["prompts"]), **options).tolist()
             assert ids == seen["ids"], rank
+
+
+@pytest.mark.slow
+def test_a_scorer_loaded_in_setup_is_the_folders_model_whole_beside_a_sharded_base(tmp_path: Path) -> None:
+    # before, transformers believed ZeRO-3 was on for the whole run: the scorer's `from_pretrained` in `setup()` went
+    # under `zero.Init` and failed on 2 ranks ("Either train_batch_size or train_micro_batch_size_per_gpu ...")
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.pretrained_support import write_llama
+
+    folder = write_llama(tmp_path / "llama")
+    run_script("scorer_in_setup.py", f"--folder={folder}", f"--report={tmp_path}", "--frozen-dtypes=none,nf4")
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for frozen_dtype, run in report.items():
+            assert run["zero_params"] == [], (frozen_dtype, run["zero_params"])
+            scorer = torch.load(tmp_path / f"scorer-{frozen_dtype}-rank{rank}.pt", weights_only=True)
+            assert scorer.keys() == plain.state_dict().keys()
+            for name, value in plain.state_dict().items():
+                assert torch.equal(scorer[name], value), (frozen_dtype, rank, name)
+            assert len(run["scored"]) == 4  # a rank's 2 steps (an epoch each), each epoch then validating 1 batch
+            with torch.no_grad():
+                for seen in run["scored"]:
+                    expected = plain(input_ids=torch.tensor(seen["ids"])).logits[:, -1]
+                    torch.testing.assert_close(torch.tensor(seen["scores"]), expected.float())
+            # the base built in `configure_model` is sharded as before, and read as slices (nf4: encoded as read)
+            base = run["configure_model_base"]
+            frozen = [shard for shard in base["shards"].values() if not shard["trainable"]]
+            assert frozen and all(shard["shard_numel"] < shard["numel"] for shard in frozen if shard["numel"] > 1)
+            if frozen_dtype == "none":
+                assert all(base["frozen_equal"].values()), base["frozen_equal"]
+            else:
+                assert {shard["dtype"] for shard in frozen} == {"uint8"} and base["quantized_at_load"] > 0

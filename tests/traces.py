@@ -2,8 +2,11 @@
 touches, taken before and after a run and compared (``tests/test_run_ledger.py``).
 
 A snapshot records identities, not values: which instance attributes, hooks and parameter attributes each of the
-user's modules has, and which function, method or class each name of a library's module or class is bound to. A patch
-left in place shows as a changed binding; an attribute or hook left on a layer shows as a name that was not there.
+user's modules has, which function, method or class each name of a library's module or class is bound to, and which
+object each other global of a library's module or of the package's holds (DeepSpeed's accelerator, transformers'
+``HfDeepSpeedConfig`` reference), with the length of the package's own tables. A patch left in place shows as a
+changed binding; an attribute or hook left on a layer shows as a name that was not there; an object a run set and did
+not put back, or a table of the package's that a run filled and left filled, as a changed global.
 """
 
 from __future__ import annotations
@@ -11,14 +14,25 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 # whose classes and module-level functions a run may patch while it runs
 LIBRARIES = ("torch", "lightning", "deepspeed", "transformers", "peft")
+PACKAGE = "lightning_frozen"
+# globals a run changes and leaves on purpose, and why
+KEPT_GLOBALS = {
+    "deepspeed.comm.comm:cdb": "the process group the first run starts serves the process's later runs",
+    "deepspeed.utils.groups:_WORLD_GROUP": "the process group the first run starts serves the process's later runs",
+    "transformers.integrations.hub_kernels:_KERNEL_MAPPING_CACHE": "transformers' cache, made at a model's first use",
+    # per param, held weakly, for as long as it holds codes (the next run gathers them); `unshard` forgets it
+    "lightning_frozen.zero.frozen_storage:_stored_as": "which codes each quantized param's shard holds",
+    "lightning_frozen.zero.gathers:_deepspeed": "DeepSpeed's own gather methods of each quantized param",
+    "lightning_frozen.zero.gathers:_kind": "which gather methods each quantized param has",
+}
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_pre_hooks",
@@ -39,16 +53,21 @@ def _bound(value: Any) -> bool:
     ) or inspect.isclass(value)
 
 
+def _namespaces(packages: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(module name, its globals)`` for each loaded module of ``packages``."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.split(".")[0] not in packages:
+            continue
+        try:
+            yield module_name, dict(vars(module))
+        except TypeError:
+            continue
+
+
 def _library_bindings(libraries: Iterable[str]) -> dict[str, int]:
     """``{"module:name" or "module:Class.name": id(value)}`` over the loaded modules of ``libraries``."""
     seen: dict[str, int] = {}
-    for module_name, module in list(sys.modules.items()):
-        if module is None or module_name.split(".")[0] not in libraries:
-            continue
-        try:
-            namespace = dict(vars(module))
-        except TypeError:
-            continue
+    for module_name, namespace in _namespaces(libraries):
         for name, value in namespace.items():
             if _bound(value):
                 seen[f"{module_name}:{name}"] = id(value)
@@ -57,6 +76,25 @@ def _library_bindings(libraries: Iterable[str]) -> dict[str, int]:
                     if _bound(member):
                         seen[f"{module_name}:{name}.{attribute}"] = id(member)
     return seen
+
+
+def _object_globals(packages: Iterable[str]) -> dict[str, tuple[int, Any]]:
+    """``{"module:name": (id(value), its length or None)}`` for each global of the loaded modules of ``packages`` that
+    holds an object rather than a function, class, module or constant; the length only of the package's own (the
+    libraries' caches grow as they are used)."""
+    seen: dict[str, tuple[int, Any]] = {}
+    for module_name, namespace in _namespaces(packages):
+        for name, value in namespace.items():
+            if name.startswith("__") or _bound(value) or isinstance(value, (types.ModuleType, *_CONSTANTS)):
+                continue
+            length = None
+            if module_name.split(".")[0] == PACKAGE and isinstance(value, Sized) and not isinstance(value, Tensor):
+                length = len(value)
+            seen[f"{module_name}:{name}"] = (id(value), length)
+    return seen
+
+
+_CONSTANTS = (int, float, complex, str, bytes, bool, tuple, frozenset, type(...))
 
 
 def _module_traces(model: nn.Module) -> dict[str, Any]:
@@ -87,13 +125,15 @@ class Snapshot:
     bindings: dict[str, int]
     libraries: tuple[str, ...] = field(default=LIBRARIES)
     hooked_steps: set[str] = field(default_factory=set)
+    objects: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
     @classmethod
     def take(cls, *models: nn.Module, libraries: tuple[str, ...] = LIBRARIES) -> Snapshot:
         modules = {
             f"{i}/{key}": value for i, model in enumerate(models) for key, value in _module_traces(model).items()
         }
-        return cls(modules, _library_bindings(libraries), libraries, _hooked_steps())
+        objects = _object_globals((*libraries, PACKAGE))
+        return cls(modules, _library_bindings(libraries), libraries, _hooked_steps(), objects)
 
     def changes_since(self, before: Snapshot) -> list[str]:
         """What differs: each changed or added module trace, and each library binding that changed or was added to a
@@ -116,6 +156,11 @@ class Snapshot:
             elif (key.rsplit(".", 1)[0] if "." in key.split(":", 1)[1] else None) in spaces:
                 changes.append(f"{key} added")
         changes += [f"{key} removed" for key in before.bindings if key not in self.bindings and _still_loaded(key)]
+        changes += [
+            f"{key}: {before.objects[key]} -> {value} (object id, length)"
+            for key, value in self.objects.items()
+            if key in before.objects and before.objects[key] != value and key not in KEPT_GLOBALS
+        ]
         return changes
 
 

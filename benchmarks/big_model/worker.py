@@ -188,7 +188,7 @@ def run(spec_path: Path) -> None:
     if spec.get("decode_whole"):  # the alternative measured beside it: no layer computes from codes
         from lightning_frozen.zero.compute import coded_linear
 
-        coded_linear.compute_from_codes = lambda model, frozen_dtype_of: 0
+        coded_linear.CodedLayers.compute_from_codes = lambda self, model, frozen_dtype_of: 0
     if spec.get("exchange_codes"):  # likewise: the ranks do not share their codes, they all-gather them
         from lightning_frozen.zero.compute import node_codes
 

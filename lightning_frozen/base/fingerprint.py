@@ -29,12 +29,12 @@ from torch import nn
 
 from lightning_frozen.errors import FrozenBaseMismatchError, InvalidArgumentValueError
 from lightning_frozen.format import layout
+from lightning_frozen.format.codec import Kernels
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.hf.reference import base_of
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero.collectives import distributed as world_of_ranks
 from lightning_frozen.zero.collectives import gather_objects
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
 from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_partitioned, local_shard, shard_range
 
 
@@ -118,22 +118,26 @@ def checksum_keys(dtype: torch.dtype) -> list[str]:
 class Checksummer:
     """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime.
 
-    Its buffers and position weights (about 29 MB) are reused across the chunks and tensors of one pass and freed
-    with it: keep one for a pass, not for the process."""
+    Its buffers and position weights (about 29 MB, made at the first sums the kernels do not take) are reused across
+    the chunks and tensors of one pass and freed with it: keep one for a pass, not for the process. ``kernels``
+    (``zero/frozen_compute.py``'s) take the same sums in one compiled pass where they can, several times faster."""
 
-    def __init__(self) -> None:
-        self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
-        self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
-        # weights 1..PERIOD repeated, long enough for any chunk starting at any phase
-        self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
+    def __init__(self, kernels: Optional[Kernels] = None) -> None:
+        self._kernels = kernels
+        self._narrow: dict[str, torch.Tensor] = {}
+        self._wide = self._weights = torch.empty(0)
 
     def __call__(self, values: torch.Tensor, start: int) -> list[int]:
-        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the CPU
-        kernels where they run (``zero/frozen_compute.py`` on the CPU; the same sums, several times faster), else in
-        chunks of tensor ops."""
-        compiled = frozen_compute_for(values.device).checksum(values, start)
+        """``[plain, weighted]`` for each of ``checksum_keys(values.dtype)``, in that order: in one pass of the
+        kernels where they take ``values``, else in chunks of tensor ops."""
+        compiled = None if self._kernels is None else self._kernels.checksum(values, start)
         if compiled is not None:
             return compiled
+        if not self._narrow:
+            self._narrow = {key: torch.empty(_CHUNK, dtype=dtype) for key, dtype in _CASTS.items()}
+            self._wide = torch.empty(len(_CASTS), _CHUNK, dtype=torch.float64)
+            # weights 1..PERIOD repeated, long enough for any chunk starting at any phase
+            self._weights = (torch.arange(_CHUNK + _WEIGHT_PERIOD, dtype=torch.int64) % _WEIGHT_PERIOD + 1).double()
         keys = checksum_keys(values.dtype)
         weights = self._weights
         sums = [0] * (2 * len(keys))
@@ -155,6 +159,38 @@ class Checksummer:
                 sums[2 * index] = (sums[2 * index] + int(plain[index])) % _MODULUS
                 sums[2 * index + 1] = (sums[2 * index + 1] + int(weighted[index])) % _MODULUS
         return sums
+
+
+class ReadSums:
+    """The fingerprint's sums of tensors that another reader than the loader reads in chunks, in order (the merged
+    export reads a base folder): a :class:`LoadedSums` for :func:`fingerprint_base`, so that verifying those tensors
+    reads nothing again. Each tensor is named by a stand-in (a meta tensor of its shape and dtype)."""
+
+    changes = 0
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._checksummer = Checksummer() if mode == "checksum" else None
+        self._sums: dict[int, list[int]] = {}
+        self._hashes: dict[int, Any] = {}
+
+    def add(self, stand_in: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Count ``values``, the elements of the tensor ``stand_in`` stands for (flattened) from index ``start``, in the
+        dtype it was recorded in; chunks come in order."""
+        flat = values.reshape(-1)
+        if self._checksummer is not None:
+            part = self._checksummer(flat, start)
+            total = self._sums.get(id(stand_in))
+            self._sums[id(stand_in)] = part if total is None else [(a + b) % _MODULUS for a, b in zip(total, part)]
+        elif self.mode == "sha256":
+            self._hashes.setdefault(id(stand_in), hashlib.sha256()).update(flat.view(torch.uint8).numpy())
+
+    def checksum(self, param: torch.Tensor) -> Optional[list[int]]:
+        return self._sums.get(id(param))
+
+    def sha256(self, param: torch.Tensor) -> Optional[str]:
+        hashed = self._hashes.get(id(param))
+        return None if hashed is None else hashed.hexdigest()
 
 
 def values_checksum(values: torch.Tensor, start: int) -> list[int]:
@@ -194,12 +230,15 @@ def _progress(named: list[tuple[str, torch.Tensor]], mode: str) -> Iterator[tupl
 
 
 def fingerprint_base(
-    named_frozen: list[tuple[str, torch.Tensor]], mode: str = "checksum", loaded: Optional[LoadedSums] = None
+    named_frozen: list[tuple[str, torch.Tensor]],
+    mode: str = "checksum",
+    loaded: Optional[LoadedSums] = None,
+    kernels: Optional[Kernels] = None,
 ) -> Fingerprint:
     """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
 
     ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
-    shard's as its source values were encoded: those tensors are not read again.
+    shard's as its source values were encoded: those tensors are not read again. ``kernels`` as :class:`Checksummer`.
 
     Returns a :data:`Fingerprint`; in ``checksum`` mode each tensor's ``value`` is the checksum of its values cast to
     bf16 and ``value_fp16`` cast to fp16 (an fp32 tensor gets both, a bf16 or fp16 one its own).
@@ -213,7 +252,7 @@ def fingerprint_base(
         tensors[name] = layout.tensor_record(full_shape(param), str(param.dtype).replace("torch.", ""))
     known = (lambda _: None) if loaded is None else loaded.checksum
     if mode == "checksum":
-        checksum = Checksummer()
+        checksum = Checksummer(kernels)
         pending = [(n, p) for n, p in named if known(p) is None]
         computed = {name: checksum(*local_values(param)) for name, param in _progress(pending, mode)}
         del checksum  # its buffers are not needed after the pass
@@ -236,12 +275,13 @@ class FingerprintCache:
     """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
     a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
     what ``loaded``, the strategy's record of the base, already summed); computed again when ``loaded`` changed (a
-    quantized param was written and encoded again)."""
+    quantized param was written and encoded again). ``kernels`` as :class:`Checksummer`."""
 
-    def __init__(self, loaded: Optional[LoadedSums] = None) -> None:
+    def __init__(self, loaded: Optional[LoadedSums] = None, kernels: Optional[Kernels] = None) -> None:
         self._key: Optional[tuple[Any, ...]] = None
         self._value: Fingerprint = {}
         self.loaded = loaded
+        self.kernels = kernels
 
     def clear(self) -> None:
         """Forget the cached fingerprint (the frozen base may have changed between runs)."""
@@ -251,7 +291,7 @@ class FingerprintCache:
         """The fingerprint of ``named_frozen`` in ``mode``; collective when it is computed."""
         key = (mode, getattr(self.loaded, "changes", 0), *(name for name, _ in named_frozen))
         if self._key != key:
-            self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded), key
+            self._value, self._key = fingerprint_base(named_frozen, mode, self.loaded, self.kernels), key
         return self._value
 
 
@@ -265,6 +305,11 @@ def comparable_value(recorded: dict[str, Any], current: dict[str, Any]) -> Optio
     return key if key in recorded and key in current else None
 
 
+_IF_INTENDED = (
+    "pass `verify_base=False` to `load_adapter` or `load_from_checkpoint`, or `fingerprint='none'` to the strategy"
+)
+
+
 def verify_base(
     recorded: Fingerprint,
     named_frozen: list[tuple[str, torch.Tensor]],
@@ -272,11 +317,13 @@ def verify_base(
     source: str,
     take_fingerprint: TakeFingerprint = fingerprint_base,
     bases: Optional[Mapping[str, str]] = None,
+    if_intended: str = _IF_INTENDED,
 ) -> None:
     """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
 
     ``take_fingerprint`` computes the current one (the strategy passes its :class:`FingerprintCache`). ``bases``: the
     recorded references by module path, when the module holds several bases (see :func:`find_base_references`).
+    ``if_intended``: what the message tells a user who meant the difference to do.
 
     Raises:
         FrozenBaseMismatchError: names, shapes or values differ; the message names the reference (of the base each
@@ -324,8 +371,7 @@ def verify_base(
     raise FrozenBaseMismatchError(
         f"{source} was trained on {trained_on}, but the module's frozen"
         f" parameters differ from it ({mode} fingerprint): {shown}. Load the base the adapter was"
-        " trained on; if the difference is intended, pass `verify_base=False` to `load_adapter` or"
-        " `load_from_checkpoint`, or `fingerprint='none'` to the strategy."
+        f" trained on; if the difference is intended, {if_intended}."
     )
 
 

@@ -30,7 +30,7 @@ from lightning_frozen.base import slice_reads
 from lightning_frozen.base.fingerprint import Checksummer, param_sha256, tensor_sha256
 from lightning_frozen.errors import FrozenBaseFileError, FrozenDtypeError
 from lightning_frozen.zero import exact_gather, gathers
-from lightning_frozen.zero.frozen_compute import compute_from_codes
+from lightning_frozen.zero.frozen_compute import KERNELS, compute_from_codes
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of, restore_values, store_codes
 from lightning_frozen.zero.params import full_shape, local_shard, shard_range, storage_identity
 
@@ -102,7 +102,7 @@ class LoadedBase:
         values = param.data.detach().reshape(-1)[start : start + count]
         self.keep_source(param, values, start, param.data)
         entry.source = None
-        store_codes(param, values, frozen_dtype_of(param))
+        store_codes(param, values, frozen_dtype_of(param), KERNELS)
         self.settle_one(param, entry)
 
     # ------------------------------------------------------------------ filled by quantization
@@ -129,7 +129,7 @@ class LoadedBase:
     def _keep(self, param: nn.Parameter, values: torch.Tensor, start: int, sha256: Optional[str]) -> None:
         entry = self.entry(param) or self._put(param, _Entry(values.dtype, []))
         self.changes += 1
-        entry.dtype, entry.checksum, entry.sha256 = values.dtype, Checksummer()(values, start), sha256
+        entry.dtype, entry.checksum, entry.sha256 = values.dtype, Checksummer(KERNELS)(values, start), sha256
         entry.shard = None  # the record holds for the codes, which only a write replaces (and reports here)
 
     def entry(self, param: nn.Parameter) -> Optional[_Entry]:

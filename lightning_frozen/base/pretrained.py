@@ -31,6 +31,7 @@ from lightning_frozen.base.loaded import LoadedBase, file_tensor_sha256, open_sa
 from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
+from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.frozen_storage import store_codes
 from lightning_frozen.zero.init import outside_zero_init, sharded_creation
 from lightning_frozen.zero.params import compute_dtype, full_shape, is_partitioned, local_shard, shard_range
@@ -174,7 +175,7 @@ def _load_slices(
     # counted in the files' bytes, not the model's dtype (a bf16 file loaded under 32-true is half the fp32 bytes)
     file_bytes = _file_bytes(state_dict, keyed.values())
     progress = Progress(sum(file_bytes.values()))
-    checksum, casts = Checksummer(), CastBuffer()
+    checksum, casts = Checksummer(KERNELS), CastBuffer()
     source = {key: getattr(state_dict[key], _SOURCE) for key in keyed.values()}
     headers: dict[str, dict[str, slice_reads.StoredTensor]] = {}
     order = sorted(keyed.items(), key=lambda item: slice_reads.file_order(source[item[1]], item[1], headers))
@@ -285,13 +286,13 @@ def store_slice(
             with open_safetensors(path) as handle:
                 piece = handle.get_slice(key)
                 sha256 = file_tensor_sha256(piece, tuple(piece.get_shape()), target.dtype)
-        plan.loaded.record(target, values, start, checksum or Checksummer(), sha256)
+        plan.loaded.record(target, values, start, checksum or Checksummer(KERNELS), sha256)
         if quantize:
             assert plan.frozen_dtype is not None
             # bf16 read into an fp32 shard: the cast is exact, so the codes of the values read are those of the
             # cast ones, from half the bytes (for `frozen_dtype="bf16"` a copy instead of a rounding cast back)
             exact = read.dtype == torch.bfloat16 and values.dtype == torch.float32
-            store_codes(target, read if exact else values, plan.frozen_dtype)
+            store_codes(target, read if exact else values, plan.frozen_dtype, KERNELS)
             plan.loaded.quantized(target, (path, key))
 
 

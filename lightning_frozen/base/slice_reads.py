@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -145,18 +145,27 @@ def read_slice(wanted: SliceRead) -> torch.Tensor:
 
 
 @contextmanager
-def read_ahead(reads: Sequence[SliceRead]) -> Iterator[Iterator[torch.Tensor]]:
+def read_ahead(
+    reads: Sequence[SliceRead], seen: Optional[Callable[[int, torch.Tensor], None]] = None
+) -> Iterator[Iterator[torch.Tensor]]:
     """The slices of ``reads`` in their order, each a tensor of the file's dtype; while the caller works on one, a
-    thread reads the next. Errors of a read (:class:`FrozenBaseFileError`) are raised where its slice is taken.
-    Leaving the block early closes the files after the read in flight ends."""
+    thread reads the next, and calls ``seen(index, values)`` on it there (work that can run beside the caller's, such
+    as a checksum), in order. Errors of a read (:class:`FrozenBaseFileError`) or of ``seen`` are raised where its slice
+    is taken. Leaving the block early closes the files after the read in flight ends."""
     reader, pool = _Reader(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-frozen-read")
 
+    def read(index: int) -> torch.Tensor:
+        values = reader.read(reads[index])
+        if seen is not None:
+            seen(index, values)
+        return values
+
     def slices() -> Iterator[torch.Tensor]:
-        pending: Optional[Future] = pool.submit(reader.read, reads[0]) if reads else None
+        pending: Optional[Future] = pool.submit(read, 0) if reads else None
         for index in range(len(reads)):
             assert pending is not None
             values = pending.result()
-            pending = pool.submit(reader.read, reads[index + 1]) if index + 1 < len(reads) else None
+            pending = pool.submit(read, index + 1) if index + 1 < len(reads) else None
             yield values
 
     try:

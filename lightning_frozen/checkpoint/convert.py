@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_frozen.anatomy import anatomy_of
 from lightning_frozen.base.fingerprint import fingerprint_base
+from lightning_frozen.capabilities import CONVERT, require
 from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.checkpoint.file import (
     PathLike,
@@ -35,6 +36,7 @@ from lightning_frozen.checkpoint.file import (
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_frozen.format import layout
 from lightning_frozen.zero import checkpoint_files
+from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.params import scaler_state
 
 log = logging.getLogger(__name__)
@@ -104,7 +106,9 @@ def convert_deepspeed_checkpoint(
         CheckpointFormatError: ``source`` is not a ZeRO-3 DeepSpeed checkpoint, has a damaged shard file or holds
             unexpected Python objects (refused unexecuted), or ``destination`` is a directory. Nothing is written
             then, and an existing file at ``destination`` stays as it was.
+        DependencyDriftError: a private name of DeepSpeed's that reading its directory needs moved.
     """
+    require(CONVERT)
     source = checked_path(source, "source", "convert_deepspeed_checkpoint")
     destination = checked_path(destination, "destination", "convert_deepspeed_checkpoint")
     folder = _checkpoint_folder(source)
@@ -160,7 +164,7 @@ def convert_deepspeed_checkpoint(
     for name in found.trained_copies if found is not None else ():
         frozen.pop(name, None)  # as a save does: the adapted model computes with their trained copies instead
     if frozen:
-        fingerprint = fingerprint_base(sorted(frozen.items()))
+        fingerprint = fingerprint_base(sorted(frozen.items()), kernels=KERNELS)
     else:
         log.warning("lightning-frozen: %s holds no frozen weights; the converted file cannot verify its base", source)
         fingerprint = layout.fingerprint_entry("none", None, {})

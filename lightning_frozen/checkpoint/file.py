@@ -22,6 +22,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_frozen import lightning_seam
+from lightning_frozen.capabilities import EARLY_CKPT_CHECK, available
 from lightning_frozen.checkpoint.atomic_files import write_file_atomic, write_url
 from lightning_frozen.errors import (
     CheckpointFormatError,
@@ -309,9 +310,9 @@ def require_restore_path(trainer: pl.Trainer, checkpoint_io: CheckpointIO) -> No
 
     Lightning has resolved ``"last"``, ``"best"`` and ``"hpc"`` by the time the strategy is set up, but holds the
     result to the strategy only after its setup (see :func:`lightning_seam.resolved_ckpt_path`); when the path cannot
-    be read, nothing is checked here.
+    be read (``capabilities.EARLY_CKPT_CHECK`` is off), nothing is checked here.
     """
-    if user_checkpoint_io(checkpoint_io) is not None:
+    if user_checkpoint_io(checkpoint_io) is not None or not available(EARLY_CKPT_CHECK):
         return
     path = lightning_seam.resolved_ckpt_path(trainer)
     if path:

@@ -11,12 +11,14 @@ from torch import nn
 
 from lightning_frozen import anatomy
 from lightning_frozen.base import qlora
-from lightning_frozen.base.fingerprint import verify_checkpoint_base
+from lightning_frozen.base.fingerprint import FingerprintCache, verify_checkpoint_base
+from lightning_frozen.capabilities import CORE, require
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
 from lightning_frozen.errors import CheckpointKeysError, InvalidArgumentTypeError, format_names
 from lightning_frozen.format import layout
 from lightning_frozen.hf import transformers_loading
+from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.params import persistent_buffers
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -59,7 +61,7 @@ def load_into(
     if adapter is not None:
         state_dict, owned = adapter_state(found, checkpoint, adapter, source, type(module).__name__)
     if verify:
-        verify_checkpoint_base(checkpoint, module, source, copies=found.trained_copies)
+        verify_checkpoint_base(checkpoint, module, source, FingerprintCache(kernels=KERNELS), found.trained_copies)
     params = dict(module.named_parameters())
     buffers = persistent_buffers(module)
     frozen_names = set(layout.fingerprint_tensors(layout.fingerprint_of(checkpoint)))
@@ -107,7 +109,9 @@ def load_adapter(
             is left unchanged.
         ValueError, AdapterSetupError: ``adapter`` is not in the checkpoint (or None where it holds several and
             ``strict``), or not in ``module``.
+        DependencyDriftError: a private name of another package that the core needs moved.
     """
+    require(CORE)
     if not isinstance(module, nn.Module):
         raise InvalidArgumentTypeError(
             f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
@@ -129,9 +133,10 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
 
     Raises:
         TypeError: ``cls`` is not a ``torch.nn.Module`` class (an instance, say) or ``checkpoint_path`` is not a path.
-        FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError: as
-            :func:`load_adapter`.
+        FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError,
+            DependencyDriftError: as :func:`load_adapter`.
     """
+    require(CORE)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"

@@ -75,7 +75,7 @@ def write(
         deferred.gather()
         return
     try:
-        if checkpoint_io is None and not file.is_url(path) and torch_file.available():
+        if checkpoint_io is None and not file.is_url(path):
             file.write_in_two_passes(checkpoint, path, deferred.placeholders, deferred.gather)
         else:
             values: dict[int, torch.Tensor] = {}

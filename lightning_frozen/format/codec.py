@@ -1,8 +1,9 @@
 """Frozen weights stored below the compute dtype, encoded into and decoded from one ``uint8`` tensor (the codes, then
 the scales' bytes): block-wise int8 absmax and 4-bit NormalFloat (NF4), and plain bf16/fp16 casts. Plain tensor
-functions; ``zero/frozen_storage.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``. On the
-CPU they run compiled one-pass kernels (``codec_kernels.c`` through ``native_codec.py``), NF4 on CUDA bitsandbytes'
-kernel (``bitsandbytes_nf4.py``), else tensor ops; all give the same codes and values.
+functions; ``zero/frozen_storage.py`` stores ZeRO-3 shards with them. Every format is one row of ``FORMATS``. They run
+the :class:`Kernels` a caller hands in (the CPU's compiled ones, ``native_codec.py``, through
+``zero/frozen_compute.py``), NF4 on CUDA bitsandbytes' kernel (``bitsandbytes_nf4.py``), else tensor ops; all give the
+same codes and values.
 
 - ``int8``: symmetric absmax, 256 weights per block, an fp32 scale each: 1.016 bytes per weight (0.51x bf16);
   a weight's error is at most ``absmax / 254`` of its block.
@@ -18,13 +19,14 @@ kernel (``bitsandbytes_nf4.py``), else tensor ops; all give the same codes and v
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from lightning_frozen.errors import FrozenDtypeError, InvalidArgumentValueError
-from lightning_frozen.format import bitsandbytes_nf4, layout, native_codec
+from lightning_frozen.format import bitsandbytes_nf4, layout
 
 # QLoRA's NF4 code values (Dettmers et al. 2023, as bitsandbytes ships them): quantiles of N(0, 1) scaled to [-1, 1]
 NF4_VALUES = (
@@ -137,20 +139,36 @@ def storage_bytes(numel: int, frozen_dtype: Optional[str], compute_bytes: int) -
 # ---------------------------------------------------------------------------------------------- encode / decode
 
 
-def _nf4_table(device: torch.device) -> torch.Tensor:
+class Kernels(Protocol):
+    """Compiled passes the codec runs where they take the tensors at hand, each giving the tensor ops' codes and values
+    to the bit: ``encode`` returns None where it cannot, else 0 or the 1-based index of a block beyond the format's
+    range; ``decode`` whether it did. ``checksum`` is the fingerprint's (``base/fingerprint.py``)."""
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+    def encode(
+        self, flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor
+    ) -> Optional[int]: ...
+    def decode(
+        self, codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor
+    ) -> bool: ...
+    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]: ...
+
+
+def nf4_table(device: torch.device) -> torch.Tensor:
+    """QLoRA's 16 code values (fp32), in code order."""
     return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
 
 
 def _nf4_pairs(device: torch.device) -> torch.Tensor:
     """The two code values of every byte, high nibble first: a (256, 2) table."""
-    table = _nf4_table(device)
+    table = nf4_table(device)
     byte = torch.arange(256, device=device)
     return torch.stack([table[byte >> 4], table[byte & 0x0F]], dim=1)
 
 
-def _nf4_bounds(device: torch.device) -> torch.Tensor:
+def nf4_bounds(device: torch.device) -> torch.Tensor:
     """The 15 bounds between neighbouring code values (fp32): a weight takes the code of the bucket it falls in."""
-    table = _nf4_table(device)
+    table = nf4_table(device)
     return (table[1:] + table[:-1]) / 2
 
 
@@ -161,12 +179,14 @@ def _scale_up_to_fp16(absmax: torch.Tensor) -> torch.Tensor:
     return torch.where(low, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
 
 
-def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None) -> torch.Tensor:
+def encode(
+    values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None, kernels: Optional[Kernels] = None
+) -> torch.Tensor:
     """Quantize a 1-D tensor block-wise; returns one ``uint8`` tensor: the codes, then the scales' bytes.
 
-    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. On the CPU the
-    compiled kernels (``native_codec.py``) make one pass over the values; elsewhere, or without a C compiler, tensor
-    ops work through them in chunks, so the fp32 temporaries stay small whatever its size. Both give the same bytes:
+    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. ``kernels``
+    (handed in through ``zero/frozen_compute.py``) make one pass over the values where they take them; else tensor ops
+    work through them in chunks, so the fp32 temporaries stay small whatever its size. Both give the same bytes:
     deterministic on any device.
 
     Raises:
@@ -175,26 +195,44 @@ def encode(values: torch.Tensor, frozen_dtype: str, numel: Optional[int] = None)
     fmt = block_format(frozen_dtype)
     flat = values.detach().reshape(-1)
     blocks = fmt.blocks(max(flat.numel(), numel or 0))
+    empty = torch.empty if kernels is None else kernels.empty
     if fmt.cast_dtype is not None:
-        return _encode_cast(flat, blocks, fmt)
+        return _encode_cast(flat, blocks, fmt, empty)
     code_bytes = blocks * fmt.code_bytes_per_block
-    stored = native_codec.empty_output((code_bytes + blocks * fmt.scale_bytes,), torch.uint8, flat.device)
+    stored = empty((code_bytes + blocks * fmt.scale_bytes,), dtype=torch.uint8, device=flat.device)
     codes, scales = stored[:code_bytes], stored[code_bytes:].view(fmt.scale_dtype)
-    lib = native_codec.kernels() if flat.device.type == "cpu" else None
-    if lib is not None and flat.dtype in (torch.float32, torch.bfloat16):
-        _encode_native(lib, flat.contiguous(), fmt, codes, scales, blocks)
+    if kernels is not None and _encoded(kernels, flat, fmt, codes, scales):
         return stored
     per_chunk = _CHUNK_ELEMENTS // fmt.block_size
     for first in range(0, blocks, per_chunk):
         last = min(first + per_chunk, blocks)
         chunk = flat[first * fmt.block_size : last * fmt.block_size].float()
-        chunk_codes, chunk_scales = _encode_chunk(lib, chunk, fmt, last - first)
-        codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block] = chunk_codes
-        scales[first:last] = chunk_scales
+        chunk_codes = codes[first * fmt.code_bytes_per_block : last * fmt.code_bytes_per_block]
+        if kernels is not None and _encoded(kernels, chunk, fmt, chunk_codes, scales[first:last]):
+            continue
+        if chunk.numel() < (last - first) * fmt.block_size:
+            chunk = torch.nn.functional.pad(chunk, (0, (last - first) * fmt.block_size - chunk.numel()))
+        block_codes, scales[first:last] = _encode_blocks(chunk.view(-1, fmt.block_size), fmt)
+        chunk_codes.copy_(block_codes.reshape(-1))
     return stored
 
 
-def _encode_cast(flat: torch.Tensor, blocks: int, fmt: BlockFormat) -> torch.Tensor:
+def _encoded(kernels: Kernels, flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``kernels`` encoded ``flat`` into ``codes`` and ``scales``; raises at a block beyond NF4's range."""
+    status = kernels.encode(flat, fmt, codes, scales)
+    if status:
+        _beyond_fp16(float(flat[(status - 1) * fmt.block_size : status * fmt.block_size].float().abs().max()))
+    return status is not None
+
+
+def _beyond_fp16(magnitude: float) -> None:
+    raise FrozenDtypeError(
+        f"A block of this tensor holds a weight of magnitude {magnitude:.3g}, beyond the fp16 range of NF4's block"
+        " scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
+    )
+
+
+def _encode_cast(flat: torch.Tensor, blocks: int, fmt: BlockFormat, empty: Callable[..., torch.Tensor]) -> torch.Tensor:
     if fmt.cast_dtype == torch.float16 and flat.numel():
         low, high = torch.aminmax(flat)  # no full-size temporary, unlike abs()
         if max(-float(low), float(high)) > _FP16_MAX:
@@ -202,52 +240,10 @@ def _encode_cast(flat: torch.Tensor, blocks: int, fmt: BlockFormat) -> torch.Ten
                 f"This tensor holds a weight of magnitude {max(-float(low), float(high)):.3g}, beyond fp16's"
                 " range. Store this base with `frozen_dtype='bf16'`."
             )
-    cast = native_codec.empty_output((blocks,), fmt.cast_dtype, flat.device)
+    cast = empty((blocks,), dtype=fmt.cast_dtype, device=flat.device)
     cast[: flat.numel()] = flat  # one pass: no zeros written first
     cast[flat.numel() :].zero_()
     return cast.view(torch.uint8)
-
-
-def _encode_chunk(lib: Any, chunk: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of one fp32 chunk of ``blocks`` blocks (the last one padded), natively where ``lib`` is."""
-    if lib is not None:
-        codes = torch.empty(blocks * fmt.code_bytes_per_block, dtype=torch.uint8)
-        scales = torch.empty(blocks, dtype=fmt.scale_dtype)
-        _encode_native(lib, chunk.contiguous(), fmt, codes, scales, blocks)
-        return codes, scales
-    if chunk.numel() < blocks * fmt.block_size:
-        chunk = torch.nn.functional.pad(chunk, (0, blocks * fmt.block_size - chunk.numel()))
-    chunk_codes, chunk_scales = _encode_blocks(chunk.view(-1, fmt.block_size), fmt)
-    return chunk_codes.reshape(-1), chunk_scales
-
-
-def _encode_native(
-    lib: Any, flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor, blocks: int
-) -> None:
-    source, bf16, count = flat.data_ptr(), int(flat.dtype == torch.bfloat16), flat.numel()
-    if fmt.name == "int8":
-        status = native_codec.over_blocks(
-            blocks,
-            lambda a, b: lib.lf_int8_encode(source, bf16, count, a, b, codes.data_ptr(), scales.data_ptr()),
-            lambda m: lib.lf_int8_encode_all(source, bf16, count, blocks, m, codes.data_ptr(), scales.data_ptr()),
-        )
-    else:
-        bounds = _nf4_bounds(torch.device("cpu"))
-        status = native_codec.over_blocks(
-            blocks,
-            lambda a, b: lib.lf_nf4_encode(
-                source, bf16, count, bounds.data_ptr(), a, b, codes.data_ptr(), scales.data_ptr()
-            ),
-            lambda m: lib.lf_nf4_encode_all(
-                source, bf16, count, bounds.data_ptr(), blocks, m, codes.data_ptr(), scales.data_ptr()
-            ),
-        )
-    if status:
-        block = flat[(status - 1) * fmt.block_size : status * fmt.block_size]
-        raise FrozenDtypeError(
-            f"A block of this tensor holds a weight of magnitude {float(block.float().abs().max()):.3g}, beyond the"
-            " fp16 range of NF4's block scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
-        )
 
 
 def _encode_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,14 +254,11 @@ def _encode_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor
         codes = torch.round(blocks * inverse[:, None]).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
         return codes, absmax
     if bool((absmax > _FP16_MAX).any()):
-        raise FrozenDtypeError(
-            f"A block of this tensor holds a weight of magnitude {float(absmax.max()):.3g}, beyond the fp16 range"
-            " of NF4's block scales. Store this base with `frozen_dtype='int8'` (fp32 scales)."
-        )
+        _beyond_fp16(float(absmax.max()))
     scale = _scale_up_to_fp16(absmax)
     wide = scale.float()
     normalized = blocks / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]
-    index = torch.bucketize(normalized, _nf4_bounds(blocks.device), out_int32=True).to(torch.uint8).view(-1, 2)
+    index = torch.bucketize(normalized, nf4_bounds(blocks.device), out_int32=True).to(torch.uint8).view(-1, 2)
     return (index[:, 0] << 4) | index[:, 1], scale
 
 
@@ -288,19 +281,19 @@ def decode(
     frozen_dtype: str,
     dtype: torch.dtype = torch.float32,
     out: Optional[torch.Tensor] = None,
+    kernels: Optional[Kernels] = None,
 ) -> torch.Tensor:
     """Dequantize what :func:`encode` returned: the first ``numel`` values, in ``dtype``.
 
     ``stored`` may also be a 2-D tensor, one encoded shard per row (what an all-gather returns); then each row's
-    first ``numel`` values are kept and the rows concatenated. One pass into the result: the compiled kernels on the
-    CPU, bitsandbytes' kernel for NF4 on CUDA; elsewhere tensor ops in chunks, with small fp32 temporaries.
+    first ``numel`` values are kept and the rows concatenated. One pass into the result: ``kernels`` where they take
+    it, bitsandbytes' kernel for NF4 on CUDA; elsewhere tensor ops in chunks, with small fp32 temporaries.
 
     ``out``, when given, is written instead of a new tensor: a contiguous tensor of ``dtype`` with ``numel`` values
     per row, on ``stored``'s device. Pages written before are faster to write than fresh ones.
     """
     fmt = block_format(frozen_dtype)
     rows = stored.reshape(-1, stored.shape[-1])
-    on_cpu = stored.device.type == "cpu"
     shape = (rows.shape[0], numel)
     if out is not None:
         if out.numel() != rows.shape[0] * numel or out.dtype != dtype or not out.is_contiguous():
@@ -310,43 +303,20 @@ def decode(
             )
         out = out.view(shape)
     else:
-        out = native_codec.empty_output(shape, dtype, stored.device)
+        out = (torch.empty if kernels is None else kernels.empty)(shape, dtype=dtype, device=stored.device)
     if fmt.cast_dtype is not None:
         for row in range(rows.shape[0]):  # a row of a gather's 2-D result is contiguous on its own
             out[row] = rows[row].view(fmt.cast_dtype)[:numel]
         return out.view(-1)
-    lib = native_codec.kernels() if on_cpu and dtype in native_codec.OUT_DTYPES else None
     for row in range(rows.shape[0]):
         codes, scales = split(rows[row], frozen_dtype)
-        if lib is not None:
-            decode_blocks_native(lib, codes, scales, numel, fmt, out[row])
-        elif fmt.name == "nf4" and bitsandbytes_nf4.usable(stored.device):
+        if kernels is not None and kernels.decode(codes, scales, numel, fmt, out[row]):
+            continue
+        if fmt.name == "nf4" and bitsandbytes_nf4.usable(stored.device):
             bitsandbytes_nf4.dequantize(codes, scales, numel, NF4_VALUES, out[row])
         else:
             _decode_chunks(codes, scales, numel, fmt, out[row])
     return out.view(-1)
-
-
-def decode_blocks_native(
-    lib: Any, codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor
-) -> None:
-    """Decode the first ``numel`` values of ``codes`` and their block ``scales`` into ``out`` with the compiled
-    kernels ``lib`` (an int8 or NF4 ``fmt``; ``out`` contiguous, in one of ``native_codec.OUT_DTYPES``)."""
-    blocks, dtype_code = fmt.blocks(numel), native_codec.OUT_DTYPES[out.dtype]
-    source, scale_ptr, target = codes.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr()
-    if fmt.name == "int8":
-        native_codec.over_blocks(
-            blocks,
-            lambda a, b: lib.lf_int8_decode(source, scale_ptr, a, b, numel, target, dtype_code),
-            lambda m: lib.lf_int8_decode_all(source, scale_ptr, blocks, m, numel, target, dtype_code),
-        )
-    else:
-        table = _nf4_table(torch.device("cpu"))
-        native_codec.over_blocks(
-            blocks,
-            lambda a, b: lib.lf_nf4_decode(source, scale_ptr, table.data_ptr(), a, b, numel, target, dtype_code),
-            lambda m: lib.lf_nf4_decode_all(source, scale_ptr, table.data_ptr(), blocks, m, numel, target, dtype_code),
-        )
 
 
 def _decode_chunks(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor) -> None:

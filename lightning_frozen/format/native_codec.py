@@ -1,6 +1,7 @@
 """The CPU kernels of ``codec_kernels.c``: built once per CPU target with the system's C compiler, loaded with ctypes.
-
-They also take the fingerprint's checksum (:func:`checksum16`, for ``base/fingerprint.py``) in one pass.
+:data:`KERNELS` runs the codec's passes with them (``codec.Kernels``), and the fingerprint's checksum in one pass
+(:func:`checksum16`, for ``base/fingerprint.py``); ``zero/frozen_compute.py`` hands it to the core, which otherwise
+runs tensor ops.
 
 Why not bitsandbytes on the CPU: measured with ``benchmarks/codec/run.py`` on one core, its CPU ``dequantize_4bit``
 decodes NF4 into fp32 at about half, and its ``quantize_4bit`` encodes at about a twentieth, of these kernels' rate
@@ -39,9 +40,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
+
+from lightning_frozen.format.codec import BlockFormat, nf4_bounds, nf4_table
 
 SOURCE = Path(__file__).with_name("codec_kernels.c")
 # -ffp-contract=off: no fused multiply-adds, so the values are the tensor-op codec's to the bit
@@ -293,3 +297,55 @@ def checksum16(values: torch.Tensor, start: int) -> Optional[list[int]]:
     if status:
         return None
     return [sum(column) % CHECKSUM_MODULUS for column in zip(*partial[:, :count].tolist())]
+
+
+def encode_blocks(flat: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor) -> Optional[int]:
+    """``codec.Kernels.encode`` with the compiled kernels: None unless ``flat`` is a contiguous fp32 or bf16 tensor in
+    CPU memory and the kernels built."""
+    lib = kernels()
+    if lib is None or flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    flat = flat.contiguous()
+    source, bf16, count, blocks = flat.data_ptr(), int(flat.dtype == torch.bfloat16), flat.numel(), scales.numel()
+    out = (codes.data_ptr(), scales.data_ptr())
+    if fmt.name == "int8":
+        return over_blocks(
+            blocks,
+            lambda a, b: lib.lf_int8_encode(source, bf16, count, a, b, *out),
+            lambda m: lib.lf_int8_encode_all(source, bf16, count, blocks, m, *out),
+        )
+    bounds = nf4_bounds(torch.device("cpu"))
+    return over_blocks(
+        blocks,
+        lambda a, b: lib.lf_nf4_encode(source, bf16, count, bounds.data_ptr(), a, b, *out),
+        lambda m: lib.lf_nf4_encode_all(source, bf16, count, bounds.data_ptr(), blocks, m, *out),
+    )
+
+
+def decode_blocks(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat, out: torch.Tensor) -> bool:
+    """``codec.Kernels.decode`` with the compiled kernels: the first ``numel`` values of int8 or NF4 ``codes`` and their
+    block ``scales`` into ``out`` (contiguous, in one of :data:`OUT_DTYPES`); False where they cannot (no kernels,
+    another device or dtype)."""
+    lib = kernels()
+    if lib is None or codes.device.type != "cpu" or out.dtype not in OUT_DTYPES:
+        return False
+    blocks, dtype_code = fmt.blocks(numel), OUT_DTYPES[out.dtype]
+    source, scale_ptr, target = codes.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr()
+    if fmt.name == "int8":
+        over_blocks(
+            blocks,
+            lambda a, b: lib.lf_int8_decode(source, scale_ptr, a, b, numel, target, dtype_code),
+            lambda m: lib.lf_int8_decode_all(source, scale_ptr, blocks, m, numel, target, dtype_code),
+        )
+        return True
+    table = nf4_table(torch.device("cpu"))
+    over_blocks(
+        blocks,
+        lambda a, b: lib.lf_nf4_decode(source, scale_ptr, table.data_ptr(), a, b, numel, target, dtype_code),
+        lambda m: lib.lf_nf4_decode_all(source, scale_ptr, table.data_ptr(), blocks, m, numel, target, dtype_code),
+    )
+    return True
+
+
+# the compiled passes as the core takes them (``codec.Kernels``, ``fingerprint.Checksummer``)
+KERNELS = SimpleNamespace(empty=empty_output, encode=encode_blocks, decode=decode_blocks, checksum=checksum16)

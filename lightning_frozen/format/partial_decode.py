@@ -8,13 +8,11 @@ cache.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lightning_frozen.errors import InvalidArgumentValueError
 from lightning_frozen.format import native_codec
-from lightning_frozen.format.codec import BlockFormat, block_format, decode_blocks_native, split
+from lightning_frozen.format.codec import BlockFormat, block_format, split
 
 
 def decode_range(stored: torch.Tensor, numel: int, frozen_dtype: str, start: int, out: torch.Tensor) -> torch.Tensor:
@@ -33,8 +31,7 @@ def decode_range(stored: torch.Tensor, numel: int, frozen_dtype: str, start: int
             f" values {start}..{start + count}"
         )
     flat = out.view(-1)
-    lib = None if fmt.cast_dtype is not None else native_codec.kernels()
-    if fmt.cast_dtype is None and (lib is None or out.dtype not in native_codec.OUT_DTYPES):
+    if fmt.cast_dtype is None and (native_codec.kernels() is None or out.dtype not in native_codec.OUT_DTYPES):
         raise InvalidArgumentValueError(f"decoding part of a {fmt.name} tensor needs the compiled kernels")
     done = 0
     while done < count:
@@ -44,14 +41,12 @@ def decode_range(stored: torch.Tensor, numel: int, frozen_dtype: str, start: int
         if fmt.cast_dtype is not None:
             piece.copy_(rows[row].view(fmt.cast_dtype)[first : first + take])
         else:
-            _decode_native_range(lib, rows[row], numel, fmt, first, piece)
+            _decode_native_range(rows[row], numel, fmt, first, piece)
         done += take
     return out
 
 
-def _decode_native_range(
-    lib: Any, stored: torch.Tensor, numel: int, fmt: BlockFormat, first: int, out: torch.Tensor
-) -> None:
+def _decode_native_range(stored: torch.Tensor, numel: int, fmt: BlockFormat, first: int, out: torch.Tensor) -> None:
     """Values ``first`` to ``first + out.numel()`` of one encoded shard of ``numel`` values, into ``out``: whole blocks
     straight into it, a partial block at either end through a one-block buffer."""
     codes, scales = split(stored, fmt.name)
@@ -62,16 +57,15 @@ def _decode_native_range(
         if whole_first <= block < whole_last:
             continue
         buffer = torch.empty(size, dtype=out.dtype)
-        decode_blocks_native(
-            lib, codes[block * fmt.code_bytes_per_block :], scales[block:], min(size, numel - block * size), fmt, buffer
+        native_codec.decode_blocks(
+            codes[block * fmt.code_bytes_per_block :], scales[block:], min(size, numel - block * size), fmt, buffer
         )
         low, high = max(first, block * size), min(last, (block + 1) * size)
         out[low - first : high - first] = buffer[low - block * size : high - block * size]
     if whole_last > whole_first:
         offset = whole_first * size - first
         span = min(whole_last * size, numel) - whole_first * size
-        decode_blocks_native(
-            lib,
+        native_codec.decode_blocks(
             codes[whole_first * fmt.code_bytes_per_block :],
             scales[whole_first:],
             span,

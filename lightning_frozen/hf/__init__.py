@@ -3,19 +3,19 @@
 Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Modules outside it import neither package
 (except under ``TYPE_CHECKING``) and read none of the private names below (tests/test_hf_seams.py checks both).
 
-- ``transformers_loading``: :func:`~.transformers_loading.zero3_known` keeps an ``HfDeepSpeedConfig`` alive for a
-  run (``integrations.deepspeed._hf_deepspeed_config_weak_ref`` restored on exit), so that ``generate`` is synced
-  across ranks. ``from_pretrained`` under ZeRO-3: :func:`~.transformers_loading.zero3_loading` does the same and, for
-  its duration only, replaces ``modeling_utils.load_state_dict`` and ``_load_state_dict_into_zero3_model`` where
-  their signatures are those of 5.x; with other versions transformers' own ZeRO-3 loader runs. Also the key
+- ``transformers_loading``: ``from_pretrained`` under ZeRO-3 in ``configure_model``:
+  :func:`~.transformers_loading.zero3_loading` keeps an ``HfDeepSpeedConfig`` alive for its duration only
+  (``integrations.deepspeed._hf_deepspeed_config_weak_ref`` restored on exit) and replaces
+  ``modeling_utils.load_state_dict`` and ``_load_state_dict_into_zero3_model`` where their signatures are those of
+  5.x; with other versions transformers' own ZeRO-3 loader runs. Also the key
   renamings of ``core_model_loading`` (``WeightRenaming``, ``WeightConverter``, ``rename_source_key``), and the
-  private markers ``modeling_utils._is_ds_init_called``, a tensor's ``_is_hf_initialized`` and ``config._name_or_path``.
+  private markers ``modeling_utils._is_ds_init_called`` and a tensor's ``_is_hf_initialized``.
 - ``peft_adapters``: :func:`~.peft_adapters.around_adapter_creation` wraps ``PeftModel.__init__`` and
-  ``BaseTuner.inject_adapter`` class-wide for its duration only, where their leading parameters are PEFT 0.21's
-  (else it warns and wraps nothing); finding ``PeftModel`` and ``ModulesToSaveWrapper`` instances; each adapter's
-  params in ``BaseTunerLayer``s; LoRA's forward on blocks of rows from ``base_layer``, ``lora_A``, ``lora_B``,
-  ``lora_dropout``, ``scaling`` and ``_cast_input_dtype`` of ``lora.layer.Linear`` / ``lora.layer._ConvNd``.
-- ``reference``: where each frozen base came from (PEFT's ``base_model_name_or_path``, ``config._name_or_path``) and the
+  ``BaseTuner.inject_adapter`` class-wide for its duration only; finding ``PeftModel`` and ``ModulesToSaveWrapper``
+  instances; each adapter's params in ``BaseTunerLayer``s; LoRA's forward on blocks of rows from ``base_layer``,
+  ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling`` and the input cast of ``lora.layer.Linear`` and
+  its ``Conv1d/2d/3d``.
+- ``reference``: where each frozen base came from (PEFT's ``base_model_name_or_path``, ``config.name_or_path``) and the
   PEFT model inside a module.
 - ``row_guard``: a forward pre-hook on PEFT's LoRA layers that refuses a training forward of several adapters outside
   ``adapter_rows`` / ``shared_rows``.
@@ -23,8 +23,10 @@ Written for transformers 5.x (5.25 tested) and PEFT 0.21 (0.21.2 tested). Module
   ``adapter_rows`` is open so that a block recomputed in backward gets its rows' adapters again.
 - ``generation``: the outermost models inside a module that ``generate`` (``GenerationMixin`` instances), whose
   ``generate`` a run wraps to gather the base once per call.
-- ``private_names``: each of the names above that the seam relies on, with its signature, one row each (checked when a
-  strategy is built).
+- ``merging``: for ``export_merged``, a folder's model built on the meta device, the adapters injected with
+  ``get_peft_model`` / ``add_adapter`` (``low_cpu_mem_usage``), PEFT's own ``merge`` and
+  ``unload_and_optionally_merge_module`` of one tuner layer, ``BaseTuner._check_merge_allowed``, and the folder's keys
+  through ``conversion_mapping.get_model_conversion_mapping``.
 - ``peft_saving``: ``get_peft_model_state_dict``, ``AuxiliaryTrainingWrapper.adapter_state_dict`` and the prompt
   encoders of ``PEFT_TYPE_TO_TUNER_MAPPING`` (built from ``PeftConfig.from_peft_type``).
 """

@@ -1,10 +1,10 @@
 """What the package uses of a PEFT model's internals, all in one place (written for PEFT 0.21).
 
 - Where PEFT creates adapters, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter``, wrapped class-wide only
-  while :func:`around_adapter_creation` is active, and only where their signatures are the ones written for.
+  while :func:`around_adapter_creation` is active.
 - The tuner layers: which params each adapter owns (``BaseTunerLayer.adapter_layer_names``), and LoRA's forward
-  on blocks of rows from its parts (``base_layer``, ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling``,
-  ``_cast_input_dtype``) for the layer types whose forward is exactly that (``lora.layer.Linear`` / ``_ConvNd``).
+  on blocks of rows from its parts (``base_layer``, ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling``, the input
+  cast) for the layer types whose forward is exactly that (``lora.layer.Linear`` and its ``Conv1d/2d/3d``).
 - ``PeftModel`` and ``ModulesToSaveWrapper`` instances found in a module.
 
 A module can hold a PEFT model only once ``peft`` is imported, so the finders return nothing before that rather than
@@ -15,50 +15,29 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-
-# the signatures the creation wrapper was written for (PEFT 0.21): the leading parameters of each method
-PEFT_MODEL_INIT_PARAMS = ("self", "model", "peft_config", "adapter_name")
-INJECT_ADAPTER_PARAMS = ("self", "model", "adapter_name")
 
 
 @contextmanager
-def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[bool]:
+def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
     """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` (where PEFT creates and initialises
     adapter layers) are replaced class-wide by wrappers that call ``enter()`` before the outermost of those calls and
-    ``leave()`` after it; the originals are put back on exit.
-
-    Yields whether they were wrapped: not without PEFT installed, nor where the methods' leading parameters are not
-    :data:`PEFT_MODEL_INIT_PARAMS` / :data:`INJECT_ADAPTER_PARAMS` (then a warning says so, once per use).
+    ``leave()`` after it; the originals are put back on exit. Without PEFT installed nothing is wrapped. Their
+    signatures are rows of the core (``capabilities.CORE``), checked when a strategy is built.
     """
     if importlib.util.find_spec("peft") is None:
-        yield False
+        yield
         return
-    import peft
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
 
     originals = {(PeftModel, "__init__"): PeftModel.__init__, (BaseTuner, "inject_adapter"): BaseTuner.inject_adapter}
-    if not (
-        _leading_params(PeftModel.__init__, PEFT_MODEL_INIT_PARAMS)
-        and _leading_params(BaseTuner.inject_adapter, INJECT_ADAPTER_PARAMS)
-    ):
-        rank_zero_warn(
-            f"lightning-frozen: PEFT {peft.__version__}'s `PeftModel.__init__` / `BaseTuner.inject_adapter` are not"
-            " the ones this package was written for (PEFT 0.21), so adapters a PEFT model creates inside"
-            " `configure_model` under ZeRO-3 are initialised as placeholders, not as PEFT initialises them. Build the"
-            " PEFT model in `__init__`, or install PEFT 0.21."
-        )
-        yield False
-        return
     depth = 0  # PeftModel.__init__ calls inject_adapter: only the outermost call enters and leaves
 
     def wrapped(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,18 +59,10 @@ def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]
     for (owner, name), method in originals.items():
         setattr(owner, name, wrapped(method))
     try:
-        yield True
+        yield
     finally:
         for (owner, name), method in originals.items():
             setattr(owner, name, method)
-
-
-def _leading_params(method: Callable[..., Any], expected: tuple[str, ...]) -> bool:
-    try:
-        names = tuple(inspect.signature(method).parameters)
-    except (TypeError, ValueError):
-        return False
-    return names[: len(expected)] == expected
 
 
 def is_peft_model(module: Any) -> bool:
@@ -141,7 +112,7 @@ def add_tuner_layer_params(owned: dict[str, list[str]], prefix: str, layer: nn.M
 
 def lora_row_layers(module: nn.Module) -> list[nn.Module]:
     """The LoRA layers inside ``module`` whose forward is ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``
-    (PEFT 0.21's ``Linear`` and ``_ConvNd``): those :func:`lora_forward_by_rows` computes."""
+    (PEFT 0.21's ``Linear`` and ``Conv1d``/``Conv2d``/``Conv3d``): those :func:`lora_forward_by_rows` computes."""
     types = _row_layer_types()
     return [layer for layer in module.modules() if isinstance(layer, types)]
 
@@ -179,7 +150,7 @@ def unmixable_layers(module: nn.Module, adapter: str) -> list[tuple[str, str]]:
 def _row_layer_types() -> tuple[type, ...]:
     from peft.tuners.lora import layer
 
-    return (layer.Linear, layer._ConvNd)
+    return (layer.Linear, layer.Conv1d, layer.Conv2d, layer.Conv3d)
 
 
 def lora_forward_by_rows(
@@ -195,6 +166,8 @@ def lora_forward_by_rows(
             out.append(result[rows])
             continue
         lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-        sub_batch = layer._cast_input_dtype(x[rows], lora_A.weight.dtype)
+        sub_batch = x[rows]
+        if getattr(layer, "cast_input_dtype_enabled", True):  # as PEFT's forward casts (`disable_input_dtype_casting`)
+            sub_batch = sub_batch.to(lora_A.weight.dtype)
         out.append(result[rows] + lora_B(lora_A(layer.lora_dropout[name](sub_batch))) * layer.scaling[name])
     return torch.cat(out).to(result.dtype)

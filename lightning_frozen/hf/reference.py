@@ -1,5 +1,5 @@
 """The frozen base's reference: where each frozen base inside a module came from (a hub id or folder), found from
-PEFT's ``base_model_name_or_path`` or a Hugging Face ``config._name_or_path``, as checkpoints record it."""
+PEFT's ``base_model_name_or_path`` or a Hugging Face ``config.name_or_path``, as checkpoints record it."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def chosen_reference(
 
 def find_base_references(module: nn.Module) -> dict[str, str]:
     """Each frozen base inside ``module`` by its module path: the outermost PEFT models (their
-    ``base_model_name_or_path``) and Hugging Face models (``config._name_or_path``), e.g. ``{"vision": "org/clip",
+    ``base_model_name_or_path``) and Hugging Face models (``config.name_or_path``), e.g. ``{"vision": "org/clip",
     "language": "org/llama"}`` for a vision tower and a language model; empty when none names its source."""
     found: dict[str, str] = {}
     for name, submodule in module.named_modules():

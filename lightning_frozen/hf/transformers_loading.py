@@ -2,8 +2,8 @@
 
 - ``from_pretrained`` under ZeRO-3 (:func:`zero3_loading`): an ``HfDeepSpeedConfig`` kept alive switches
   transformers' ZeRO-3 path on, and its two private loading steps ``modeling_utils.load_state_dict`` and
-  ``modeling_utils._load_state_dict_into_zero3_model`` are replaced for the duration, only when their signatures are
-  the ones written for (transformers 5.x); with any other transformers its own ZeRO-3 loader runs. With them, the
+  ``modeling_utils._load_state_dict_into_zero3_model`` are replaced for the duration, only where the names of
+  ``capabilities.SLICED_LOADING`` are the ones written for; else transformers' own ZeRO-3 loader runs. With them, the
   model is built in the dtype DeepSpeed stores it in (``PreTrainedModel.get_init_context``'s ``dtype``), where
   transformers would build it in the checkpoint's.
 - The key renamings its loader applies (``core_model_loading``): :func:`model_keys`.
@@ -13,8 +13,8 @@
   ``modeling_utils.get_hf_quantizer`` is wrapped so the model keeps its ``nn.Linear`` layers, and the settings go to
   a handler as plain values (:class:`BitsAndBytesSettings`); models bitsandbytes quantized: :func:`bitsandbytes_layers`;
   bitsandbytes' own markers set on a model the strategy stores quantized: :func:`mark_loaded_in_kbit`.
-- Its private markers: ``modeling_utils._is_ds_init_called`` (:func:`building_model`), a tensor's
-  ``_is_hf_initialized`` (:func:`mark_initialized`) and a config's ``_name_or_path`` (:func:`loaded_from`).
+- Its private markers: ``modeling_utils._is_ds_init_called`` (:func:`building_model`) and a tensor's
+  ``_is_hf_initialized`` (:func:`mark_initialized`).
 
 Nothing here imports transformers before a function needs it, and only where it is installed.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,13 +33,8 @@ import torch
 from torch import nn
 
 from lightning_frozen import process
+from lightning_frozen.capabilities import SLICED_LOADING, available
 from lightning_frozen.errors import FrozenBaseFileError
-
-# the signatures the replacements stand in for (transformers 5.x); other versions keep their own path
-LOAD_STATE_DICT_PARAMS = ("checkpoint_file", "map_location", "weights_only", "disable_mmap")
-LOAD_INTO_ZERO3_PARAMS = ("model_to_load", "state_dict", "load_config")
-GET_INIT_CONTEXT_PARAMS = ("dtype", "is_quantized", "_is_ds_init_called", "allow_all_kernels")
-GET_HF_QUANTIZER_PARAMS = ("config", "quantization_config", "device_map", "weights_only", "user_agent", "gguf_file")
 
 
 @dataclass(frozen=True)
@@ -74,7 +68,7 @@ def zero3_loading(
     ``load_into_zero3(original, model_to_load, state_dict, load_config)``; with them, the model is built in
     ``build_dtype`` (:func:`built_in`).
 
-    Yields whether they were replaced: only where both have the signatures written for (:func:`replaceable`).
+    Yields whether they were replaced: only where the names of ``capabilities.SLICED_LOADING`` are as written for.
     Without transformers installed this does nothing and yields False.
     """
     if importlib.util.find_spec("transformers") is None:
@@ -82,7 +76,7 @@ def zero3_loading(
         return
     from transformers import modeling_utils
 
-    patched = replaceable(modeling_utils)
+    patched = available(SLICED_LOADING)
     with process.uninterrupted():  # a stop a signal raises lands in the load, never between a patch and its `try:`
         if patched:
             originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
@@ -104,10 +98,10 @@ def zero3_loading(
 @contextmanager
 def zero3_known(config: dict) -> Iterator[None]:
     """While active, transformers knows that models run under ZeRO-3 with the DeepSpeed ``config``: an
-    ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true. Then ``from_pretrained`` builds ZeRO-3
-    params, and ``generate`` turns on ``synced_gpus`` on several ranks: a rank that has finished its sequences keeps
-    running forwards (and their gathers) until every rank has, instead of leaving the others waiting forever in a
-    gather. The ``HfDeepSpeedConfig`` the caller made before is restored on exit. Without transformers: nothing."""
+    ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true and every ``from_pretrained`` builds
+    ZeRO-3 params. Only :func:`zero3_loading` enters it, around ``configure_model``: a model loaded anywhere else in a
+    run (a scorer in ``setup()``) is built whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit.
+    Without transformers: nothing."""
     if importlib.util.find_spec("transformers") is None:
         yield
         return
@@ -122,6 +116,14 @@ def zero3_known(config: dict) -> Iterator[None]:
         del hf_config
 
 
+def drops_layers(module: nn.Module) -> bool:
+    """Whether a transformers model in ``module`` skips layers at random in training (``config.layerdrop > 0``:
+    wav2vec2, HuBERT, WavLM, ...). Its forward asks transformers whether ZeRO-3 is on, to run every layer on every rank
+    then: each layer's gather is a collective, and ranks that skipped different layers would wait on each other."""
+    rates = (getattr(getattr(sub, "config", None), "layerdrop", 0) for sub in module.modules())
+    return any(isinstance(rate, (int, float)) and rate > 0 for rate in rates)
+
+
 @contextmanager
 def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
     """While active, ``from_pretrained`` builds its model with ``dtype`` as torch's default (the dtype DeepSpeed's
@@ -130,18 +132,14 @@ def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
     transformers builds in the checkpoint's dtype (``dtype="auto"``) and ``zero.Init`` then casts each full tensor:
     a bf16 folder under fp32 compute wrote every page of every full weight on every rank before a byte was read
     (1.2 s of a 1.1B load on one rank; the whole model's fp32 bytes per rank at 13B). The values are never used: the
-    loader fills the shards. Only where ``PreTrainedModel.get_init_context``'s parameters begin with those of
-    :data:`GET_INIT_CONTEXT_PARAMS` and any after them have defaults (transformers 5.x; 5.25 added ``config``); None
-    does nothing.
+    loader fills the shards. Called only where :func:`zero3_loading` replaced the loader, so with the
+    ``get_init_context`` of ``capabilities.SLICED_LOADING``; None does nothing.
     """
     from transformers import modeling_utils
 
     owner = modeling_utils.PreTrainedModel
     original = owner.__dict__.get("get_init_context")
     if dtype is None or not isinstance(original, classmethod):
-        yield
-        return
-    if not _starts_with(inspect.signature(original.__func__), GET_INIT_CONTEXT_PARAMS):
         yield
         return
 
@@ -155,16 +153,6 @@ def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
         yield
     finally:
         owner.get_init_context = original
-
-
-def _starts_with(signature: inspect.Signature, names: tuple[str, ...]) -> bool:
-    """Whether ``signature`` (after its first parameter, ``cls``) begins with ``names`` and every later parameter
-    has a default, so that a call passing ``names`` through means what it meant."""
-    parameters = list(signature.parameters.values())[1:]
-    later = parameters[len(names) :]
-    return tuple(p.name for p in parameters[: len(names)]) == names and all(
-        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in later
-    )
 
 
 @contextmanager
@@ -201,8 +189,8 @@ def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], Non
     its dict) calls ``on_bitsandbytes`` with its settings and then loads as if none was given: no ``Linear4bit``, no
     quantizer; ``on_bitsandbytes`` raises to refuse. A folder whose ``config.json`` holds a ``quantization_config``
     (pre-quantized weights) is reported with ``pre_quantized=True``, whatever its method. Other quantization configs
-    pass through. Yields whether ``modeling_utils.get_hf_quantizer`` was wrapped: only where its signature is
-    :data:`GET_HF_QUANTIZER_PARAMS` (transformers 5.x); without transformers this does nothing and yields False.
+    pass through. Yields whether ``modeling_utils.get_hf_quantizer`` was wrapped: only where the names of
+    ``capabilities.SLICED_LOADING`` are as written for; without transformers this does nothing and yields False.
     """
     if importlib.util.find_spec("transformers") is None:
         yield False
@@ -210,11 +198,7 @@ def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], Non
     from transformers import modeling_utils
 
     original = getattr(modeling_utils, "get_hf_quantizer", None)
-    try:
-        wrappable = tuple(inspect.signature(original).parameters) == GET_HF_QUANTIZER_PARAMS  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        wrappable = False
-    if not wrappable:
+    if not available(SLICED_LOADING):
         yield False
         return
 
@@ -224,7 +208,7 @@ def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], Non
         if stored is not None:
             method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", "")
             method = str(getattr(method, "value", method))
-            source = getattr(config, "_name_or_path", "") or "the folder"
+            source = getattr(config, "name_or_path", "") or "the folder"
             on_bitsandbytes(BitsAndBytesSettings(pre_quantized=True, quant_method=method, source=source))
         settings = _bitsandbytes_settings(quantization_config)
         if settings is not None:
@@ -273,17 +257,6 @@ def mark_loaded_in_kbit(model: nn.Module, bits: int) -> None:
     setattr(model, "is_loaded_in_4bit" if bits == 4 else "is_loaded_in_8bit", True)
 
 
-def replaceable(modeling_utils: Any) -> bool:
-    """Whether ``modeling_utils`` has the two loading steps :func:`zero3_loading` replaces, with the signatures
-    (:data:`LOAD_STATE_DICT_PARAMS`, :data:`LOAD_INTO_ZERO3_PARAMS`) its replacements were written for."""
-    try:
-        load = inspect.signature(modeling_utils.load_state_dict).parameters
-        into = inspect.signature(modeling_utils._load_state_dict_into_zero3_model).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return tuple(load) == LOAD_STATE_DICT_PARAMS and tuple(into) == LOAD_INTO_ZERO3_PARAMS
-
-
 def building_model() -> bool:
     """Whether ``from_pretrained`` is inside its model's ``__init__`` under its own ``zero.Init`` right now."""
     return bool(getattr(sys.modules.get("transformers.modeling_utils"), "_is_ds_init_called", False))
@@ -295,9 +268,9 @@ def mark_initialized(tensor: torch.Tensor) -> None:
 
 
 def loaded_from(module: nn.Module) -> Optional[str]:
-    """The hub id or folder a Hugging Face model (or config) was loaded from, ``config._name_or_path``; None if
+    """The hub id or folder a Hugging Face model (or config) was loaded from, ``config.name_or_path``; None if
     ``module`` has no config or it names none."""
-    reference = getattr(getattr(module, "config", None), "_name_or_path", None)
+    reference = getattr(getattr(module, "config", None), "name_or_path", None)
     return reference if isinstance(reference, str) and reference else None
 
 

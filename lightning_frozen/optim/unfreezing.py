@@ -23,7 +23,6 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import BaseFinetuning as LightningBaseFinetuning
 from torch import nn
 
-from lightning_frozen import lightning_seam
 from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.format import layout
 from lightning_frozen.zero.optimizers import engine_counters, inner_optimizer, set_engine_counters
@@ -37,8 +36,10 @@ from lightning_frozen.zero.params import (
 
 
 def _callbacks(module: nn.Module) -> list[Any]:
-    trainer = lightning_seam.attached_trainer(module)
-    return list(trainer.callbacks) if trainer is not None else []
+    try:
+        return list(module.trainer.callbacks)
+    except (AttributeError, RuntimeError):  # no Trainer attached (Lightning's `trainer` raises RuntimeError)
+        return []
 
 
 def check_finetuning_callbacks(module: nn.Module) -> None:

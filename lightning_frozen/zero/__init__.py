@@ -3,30 +3,12 @@ so do the few private names of torch the package relies on (listed with the func
 
 Outside it no module imports ``deepspeed`` (other than for type hints), touches a ``ds_*`` attribute of a ZeRO-3 param
 or an internal of DeepSpeed's engine and optimizer, or uses a private DeepSpeed name; ``tests/test_seams.py`` checks it.
-When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes; reads and
-writes whole fp32 weights and optimizer state through ``deepspeed.utils``' public ``safe_get_*`` and ``safe_set_*``,
-working around two of their bugs there, and calls the ZeRO-3 optimizer's private ``_optimizer_step`` to make the
-optimizer state they cannot write before the first step (``params``); relies on its ``_get_trainable_parameter_groups``
-leaving frozen params out group by group and on the engine's ``_configure_optimizer`` dropping empty groups
-(``optimizers``); wraps the optimizer's ``_get_norm_groups`` and
-``unscale_and_clip_grads`` (``adapter_clipping``); replaces a param's ``all_gather``, ``all_gather_coalesced`` and
-``partition``, keeping DeepSpeed's handle contract (``gathers`` owns which ones a param has; ``compute.quantized``,
-``exact_gather`` build them), and ``Init._partition_param``,
-with its ``_aligned_size`` and ``_partition_world_size``, and ``Init._zero_init_param`` (``placeholders``); replaces the
-param offload's start-of-forward hook (its ``fwd_pre_hook`` handle, found in the module's ``_forward_pre_hooks``) and
-adds a hook to its ``forward_hooks`` (``forward_trace``); reads the accelerator's ``_name`` (``accelerator``); takes a
-finished run's modules off ``parameter_offload.FWD_MODULE_STACK``, the module-level list every ZeRO-3 engine adds its
-root module to and never clears, and resets the ``_in_forward`` flag of their ``_parameters`` (DeepSpeed's
-``ZeROOrderedDict``) that a raise mid-forward leaves set, and empties the class-level ``lru_cache`` of the coordinator's
-``__params_to_release`` (``engine``); bypasses the param offload's ``pre_sub_module_forward_function`` and
-``post_sub_module_forward_function`` for one call, keeping ``FWD_MODULE_STACK`` balanced, after the coordinator's
-``release_and_reset_all`` (``gather_once``); and merges a stock directory's weights with ``zero_to_fp32``'s public
-``get_fp32_state_dict_from_zero_checkpoint`` and its optimizer state with the private ``_zero3_merge_trainable_params``
-(``checkpoint_files``); and asks torch's ``_storage_Use_Count`` whether a released param's decoded storage is held
-elsewhere before decoding into it again (``compute.host_memory``); and writes a file in two passes with torch's
-``FakeTensorMode`` and the ``_checkpoint_offset`` a meta load tags storages with (``torch_file``). Each of them is a row
-of ``private_names``; the teardown's reaches are guarded there, so that a moved name warns rather than hiding the
-error that ended a run.
+When DeepSpeed changes, this is the one place to change. Inside, it reads and writes ``ds_*`` attributes, reads and
+writes whole fp32 weights and optimizer state through ``deepspeed.utils``' public ``safe_get_*`` and ``safe_set_*``
+(working around two of their bugs, ``params``), and reaches DeepSpeed's and torch's private names: each is a row of
+``capabilities.py``, under the core or the capability that needs it, naming the module that uses it. The teardown's
+reaches are guarded (``foreign_names.reaching``), so that a moved name warns rather than hiding the error that ended a
+run.
 
 The surface other modules call, by module (``tests/test_seams.py`` checks that it is complete and that each name
 is defined where it is listed):
@@ -44,20 +26,19 @@ is defined where it is listed):
   ``zero.Init`` keeps on a class, for the run's ledger to put back).
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
-- ``accelerator``: DeepSpeed's accelerator matched to Lightning's, and a gloo group's exit (destroyed, then its
-  workers idle, found by the name torch gives their threads and read in /proc):
-  ``align_deepspeed_accelerator``, ``destroy_gloo_group_at_exit``, ``end_gloo_work``, ``wait_for_idle_gloo_workers``,
-  ``GLOO_WORKER_THREAD``, ``ignore_dependency_deprecations``.
+- ``accelerator``: DeepSpeed's accelerator matched to Lightning's for a run: ``deepspeed_accelerator_matching``,
+  ``ignore_dependency_deprecations``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,
   ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
-- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them: ``frozen_dtype_of``,
-  ``store_codes``, ``restore_values``, ``check_config``, ``SourceValues``.
+- ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them (the kernels handed in):
+  ``frozen_dtype_of``, ``store_codes``, ``restore_values``, ``keeps_a_copy``, ``check_config``, ``SourceValues``.
 - ``frozen_compute``: the one door to how frozen shards are gathered and computed, chosen per device (behind it,
   ``compute/``: the quantized gather, and the CPU's compiled kernels, layers computed from codes, codes shared in
   ``/dev/shm``, decode buffers and host-memory settings): ``frozen_compute_for``, ``FrozenCompute``,
-  ``compute_from_codes``.
+  ``compute_from_codes``, ``KERNELS`` (the compiled passes the core takes as a value), ``exit_cleanly`` (a gloo
+  group destroyed at exit and its workers left idle, ``zero/compute/gloo_exit.py``, read in /proc).
 - ``gathers``: which gather methods each ZeRO-3 param has over its life, and DeepSpeed's own: ``use``,
   ``use_deepspeed``, ``deepspeed_method``, ``kind_of``, ``DEEPSPEED``, ``EXACT_FROM_FILE``, ``QUANTIZED``.
 - ``placeholders``: ``zero.Init``'s shards left unwritten while the loader fills them, and its broadcast of each
@@ -80,7 +61,5 @@ is defined where it is listed):
 - ``adapter_clipping``: per-adapter gradient clipping inside ZeRO-3's step, each adapter at its own value:
   ``clip_per_adapter``, ``check_group_clips``, ``GROUP_CLIP_KEY``.
 - ``torch_file``: a ``torch.save`` file written in two passes, its structure then each tensor's bytes as they come:
-  ``save_in_two_passes``, ``available``, ``with_values``, ``Put``.
-- ``private_names``: every private name above, with the signature or attributes the seam relies on, one row each,
-  checked when a strategy is built: ``DEEPSPEED``, ``TORCH``.
+  ``save_in_two_passes``, ``with_values``, ``Put``.
 """

@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_frozen.errors import AdapterSetupError, UnsupportedConfigurationError, format_names
+from lightning_frozen.errors import AdapterSetupError, format_names
 
-_STAGE3_CONTRACT = ("_get_norm_groups", "unscale_and_clip_grads", "sub_group_to_group_id", "clip_grad", "optimizer")
 # the param-group key that gives an adapter a clipping value of its own (``adapters.adapter_param_groups``)
 GROUP_CLIP_KEY = "gradient_clip_val"
 
@@ -64,23 +63,12 @@ def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[Optional[str]
     """Make ``zero_optimizer`` clip each adapter's gradients by that adapter's own norm, at the ``gradient_clip_val``
     of its param groups or else DeepSpeed's ``gradient_clipping``; ``group_adapters[i]`` names the adapter of param
     group ``i`` (None for a group that trains nothing, which has no sub-group). Does nothing without any clipping value
-    or with fewer than two adapters.
-
-    Raises:
-        UnsupportedConfigurationError: the optimizer is not a ZeRO-3 optimizer of the shape this relies on (another
-            DeepSpeed version or stage).
-    """
+    or with fewer than two adapters. The optimizer's names are those of ``capabilities.SEVERAL_ADAPTERS``, checked
+    by the caller."""
     groups = getattr(getattr(zero_optimizer, "optimizer", None), "param_groups", [])
     clips = [getattr(zero_optimizer, "clip_grad", 0)] + [group.get(GROUP_CLIP_KEY) for group in groups]
     if len(set(group_adapters) - {None}) < 2 or not any(clips):
         return
-    missing = [name for name in _STAGE3_CONTRACT if not hasattr(zero_optimizer, name)]
-    if missing:
-        raise UnsupportedConfigurationError(
-            "Clipping adapters trained at once needs DeepSpeed's ZeRO-3 optimizer, and"
-            f" `{type(zero_optimizer).__name__}` lacks {', '.join(missing)} (DeepSpeed 0.19's stage 3 has them)."
-            " Use ZeRO stage 3 with DeepSpeed 0.19, or train without `gradient_clip_val`."
-        )
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
     norm_groups, clip = zero_optimizer._get_norm_groups, zero_optimizer.unscale_and_clip_grads

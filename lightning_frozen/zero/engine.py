@@ -19,13 +19,14 @@ import torch
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
+from lightning_frozen.capabilities import RELEASE, TRACE, available
+from lightning_frozen.foreign_names import reaching
 from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import forward_trace, frozen_storage
 from lightning_frozen.zero.config import fit_reduce_bucket
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
+from lightning_frozen.zero.frozen_compute import FrozenCompute
 from lightning_frozen.zero.optimizers import keep_empty_groups
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
-from lightning_frozen.zero.private_names import ENGINE_HOOKS, IN_FORWARD, MODULE_STACK, RELEASE_CACHE, reaching
 
 
 def place_model(model: nn.Module, config: Optional[dict], device: torch.device, spec: StrategySpec) -> None:
@@ -69,6 +70,7 @@ def initialize_engine(
     config: dict,
     spec: StrategySpec,
     where: Placement,
+    compute: FrozenCompute,
     optimizer: Any = None,
     lr_scheduler: Any = None,
     model_parameters: Optional[list[nn.Parameter]] = None,
@@ -81,7 +83,8 @@ def initialize_engine(
     is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
     (:func:`forward_trace.reset_trace_at_outermost_call`). An optimizer's param groups keep their indices, empty ones
     included (:func:`keep_empty_groups`). How the frozen shards compute on ``where.device`` (on the CPU, defaults for
-    ZeRO-3's gather bounds the user left unset, codes shared and computed from) is ``zero/frozen_compute.py``'s.
+    ZeRO-3's gather bounds the user left unset, codes shared and computed from) is the run's ``compute``'s
+    (``zero/frozen_compute.py``).
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -91,7 +94,6 @@ def initialize_engine(
     # ZeRO-3 allocates its gradient reduce bucket whole up front and only trainable grads go in it: size it to them
     if model_parameters and spec.fit_reduce_bucket:
         fit_reduce_bucket(config, sum(full_numel(p) for p in model_parameters))
-    compute = frozen_compute_for(where.device)
     compute.bound_gathers(config, model)  # on the CPU the gathered params are host memory, once per rank
     if spec.frozen_dtype:
         frozen_storage.check_config(spec.frozen_dtype, config, where.device)
@@ -111,7 +113,8 @@ def initialize_engine(
         dist_init_required=False,
     )
     release_frozen_persistence(engine, model)
-    forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
+    if available(TRACE):
+        forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
     if spec.frozen_dtype:
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
         compute.prepare(model, spec.frozen_dtype, keeper)
@@ -201,7 +204,7 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    persistent = getattr(param_offload(engine), "persistent_parameters", None)
+    persistent = getattr(param_offload(engine), "persistent_parameters", None) if available(TRACE) else None
     if persistent is not None:
         persistent[:] = [p for p in persistent if p.requires_grad]
     for param in model.parameters():
@@ -251,28 +254,36 @@ def release_engine(engine: Any, model: nn.Module) -> None:
     ``deepspeed.zero.GatheredParameters``. ``engine`` may be a plain module (no engine was built).
     """
     from deepspeed import DeepSpeedEngine
-    from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     forward_trace.restore_trace_reset(model)  # DeepSpeed's own start-of-forward hook again, before `destroy` drops it
     if isinstance(engine, DeepSpeedEngine):
         engine.destroy()  # removing hooks twice is harmless, so an engine already destroyed may come again
-        with reaching(ENGINE_HOOKS):
-            for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
-                if handle is not None:
-                    handle.remove()
-    with reaching(RELEASE_CACHE):
-        _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
-    ours = {id(module) for module in model.modules()}
-    with reaching(MODULE_STACK):
-        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
-    with reaching(IN_FORWARD):
-        for module in model.modules():  # a raise mid-forward skips the engine's epilogue: reading a param gathers it
-            if isinstance(module._parameters, parameter_offload.ZeROOrderedDict):
-                module._parameters._in_forward = False
+    if available(RELEASE):  # else warned when the strategy was built: what a run leaves in DeepSpeed stays
+        _release_deepspeeds_references(engine, model)
     for param in model.parameters():
         if is_partitioned(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist:
             param.partition()
+
+
+def _release_deepspeeds_references(engine: Any, model: nn.Module) -> None:
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero import parameter_offload
+
+    if isinstance(engine, DeepSpeedEngine):
+        with reaching(RELEASE):
+            for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):  # `destroy` leaves these
+                if handle is not None:
+                    handle.remove()
+    with reaching(RELEASE):
+        _params_to_release_cache().cache_clear()  # its keys hold every coordinator and module it saw, for good
+    ours = {id(module) for module in model.modules()}
+    with reaching(RELEASE):
+        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+    with reaching(RELEASE):
+        for module in model.modules():  # a raise mid-forward skips the engine's epilogue: reading a param gathers it
+            if isinstance(module._parameters, parameter_offload.ZeROOrderedDict):
+                module._parameters._in_forward = False
 
 
 def _params_to_release_cache() -> Any:

@@ -9,8 +9,8 @@ recorded so far (the root module alone) as complete; the next submodule then fin
 
 Here DeepSpeed's hook is run only by the outermost call of the module, once per step whatever the step calls, and
 DeepSpeed's own hook is put back by :func:`restore_trace_reset`. Written for DeepSpeed 0.19: the hook's handle is the
-offload's ``fwd_pre_hook`` (removed with its ``forward_hooks`` when the engine is destroyed). With another DeepSpeed
-the hook is left as it is, and a warning says so.
+offload's ``fwd_pre_hook`` (removed with its ``forward_hooks`` when the engine is destroyed), the rows of
+``capabilities.TRACE``; where they moved, the engine does not call this.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-WRITTEN_FOR = "0.19."  # the DeepSpeed releases whose start-of-forward hook this replaces
 
 
 class _OutermostCall:
@@ -54,18 +52,15 @@ class _OutermostCall:
 
 def reset_trace_at_outermost_call(module: nn.Module, offload: Any) -> bool:
     """Make ``offload``'s (DeepSpeed's ``DeepSpeedZeRoOffload``) start-of-forward hook on ``module`` run only at the
-    outermost call of ``module``; returns whether it was replaced (not with another DeepSpeed than 0.19, nor where
-    the hook is not found on ``module``: then a warning says that a step calling ``self(...)`` will not prefetch)."""
-    import deepspeed
-
+    outermost call of ``module``; returns whether it was replaced (not where the hook is not found on ``module``: then
+    a warning says that a step calling ``self(...)`` will not prefetch)."""
     handle = getattr(offload, "fwd_pre_hook", None)
     start_of_forward = module._forward_pre_hooks.get(handle.id) if isinstance(handle, RemovableHandle) else None
-    if not deepspeed.__version__.startswith(WRITTEN_FOR) or start_of_forward is None:
+    if start_of_forward is None:
         rank_zero_warn(
-            f"lightning-frozen: DeepSpeed {deepspeed.__version__}'s start-of-forward hook is not the one this package"
-            f" was written for (DeepSpeed {WRITTEN_FOR}x), so it is left alone: a step that calls `self(...)` resets"
-            " ZeRO-3's trace and nothing is prefetched. Call the submodules instead (`self.model(x)`), or install"
-            f" DeepSpeed {WRITTEN_FOR}x."
+            "lightning-frozen: DeepSpeed's start-of-forward hook is not on the module, so it is left alone: a step that"
+            " calls `self(...)` resets ZeRO-3's trace and nothing is prefetched. Call the submodules instead"
+            " (`self.model(x)`)."
         )
         return False
     outermost = _OutermostCall(offload, start_of_forward)

@@ -1,11 +1,17 @@
 """The one door between the core and how frozen shards are computed: :func:`frozen_compute_for` a device gives a
-:class:`FrozenCompute` with the few operations the strategy, the engine and the fingerprint call.
+:class:`FrozenCompute` with the few operations the strategy and the engine call, and :data:`KERNELS` are the compiled
+passes the codec, the frozen storage and the fingerprint take as a value (they run tensor ops without them).
 
 As Lightning keeps its accelerators behind ``Accelerator`` and DeepSpeed its ops behind ``op_builder``, the core calls
 only this; what is behind it (``zero/compute/``: the quantized gather and, on the CPU, compiled kernels, layers
-computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings) can be skipped by a
-reader who changes how a checkpoint is written or where frozen params are placed. On an accelerator (CUDA) shards
-are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
+computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings; a gloo group's exit)
+can be skipped by a reader who changes how a checkpoint is written or where frozen params are placed. On an
+accelerator (CUDA) shards are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
+
+A run makes one compute object (the strategy, at setup) and hands it down as a value: to the engine, which prepares
+the shards through it, and to the run's ledger, which ends it at teardown. Its tables (the layers computed from codes,
+their tile buffers, the decoded tensors kept for reuse) are its own, handed to each gather it installs: two strategies
+in one process, or two runs one after the other, never share them.
 """
 
 from __future__ import annotations
@@ -16,13 +22,22 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
-from lightning_frozen.zero.compute import coded_linear, host_memory, node_codes, quantized
+from lightning_frozen.format.codec import Kernels
+from lightning_frozen.zero.compute import gloo_exit, host_memory, node_codes, quantized
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
+
+# the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
+# as they are read); they decline any other tensor
+KERNELS: Kernels = native_codec.KERNELS
 
 
 class FrozenCompute:
     """Frozen shards on an accelerator: quantized at setup, gathered to the device and decoded whole there."""
+
+    def __init__(self) -> None:
+        self.tables = quantized.RunTables()  # this run's, handed to each gather it installs
 
     def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
         """Give the DeepSpeed ``config`` this device's defaults for ZeRO-3's gather bounds the user left unset;
@@ -40,15 +55,13 @@ class FrozenCompute:
         Raises:
             FrozenDtypeError: a stored param was made trainable, or a frozen param is not a released ZeRO-3 shard.
         """
-        return quantized.quantize_frozen_shards(model, frozen_dtype, before_encoding)
+        return quantized.quantize_frozen_shards(model, frozen_dtype, self.tables, before_encoding)
 
     def end_run(self) -> None:
-        """After a run: what :meth:`prepare` changed outside the params undone, what it holds let go."""
-
-    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
-        """The fingerprint's checksums of ``values`` (flat, from index ``start``) where a compiled pass takes them,
-        else None (``base/fingerprint.py`` takes them with tensor ops)."""
-        return None
+        """After a run: what :meth:`prepare` changed outside the params undone, what its tables hold let go; gathers
+        after it decode whole and keep nothing."""
+        self.tables.layers.end_of_run()
+        self.tables.buffers.close()
 
 
 class CpuFrozenCompute(FrozenCompute):
@@ -64,23 +77,23 @@ class CpuFrozenCompute(FrozenCompute):
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         done = super().prepare(model, frozen_dtype, before_encoding)
         node_codes.share_codes(list(model.parameters()), frozen_dtype_of)  # ranks read each other's codes, not copies
-        coded_linear.compute_from_codes(model, frozen_dtype_of)
+        self.tables.layers.compute_from_codes(model, frozen_dtype_of)
         return done
-
-    def end_run(self) -> None:
-        coded_linear.end_of_run()
-        host_memory.DECODE_BUFFERS.clear()
-
-    def checksum(self, values: torch.Tensor, start: int) -> Optional[list[int]]:
-        return native_codec.checksum16(values, start)
 
 
 def frozen_compute_for(device: torch.device) -> FrozenCompute:
-    """How frozen shards are computed on ``device``: the CPU's stack, or an accelerator's."""
-    return CpuFrozenCompute() if device.type == "cpu" else FrozenCompute()
+    """How frozen shards compute on ``device``: the CPU's stack (its names as written for), else an accelerator's."""
+    return CpuFrozenCompute() if device.type == "cpu" and available(CPU_COMPUTE) else FrozenCompute()
 
 
 def compute_from_codes(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:
     """``param``'s shard holds codes already (stored as the loader read it): gather and decode them from now on; a
-    write to it tells ``before_encoding`` its new values before they are encoded."""
-    quantized.install_quantized_gather(param, before_encoding)
+    write to it tells ``before_encoding`` its new values before they are encoded. Until the run's ``prepare`` hands
+    it the run's tables, its gathers decode whole and keep nothing (empty tables of its own)."""
+    quantized.install_quantized_gather(param, quantized.RunTables(), before_encoding)
+
+
+def exit_cleanly() -> None:
+    """At the process's exit, destroy a gloo default group and wait until its workers are idle, before the interpreter
+    is torn down (``zero/compute/gloo_exit.py``); registered once per process."""
+    gloo_exit.destroy_gloo_group_at_exit()

@@ -2,8 +2,9 @@
 place of a shard's values and exact values put back, and whether a ``frozen_dtype`` fits the config and the device.
 
 The codes are ``format/codec.py``'s (each rank's shard block-wise quantized, stored as one ``uint8`` tensor: the
-codes, then the scales' bytes). How a param holding codes is gathered and computed is behind ``zero/frozen_compute.py``;
-which gather methods it has, ``zero/gathers.py``'s.
+codes, then the scales' bytes), encoded with the kernels a caller hands in (``zero/frozen_compute.py``'s), else tensor
+ops. How a param holding codes is gathered and computed is behind that door; which gather methods it has,
+``zero/gathers.py``'s.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.errors import FrozenDtypeError
-from lightning_frozen.format.codec import block_format, decode, encode, split
-from lightning_frozen.zero.compute import node_codes
+from lightning_frozen.format.codec import Kernels, block_format, decode, encode, split
 from lightning_frozen.zero.params import compute_dtype, shard_numel
 
 # the format each quantized shard is stored in, kept here rather than on the user's params; it outlives a run as long
 # as the shard holds codes
 _stored_as: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# who keeps another copy of a shard's codes (the CPU's node-shared file), told when they are replaced
+_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # Told the values a frozen shard held just before they are encoded: the param, this rank's elements, the flat index of
 # the first, and the whole tensor when it is at hand (written under `GatheredParameters`). Whoever needs the source
@@ -62,7 +64,8 @@ def check_config(frozen_dtype: str, config: dict, device: torch.device) -> None:
 
 
 def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will.
+    """Quantize and dequantize one block on ``device`` in ``dtype``, as training will (the compiled kernels decline
+    device tensors).
 
     Raises:
         FrozenDtypeError: the accelerator cannot run it; the message names the device and the fix.
@@ -79,17 +82,31 @@ def check_runs_on(frozen_dtype: str, device: torch.device, dtype: torch.dtype) -
         ) from error
 
 
-def store_codes(param: nn.Parameter, values: torch.Tensor, frozen_dtype: str) -> None:
-    """Put the codes of ``values`` (this rank's elements of ``param``, in its dtype) in place of its ZeRO-3 shard,
-    padded as the shard is, so that blocks align with the shard: encoding a slice as it is read gives the codes of
-    encoding the shard it was read into."""
+def store_codes(
+    param: nn.Parameter, values: torch.Tensor, frozen_dtype: str, kernels: Optional[Kernels] = None
+) -> None:
+    """Put the codes of ``values`` (this rank's elements of ``param``, in its dtype; encoded with ``kernels`` where
+    they take them) in place of its ZeRO-3 shard, padded as the shard is, so that blocks align with the shard: encoding
+    a slice as it is read gives the codes of encoding the shard it was read into."""
     fmt = block_format(frozen_dtype)
-    _store(param, encode(values, fmt.name, numel=shard_numel(param)), fmt.name)
+    _store(param, encode(values, fmt.name, numel=shard_numel(param), kernels=kernels), fmt.name)
+
+
+def keeps_a_copy(param: nn.Parameter, replaced: Callable[[nn.Parameter], None]) -> None:
+    """Call ``replaced(param)`` once, before ``param``'s codes are replaced or its values restored: whoever keeps
+    another copy of them (the CPU's node-shared file) lets it go then."""
+    _copies[param] = replaced
+
+
+def _replace(param: nn.Parameter) -> None:
+    replaced = _copies.pop(param, None)
+    if replaced is not None:
+        replaced(param)
 
 
 def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     """Put this rank's exact ``values`` of ``param`` (in its dtype) back in place of its codes, as an ordinary shard."""
-    node_codes.leave(param)
+    _replace(param)
     shard = param.ds_tensor
     full = torch.zeros(shard_numel(param), dtype=param.dtype, device=shard.device)
     full[: values.numel()] = values.to(full.device)
@@ -102,7 +119,7 @@ def _store(param: nn.Parameter, stored: torch.Tensor, frozen_dtype: str) -> None
     """Put the encoded bytes in place of the shard; ``ds_quant_scale`` routes the param to the quantized gather."""
     from deepspeed.accelerator import get_accelerator
 
-    node_codes.leave(param)  # its rows in the shared file hold the old codes
+    _replace(param)  # another copy of the codes holds the old ones
     shard = param.ds_tensor
     if shard.device.type == "cpu" and shard.is_pinned():
         stored = get_accelerator().pin_memory(stored)

@@ -12,7 +12,7 @@ forward hook ``forward_trace.py`` keeps in ``forward_hooks``). They stay, and fo
 param offload's ``pre_sub_module_forward_function`` and ``post_sub_module_forward_function`` (the methods the hooks
 call through the offload object) are bypassed for the block by attributes on that instance, which are deleted after
 it: the layers neither fetch nor release, and ``FWD_MODULE_STACK`` is kept balanced (the post-forward hook pops
-it). Written for DeepSpeed 0.19 (the rows in ``zero/private_names.py``).
+it). Written for DeepSpeed 0.19 (the rows of ``capabilities.GENERATE``).
 """
 
 from __future__ import annotations

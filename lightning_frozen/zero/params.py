@@ -13,9 +13,10 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_frozen.errors import NoTrainableParametersError
+from lightning_frozen.errors import NoTrainableParametersError, format_names
 
 
 def compute_dtype(config: dict) -> Optional[torch.dtype]:
@@ -377,8 +378,16 @@ def scaler_state(scaler: Any) -> dict[str, Any]:
 
 
 def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None:
-    """Set the loss-scaler state :func:`loss_scaler_state` returned; keys the scaler does not have are skipped."""
+    """Set the loss-scaler state :func:`loss_scaler_state` returned. Keys the scaler does not have (a run resumed in
+    another precision than the saved one's) warn that the loss scale starts afresh."""
     scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
+    lacking = [key for key in state if key in _LOSS_SCALER_STATE and not hasattr(scaler, key)]
+    if lacking:
+        rank_zero_warn(
+            f"lightning-frozen: the checkpoint holds DeepSpeed's loss-scaler state {format_names(lacking)}, which this"
+            f" run's `{type(scaler).__name__}` does not keep, so its loss scale starts afresh. Resume with the"
+            " precision the checkpoint was saved with to continue it."
+        )
     for key, value in state.items():
         if key in _LOSS_SCALER_STATE and hasattr(scaler, key):
             setattr(scaler, key, value)

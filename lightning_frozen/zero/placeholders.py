@@ -36,6 +36,7 @@ def untouched_while_loading(building: Callable[[], bool], enabled: bool = True) 
     if not enabled:
         yield
         return
+    from deepspeed import comm
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from deepspeed.runtime.zero.partition_parameters import Init, PartitionedParamStatus, ZeroParamStatus
@@ -47,8 +48,9 @@ def untouched_while_loading(building: Callable[[], bool], enabled: bool = True) 
     ) -> Any:
         plain = not (param.ds_persist or self.quantized_nontrainable_weights or self.remote_device == "nvme")
         if building() and plain and param.ds_tensor is None and param.ds_status is ZeroParamStatus.AVAILABLE:
-            aligned = self._aligned_size(param)
-            size = aligned // self._partition_world_size(param)
+            ranks = comm.get_world_size(group=self.get_partition_dp_group(param))
+            size = -(-param.ds_numel // ranks)  # each rank's shard, the whole padded to a multiple of the ranks
+            aligned = size * ranks
             shard = torch.empty(size, dtype=param.dtype, device=self.remote_device)
             if self.remote_device == OffloadDeviceEnum.cpu and self.pin_memory:
                 shard = get_accelerator().pin_memory(shard)

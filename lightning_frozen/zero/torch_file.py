@@ -3,18 +3,19 @@ its structure, with the place of every tensor's bytes reserved and left empty (`
 each tensor's bytes at its place, whenever the caller has them.
 
 The file is the one ``torch.save`` writes (a zip archive, ``weights_only`` loadable, ``mmap`` loadable): the same
-records, and each record's CRC-32 is put back once its bytes are in. What the first pass reserves for a tensor not yet
-there is given as a tensor on the meta device; torch writes a place for it when it is a ``FakeTensor`` of the same shape
-and dtype (``skip_data(materialize_fake_tensors=True)``), and a ``torch.load(..., map_location="meta")`` of the
-structure tags each storage with the offset of its bytes (``_checkpoint_offset``), as torch's own GPUDirect Storage
-recipe reads them. Both are torch's private names (``private_names.TORCH``); where they moved, :func:`available` is
-False and a caller writes the file in one ``torch.save``.
+records, and each record's CRC-32 is put back once its bytes are in (torch has no switch that writes it later:
+``compute_crc32=False`` leaves 0, which ``unzip -t`` refuses). A tensor not there yet is given as a tensor on the meta
+device; the first pass writes in its place a CPU tensor of its shape and dtype over anonymous pages that nobody touches
+(no memory), whose bytes ``skip_data`` leaves out. Where each storage's bytes go is read with public means too: the
+structure loaded with ``mmap=True`` puts each storage at its record's offset from the mapping's start, and the zip's
+directory lists the records in file order.
 """
 
 from __future__ import annotations
 
-import functools
+import mmap
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -24,22 +25,15 @@ from typing import IO, Any
 import torch
 
 from lightning_frozen.errors import CheckpointFormatError
-from lightning_frozen.foreign_names import problem_of
-from lightning_frozen.zero.private_names import CHECKPOINT_OFFSET, FAKE_TENSOR_MODE
 
 # zip records (APPNOTE 4.3): a local header's CRC-32 and name and extra lengths, a central header's CRC-32, the data
 # descriptor miniz writes after each record's bytes (its signature, then the CRC-32)
 _LOCAL_CRC, _LOCAL_LENGTHS, _LOCAL_SIZE = 14, 26, 30
 _CENTRAL_SIGNATURE, _CENTRAL_CRC, _CENTRAL_LENGTHS, _CENTRAL_SIZE = b"PK\x01\x02", 16, 28, 46
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+_STORAGE_RECORD = re.compile(r"[^/]+/data/\d+")  # torch.save's record of one storage's bytes
 
 Put = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the installed torch still has what the two passes rely on (see the module's docstring)."""
-    return problem_of(FAKE_TENSOR_MODE) is None and problem_of(CHECKPOINT_OFFSET) is None
 
 
 def save_in_two_passes(
@@ -63,16 +57,12 @@ def save_in_two_passes(
             " may move or drop their tensors, but not compute new ones from them: they are filled as the file is"
             " written."
         )
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        fakes = {id(t): torch.empty(t.shape, dtype=t.dtype) for t in _tensors(obj) if id(t) in later_ids}
-    structure = with_values(obj, fakes)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(structure, handle)
+    untouched = {id(t): _untouched_like(t) for t in _tensors(obj) if id(t) in later_ids}
+    with torch.serialization.skip_data():
+        torch.save(with_values(obj, untouched), handle)
+    del untouched
     handle.flush()
-    handle.seek(0)
-    places = _places(obj, torch.load(handle, map_location="meta", weights_only=True))
+    places = _places(obj, handle)
     descriptor = handle.fileno()
     crcs: dict[int, int] = {}
 
@@ -104,6 +94,15 @@ def save_in_two_passes(
     _put_back_crcs(handle, crcs)
 
 
+def _untouched_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``tensor``'s shape and dtype over anonymous pages nobody writes: they take no memory, and
+    ``skip_data`` reads none of them."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if torch.is_tensor(obj):
         yield obj
@@ -127,20 +126,40 @@ def with_values(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
-def _places(saved: Any, loaded: Any) -> list[tuple[torch.Tensor, int]]:
-    """Each tensor of ``saved`` with the offset of its storage's bytes in the file, read off ``loaded`` (the same
-    structure loaded on the meta device)."""
-    places: list[tuple[torch.Tensor, int]] = []
+def _places(saved: Any, handle: IO[bytes]) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor of ``saved`` that has bytes, with the offset of its storage's bytes in the file ``handle`` holds
+    ``saved``'s structure in (see the module's docstring).
+
+    Raises:
+        CheckpointFormatError: the mapped storages and the zip's storage records do not line up.
+    """
+    loaded = torch.load(f"/dev/fd/{handle.fileno()}", mmap=True, weights_only=True)  # the handle may have no path
+    pairs: list[tuple[torch.Tensor, int]] = []
     pending = [(saved, loaded)]
     while pending:
         a, b = pending.pop()
-        if torch.is_tensor(a):
-            places.append((a, b.untyped_storage()._checkpoint_offset))
+        if torch.is_tensor(a) and b.untyped_storage().nbytes():
+            pairs.append((a, b.untyped_storage().data_ptr()))
         elif isinstance(a, dict):
             pending.extend((value, b[key]) for key, value in a.items())
         elif isinstance(a, (list, tuple)):
             pending.extend(zip(a, b))
-    return places
+    del loaded  # the file is mapped no longer
+    archive = zipfile.ZipFile(handle)
+    starts = sorted(_data_start(handle, i) for i in archive.infolist() if _STORAGE_RECORD.fullmatch(i.filename))
+    starts = [start for start, size in starts if size]
+    pointers = sorted({pointer for _, pointer in pairs})
+    if len(pointers) != len(starts) or len({p - s for p, s in zip(pointers, starts)}) > 1:
+        raise CheckpointFormatError("The checkpoint being written maps its storages where its zip records do not lie.")
+    base = pointers[0] - starts[0] if starts else 0
+    return [(tensor, pointer - base) for tensor, pointer in pairs]
+
+
+def _data_start(handle: IO[bytes], info: zipfile.ZipInfo) -> tuple[int, int]:
+    """Where the bytes of the zip record ``info`` start in ``handle``, and how many there are."""
+    handle.seek(info.header_offset + _LOCAL_LENGTHS)
+    name_length, extra_length = struct.unpack("<HH", handle.read(4))
+    return info.header_offset + _LOCAL_SIZE + name_length + extra_length, info.file_size
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -156,9 +175,7 @@ def _put_back_crcs(handle: IO[bytes], crcs: dict[int, int]) -> None:
     archive = zipfile.ZipFile(handle)
     records = {}
     for info in archive.infolist():
-        handle.seek(info.header_offset + _LOCAL_LENGTHS)
-        name_length, extra_length = struct.unpack("<HH", handle.read(4))
-        start = info.header_offset + _LOCAL_SIZE + name_length + extra_length
+        start = _data_start(handle, info)[0]
         if start in crcs:
             records[info.filename] = (info, start, crcs[start])
     descriptor = handle.fileno()

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_frozen.capabilities import CORE, UNSHARD, require
 from lightning_frozen.zero.params import is_partitioned
 
 # what DeepSpeed 0.19's ZeRO-3 sets on each module it converts or hooks (`partition_parameters.Init`,
@@ -41,8 +42,13 @@ def unshard(model: nn.Module) -> nn.Module:
     Trainer work, with the trained values. Frozen params stored as ``int8``/``nf4`` are decoded to their compute dtype
     (the stored values, not the ones of the original file). Each rank then holds the whole model: do it when that
     fits in memory. A module without ZeRO-3 params is returned unchanged.
+
+    Raises:
+        DependencyDriftError: a private name of DeepSpeed's or torch's that it reaches moved.
     """
     import deepspeed
+
+    require(CORE, UNSHARD)
 
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():

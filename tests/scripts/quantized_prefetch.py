@@ -191,8 +191,8 @@ def fit_exchanging(devices: int, out: Path, recorder: GatherRecorder) -> Adapter
 
     asynchronous = quantized._gather
 
-    def synchronous(params: list, for_layer: bool = False) -> Any:
-        handle = asynchronous(params, for_layer)
+    def synchronous(params: list, tables: Any, for_layer: bool = False) -> Any:
+        handle = asynchronous(params, tables, for_layer)
         for _, work in handle.groups:  # the collective completes inside the call; `wait` only decodes
             if work is not None:
                 work.wait()

@@ -21,8 +21,11 @@ this way; a weight another component reads itself (PEFT's DoRA) is decoded whole
 
 from __future__ import annotations
 
+import functools
+import threading
 import types
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -39,84 +42,122 @@ from lightning_frozen.format import codec, native_codec, partial_decode
 # gradient, lost most with the larger tiles.
 TILE_ELEMENTS = 1 << 19
 TILE_ROWS = 64
-# the package's notes on the user's weights, kept here rather than on them: the weights whose layer computes from codes
-# (this run), and while such a weight is gathered its (rows, values per row, frozen dtype)
-_coded: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_gathered: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_layers: list[nn.Module] = []  # the layers whose `forward` this run replaced, given theirs back by `end_of_run`
-_tiles: dict[torch.dtype, torch.Tensor] = {}
-_placeholders: dict[torch.dtype, torch.Tensor] = {}
 
 
-def compute_from_codes(model: nn.Module, frozen_dtype_of: Any) -> int:
-    """Make every eligible frozen ``nn.Linear`` and ``nn.Embedding`` of ``model`` compute from its gathered codes;
-    return how many.
+class CodedLayers:
+    """One run's layers computed from their codes: which weights (and, while one is gathered, its codes), the layers
+    whose ``forward`` the run replaced, and the buffers their tiles are decoded into. The run's compute object owns
+    one (``zero/frozen_compute.py``) and hands it to the gathers it installs; two runs never share one, and after
+    :meth:`end_of_run` it computes nothing from codes. The package's notes on the user's weights are kept here, not
+    on them."""
 
-    ``frozen_dtype_of(param)`` names the format a weight is stored in (None: not quantized). Eligible: a plain
-    ``nn.Linear`` or ``nn.Embedding`` (without ``max_norm``) whose weight is stored quantized in CPU memory, used by
-    no other module, and not read whole by the module around it (PEFT's DoRA scales by the weight's norm). Safe to
-    call again.
-    """
-    uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
-    parents = {id(child): module for module in model.modules() for child in module.children()}
-    done = 0
-    for module in model.modules():
-        forward = _FORWARDS.get(type(module))
-        if forward is None or getattr(module, "max_norm", None) is not None:  # max_norm rescales rows in place
-            continue
-        weight = module.weight
-        stored_as = frozen_dtype_of(weight)
-        if stored_as is None or uses[id(weight)] != 1 or weight.ds_tensor.device.type != "cpu":
-            continue
-        if not _decodes_in_parts(stored_as) or _reads_weight_whole(parents.get(id(module))):
-            continue
-        if "forward" in vars(module) and not any(layer is module for layer in _layers):
-            continue  # a forward of the user's own on the instance: it may read the weight whole
-        if weight not in _coded:
-            _coded[weight] = True
-            module.forward = types.MethodType(forward, module)
-            _layers.append(module)
-        done += 1
-    return done
+    def __init__(self) -> None:
+        self._coded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._gathered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a gathered weight's (rows, numel, frozen dtype)
+        self._layers: list[nn.Module] = []
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._tiles: dict[torch.dtype, torch.Tensor] = {}  # one tile buffer per dtype, lent to one matmul at a time
+        self._tiles_lock = threading.Lock()  # a forward and a backward on autograd's threads may want one together
 
+    def compute_from_codes(self, model: nn.Module, frozen_dtype_of: Any) -> int:
+        """Make every eligible frozen ``nn.Linear`` and ``nn.Embedding`` of ``model`` compute from its gathered codes;
+        return how many.
 
-def computes_from_codes(param: nn.Parameter) -> bool:
-    """Whether ``param``'s layer computes from its codes, so its gather for the layer may keep them undecoded."""
-    return param in _coded
+        ``frozen_dtype_of(param)`` names the format a weight is stored in (None: not quantized). Eligible: a plain
+        ``nn.Linear`` or ``nn.Embedding`` (without ``max_norm``) whose weight is stored quantized in CPU memory, used
+        by no other module, and not read whole by the module around it (PEFT's DoRA scales by the weight's norm). Safe
+        to call again.
+        """
+        uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+        parents = {id(child): module for module in model.modules() for child in module.children()}
+        done = 0
+        for module in model.modules():
+            forward = _FORWARDS.get(type(module))
+            if forward is None or getattr(module, "max_norm", None) is not None:  # max_norm rescales rows in place
+                continue
+            weight = module.weight
+            stored_as = frozen_dtype_of(weight)
+            if stored_as is None or uses[id(weight)] != 1 or weight.ds_tensor.device.type != "cpu":
+                continue
+            if not _decodes_in_parts(stored_as) or _reads_weight_whole(parents.get(id(module))):
+                continue
+            if "forward" in vars(module) and not any(layer is module for layer in self._layers):
+                continue  # a forward of the user's own on the instance: it may read the weight whole
+            if weight not in self._coded:
+                self._coded[weight] = True
+                module.forward = types.MethodType(functools.partial(forward, self), module)
+                self._layers.append(module)
+            done += 1
+        return done
 
+    def computes_from_codes(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s layer computes from its codes, so its gather for the layer may keep them undecoded."""
+        return param in self._coded
 
-def keep_codes(param: nn.Parameter, rows: torch.Tensor, numel: int, frozen_dtype: str) -> torch.Tensor:
-    """Hold ``param``'s gathered codes (``rows``, one encoded shard of ``numel`` values each) for its layer; return
-    the placeholder that stands as its data meanwhile: its shape and dtype, every element NaN, no memory of its own."""
-    _gathered[param] = (rows, numel, frozen_dtype)
-    base = _placeholders.get(param.dtype)
-    if base is None:
-        base = _placeholders[param.dtype] = torch.full((1,), float("nan"), dtype=param.dtype)
-    return base.expand(param.ds_shape)
+    def keep_codes(self, param: nn.Parameter, rows: torch.Tensor, numel: int, frozen_dtype: str) -> torch.Tensor:
+        """Hold ``param``'s gathered codes (``rows``, one encoded shard of ``numel`` values each) for its layer; return
+        the placeholder that stands as its data meanwhile: its shape and dtype, every element NaN, no memory of its
+        own."""
+        self._gathered[param] = (rows, numel, frozen_dtype)
+        base = self._placeholders.get(param.dtype)
+        if base is None:
+            base = self._placeholders[param.dtype] = torch.full((1,), float("nan"), dtype=param.dtype)
+        return base.expand(param.ds_shape)
 
+    def held_codes(self, param: nn.Parameter) -> Optional[tuple[torch.Tensor, int, str]]:
+        """The codes :meth:`keep_codes` holds for ``param``, else None."""
+        return self._gathered.get(param)
 
-def held_codes(param: nn.Parameter) -> Optional[tuple[torch.Tensor, int, str]]:
-    """The codes :func:`keep_codes` holds for ``param``, else None."""
-    return _gathered.get(param)
+    def drop_codes(self, param: nn.Parameter) -> bool:
+        """Let go of the codes held for ``param`` (it is being released); return whether there were any."""
+        return self._gathered.pop(param, None) is not None
 
+    def decode_whole(self, weight: nn.Parameter) -> None:
+        """Replace the placeholder by the whole decoded weight where codes are held (``GatheredParameters`` inside a
+        forward, autocast); else nothing."""
+        held = self.held_codes(weight)
+        if held is None:
+            return
+        rows, numel, frozen_dtype = held
+        whole = codec.decode(rows, numel, frozen_dtype, weight.dtype, kernels=native_codec.KERNELS)
+        whole = whole[: weight.ds_numel].view(weight.ds_shape)
+        self.drop_codes(weight)
+        weight.data = whole
 
-def drop_codes(param: nn.Parameter) -> bool:
-    """Let go of the codes held for ``param`` (it is being released); return whether there were any."""
-    if held_codes(param) is None:
-        return False
-    del _gathered[param]
-    return True
+    def end_of_run(self) -> None:
+        """After a run: the layers compute as their class says again, and the tile buffers go back to the allocator."""
+        for layer in self._layers:
+            if "forward" in vars(layer):
+                del layer.forward
+        self._layers.clear()
+        self._coded.clear()
+        self._gathered.clear()
+        with self._tiles_lock:
+            self._tiles.clear()
 
-
-def end_of_run() -> None:
-    """After a run: the layers compute as their class says again, and the row buffers go back to the allocator."""
-    for layer in _layers:
-        if "forward" in vars(layer):
-            del layer.forward
-    _layers.clear()
-    _coded.clear()
-    _gathered.clear()
-    _tiles.clear()
+    def tiles_of(self, weight: nn.Parameter) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first row, tile)`` for each block of output rows of ``weight``, decoded from its held codes into one
+        buffer lent to this call (another call meanwhile gets one of its own): a tile is valid until the next."""
+        held = self.held_codes(weight)
+        assert held is not None, "a coded layer's weight was not gathered as codes"
+        rows, numel, frozen_dtype = held
+        out_features, in_features = weight.ds_shape
+        per_tile = min(out_features, max(TILE_ROWS, TILE_ELEMENTS // in_features))
+        with self._tiles_lock:
+            buffer = self._tiles.pop(weight.dtype, None)
+        if buffer is None or buffer.numel() < per_tile * in_features:
+            buffer = torch.empty(per_tile * in_features, dtype=weight.dtype)
+        try:
+            for first in range(0, out_features, per_tile):
+                count = min(per_tile, out_features - first)
+                tile = buffer[: count * in_features]
+                partial_decode.decode_range(rows, numel, frozen_dtype, first * in_features, tile)
+                yield first, tile.view(count, in_features)
+        finally:
+            with self._tiles_lock:
+                kept = self._tiles.get(weight.dtype)
+                if kept is None or kept.numel() < buffer.numel():
+                    self._tiles[weight.dtype] = buffer
 
 
 def _decodes_in_parts(frozen_dtype: str) -> bool:
@@ -128,29 +169,17 @@ def _reads_weight_whole(parent: Optional[nn.Module]) -> bool:
     return isinstance(use_dora, dict) and any(use_dora.values())
 
 
-def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if held_codes(self.weight) is None or torch.is_autocast_enabled(input.device.type):
-        decode_whole(self.weight)
+def _forward(layers: CodedLayers, self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if layers.held_codes(self.weight) is None or torch.is_autocast_enabled(input.device.type):
+        layers.decode_whole(self.weight)
         return F.linear(input, self.weight, self.bias)
-    output = _CodedMatmul.apply(input, self.weight)
+    output = _CodedMatmul.apply(input, self.weight, layers)
     return output if self.bias is None else output + self.bias
 
 
-def decode_whole(weight: nn.Parameter) -> None:
-    """Replace the placeholder by the whole decoded weight where codes are held (``GatheredParameters`` inside a
-    forward, autocast); else nothing."""
-    held = held_codes(weight)
-    if held is None:
-        return
-    rows, numel, frozen_dtype = held
-    whole = codec.decode(rows, numel, frozen_dtype, weight.dtype)[: weight.ds_numel].view(weight.ds_shape)
-    drop_codes(weight)
-    weight.data = whole
-
-
-def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+def _embedding_forward(layers: CodedLayers, self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """The rows ``input`` looks up, each decoded on its own: the frozen table is never decoded whole."""
-    held = held_codes(self.weight)
+    held = layers.held_codes(self.weight)
     rows_in_table = self.weight.ds_shape[0]
     if held is not None and input.numel() and not torch.is_autocast_enabled(input.device.type):
         ids, positions = torch.unique(input, return_inverse=True)
@@ -161,7 +190,7 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
             for row, token in enumerate(ids.tolist()):
                 partial_decode.decode_range(stored, numel, frozen_dtype, token * width, table[row])
             return F.embedding(positions, table)  # the table is frozen: padding_idx only ever masks its gradient
-    decode_whole(self.weight)
+    layers.decode_whole(self.weight)
     return F.embedding(
         input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
     )
@@ -171,47 +200,30 @@ _FORWARDS = {nn.Linear: _forward, nn.Embedding: _embedding_forward}
 
 
 class _CodedMatmul(torch.autograd.Function):
-    """``input @ weight.T`` with the weight decoded from its held codes a tile at a time; the gradient flows to
-    ``input`` only (the weight is frozen). Backward reads the codes ZeRO-3 gathered again for the layer's backward."""
+    """``input @ weight.T`` with the weight decoded from the codes ``layers`` holds for it, a tile at a time; the
+    gradient flows to ``input`` only (the weight is frozen). Backward reads the codes ZeRO-3 gathered again for the
+    layer's backward."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
-        ctx.weight = weight
+    def forward(ctx: Any, input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers) -> torch.Tensor:
+        ctx.weight, ctx.layers = weight, layers
         out_features, in_features = weight.ds_shape
         flat = input.reshape(-1, in_features).contiguous()
         output = flat.new_empty(flat.shape[0], out_features)
-        for first, tile in _tiles_of(weight):
+        for first, tile in layers.tiles_of(weight):
             torch.mm(flat, tile.t(), out=output[:, first : first + tile.shape[0]])
         return output.view(*input.shape[:-1], out_features)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None
-        weight = ctx.weight
+            return None, None, None
+        weight, layers = ctx.weight, ctx.layers
         out_features, in_features = weight.ds_shape
         grad = grad_output.reshape(-1, out_features)
-        if held_codes(weight) is None:  # gathered whole for backward (GatheredParameters around it)
-            return (grad @ weight).view(*grad_output.shape[:-1], in_features), None
+        if layers.held_codes(weight) is None:  # gathered whole for backward (GatheredParameters around it)
+            return (grad @ weight).view(*grad_output.shape[:-1], in_features), None, None
         grad_input = grad.new_zeros(grad.shape[0], in_features)
-        for first, tile in _tiles_of(weight):
+        for first, tile in layers.tiles_of(weight):
             grad_input.addmm_(grad[:, first : first + tile.shape[0]], tile)
-        return grad_input.view(*grad_output.shape[:-1], in_features), None
-
-
-def _tiles_of(weight: nn.Parameter) -> Any:
-    """``(first row, tile)`` for each block of output rows of ``weight``, decoded from its held codes into one reused
-    buffer: a tile is valid until the next is yielded."""
-    held = held_codes(weight)
-    assert held is not None, "a coded layer's weight was not gathered as codes"
-    rows, numel, frozen_dtype = held
-    out_features, in_features = weight.ds_shape
-    per_tile = min(out_features, max(TILE_ROWS, TILE_ELEMENTS // in_features))
-    buffer = _tiles.get(weight.dtype)
-    if buffer is None or buffer.numel() < per_tile * in_features:
-        buffer = _tiles[weight.dtype] = torch.empty(per_tile * in_features, dtype=weight.dtype)
-    for first in range(0, out_features, per_tile):
-        count = min(per_tile, out_features - first)
-        tile = buffer[: count * in_features]
-        partial_decode.decode_range(rows, numel, frozen_dtype, first * in_features, tile)
-        yield first, tile.view(count, in_features)
+        return grad_input.view(*grad_output.shape[:-1], in_features), None, None

@@ -10,8 +10,9 @@
   its own, given back to the OS when freed.
 - **Fresh pages.** The price of that threshold: each buffer's pages are new to the process, and the kernel zeroes
   every page on first touch. A gathered frozen param is decoded into a new tensor at each of its uses (twice a step),
-  so that zeroing would double the decode's time. :data:`DECODE_BUFFERS` keeps the decoded tensors of released
-  params, within a budget, for the next gather of the same size. The buffers that are still new each time (a
+  so that zeroing would double the decode's time. A run's :class:`DecodeBuffers` (its compute object's, handed to the
+  gathers it installs) keeps the decoded tensors of released params, within a budget, for the next gather of the same
+  size. The buffers that are still new each time (a
   decode with none kept, the gather's byte buffers in ``quantized.py``) are asked to be backed by 2 MiB
   transparent huge pages (``madvise``, ``format/native_codec.py``): measured on a 2-core AMD EPYC with THP in its
   usual ``madvise`` mode, the kernel hands out fresh memory at 1.7 GB/s in 4 KiB pages and 8.6 GB/s in huge ones
@@ -24,6 +25,7 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Optional
@@ -31,6 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.zero.params import full_numel
 
 # each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
@@ -100,35 +103,41 @@ class DecodeBuffers:
     A tensor is kept only when nothing else holds its storage (a view autograd saved, a caller's reference), when at
     least :data:`PARAMS_PER_SIZE_KEPT` params asked for its size, and only while the kept bytes stay within
     :data:`DECODE_BUDGET_MULTIPLE` times the largest such size; beyond it the least recently kept go back to the
-    allocator. :meth:`clear` gives back all of them (after each run).
+    allocator. One run's (its compute object's): :meth:`close` gives back all of them at its end, and from then on
+    it keeps nothing. Safe to share between threads.
     """
 
     def __init__(self) -> None:
         self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # by id, least recently kept first
         self._askers: dict[tuple[int, torch.dtype], set[int]] = {}
         self._largest = 0
+        self._open = True
+        self._lock = threading.Lock()  # a gather waited on by a backward on autograd's thread, one by the forward
         self.bytes_kept = 0
         self.hits = 0
 
     def take(self, numel: int, dtype: torch.dtype, asker: int) -> Optional[torch.Tensor]:
         """A flat CPU tensor of ``numel`` values of ``dtype`` kept before, else None (the caller allocates).
         ``asker`` names the param it is for (its ``id``)."""
-        askers = self._askers.setdefault((numel, dtype), set())
-        if len(askers) < PARAMS_PER_SIZE_KEPT:
-            askers.add(asker)
-            if len(askers) == PARAMS_PER_SIZE_KEPT:
-                self._largest = max(self._largest, numel * dtype.itemsize)
-        for key, tensor in self._kept.items():
-            if tensor.numel() == numel and tensor.dtype == dtype:
-                del self._kept[key]
-                self.bytes_kept -= tensor.nbytes
-                self.hits += 1
-                return tensor
+        with self._lock:
+            if not self._open:
+                return None
+            askers = self._askers.setdefault((numel, dtype), set())
+            if len(askers) < PARAMS_PER_SIZE_KEPT:
+                askers.add(asker)
+                if len(askers) == PARAMS_PER_SIZE_KEPT:
+                    self._largest = max(self._largest, numel * dtype.itemsize)
+            for key, tensor in self._kept.items():
+                if tensor.numel() == numel and tensor.dtype == dtype:
+                    del self._kept[key]
+                    self.bytes_kept -= tensor.nbytes
+                    self.hits += 1
+                    return tensor
         return None
 
     def give(self, tensor: torch.Tensor) -> None:
         """Keep the storage under ``tensor`` (a released param's decoded values) if nothing else holds it."""
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if tensor.device.type != "cpu" or tensor.numel() == 0 or not available(CPU_COMPUTE):
             return
         storage = tensor.untyped_storage()
         # held by `storage` and the caller's `tensor`: more means a view or a reference lives elsewhere
@@ -136,19 +145,19 @@ class DecodeBuffers:
             return
         flat = tensor.new_empty(0).set_(storage)
         del storage
-        if len(self._askers.get((flat.numel(), flat.dtype), ())) < PARAMS_PER_SIZE_KEPT:
-            return
-        self._kept[id(flat)] = flat
-        self.bytes_kept += flat.nbytes
-        while self.bytes_kept > DECODE_BUDGET_MULTIPLE * self._largest and self._kept:
-            _, oldest = self._kept.popitem(last=False)
-            self.bytes_kept -= oldest.nbytes
+        with self._lock:
+            if not self._open or len(self._askers.get((flat.numel(), flat.dtype), ())) < PARAMS_PER_SIZE_KEPT:
+                return
+            self._kept[id(flat)] = flat
+            self.bytes_kept += flat.nbytes
+            while self.bytes_kept > DECODE_BUDGET_MULTIPLE * self._largest and self._kept:
+                _, oldest = self._kept.popitem(last=False)
+                self.bytes_kept -= oldest.nbytes
 
-    def clear(self) -> None:
-        """Give every kept tensor back to the allocator, and forget the sizes asked for."""
-        self._kept.clear()
-        self._askers.clear()
-        self.bytes_kept = self._largest = 0
-
-
-DECODE_BUFFERS = DecodeBuffers()
+    def close(self) -> None:
+        """Give every kept tensor back to the allocator and keep none from now on (the run ended)."""
+        with self._lock:
+            self._open = False
+            self._kept.clear()
+            self._askers.clear()
+            self.bytes_kept = self._largest = 0

@@ -43,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen import process
 from lightning_frozen.format.codec import split
+from lightning_frozen.zero.frozen_storage import keeps_a_copy
 
 SHARED_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes: each param's rows start on a cache line
@@ -217,6 +218,7 @@ def _place(param: nn.Parameter, rows: torch.Tensor, rank: int, frozen_dtype: str
     shard.data = rows[rank]
     shard.ds_quant_scale = split(rows[rank], frozen_dtype)[1]  # not a view of the private copy: that is freed
     _rows[param] = rows
+    keeps_a_copy(param, leave)  # codes written or values restored: gathered through the process group again
 
 
 def _count(param: nn.Parameter) -> None:

@@ -19,6 +19,7 @@ per param), which gather and decode the bytes described here.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -26,10 +27,11 @@ from torch import nn
 
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import block_format, decode
-from lightning_frozen.format.native_codec import empty_output
+from lightning_frozen.format.native_codec import KERNELS, empty_output
 from lightning_frozen.zero import gathers
-from lightning_frozen.zero.compute import coded_linear, node_codes
-from lightning_frozen.zero.compute.host_memory import DECODE_BUFFERS
+from lightning_frozen.zero.compute import node_codes
+from lightning_frozen.zero.compute.coded_linear import CodedLayers
+from lightning_frozen.zero.compute.host_memory import DecodeBuffers
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of, store_codes
 from lightning_frozen.zero.params import (
     full_shape,
@@ -41,13 +43,26 @@ from lightning_frozen.zero.params import (
 )
 
 
-def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
+@dataclass(frozen=True)
+class RunTables:
+    """What the gathers of one run's codes share, handed to each gather the run installs: the layers computed from
+    their codes, and the decoded tensors kept for the next gather (both used on the CPU only). A run's compute object
+    makes them (``zero/frozen_compute.py``); no module holds them, so two runs in one process never share them."""
+
+    layers: CodedLayers = field(default_factory=CodedLayers)
+    buffers: DecodeBuffers = field(default_factory=DecodeBuffers)
+
+
+def quantize_frozen_shards(
+    model: nn.Module, frozen_dtype: str, tables: RunTables, before_encoding: Optional[SourceValues] = None
+) -> int:
     """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``; return how many it did.
 
     Each shard is quantized in turn, on the device it lives on, and its compute-dtype copy freed: no full copy of
     the base beyond what partitioning made. ``before_encoding`` is told each shard's values first, and again for
     the new values of a param written later, so checkpoints can verify against the unquantized base. Params
-    quantized before are skipped. Collective when ``before_encoding`` is.
+    quantized before (while loading, or by an earlier run) are not quantized again; their gathers, like the new
+    ones, use this run's ``tables`` from now on. Collective when ``before_encoding`` is.
 
     Raises:
         FrozenDtypeError: a quantized param was made trainable (its source values are gone), or a frozen param is
@@ -65,19 +80,20 @@ def quantize_frozen_shards(model: nn.Module, frozen_dtype: str, before_encoding:
                 )
             continue
         if stored_as is not None:
+            install_quantized_gather(param, tables, before_encoding)
             continue
         if not is_partitioned(param) or not is_released(param):
             raise FrozenDtypeError(
                 f"`{name}` is frozen but not a released ZeRO-3 shard, so it cannot be stored as {fmt.name}."
                 " `frozen_dtype` needs ZeRO stage 3 (`stage=3`, the default)."
             )
-        quantize_param_shard(param, fmt.name, before_encoding)
+        quantize_param_shard(param, fmt.name, tables, before_encoding)
         done += 1
     return done
 
 
 def quantize_param_shard(
-    param: nn.Parameter, frozen_dtype: str, before_encoding: Optional[SourceValues] = None
+    param: nn.Parameter, frozen_dtype: str, tables: RunTables, before_encoding: Optional[SourceValues] = None
 ) -> None:
     """Quantize one released ZeRO-3 param's shard (see :func:`quantize_frozen_shards`).
 
@@ -94,20 +110,22 @@ def quantize_param_shard(
     values = param.ds_tensor.detach().reshape(-1)[:count]
     if before_encoding is not None:
         before_encoding(param, values, start, None)
-    store_codes(param, values, frozen_dtype)
-    install_quantized_gather(param, before_encoding)
+    store_codes(param, values, frozen_dtype, KERNELS)
+    install_quantized_gather(param, tables, before_encoding)
 
 
-def install_quantized_gather(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:
+def install_quantized_gather(
+    param: nn.Parameter, tables: RunTables, before_encoding: Optional[SourceValues] = None
+) -> None:
     """Gather and partition ``param`` (its shard already holds codes) through the quantized gather
-    (``zero/gathers.py``'s :data:`~lightning_frozen.zero.gathers.QUANTIZED`); a write to it tells ``before_encoding``
-    the new values before they are encoded."""
+    (``zero/gathers.py``'s :data:`~lightning_frozen.zero.gathers.QUANTIZED`), with the run's ``tables``; a write to it
+    tells ``before_encoding`` the new values before they are encoded."""
     original_partition = gathers.deepspeed_method(param, "partition")
 
     def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False, quantize: bool = False) -> Any:
         params = list(params)
         others = [p for p in params if frozen_dtype_of(p) is None]
-        handles = [_gather([p for p in params if frozen_dtype_of(p) is not None], for_layer=True)]
+        handles = [_gather([p for p in params if frozen_dtype_of(p) is not None], tables, for_layer=True)]
         if others:
             handles.append(others[0].all_gather_coalesced(others, safe_mode=safe_mode, quantize=quantize))
         return _Handles(handles)
@@ -117,8 +135,8 @@ def install_quantized_gather(param: nn.Parameter, before_encoding: Optional[Sour
         ours = [p for p in param_list if frozen_dtype_of(p) is not None and is_released(p)]
         others = [p for p in param_list if frozen_dtype_of(p) is None]
         for p in param_list:  # gathered for its layer as codes: whole values are wanted here
-            coded_linear.decode_whole(p)
-        _gather(ours).wait()
+            tables.layers.decode_whole(p)
+        _gather(ours, tables).wait()
         if others:
             return others[0].all_gather(param_list=others, async_op=async_op, hierarchy=hierarchy)
         return [] if async_op else None
@@ -133,11 +151,11 @@ def install_quantized_gather(param: nn.Parameter, before_encoding: Optional[Sour
             for p in ours:  # written under GatheredParameters(modifier_rank=...): quantize this rank's new slice
                 _requantize_from_full(p, before_encoding)
         if ours:
-            coded = {id(p) for p in ours if coded_linear.drop_codes(p)}  # their data is a placeholder
+            coded = {id(p) for p in ours if tables.layers.drop_codes(p)}  # their data is a placeholder
             decoded = [p.data for p in ours if p.data.numel() == p.ds_numel > 0 and id(p) not in coded]
             original_partition(param_list=ours, hierarchy=hierarchy, has_been_updated=False, free_data=free_data)
             while decoded:  # each on its own, so that only the one offered holds a reference
-                DECODE_BUFFERS.give(decoded.pop())
+                tables.buffers.give(decoded.pop())
         if others:
             others[0].partition(
                 param_list=others, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data
@@ -154,7 +172,7 @@ def _requantize_from_full(param: nn.Parameter, before_encoding: Optional[SourceV
     piece = param.data.detach().reshape(-1)[start : start + count].to(param.ds_tensor.device)
     if before_encoding is not None:
         before_encoding(param, piece, start, param.data)
-    store_codes(param, piece, frozen_dtype)
+    store_codes(param, piece, frozen_dtype, KERNELS)
 
 
 class _Handles:
@@ -169,7 +187,8 @@ class _Handles:
 class _GatherHandle:
     """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: the collectives were started
     when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once. A param whose
-    layer computes from its codes (``coded_linear.py``), gathered for that layer, keeps its codes instead.
+    layer computes from its codes (the run's ``tables.layers``, ``coded_linear.py``), gathered for that layer, keeps its
+    codes instead.
 
     DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
     handle shared by several params is waited on again after some of them were released, which must not decode or
@@ -179,10 +198,12 @@ class _GatherHandle:
         self,
         groups: list[tuple[list[tuple[nn.Parameter, torch.Tensor]], Any]],
         sent: list[torch.Tensor],
+        tables: RunTables,
         for_layer: bool = False,
     ):
         self.groups = groups  # per process group: each param with its gathered rows (one per rank), and the work
         self.sent = sent  # the local codes each collective sends, alive until it is done
+        self.tables = tables
         self.for_layer = for_layer  # gathered by ZeRO-3's hooks for a module's forward or backward
         self.complete = False
 
@@ -196,13 +217,14 @@ class _GatherHandle:
                 frozen_dtype = frozen_dtype_of(param)
                 assert frozen_dtype is not None
                 numel = shard_numel(param)
-                if self.for_layer and rows.device.type == "cpu" and coded_linear.computes_from_codes(param):
-                    mark_gathered(param, coded_linear.keep_codes(param, rows, numel, frozen_dtype))
+                layers = self.tables.layers
+                if self.for_layer and rows.device.type == "cpu" and layers.computes_from_codes(param):
+                    mark_gathered(param, layers.keep_codes(param, rows, numel, frozen_dtype))
                     continue
                 out = None
                 if rows.device.type == "cpu":
-                    out = DECODE_BUFFERS.take(rows.shape[0] * numel, param.dtype, asker=id(param))
-                values = decode(rows, numel, frozen_dtype, param.dtype, out=out)
+                    out = self.tables.buffers.take(rows.shape[0] * numel, param.dtype, asker=id(param))
+                values = decode(rows, numel, frozen_dtype, param.dtype, out=out, kernels=KERNELS)
                 mark_gathered(param, values[: param.ds_numel].view(param.ds_shape))
         self.groups, self.sent = [], []  # the codes are garbage once decoded
         self.complete = True
@@ -211,7 +233,7 @@ class _GatherHandle:
 _SHARED = -1  # the group of params whose codes every rank reads from shared memory
 
 
-def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandle:
+def _gather(params: list[nn.Parameter], tables: RunTables, for_layer: bool = False) -> _GatherHandle:
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
     passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies, as do
@@ -254,4 +276,4 @@ def _gather(params: list[nn.Parameter], for_layer: bool = False) -> _GatherHandl
             offset += param.ds_tensor.numel()
         groups.append((shards, work))
         sent.append(local)
-    return _GatherHandle(groups, sent, for_layer)
+    return _GatherHandle(groups, sent, tables, for_layer)

@@ -1,0 +1,453 @@
+"""The one table of other packages' private names the package relies on, by what needs them: the core, or one optional
+capability (:class:`~lightning_frozen.foreign_names.Capability`: its names, what it changes in a run, what a run does
+without it).
+
+A strategy checks its names when it is built (:func:`check_for_run`): a moved name of the core, or of a capability its
+arguments ask for, raises :class:`~lightning_frozen.errors.DependencyDriftError`; a moved name of another capability
+turns that capability off, with one warning per process that names it and what the run does instead. The code of a
+capability asks :func:`available` before it changes anything, and takes the fallback where it is off; an entry point
+or a capability that cannot run without its names calls :func:`require` where it is used, which raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_frozen.errors import DependencyDriftError
+from lightning_frozen.foreign_names import (
+    Capability,
+    ForeignName,
+    drift_message,
+    installed_version,
+    off_warning,
+    problem_of,
+)
+from lightning_frozen.spec import StrategySpec
+
+_STRATEGY = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
+_SIGNALS = "lightning.pytorch.trainer.connectors.signal_connector"
+_TRAINER = "lightning.pytorch.trainer.trainer:Trainer"
+_STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+_PARTITION = "deepspeed.runtime.zero.partition_parameters"
+_INIT = f"{_PARTITION}:Init"
+_OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
+_COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator"
+_MODELING = "transformers.modeling_utils"
+_LOADING = "hf/transformers_loading.py"
+
+CORE = Capability(
+    "the core",
+    fallback="",
+    rows=(
+        # Lightning's hooks the strategy overrides (renamed, it would quietly run as stock DeepSpeed), and helpers
+        ForeignName(f"{_STRATEGY}._init_optimizers", "lightning_seam.py", ("self",), exact=True),
+        ForeignName(
+            f"{_STRATEGY}._setup_model_and_optimizer",
+            "lightning_seam.py",
+            ("self", "model", "optimizer", "lr_scheduler"),
+            exact=True,
+        ),
+        ForeignName(f"{_STRATEGY}._initialize_deepspeed_train", "lightning_seam.py", ("self", "model"), exact=True),
+        ForeignName(f"{_STRATEGY}._initialize_deepspeed_inference", "lightning_seam.py", ("self", "model"), exact=True),
+        ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
+        ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
+        # a resumed fit's epoch count (loops.py)
+        ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.restarted_mid_epoch", "loops.py"),
+        ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.reset_restart_stage", "loops.py", ("self",)),
+        # preemption's
+        ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
+        ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
+        ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
+        ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
+        ForeignName(
+            "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
+            "preemption.py",
+        ),
+        ForeignName(
+            "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_accumulate",
+            "preemption.py",
+            ("self",),
+        ),
+        ForeignName(
+            "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
+            "preemption.py",
+            in_code=("_child_processes",),
+        ),
+        # the ZeRO-3 optimizer's inner state by param, and a sub-group's step that makes it
+        ForeignName(
+            f"{_STAGE3}.__init__",
+            "zero/params.py, zero/engine.py",
+            in_code=("grad_position", "fp32_partitioned_groups_flat", "optimizer", "loss_scaler", "parameter_offload"),
+        ),
+        ForeignName(f"{_STAGE3}.get_param_id", "zero/params.py", ("self", "param")),
+        ForeignName(f"{_STAGE3}._optimizer_step", "zero/params.py", ("self", "sub_group_id")),
+        # the fp16 loss scale a resume continues
+        ForeignName(
+            "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler.update_scale",
+            "zero/params.py",
+            in_code=("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"),
+        ),
+        # a ZeRO-3 param's attributes; zero.Init's bookkeeping, put back where a module is built outside it
+        ForeignName(
+            f"{_INIT}._convert_to_deepspeed_param",
+            "zero/params.py, zero/frozen_storage.py, zero/compute/quantized.py, zero/placeholders.py",
+            ("self", "param"),
+            in_code=(
+                "ds_id",
+                "ds_numel",
+                "ds_persist",
+                "ds_process_group",
+                "ds_shape",
+                "ds_status",
+                "ds_summary",
+                "ds_tensor",
+                "ds_quant_scale",
+                "all_gather",
+                "all_gather_coalesced",
+                "partition",
+            ),
+        ),
+        ForeignName(
+            f"{_PARTITION}:InsertPostInitMethodToModuleSubClasses.patch_init_and_builtins",
+            "zero/init.py",
+            in_code=("_old_init", "_old_init_subclass", "_old_apply", "_old_apply_of_skip_init_hook", "__old_new__"),
+        ),
+        ForeignName(f"{_PARTITION}:top_level_context", "zero/init.py"),
+        ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/forward_trace.py", in_code=("forward_hooks",)),
+        # the accelerator, CPU Adam, a scheduler's learning rates (a group at lr 0 for the whole run is frozen)
+        ForeignName(
+            "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
+        ),
+        ForeignName(
+            "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.__init__",
+            "zero/accelerator.py",
+            in_code=("_name",),
+        ),
+        ForeignName("deepspeed.ops.adam:DeepSpeedCPUAdam.__init__", "zero/optimizers.py", in_code=("adam_w_mode",)),
+        ForeignName(
+            "deepspeed.runtime.lr_schedules:WarmupCosineLR.__init__", "optim/filtering.py", in_code=("org_lrs",)
+        ),
+        ForeignName("torch.optim.lr_scheduler:SequentialLR.__init__", "zero/optimizers.py", in_code=("_schedulers",)),
+        ForeignName(
+            "torch.optim.lr_scheduler:ChainedScheduler.__init__", "zero/optimizers.py", in_code=("_schedulers",)
+        ),
+        ForeignName(
+            "torch.nn.modules.module:Module.__init__",
+            "zero/engine.py, zero/params.py, zero/whole.py, zero/forward_trace.py, zero/compute/coded_linear.py",
+            in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
+        ),
+        ForeignName("torch:Tensor._version", "zero/params.py"),
+        # transformers builds ZeRO-3 params in `configure_model` and syncs `generate` while it believes ZeRO-3 is on
+        ForeignName("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref", _LOADING),
+        # PEFT's adapters created whole inside `zero.Init`, and each adapter's params
+        ForeignName(
+            "peft.peft_model:PeftModel.__init__",
+            "hf/peft_adapters.py",
+            ("self", "model", "peft_config", "adapter_name"),
+        ),
+        ForeignName(
+            "peft.tuners.tuners_utils:BaseTuner.inject_adapter",
+            "hf/peft_adapters.py",
+            ("self", "model", "adapter_name"),
+        ),
+        ForeignName("peft.tuners.tuners_utils:BaseTunerLayer.adapter_layer_names", "hf/peft_adapters.py"),
+    ),
+)
+
+CPU_COMPUTE = Capability(
+    "CPU frozen compute",
+    fallback="frozen shards are decoded whole where they are gathered, as on an accelerator (slower steps)",
+    changes="glibc's mmap threshold and layers computed from their codes (zero/frozen_compute.CpuFrozenCompute)",
+    rows=(
+        ForeignName("torch._C:_storage_Use_Count", "zero/compute/host_memory.py"),
+        ForeignName("torch:UntypedStorage._cdata", "zero/compute/host_memory.py"),
+    ),
+)
+
+SLICED_LOADING = Capability(
+    "sliced loading from hub folders",
+    fallback="`from_pretrained` under ZeRO-3 loads as transformers does (each rank reads every tensor whole, a slower"
+    " load), and a bitsandbytes `quantization_config` is not taken over as `frozen_dtype`",
+    changes="transformers' loading steps and `zero.Init`'s partitioning, while `configure_model` runs"
+    " (base/pretrained.zero3_pretrained_loading)",
+    rows=(
+        ForeignName(
+            f"{_MODELING}:load_state_dict",
+            _LOADING,
+            ("checkpoint_file", "map_location", "weights_only", "disable_mmap"),
+            exact=True,
+        ),
+        ForeignName(
+            f"{_MODELING}:_load_state_dict_into_zero3_model",
+            _LOADING,
+            ("model_to_load", "state_dict", "load_config"),
+            exact=True,
+        ),
+        ForeignName(
+            f"{_MODELING}:PreTrainedModel.get_init_context",
+            _LOADING,
+            ("dtype", "is_quantized", "_is_ds_init_called", "allow_all_kernels"),
+        ),
+        ForeignName(
+            f"{_MODELING}:get_hf_quantizer",
+            _LOADING,
+            ("config", "quantization_config", "device_map", "weights_only", "user_agent", "gguf_file"),
+            exact=True,
+        ),
+        ForeignName(f"{_MODELING}:safe_open", _LOADING),
+        ForeignName(f"{_MODELING}:_is_ds_init_called", _LOADING),
+        ForeignName("transformers.initialization:uniform_", _LOADING, in_code=("_is_hf_initialized",)),
+        ForeignName(
+            "transformers.core_model_loading:rename_source_key",
+            _LOADING,
+            ("source_key", "weight_renamings", "weight_converters", "base_model_prefix", "meta_state_dict"),
+        ),
+        ForeignName(
+            "transformers.utils.quantization_config:BitsAndBytesConfig.__init__",
+            _LOADING,
+            in_code=(
+                "bnb_4bit_quant_type",
+                "bnb_4bit_use_double_quant",
+                "bnb_4bit_compute_dtype",
+                "llm_int8_skip_modules",
+                "llm_int8_has_fp16_weight",
+            ),
+        ),
+        ForeignName(
+            "peft.utils.other:prepare_model_for_kbit_training",
+            _LOADING,
+            in_code=("is_loaded_in_4bit", "is_loaded_in_8bit"),
+        ),
+        ForeignName(
+            f"{_INIT}.__init__",
+            "zero/placeholders.py",
+            in_code=("remote_device", "pin_memory", "quantized_nontrainable_weights"),
+        ),
+        ForeignName(
+            f"{_INIT}._partition_param",
+            "zero/placeholders.py",
+            ("self", "param", "buffer", "has_been_updated", "free_data"),
+            exact=True,
+            in_code=("ds_numel_aligned",),
+        ),
+        ForeignName(f"{_INIT}._zero_init_param", "zero/placeholders.py", ("self", "param"), exact=True),
+    ),
+)
+
+GENERATE = Capability(
+    "gather-once `generate`",
+    fallback="`generate()` gathers the frozen base layer by layer, once per new token, as ZeRO-3 does by itself",
+    changes="each transformers model's `generate`, wrapped for the run (generation.wrap_generate)",
+    asked=lambda spec: spec.generation_memory is not None,
+    rows=(
+        ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.get_param_coordinator", "zero/gather_once.py", ("self",)),
+        ForeignName(f"{_COORDINATOR}.release_and_reset_all", "zero/gather_once.py", ("self", "module")),
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
+            "zero/gather_once.py",
+            in_code=("pre_sub_module_forward_function", "post_sub_module_forward_function", "FWD_MODULE_STACK"),
+        ),
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
+            "zero/gather_once.py",
+            ("self", "sub_module"),
+            exact=True,
+            in_code=("FWD_MODULE_STACK",),
+        ),
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload.post_sub_module_forward_function",
+            "zero/gather_once.py",
+            ("self", "sub_module"),
+            exact=True,
+        ),
+    ),
+)
+
+SEVERAL_ADAPTERS = Capability(
+    "several adapters trained at once (per-adapter clipping, a batch's rows by adapter)",
+    fallback="a run that trains two or more adapters at once raises DependencyDriftError when its engine is built",
+    changes="the ZeRO-3 optimizer's norm and clip methods, on the instance (zero/adapter_clipping.py), and forward"
+    " hooks on the LoRA layers (adapters.guard_rows)",
+    rows=(
+        ForeignName(f"{_STAGE3}.__init__", "zero/adapter_clipping.py", in_code=("sub_group_to_group_id", "clip_grad")),
+        ForeignName(f"{_STAGE3}._get_norm_groups", "zero/adapter_clipping.py", ("self",), exact=True),
+        ForeignName(
+            f"{_STAGE3}.unscale_and_clip_grads",
+            "zero/adapter_clipping.py",
+            ("self", "sub_group_id", "total_norm"),
+            exact=True,
+        ),
+        ForeignName(
+            "peft.tuners.lora.layer:LoraLayer.__init__",
+            "hf/peft_adapters.py",
+            in_code=("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "lora_embedding_A", "lora_variant"),
+        ),
+        ForeignName(
+            f"{_MODELING}:PreTrainedModel._set_gradient_checkpointing",
+            "hf/checkpointing.py",
+            in_code=("_gradient_checkpointing_func",),
+        ),
+    ),
+)
+
+UNFREEZING = Capability(
+    "progressive unfreezing",
+    fallback="a finetuning callback that changes what trains raises DependencyDriftError when it does",
+    changes="the ZeRO optimizer rebuilt mid-run (strategy.reconfigure_trainable)",
+    rows=(
+        ForeignName(
+            "lightning.pytorch.callbacks.finetuning:BaseFinetuning._store",
+            "finetuning.py",
+            ("self", "pl_module", "opt_idx", "num_param_groups", "current_param_groups"),
+        ),
+        ForeignName(
+            "deepspeed.runtime.engine:DeepSpeedEngine.__init__",
+            "zero/optimizers.py",
+            in_code=("global_steps", "global_samples", "micro_steps", "skipped_steps"),
+        ),
+    ),
+)
+
+CONVERT = Capability(
+    "`convert` (a stock DeepSpeed checkpoint directory read)",
+    fallback="`convert_deepspeed_checkpoint` raises DependencyDriftError",
+    rows=(
+        ForeignName(
+            "deepspeed.utils.zero_to_fp32:_zero3_merge_trainable_params",
+            "zero/checkpoint_files.py",
+            ("state_dict", "world_size", "fp32_flat_groups", "zero_model_states"),
+        ),
+    ),
+)
+
+MERGE_CHECK = Capability(
+    "PEFT's own refusal to merge, asked by `export_merged`",
+    fallback="an adapter PEFT refuses to merge (a GPTQ base, replicated layers) fails in PEFT's own layer merge",
+    rows=(ForeignName("peft.tuners.tuners_utils:BaseTuner._check_merge_allowed", "hf/merging.py", ("self",)),),
+)
+
+UNSHARD = Capability(
+    "`unshard`",
+    fallback="`unshard` raises DependencyDriftError",
+    rows=(
+        ForeignName(
+            f"{_PARTITION}:_init_external_params",
+            "zero/whole.py",
+            in_code=("_external_params", "ds_external_parameters", "all_parameters"),
+        ),
+        ForeignName(f"{_OFFLOAD}:_inject_parameters", "zero/whole.py", in_code=("_original_parameters",)),
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
+            "zero/whole.py",
+            in_code=("ds_recompute_parameters", "ds_grads_remaining", "applied_pre_backward_ref_cnt", "pre_bwd_fn"),
+        ),
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/whole.py", in_code=("ds_inflight_param_registry",)
+        ),
+    ),
+)
+
+RELEASE = Capability(
+    "releasing a finished run's engine",
+    fallback="a finished run's modules stay referenced by DeepSpeed until the process ends (their memory with them)",
+    changes="DeepSpeed's module-level lists and caches cleared at teardown (zero/engine.release_engine)",
+    rows=(
+        ForeignName(
+            "deepspeed.runtime.engine:DeepSpeedEngine.__init__",
+            "zero/engine.py",
+            in_code=("module_forward_pre_hook", "module_forward_post_hook"),
+        ),
+        ForeignName(f"{_OFFLOAD}:FWD_MODULE_STACK", "zero/engine.py"),
+        ForeignName(f"{_OFFLOAD}:ZeROOrderedDict.__init__", "zero/engine.py", in_code=("_in_forward",)),
+        ForeignName(f"{_COORDINATOR}._PartitionedParameterCoordinator__params_to_release", "zero/engine.py"),
+        ForeignName(
+            f"{_PARTITION}:InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear",
+            "zero/init.py",
+            in_code=("linear_bk",),
+        ),
+    ),
+)
+
+TRACE = Capability(
+    "keeping ZeRO-3's trace across a step's own forwards",
+    fallback="a step that calls `self(...)` resets ZeRO-3's trace and nothing is prefetched (slower steps), and small"
+    " frozen params stay whole on every rank after their first use",
+    changes="the param offload's start-of-forward hook, replaced on the engine's module (zero/forward_trace.py)",
+    rows=(
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
+            "zero/forward_trace.py",
+            in_code=("fwd_pre_hook",),
+        ),
+        ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/engine.py", in_code=("persistent_parameters",)),
+    ),
+)
+
+EARLY_CKPT_CHECK = Capability(
+    "refusing a wrong `ckpt_path` before the model is built",
+    fallback="a `ckpt_path` that names no checkpoint is refused only once the model is built and DeepSpeed started",
+    rows=(ForeignName(f"{_TRAINER}._run", "lightning_seam.py's resolved_ckpt_path", ("self", "model", "ckpt_path")),),
+)
+
+OPTIONAL = (
+    CPU_COMPUTE,
+    SLICED_LOADING,
+    GENERATE,
+    SEVERAL_ADAPTERS,
+    UNFREEZING,
+    CONVERT,
+    MERGE_CHECK,
+    UNSHARD,
+    RELEASE,
+    TRACE,
+    EARLY_CKPT_CHECK,
+)
+ROWS = tuple(row for capability in (CORE, *OPTIONAL) for row in capability.rows)
+
+
+@functools.cache
+def moved_names(capability: Capability) -> tuple[tuple[ForeignName, str], ...]:
+    """The names of ``capability`` that moved in the installed packages, each with what is wrong; looked up once per
+    process. A package that is not installed is skipped: its seam does nothing without it."""
+    with warnings.catch_warnings():  # PEFT imports accelerate, whose import adds a filter: the process's stay as found
+        found = ((row, problem_of(row)) for row in capability.rows if installed_version(row.package))
+        return tuple((row, problem) for row, problem in found if problem is not None)
+
+
+def available(capability: Capability) -> bool:
+    """Whether every name ``capability`` needs is in the installed packages as it was written for."""
+    return not moved_names(capability)
+
+
+def require(*capabilities: Capability) -> None:
+    """Check the names of ``capabilities`` where they are about to be used.
+
+    Raises:
+        DependencyDriftError: names of theirs moved; it names each, its package's version, and the releases the
+            package was written for.
+    """
+    moved = [found for capability in capabilities for found in moved_names(capability)]
+    if moved:
+        raise DependencyDriftError(drift_message(moved))
+
+
+def check_for_run(spec: StrategySpec) -> None:
+    """What a strategy checks when it is built: the core's names and those of the capabilities its ``spec`` asks
+    for (:func:`require`); each other capability whose names moved is off, with one warning per process.
+
+    Raises:
+        DependencyDriftError: as :func:`require`.
+    """
+    asked = [capability for capability in OPTIONAL if capability.asked and capability.asked(spec)]
+    for capability in OPTIONAL:
+        if capability not in asked and not available(capability):
+            _warn_off(capability, moved_names(capability))
+    require(CORE, *asked)
+
+
+@functools.cache
+def _warn_off(capability: Capability, moved: tuple[tuple[ForeignName, str], ...]) -> None:
+    rank_zero_warn(off_warning(capability, list(moved)))

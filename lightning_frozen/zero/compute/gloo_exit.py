@@ -1,0 +1,103 @@
+"""A gloo process group's exit: destroyed, then its worker threads idle, before the interpreter is torn down.
+
+Behind ``zero/frozen_compute.py``: what it watches (the worker threads torch names, their futex waits in ``/proc``) is
+Linux's and torch's internals, not the core's; a run registers it through the door.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import platform
+import sys
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@functools.cache
+def destroy_gloo_group_at_exit() -> None:
+    """At interpreter exit, while Python is still whole: destroy a gloo default process group, then wait until gloo's
+    worker threads are idle (:func:`end_gloo_work`). Registered once per process."""
+    atexit.register(end_gloo_work)
+
+
+# torch's ProcessGroupGloo names its worker threads so (c10::setThreadName; 15 characters, the kernel's limit)
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+# the futex syscall's number, the first field of /proc/self/task/<tid>/syscall while a thread waits in it
+_FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
+
+
+def end_gloo_work(timeout: float = 10.0) -> None:
+    """Destroy a gloo default group (through ``deepspeed.comm`` when it is initialized, so that DeepSpeed lets go of
+    its group handles too) and wait, at most ``timeout`` seconds, until gloo's workers are idle.
+
+    A gloo worker that frees a finished collective's tensors after their Python objects died must take the GIL to
+    release them. During interpreter finalization, CPython (before 3.14) ends a thread that takes the GIL with
+    ``pthread_exit``, whose unwinding meets a ``noexcept`` frame in torch: "terminate called without an active
+    exception", SIGABRT, after a run that succeeded (pytorch/pytorch#190489). Destroying the group does not stop the
+    workers while anything else holds the group (every ZeRO-3 param keeps its ``ds_process_group``), so the workers
+    must be idle before finalization starts (CPython 3.14 blocks such a thread for good instead, and the group's
+    destructor would then wait on it). A group the user destroyed, or an NCCL one, is not destroyed here.
+    """
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            comm = sys.modules.get("deepspeed.comm")
+            if comm is not None and comm.is_initialized():
+                comm.destroy_process_group()
+            else:
+                dist.destroy_process_group()
+    finally:
+        wait_for_idle_gloo_workers(timeout)
+
+
+def wait_for_idle_gloo_workers(timeout: float = 10.0, poll: float = 0.002, polls_in_a_row: int = 5) -> bool:
+    """Wait until every gloo worker thread of this process has been idle for ``polls_in_a_row`` polls ``poll`` seconds
+    apart, or ``timeout`` seconds passed; whether they became idle.
+
+    An idle worker waits on its work queue: in a futex without a timeout. A worker inside a collective waits for its
+    peers in a futex too, but with the group's timeout, and so does a thread waiting for the GIL (CPython polls every
+    5 ms); several polls in a row cover a worker passing through a lock. The waits are sleeps, which release the GIL,
+    so a worker that needs it to free tensors takes it meanwhile. Linux on x86_64 and aarch64 only; elsewhere, or
+    where ``/proc`` cannot be read, it returns False at once.
+    """
+    futex = _FUTEX_SYSCALL.get(platform.machine())
+    deadline = time.monotonic() + timeout
+    idle_polls = 0
+    while futex is not None:
+        idle = _gloo_workers_idle(futex)
+        if idle is None:
+            return False
+        idle_polls = idle_polls + 1 if all(idle) else 0
+        if not idle or idle_polls >= polls_in_a_row:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+    return False
+
+
+def _gloo_workers_idle(futex: int) -> Optional[list[bool]]:
+    """For each gloo worker thread, whether it waits in ``futex`` without a timeout; None where /proc does not say."""
+    idle = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() != GLOO_WORKER_THREAD:
+                    continue
+            with open(f"/proc/self/task/{task}/syscall") as syscall:
+                # "number arg1 ... arg6 sp pc" in a syscall, "running" or "-1 sp pc" outside one; futex's 4th arg
+                # is its timeout
+                fields = syscall.read().split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        except OSError:
+            return None
+        idle.append(len(fields) > 4 and fields[0] == str(futex) and int(fields[4], 16) == 0)
+    return idle

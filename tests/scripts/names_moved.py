@@ -1,0 +1,119 @@
+"""Move one private name of another package at a time, as a release would, in this fresh process, and write what the
+package did to ``<report>``: for each optional capability, a plain 1-rank fit that does not use it (and a save after
+it), with the warnings that named the moved name; a capability asked for by argument, and the core, at construction;
+the entry points that need a capability, called.
+
+A name is deleted (``delattr`` on its module or class) where the fit does not call it itself; where DeepSpeed's own
+step calls it, it is replaced by a function that calls the original under another signature and no longer names the
+attribute the package relies on, as a release that moved that attribute elsewhere would leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+import lightning_frozen  # noqa: E402
+from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, capabilities  # noqa: E402
+from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
+
+_OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
+# capability: (owner, name, how a release moved it)
+PLAIN_FIT = {
+    "CPU_COMPUTE": ("torch._C", "_storage_Use_Count", "delete"),
+    "SLICED_LOADING": ("transformers.modeling_utils", "_load_state_dict_into_zero3_model", "delete"),
+    "GENERATE": (
+        "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator",
+        "release_and_reset_all",
+        "replace",
+    ),
+    "SEVERAL_ADAPTERS": ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", "replace"),
+    "UNFREEZING": ("lightning.pytorch.callbacks.finetuning:BaseFinetuning", "_store", "delete"),
+    "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),
+    "MERGE_CHECK": ("peft.tuners.tuners_utils:BaseTuner", "_check_merge_allowed", "delete"),
+    "UNSHARD": ("deepspeed.runtime.zero.partition_parameters", "_init_external_params", "delete"),
+    "RELEASE": (f"{_OFFLOAD}:ZeROOrderedDict", "__init__", "replace"),
+    "TRACE": (f"{_OFFLOAD}:DeepSpeedZeRoOffload", "setup_zero_stage3_hooks", "replace"),
+    "EARLY_CKPT_CHECK": ("lightning.pytorch:Trainer", "_run", "replace"),
+}
+
+
+def moved(owner_name: str, name: str, how: str) -> Callable[[], None]:
+    """Move ``owner.name``; return what puts it back. The lookup of moved names starts afresh."""
+    owner = pkgutil.resolve_name(owner_name)
+    original = vars(owner)[name]
+    if how == "delete":
+        delattr(owner, name)
+    else:
+
+        def elsewhere(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(self, *args, **kwargs)
+
+        setattr(owner, name, elsewhere)
+    capabilities.moved_names.cache_clear()
+    return lambda: setattr(owner, name, original)
+
+
+def trainable_values(model: torch.nn.Module) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def plain_fit(name: str, folder: Path) -> dict[str, Any]:
+    model = AdapterModel()
+    before = trainable_values(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = cpu_trainer(max_steps=3)
+        trainer.fit(model, regression_data())
+        trainer.save_checkpoint(folder / f"{name}.ckpt")
+    after = trainable_values(model)
+    saved = torch.load(folder / f"{name}.ckpt", weights_only=True)["state_dict"]
+    return dict(
+        warnings=[str(w.message) for w in caught if name in str(w.message)],
+        trained=all(not torch.equal(b, a) for b, a in zip(before, after)),
+        saved=sorted(saved),
+    )
+
+
+def raised(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except DependencyDriftError as error:
+        return str(error)
+    return ""
+
+
+def main() -> None:
+    report, folder = Path(sys.argv[1]), Path(sys.argv[2])
+    found: dict[str, Any] = {}
+    for capability, (owner, name, how) in PLAIN_FIT.items():
+        put_back = moved(owner, name, how)
+        found[capability] = plain_fit(name, folder)
+        if capability == "GENERATE":
+            found["GENERATE asked"] = raised(lambda: FrozenAwareDeepSpeedStrategy(generation_memory="1GB"))
+        if capability == "CONVERT":
+            found["CONVERT used"] = raised(lambda: lightning_frozen.convert_deepspeed_checkpoint(folder, folder / "x"))
+        if capability == "UNSHARD":
+            found["UNSHARD used"] = raised(lambda: lightning_frozen.unshard(AdapterModel()))
+        put_back()
+    put_back = moved("lightning.pytorch.strategies:DeepSpeedStrategy", "_init_optimizers", "delete")
+    found["CORE"] = raised(FrozenAwareDeepSpeedStrategy)
+    found["CORE load_adapter"] = raised(lambda: lightning_frozen.load_adapter(AdapterModel(), folder / "CONVERT.ckpt"))
+    put_back()
+    report.write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()

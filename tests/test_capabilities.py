@@ -1,0 +1,53 @@
+"""A capability as a unit (issue 44): each optional capability's private names moved as a release would (deleted, or
+under another signature), in a fresh process (``tests/scripts/names_moved.py``). A plain fit that does not use the
+capability trains and saves, with one warning that names the name and what the run does instead; asked for by argument,
+or used by an entry point that needs it, the capability raises ``DependencyDriftError`` naming the name; a moved core
+name still raises when the strategy is built, and at an offline entry point.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_frozen import capabilities
+from tests.distributed import run_script
+from tests.scripts.names_moved import PLAIN_FIT
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("names_moved")
+    run_script("names_moved.py", str(folder / "report.json"), str(folder))
+    return json.loads((folder / "report.json").read_text())
+
+
+def test_every_optional_capability_is_moved_once() -> None:
+    assert {getattr(capabilities, name) for name in PLAIN_FIT} == set(capabilities.OPTIONAL)
+
+
+@pytest.mark.parametrize("capability", sorted(PLAIN_FIT))
+def test_a_plain_fit_trains_with_one_warning_where_a_name_of_a_capability_it_does_not_use_moved(
+    report: dict, capability: str
+) -> None:
+    found, name = report[capability], PLAIN_FIT[capability][1]
+    assert found["trained"] and "layers.0.lora_a" in found["saved"]
+    assert len(found["warnings"]) == 1
+    (warning,) = found["warnings"]
+    assert f"{name}` " in warning and f"{getattr(capabilities, capability).name} is off" in warning
+    assert f"so {getattr(capabilities, capability).fallback}" in warning
+
+
+@pytest.mark.parametrize(
+    ("case", "name"),
+    [
+        ("GENERATE asked", "PartitionedParameterCoordinator.release_and_reset_all` takes (self, args, kwargs)"),
+        ("CONVERT used", "deepspeed.utils.zero_to_fp32._zero3_merge_trainable_params` is gone"),
+        ("UNSHARD used", "partition_parameters._init_external_params` is gone"),
+        ("CORE", "DeepSpeedStrategy._init_optimizers` is gone"),
+        ("CORE load_adapter", "DeepSpeedStrategy._init_optimizers` is gone"),
+    ],
+)
+def test_a_capability_asked_for_or_used_and_the_core_raise_naming_the_name(report: dict, case: str, name: str) -> None:
+    assert "moved 1 of them" in report[case] and name in report[case]

@@ -1,0 +1,375 @@
+"""``export_merged``: the adapter folded into its base, written as a Hugging Face folder one tensor at a time.
+
+Each case compares the folder with PEFT's own way on the same checkpoint: ``export_peft_adapter``, then
+``PeftModel.from_pretrained(base, ...).merge_and_unload()`` and ``save_pretrained``: the same tensor names, the same
+logits. Checkpoints are written by the package's own builder (``saved_checkpoint``, what a save writes) from PEFT
+models whose adapters were moved off their initial values, so that no fit is needed; the nf4 case trains for real.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import lightning_frozen
+from lightning_frozen import anatomy, progress
+from lightning_frozen.base.fingerprint import fingerprint_base, named_frozen
+from lightning_frozen.checkpoint.trainable_state import saved_checkpoint
+from lightning_frozen.errors import FrozenBaseMismatchError, UnsupportedConfigurationError
+from lightning_frozen.zero.params import persistent_buffers
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from examples.causal_lm_lora.make_base import write_random_llama  # noqa: E402
+from tests.models import cpu_trainer  # noqa: E402
+from tests.peft_models import tiny_bert_folder  # noqa: E402
+from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+TOKENS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+QV = ["q_proj", "v_proj"]
+
+# every tuner PEFT merges, on the tiny Llama (BOFT merges as well, but its probe for a CUDA extension leaves the
+# process's DeepSpeed fits 15x slower: it is left out of the suite)
+TUNERS: dict[str, Callable[[], Any]] = {
+    "lora": lambda: peft.LoraConfig(r=4, target_modules=QV, task_type="CAUSAL_LM"),
+    "rslora": lambda: peft.LoraConfig(r=4, lora_alpha=16, target_modules=QV, use_rslora=True),
+    "dora": lambda: peft.LoraConfig(r=4, target_modules=[*QV, "down_proj"], use_dora=True),
+    "ia3": lambda: peft.IA3Config(target_modules=[*QV, "down_proj"], feedforward_modules=["down_proj"]),
+    "loha": lambda: peft.LoHaConfig(r=4, target_modules=QV),
+    "lokr": lambda: peft.LoKrConfig(r=4, target_modules=QV),
+    "oft": lambda: peft.OFTConfig(r=8, oft_block_size=0, target_modules=QV),
+    "fourierft": lambda: peft.FourierFTConfig(n_frequency=20, target_modules=QV),
+    "hra": lambda: peft.HRAConfig(r=4, target_modules=QV),
+    "miss": lambda: peft.MissConfig(r=4, target_modules=QV),
+    "c3a": lambda: peft.C3AConfig(block_size=16, target_modules=QV),
+    "gralora": lambda: peft.GraloraConfig(r=4, gralora_k=2, target_modules=QV),
+    "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
+    "delora": lambda: peft.DeloraConfig(r=4, target_modules=QV),
+    "randlora": lambda: peft.RandLoraConfig(r=4, target_modules=QV),
+    "road": lambda: peft.RoadConfig(group_size=4, target_modules=QV),
+    "trainable_tokens": lambda: peft.TrainableTokensConfig(
+        target_modules=["embed_tokens"], token_indices=[47, 172, 211]
+    ),
+}
+
+
+def llama_folder(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, **config: Any) -> Path:
+    write_random_llama(folder, {**TINY_LLAMA, **config}, dtype, seed)
+    return folder
+
+
+class Adapted(torch.nn.Module):
+    """What a LightningModule holds: a PEFT model over a base loaded from a folder, under ``model``."""
+
+    def __init__(self, base: torch.nn.Module, config: Any, more: Optional[dict[str, Any]] = None) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.model = peft.get_peft_model(base, config)
+        for name, extra in (more or {}).items():
+            self.model.add_adapter(name, extra)
+        for name, param in self.model.named_parameters():
+            if any(f".{adapter}." in name for adapter in [*(more or {}), "default"]) and "base_layer" not in name:
+                param.requires_grad_(True)
+        noise = torch.Generator().manual_seed(5)
+        with torch.no_grad():  # moved off PEFT's initial values (LoRA's B is 0): the merge changes the weights
+            for param in self.model.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn(param.shape, generator=noise).to(param.dtype) * 0.1)
+
+
+def write_checkpoint(module: torch.nn.Module, path: Path) -> Path:
+    """The file a save of ``module`` writes: its trainable tensors (fp32), the fingerprint, the PEFT entries."""
+    found = anatomy.anatomy_of(module)
+    state = {name: p.detach().float().clone() for name, p in module.named_parameters() if p.requires_grad}
+    state |= {name: buffer.clone() for name, buffer in persistent_buffers(module).items()}
+    fingerprint = fingerprint_base(named_frozen(module, copies=found.trained_copies))
+    torch.save(saved_checkpoint({"state_dict": state}, module, found, fingerprint, world_size=1), path)
+    return path
+
+
+def peft_merged(auto_class: Any, base: Path, checkpoint: Path, tmp: Path, adapter: Optional[str] = None, **kw: Any):
+    """PEFT's own way from the same checkpoint: the exported adapter loaded over the base, merged, saved."""
+    exported = lightning_frozen.export_peft_adapter(checkpoint, tmp / "peft_adapter", adapter=adapter)
+    loaded = auto_class.from_pretrained(str(base), **kw)
+    merged = peft.PeftModel.from_pretrained(loaded, str(exported)).merge_and_unload()
+    merged.save_pretrained(tmp / "peft_merged")
+    return merged.eval()
+
+
+def saved_keys(folder: Path) -> dict[str, torch.dtype]:
+    keys = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as opened:
+            keys.update({key: opened.get_slice(key).get_dtype() for key in sorted(opened.keys())})
+    return keys
+
+
+def logits(model: Any, **inputs: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(**inputs).logits.float()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return llama_folder(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.mark.parametrize("tuner", list(TUNERS))
+def test_each_tuner_merges_as_peft_merge_and_unload(tuner: str, llama: Path, tmp_path: Path) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS[tuner]()), tmp_path / "run.ckpt")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    theirs = peft_merged(transformers.AutoModelForCausalLM, llama, checkpoint, tmp_path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")
+    expected = logits(theirs, input_ids=TOKENS)
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), expected, rtol=1e-5, atol=1e-5)
+    unmerged = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    assert not torch.allclose(logits(unmerged, input_ids=TOKENS), expected, atol=1e-4)  # the merge changed the model
+
+
+def test_a_bf16_base_merges_in_bf16_and_dtype_chooses_another(tmp_path: Path) -> None:
+    folder = llama_folder(tmp_path / "bf16", torch.bfloat16)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    assert set(saved_keys(out).values()) == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    theirs = peft_merged(transformers.AutoModelForCausalLM, folder, checkpoint, tmp_path, dtype=torch.bfloat16)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    for name, value in theirs.state_dict().items():  # PEFT's merge, in bf16, bit for bit
+        assert torch.equal(ours.state_dict()[name], value), name
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=0, atol=0)
+
+    wide = lightning_frozen.export_merged(checkpoint, tmp_path / "fp32", dtype="float32")
+    assert set(saved_keys(wide).values()) == {"F32"}
+    assert json.loads((wide / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_mt5_seq2seq(tmp_path: Path) -> None:
+    config = transformers.MT5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4
+    )
+    torch.manual_seed(0)
+    transformers.MT5ForConditionalGeneration(config).save_pretrained(tmp_path / "mt5")
+    folder = tmp_path / "mt5"
+    (
+        folder / "generation_config.json"
+    ).unlink()  # a base folder without one: the export writes what save_pretrained does
+    base = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(folder))
+    lora = peft.LoraConfig(r=4, target_modules=["q", "v"], task_type="SEQ_2_SEQ_LM")
+    checkpoint = write_checkpoint(Adapted(base, lora), tmp_path / "run.ckpt")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    theirs = peft_merged(transformers.AutoModelForSeq2SeqLM, folder, checkpoint, tmp_path)
+    ours = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(out))
+    assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")
+    generation = json.loads((out / "generation_config.json").read_text())  # the folder had none: as save_pretrained
+    theirs_generation = json.loads((tmp_path / "peft_merged" / "generation_config.json").read_text())
+    tokens = ("decoder_start_token_id", "eos_token_id", "pad_token_id")
+    assert {key: generation[key] for key in tokens} == {key: theirs_generation[key] for key in tokens}
+    inputs = dict(input_ids=TOKENS % 128, decoder_input_ids=TOKENS[:, :4] % 128)
+    torch.testing.assert_close(logits(ours, **inputs), logits(theirs, **inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_bert_classifier_with_modules_to_save_and_its_tokenizer(tmp_path: Path) -> None:
+    from examples.minilm_lora.task import minilm_folder
+
+    folder = tmp_path / "bert"
+    transformers.BertModel.from_pretrained(str(tiny_bert_folder())).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(minilm_folder())).save_pretrained(folder)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=2)
+    lora = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS", modules_to_save=["pooler"])
+    checkpoint = write_checkpoint(Adapted(base, lora), tmp_path / "run.ckpt")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    theirs = peft_merged(transformers.AutoModelForSequenceClassification, folder, checkpoint, tmp_path)
+    ours = transformers.AutoModelForSequenceClassification.from_pretrained(str(out))
+    assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))  # copied from the base folder
+    assert not (out / "generation_config.json").exists()  # an encoder generates nothing
+    inputs = dict(tokenizer(["a wonderful film", "dull"], padding=True, return_tensors="pt"))
+    torch.testing.assert_close(logits(ours, **inputs), logits(theirs, **inputs), rtol=1e-5, atol=1e-5)
+    trained_head = torch.load(checkpoint, weights_only=True)["state_dict"]
+    copy = next(
+        value for name, value in trained_head.items() if name.endswith("classifier.modules_to_save.default.weight")
+    )
+    torch.testing.assert_close(ours.classifier.weight, copy)  # the trained copy replaced its original
+
+
+def test_tied_embeddings_stay_tied_unless_the_adapter_changed_one_side(tmp_path: Path, caplog: Any) -> None:
+    folder = llama_folder(tmp_path / "tied", tie_word_embeddings=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "qv.ckpt")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "qv")
+    assert "lm_head.weight" not in saved_keys(out)  # written once, as save_pretrained writes it
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+    module = Adapted(
+        transformers.AutoModelForCausalLM.from_pretrained(str(folder)),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+    )
+    checkpoint = write_checkpoint(module, tmp_path / "head.ckpt")
+    with pytest.warns(UserWarning, match=r"changed .*lm_head\.weight.*untied .*tie_word_embeddings: false"):
+        out = lightning_frozen.export_merged(checkpoint, tmp_path / "head")
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(saved_keys(out))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    # the model the run trained: the embedding as it was, the head with its LoRA (PEFT's merge would change both)
+    expected = logits(module.model, input_ids=TOKENS)
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.model.embed_tokens.weight, base.model.embed_tokens.weight, rtol=0, atol=0)
+
+
+def test_a_sharded_folder_has_a_valid_index_and_progress_is_shown(
+    llama: Path, tmp_path: Path, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    monkeypatch.setattr(progress, "INTERVAL_SECONDS", -1.0)  # a line after every tensor
+    with caplog.at_level(logging.INFO):
+        out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", max_shard_size="40KB")
+    assert re.search(
+        r"writing the merged model: 1 tensors, 0\.\d of 0\.\d MiB \(\d+%\) in .* MiB/s, about", caplog.text
+    )
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 3 and not (out / "model.safetensors").exists()
+    assert all(path.stat().st_size <= 40_000 + 4096 or _tensors_in(path) == 1 for path in shards)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    in_files = {key: shard.name for shard in shards for key in sorted(safe_open(str(shard), "pt").keys())}
+    assert index["weight_map"] == in_files
+    sizes = {
+        key: opened.get_tensor(key).nbytes
+        for shard in shards
+        for opened in [safe_open(str(shard), "pt")]
+        for key in sorted(opened.keys())
+    }
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    theirs = peft_merged(transformers.AutoModelForCausalLM, llama, checkpoint, tmp_path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def _tensors_in(path: Path) -> int:
+    return len(safe_open(str(path), "pt").keys())
+
+
+def test_one_adapter_of_a_run_of_several_alone(llama: Path, tmp_path: Path) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    more = {"y": peft.LoraConfig(r=2, target_modules=["v_proj", "o_proj"])}
+    checkpoint = write_checkpoint(Adapted(base, peft.LoraConfig(r=4, target_modules=QV), more), tmp_path / "run.ckpt")
+    assert set(torch.load(checkpoint, weights_only=True)["frozen_base"]["peft_adapters"]) == {"default", "y"}
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", adapter="y")
+    theirs = peft_merged(transformers.AutoModelForCausalLM, llama, checkpoint, tmp_path, adapter="y")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=1e-5, atol=1e-5)
+    # q_proj is adapted by `default` only: merging `y` alone leaves it as it was
+    torch.testing.assert_close(
+        ours.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.base_layer.weight
+    )
+    with pytest.raises(ValueError, match=r"holds adapter\(s\) `default`, `y`, not `z`"):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "z", adapter="z")
+    assert not (tmp_path / "z").exists()
+
+
+def test_a_base_trained_under_nf4_merges_into_the_folders_weights(tmp_path: Path, caplog: Any) -> None:
+    folder = llama_folder(tmp_path / "base")
+    trainer = cpu_trainer(
+        lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), max_steps=2, precision="32-true"
+    )
+    trainer.fit(PretrainedLoRA(str(folder), lr=5e-2), token_data())
+    trainer.save_checkpoint(tmp_path / "nf4.ckpt")
+    with caplog.at_level(logging.INFO):
+        out = lightning_frozen.export_merged(tmp_path / "nf4.ckpt", tmp_path / "merged")
+    assert "trained on a base stored as nf4; the adapter is merged into the original weights" in caplog.text
+    theirs = peft_merged(transformers.AutoModelForCausalLM, folder, tmp_path / "nf4.ckpt", tmp_path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_base_folder_is_refused_and_nothing_is_left(llama: Path, tmp_path: Path) -> None:
+    folder = llama_folder(tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    earlier = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    before = {path.name: path.read_bytes() for path in earlier.iterdir()}
+    changed = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    with torch.no_grad():
+        changed.model.layers[1].mlp.up_proj.weight[0, 0] += 1
+    changed.save_pretrained(folder)
+    with pytest.raises(
+        FrozenBaseMismatchError, match=r"layers\.1\.mlp\.up_proj\.weight` holds different values.*export_peft_adapter"
+    ):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    # refused after every shard was written, before the rename: the earlier export is whole, no temp folder is left
+    assert {path.name: path.read_bytes() for path in earlier.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["base", "merged", "run.ckpt"]
+
+
+@pytest.mark.parametrize(
+    "config, lacking",
+    [
+        (lambda: peft.AdaLoraConfig(r=4, target_modules=QV, total_step=10), "needs `.*ranknum.default`"),
+        (lambda: peft.ShiraConfig(r=4, target_modules=QV), "cannot create this adapter's layers without their base"),
+    ],
+)
+def test_a_tuner_needing_state_peft_computes_from_the_base_is_refused(
+    config: Callable[[], Any], lacking: str, llama: Path, tmp_path: Path
+) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    checkpoint = write_checkpoint(Adapted(base, config()), tmp_path / "run.ckpt")
+    with pytest.raises(UnsupportedConfigurationError, match=f"{lacking}.*export_peft_adapter"):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    assert sorted(os.listdir(tmp_path)) == ["run.ckpt"]
+
+
+def test_prompt_tuning_is_refused_pointing_to_the_adapter_export(tmp_path: Path) -> None:
+    folder = llama_folder(tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    checkpoint = write_checkpoint(Adapted(base, config), tmp_path / "run.ckpt")
+    with pytest.raises(
+        UnsupportedConfigurationError, match=r"PROMPT_TUNING adapter cannot be merged.*export_peft_adapter"
+    ):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+
+
+def test_a_moved_base_is_named_and_taken_from_base(tmp_path: Path) -> None:
+    folder = llama_folder(tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    folder.rename(tmp_path / "moved")
+    with pytest.raises(
+        lightning_frozen.BaseFolderError,
+        match=r"trained on the frozen base .*base'?, which is no folder.*base='path/to/base'",
+    ):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", base=tmp_path / "moved")
+    theirs = peft_merged(transformers.AutoModelForCausalLM, tmp_path / "moved", checkpoint, tmp_path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(logits(ours, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=1e-5, atol=1e-5)
+    with pytest.raises(FrozenBaseMismatchError, match="holds different values"):  # another base is verified as well
+        lightning_frozen.export_merged(
+            checkpoint, tmp_path / "other", base=llama_folder(tmp_path / "other_base", seed=1)
+        )
