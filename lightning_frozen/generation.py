@@ -25,8 +25,8 @@ from torch import nn
 
 from lightning_frozen.capabilities import GENERATE, available
 from lightning_frozen.hf.generation import generating_models
-from lightning_frozen.loops import gather_from_ranks
 from lightning_frozen.memory import format_bytes
+from lightning_frozen.zero.collectives import gather_objects
 from lightning_frozen.zero.gather_once import available_bytes, gathered_once, whole_bytes
 
 # the part of the free memory the default budget allows: the rest holds the KV cache, logits and what the step keeps
@@ -57,7 +57,7 @@ def choose_mode(model: nn.Module, budget: Optional[int], ranks_on_device: int) -
     whole = whole_bytes(model)
     if budget is None:
         budget = int(AUTO_FRACTION * available_bytes() / max(1, ranks_on_device))
-        fits = all(gather_from_ranks(whole <= budget))
+        fits = all(gather_objects(whole <= budget))
         source = f"auto: half the free memory, {format_bytes(budget)} on this rank"
     else:
         fits, source = whole <= budget, format_bytes(budget)

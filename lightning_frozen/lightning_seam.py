@@ -11,7 +11,8 @@
   ``"last"``, ``"best"`` and ``"hpc"`` before ``_run`` and holds the result only there until it restores, after the
   strategy's setup (``trainer.ckpt_path`` is still the previous run's then); no public hook before setup hands it
   over, and a wrong path is worth refusing before a large base is loaded. Without ``_run``, nothing is read.
-- For preemption: ``_SignalConnector`` and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
+- For preemption: ``_SignalConnector``, its ``register_signal_handlers`` (replaced on a run's connector, which then
+  registers nothing) and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
   ``trainer._signal_connector``; ``_get_sigkill_signal``; ``trainer._checkpoint_connector._hpc_resume_path``; the
   epoch loop's ``_should_accumulate``; and ``_ChildProcessObserver``'s list of the ranks it watches.
 
@@ -113,12 +114,19 @@ def requeue(trainer: pl.Trainer, signum: int) -> Any:
     return trainer._checkpoint_connector._hpc_resume_path
 
 
-def restore_signal_handler_at_teardown(trainer: pl.Trainer, signum: int, handler: Any) -> None:
-    """Make Lightning's signal connector put ``handler`` back for ``signum`` when the run ends, where it registered
-    its own after the strategy's (it restores the handlers it found, which were the strategy's)."""
-    originals = getattr(trainer._signal_connector, "_original_handlers", None)
-    if isinstance(originals, dict) and signum in originals:
-        originals[signum] = handler
+def register_no_signal_handlers(trainer: pl.Trainer, off: bool) -> None:
+    """Keep Lightning's signal connector from registering its handlers (``off``), or let it again. Lightning
+    registers them in ``Trainer._run`` after the strategy's setup, ahead of the strategy's; its SIGTERM handler
+    broadcasts inside the handler, and they would run first in a window of every run."""
+    connector = trainer._signal_connector
+    if off:
+        connector.register_signal_handlers = _register_nothing
+    else:
+        vars(connector).pop("register_signal_handlers", None)
+
+
+def _register_nothing() -> None:
+    """What Lightning's signal connector registers in a run whose strategy handles its signals itself."""
 
 
 def sigkill_signal() -> int:

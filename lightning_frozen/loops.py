@@ -26,10 +26,10 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_frozen.errors import UnevenBatchesError
+from lightning_frozen.zero.collectives import gather_objects
 
 # gathers one picklable value from every rank, in rank order (a collective)
 GatherFromRanks = Callable[[Any], list[Any]]
@@ -54,7 +54,7 @@ def even_dataloader(dataloader: object, trainer: Any, world_size: int) -> object
     :class:`EvenBatches` (a strategy's ``process_dataloader``)."""
     stage = trainer.state.stage
     if world_size > 1 and stage is not None and stage != RunningStage.TRAINING and not has_length(dataloader):
-        return EvenBatches(dataloader, str(stage.dataloader_prefix), gather_from_ranks)
+        return EvenBatches(dataloader, str(stage.dataloader_prefix), gather_objects)
     return dataloader
 
 
@@ -69,14 +69,7 @@ def check_even_batches_at_start(trainer: Any, world_size: int) -> None:
     else:
         counts = {RunningStage.TESTING: trainer.num_test_batches, RunningStage.PREDICTING: trainer.num_predict_batches}
         counts = counts.get(stage, trainer.num_val_batches)
-    check_even_batches(str(stage.dataloader_prefix), counts, gather_from_ranks)
-
-
-def gather_from_ranks(value: Any) -> list[Any]:
-    """``value`` from every rank, in rank order (a collective; picklable values, any backend)."""
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, value)
-    return gathered
+    check_even_batches(str(stage.dataloader_prefix), counts, gather_objects)
 
 
 def has_length(dataloader: object) -> bool:

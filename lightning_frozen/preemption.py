@@ -2,14 +2,18 @@
 received by any rank or by all of them.
 
 Lightning's own SIGTERM handler broadcasts from inside the signal handler. Under ZeRO-3 another rank may sit in an
-all-gather at that moment, and both wait forever. Here the handler only records the signal. At the end of the next
-batch that steps the optimizer, which every rank reaches, the ranks agree with one two-element ``all_reduce``; then
-every rank takes part in saving the adapter checkpoint (rank 0 writes it), logs one line and exits with status
+all-gather at that moment, and both wait forever. So Lightning never registers its handlers in a run of this strategy,
+and ours is set from the strategy's ``setup_environment`` on, for every phase of the run. It only records the signal
+and writes one line (``process.StopSignals`` owns the handler and the watchdog that bounds the stop). At the end of
+the next batch that steps the optimizer, which every rank reaches, the ranks agree with one two-flag ``all_reduce``;
+then every rank takes part in saving the adapter checkpoint (rank 0 writes it), logs one line and exits with status
 128 + the signal number, as a process the signal ended would. A SLURM requeue signal, under
 ``SLURMEnvironment(auto_requeue=True)``, saves Lightning's ``hpc_ckpt_<n>.ckpt`` and requeues the job, as Lightning
-does, so the requeued job resumes by itself. A second signal, or a process still running ``grace`` seconds after
-its first, exits at once: the temporary file of a checkpoint being written is removed first, so the previous file
-stays whole.
+does, so the requeued job resumes by itself. Before the first training step no step boundary can be reached: the
+handler raises the stop at once (inside a ``process.uninterrupted`` window, such as a class patch, as it closes) and
+the requeue, if asked, runs where the run ends (:meth:`Preemption.end_run`). A second signal, or a process still
+running ``grace`` seconds after its first, exits at once: the temporary file of a checkpoint being written is removed
+first, so the previous file stays whole.
 """
 
 from __future__ import annotations
@@ -25,15 +29,14 @@ from types import FrameType
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen import lightning_seam
-from lightning_frozen.checkpoint.atomic_files import remove_temp_files_being_written
+from lightning_frozen import lightning_seam, process
+from lightning_frozen.zero.collectives import any_rank
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ def exit_status(signum: int) -> int:
 
 
 class Preemption:
-    """The signals one ``fit`` received, the handlers that record them, and the deadline that bounds the stop."""
+    """The signals one ``fit`` received, the handler that records them, and the stop they lead to."""
 
     def __init__(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
         self.grace = grace
@@ -56,114 +59,87 @@ class Preemption:
         self._requeue_signum: Optional[int] = None
         self._chained: dict[int, list[Callable[..., Any]]] = {}
         self._launcher: Any = None
-        self._deadline: Optional[threading.Timer] = None
-        self._before: dict[int, Any] = {}  # each handled signal's handler when the run started, put back at its end
+        self._signals: Optional[process.StopSignals] = None  # the handler and its watchdog, while a run is set up
         self.training = False  # whether a step boundary can be reached (the fit loop started): else a signal ends it
         self._signalled_at = 0.0
 
     def install(self, trainer: pl.Trainer, launcher: Any) -> None:
-        """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run instead of Lightning, from
-        the strategy's setup on; call it again once Lightning set its own handlers (before the first loop), which it
-        replaces. Idempotent within a run; :meth:`uninstall` puts back the handlers found at the first call.
+        """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run, from the strategy's
+        ``setup_environment`` to its teardown, and keep Lightning's signal connector from registering its own
+        handlers for the run (:meth:`uninstall` undoes both). Idempotent within a run.
 
-        Handlers that were set before the run still run, after this one. Before the first training step there is no
-        step boundary to stop at: a signal ends the run at once, without a checkpoint (:meth:`_record`). Call it from
-        the main thread.
+        Handlers that were set before the run still run, after this one. A watchdog started here ends the process
+        ``grace`` seconds after a signal, or at once after a second one. Call it from the main thread (elsewhere only
+        the step-boundary callback is added: signal handlers can only be set there).
         """
         self._launcher = launcher
         if not any(isinstance(callback, StopAtStepBoundary) for callback in trainer.callbacks):
             trainer.callbacks.append(StopAtStepBoundary(self))
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set there; Lightning's stay
+        if threading.current_thread() is not threading.main_thread() or self._signals is not None:
+            return
         environment = getattr(trainer.strategy, "cluster_environment", None)
         requeues = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         self._requeue_signum = int(environment.requeue_signal) if requeues and environment.requeue_signal else None
-        for signum in (signal.SIGTERM, self._requeue_signum):
-            if signum is None:
-                continue
-            current = signal.getsignal(signum)
-            self._before.setdefault(signum, current)
-            others = [h for h in _handlers_before_lightning(current) if h != self._record]
-            self._chained[signum] = others or self._chained.get(signum, [])
-            if current != self._record:
-                signal.signal(signum, self._record)
-            lightning_seam.restore_signal_handler_at_teardown(trainer, signum, self._before[signum])
+        signums = [s for s in (int(signal.SIGTERM), self._requeue_signum) if s is not None]
+        self._chained = {s: _handlers_before_lightning(signal.getsignal(s)) for s in signums}
+        lightning_seam.register_no_signal_handlers(trainer, True)
+        self._signals = process.StopSignals(signums, self._record, self.grace, exit_status, self._end_ranks_now)
 
     def uninstall(self, trainer: Optional[pl.Trainer]) -> None:
-        """The run ended: put back the handlers found at its start, take its callback off ``trainer``, drop the
-        deadline, and forget the run's signal."""
+        """The run ended: put back the handlers found at its start, end the watchdog, let Lightning's connector
+        register handlers again, take the run's callback off ``trainer``, and forget the run's signal."""
         if trainer is not None:
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopAtStepBoundary)]
-        if threading.current_thread() is threading.main_thread():
-            for signum, handler in self._before.items():
-                if signal.getsignal(signum) == self._record and handler is not None:
-                    signal.signal(signum, handler)
-        self._before, self._chained, self.signum, self.training = {}, {}, None, False
-        if self._deadline is not None:
-            self._deadline.cancel()
+            lightning_seam.register_no_signal_handlers(trainer, False)
+        if self._signals is not None:
+            self._signals.close()
+        self._signals, self._chained, self.signum, self.training = None, {}, None, False
 
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
-        # runs between two bytecodes of the main thread, maybe inside a collective: no collective, no file I/O here
+        # runs in the main thread between two bytecodes, maybe inside a collective: it records and writes one line;
+        # the watchdog (process.StopSignals) bounds the stop, and acts at once on a second signal
         if self.signum is not None:
-            self.exit_now(signum, f"a second {signal.Signals(signum).name} arrived")
+            process.exiting()  # a second signal: nothing is renamed into place before the watchdog ends the process
+            return
         self.signum, self._signalled_at = signum, time.monotonic()
-        self._deadline = threading.Timer(
-            self.grace, self.exit_now, (signum, f"the rank did not stop within {self.grace:g} s")
-        )
-        self._deadline.daemon = True
-        self._deadline.start()
+        name, status = signal.Signals(signum).name, exit_status(signum)
+        if self.training:
+            line = f"{name} received; stopping at the next step boundary (within {self.grace:g} s)"
+        else:
+            line = f"{name} before the first training step: no step boundary to save at, so no checkpoint"
+        os.write(2, f"lightning-frozen: {line}; exiting with status {status}.\n".encode())  # logging may be locked
         for handler in self._chained.get(signum, []):
             handler(signum, frame)
         if not self.training:
-            self._end_before_training(signum)
-
-    def _end_before_training(self, signum: int) -> None:
-        """A signal before the first training step (setup, the load in ``configure_model``, the fingerprint, sanity
-        validation; or any ``validate``/``test``/``predict``): no step boundary can be reached, so the run ends here,
-        without a checkpoint, by raising a stop out of whatever the main thread was doing. A requeue signal requeues
-        the job first (rank 0)."""
-        name = signal.Signals(signum).name
-        requeued = signum == self._requeue_signum and requeue_without_checkpoint()
-        then = "; the job was requeued" if requeued else ""
-        message = (
-            f"lightning-frozen: {name} before the first training step: no step boundary to save at, so no checkpoint"
-            f"{then}; exiting with status {exit_status(signum)}.\n"
-        )
-        os.write(2, message.encode())  # not logging: the main thread may hold its locks
-        raise SIGTERMException(exit_status(signum))
+            # before the first step (setup, the load in `configure_model`, the fingerprint, sanity validation; or any
+            # `validate`/`test`/`predict`) no step boundary can be reached: the stop ends the run where it is
+            process.raise_when_safe(SIGTERMException(status))
 
     def agree(self, strategy: Any) -> tuple[bool, bool]:
         """Whether any rank received SIGTERM, and whether any received the requeue signal. Collective when
         distributed: every rank calls it at the same step."""
-        flags = torch.tensor(
-            [self.signum == signal.SIGTERM, self.signum is not None and self.signum == self._requeue_signum],
-            dtype=torch.int32,
-            device=strategy.root_device,
-        )
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and strategy.world_size > 1:
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        terminate = self.signum == signal.SIGTERM
+        requeue = self.signum is not None and self.signum == self._requeue_signum
+        terminate, requeue = any_rank([terminate, requeue], strategy.root_device)
+        return terminate, requeue
 
     def end_run(self, launcher: Any, exception: BaseException) -> None:
-        """After ``fit`` raised ``exception`` on this rank: end the ranks ``launcher`` started (after an agreed stop,
-        once they have ended by themselves, within what is left of ``grace``; none where every rank raised it), then
-        drop the deadline of this process."""
+        """After ``fit`` raised ``exception`` on this rank: requeue the job when a requeue signal stopped it before the
+        first training step (rank 0), then end the ranks ``launcher`` started (after a stop, once they have ended by
+        themselves, within what is left of ``grace``, half of it before the first step; none where every rank raised
+        it)."""
+        before_training = is_stop(exception) and not self.training and self.signum is not None
+        if before_training and self.signum == self._requeue_signum and requeue_without_checkpoint():
+            log.warning("lightning-frozen: the job was requeued (no checkpoint: it had not trained yet).")
         if not raised_on_every_rank(exception):  # each rank that raised it goes on, or ends, by itself
             left = self.grace - (time.monotonic() - self._signalled_at) - 1.0 if self.signum is not None else self.grace
-            end_launched_ranks(launcher, max(left, 0.0) if is_stop(exception) else 0.0)
-        if self._deadline is not None:
-            self._deadline.cancel()
+            # before the first step a rank that did not get the signal never stops by itself: half of what is left
+            # for the others to end, half for this rank's own teardown, inside its deadline
+            wait = left / 2 if before_training else left
+            end_launched_ranks(launcher, max(wait, 0.0) if is_stop(exception) else 0.0)
 
-    def exit_now(self, signum: int, why: str) -> None:
-        """End this process at once with :func:`exit_status`: remove the temporary file of a checkpoint being
-        written (the previous file stays whole) and end the ranks this process launched."""
-        removed = remove_temp_files_being_written()
-        unfinished = f" (removed the unfinished {', '.join(p.name for p in removed)})" if removed else ""
-        # straight to stderr: the main thread may hold the logging locks (this runs in a signal handler or a timer)
-        message = f"lightning-frozen: {why}; exiting now with status {exit_status(signum)}{unfinished}.\n"
-        os.write(2, message.encode())
+    def _end_ranks_now(self) -> None:
         end_launched_ranks(self._launcher, wait=0.0)
-        os._exit(exit_status(signum))
 
 
 def requeue_without_checkpoint() -> bool:
@@ -284,11 +260,11 @@ def end_launched_ranks(launcher: Any, wait: float) -> None:
     """SIGKILL the ranks ``launcher`` (Lightning's subprocess launcher) started that still run after ``wait``
     seconds. Lightning ends them itself only on Ctrl+C: a rank left in a hang of its own would outlive the run."""
     processes = list(getattr(launcher, "procs", None) or [])
-    for process in processes:
+    for rank in processes:
         try:
-            process.wait(timeout=wait)
+            rank.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(lightning_seam.sigkill_signal())
+    for rank in processes:
+        if rank.poll() is None:
+            rank.send_signal(lightning_seam.sigkill_signal())

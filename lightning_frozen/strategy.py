@@ -188,7 +188,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def setup_environment(self) -> None:
         self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
         open_run(self._ledger, self._module, self._preemption, compute)
-        self._preemption.install(self._module.trainer, self.launcher)  # a signal during the load ends the run
+        # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
+        # or the dataloaders ends the run
+        self._preemption.install(self._module.trainer, self.launcher)
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
         self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
@@ -285,7 +287,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def on_train_start(self) -> None:
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
-        self._preemption.install(self._module.trainer, self.launcher)
         self._preemption.training = True  # from now on a signal stops at the next step boundary
         wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 
@@ -295,7 +296,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def on_validation_start(self) -> None:
-        self._preemption.install(self._module.trainer, self.launcher)  # Lightning's handler broadcasts: ours instead
         loops.check_even_batches_at_start(self._module.trainer, self.world_size)
         wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 

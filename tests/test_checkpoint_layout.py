@@ -113,8 +113,9 @@ def test_convert_without_the_module_leaves_out_only_what_the_directory_lacks(
 
 _PACKAGE = Path(lightning_frozen.__file__).parent
 _LAYOUT = _PACKAGE / "format" / "layout.py"
-# keys torch's and DeepSpeed's optimizer states and safetensors' headers (the merged export) spell too
-_SHARED_WITH_TORCH_AND_DEEPSPEED = {"params", "state", "param_groups", "config", "dtype", "shape"}
+# keys torch's and DeepSpeed's optimizer states, safetensors' headers (the merged export) and the Trainer's
+# options (the CLI's estimate reads a config's `precision`) spell too
+_SHARED_WITH_TORCH_AND_DEEPSPEED = {"params", "state", "param_groups", "config", "dtype", "shape", "precision"}
 
 
 def _layout_keys() -> set[str]:

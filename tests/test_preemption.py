@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, lightning_seam, read_checkpoint
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, lightning_seam, preemption, read_checkpoint
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -147,6 +147,41 @@ def test_one_rank_without_a_model_checkpoint_stops_into_the_root_dir_and_runs_th
         signal.signal(signal.SIGTERM, previous)
 
 
+class _HandlerSeen(AdapterModel):
+    """Records the SIGTERM handler in each phase after the strategy's setup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, Any] = {}
+
+    def setup(self, stage: str) -> None:
+        self.seen["setup"] = signal.getsignal(signal.SIGTERM)
+
+    def on_fit_start(self) -> None:
+        self.seen["on_fit_start"] = signal.getsignal(signal.SIGTERM)
+
+    def train_dataloader(self) -> Any:
+        self.seen["train_dataloader"] = signal.getsignal(signal.SIGTERM)
+        return regression_data()
+
+    def val_dataloader(self) -> Any:
+        self.seen["val_dataloader"] = signal.getsignal(signal.SIGTERM)
+        return regression_data()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen["training_step"] = signal.getsignal(signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
+def test_lightnings_broadcasting_handler_never_sees_sigterm_in_any_phase() -> None:
+    module, before = _HandlerSeen(), signal.getsignal(signal.SIGTERM)
+    cpu_trainer(max_steps=2, num_sanity_val_steps=1, limit_val_batches=1).fit(module)
+    assert sorted(module.seen) == ["on_fit_start", "setup", "train_dataloader", "training_step", "val_dataloader"]
+    for phase, handler in module.seen.items():
+        assert isinstance(getattr(handler, "__self__", None), preemption.Preemption), (phase, handler)
+    assert signal.getsignal(signal.SIGTERM) == before  # and what was there before the run is back
+
+
 @pytest.fixture
 def sigusr1_default() -> Iterator[None]:
     """SIGUSR1's default action in this process for the test, whatever the suite was started under (a runner may
@@ -234,10 +269,28 @@ def test_a_step_longer_than_the_grace_warns_once_with_the_fix() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("at", "ranks"),
-    [("configure_model", "0,1"), ("fingerprint", "0,1"), ("sanity", "0")],
-    ids=["load-every-rank", "fingerprint-every-rank", "sanity-rank0-only"],
+    [
+        ("setup", "0,1"),
+        ("configure_model", "0,1"),
+        ("patch", "0,1"),
+        ("on_fit_start", "0,1"),
+        ("fingerprint", "0,1"),
+        ("sanity", "0"),
+        ("train_dataloader", "0,1"),
+    ],
+    ids=[
+        "setup-every-rank",
+        "load-every-rank",
+        "patch-window-every-rank",
+        "on-fit-start-every-rank",
+        "fingerprint-every-rank",
+        "sanity-rank0-only",
+        "train-dataloader-every-rank",
+    ],
 )
 def test_a_sigterm_before_the_first_step_ends_every_rank_within_the_grace(tmp_path: Path, at: str, ranks: str) -> None:
+    # every phase from the strategy's setup on: its handler alone sees the signal (Lightning's, which broadcasts
+    # inside the handler, is never registered), and a stop raised inside a patch window waits for its `try:`
     grace = 15.0
     args = ["--dir", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report"), "--at", at, "--ranks", ranks]
     started = time.monotonic()
@@ -247,5 +300,6 @@ def test_a_sigterm_before_the_first_step_ends_every_rank_within_the_grace(tmp_pa
     signalled = [int(r) for r in ranks.split(",")]
     assert len(reports) >= len(signalled)  # a rank never signalled may have been ended by its launcher instead
     assert all(r["status"] == 128 + signal.SIGTERM and r["seconds"] < grace for r in reports), reports
+    assert all(r["patched"] == [] for r in reports), reports  # every patched function is its original again
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())  # nothing written, whole or half
     assert time.monotonic() - started < 120  # not the 120 s each rank would have slept, nor a hang

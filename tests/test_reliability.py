@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_frozen
-from lightning_frozen import CheckpointFormatError, read_checkpoint
+from lightning_frozen import CheckpointFormatError, process, read_checkpoint
 from lightning_frozen.checkpoint import atomic_files, file
 from lightning_frozen.format import layout
 from lightning_frozen.zero.compute import gloo_exit
@@ -136,7 +136,7 @@ def test_sigkill_while_checkpointing_every_step_leaves_whole_files_and_resumes(t
 
 
 def _plant_temp_file(folder: Path, name: str, pid: int, host: str | None = None, age: float = 0) -> Path:
-    path = folder / f".{name}.lf-{host or atomic_files.pid_space_tag()}-{pid}-0123abcd.tmp"
+    path = folder / f".{name}.lf-{host or process.pid_space_tag()}-{pid}-0123abcd.tmp"
     path.write_bytes(b"half a checkpoint")
     os.utime(path, (time.time() - age, time.time() - age))
     return path
@@ -149,7 +149,7 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path: Path) -> N
     stale = [
         _plant_temp_file(tmp_path, "last.ckpt", dead.pid),
         _plant_temp_file(tmp_path, "epoch=0-step=3.ckpt", dead.pid),  # another checkpoint name in the same folder
-        _plant_temp_file(tmp_path, "last.ckpt", live, host="0badc0de", age=2 * atomic_files.STALE_TEMP_SECONDS),
+        _plant_temp_file(tmp_path, "last.ckpt", live, host="0badc0de", age=2 * process.STALE_SECONDS),
     ]
     kept = [
         _plant_temp_file(tmp_path, "last.ckpt", live),  # a writer of this pid namespace that still runs
@@ -184,7 +184,7 @@ atomic_files.write_file_atomic(pathlib.Path({target!r}), write)
 
 def _pid_not_running_here() -> int:
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    return next(pid for pid in range(pid_max - 1, 300, -1) if not atomic_files.process_runs(pid))
+    return next(pid for pid in range(pid_max - 1, 300, -1) if not process.process_runs(pid))
 
 
 def test_a_live_writer_in_another_container_with_the_same_host_name_keeps_its_temp_file(tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_a_write_never_goes_through_a_planted_temp_name(tmp_path: Path, planted:
     folder.mkdir()
     # whatever sits under a name a temp file could take is neither overwritten nor followed
     for pid in (os.getpid(), 1):
-        target = folder / f".last.ckpt.lf-{atomic_files.pid_space_tag()}-{pid}-0123abcd.tmp"
+        target = folder / f".last.ckpt.lf-{process.pid_space_tag()}-{pid}-0123abcd.tmp"
         if planted == "link":
             target.symlink_to(outside)
         else:

@@ -7,34 +7,23 @@ their names; the temporary file it may leave is removed by a later write into th
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import secrets
 import shutil
-import signal
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from lightning_frozen import process
 from lightning_frozen.errors import CheckpointFormatError, OutputDirectoryError
 
 log = logging.getLogger(__name__)
 
-
-# `.<name>.lf-<pid space>-<pid>-<random>.tmp`: who wrote a temp file, so a later save can tell a dead writer's.
-# (8 hex digits: a host-name tag of lightning-frozen 0.1, removed by age only)
-_TEMP_FILE = re.compile(r"^\..+\.lf-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
-# A temp file nobody has written to for this long is stale whoever wrote it (another machine or container, or a
-# reused pid).
-STALE_TEMP_SECONDS = 3600.0
-# the temp files this process is writing now, for a process that must exit at once (see preemption.py)
-_BEING_WRITTEN: set[Path] = set()
+# `.<name>.lf-<pid space>-<pid>-<random>.tmp` (process.owned_name): who wrote a temp file or folder, so that a later
+# write into the same folder can tell a dead writer's
+_TEMP_FILE = process.owned_names(r"\..+\.lf", r"\.tmp")
 
 
 def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
@@ -69,29 +58,28 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     rename it over ``path``.
 
     The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
-    through an existing file or link). A SIGTERM or SIGHUP nobody handles removes it before it ends the process; a
-    process killed mid-write (SIGKILL, out of memory, power loss) leaves it behind: every write first removes such
+    through an existing file or link). A SIGTERM or SIGHUP nobody handles removes it before it ends the process, as
+    does an exit at once (``process.exit_now``: once it has begun, nothing is renamed into place); a process killed
+    mid-write (SIGKILL, out of memory, power loss) leaves it behind: every write first removes such
     files in its folder when they are stale (see :func:`remove_stale_temp_files`), so they do not pile up across
     restarts.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
-    tmp = path.parent / f".{path.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp = _temp_path(path)
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode. Open
     # for reading too: a write in two passes reads where the first put each tensor (zero/torch_file.py)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    _BEING_WRITTEN.add(tmp)
-    try:
-        with _removed_on_terminating_signal(tmp), os.fdopen(fd, "w+b") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        _BEING_WRITTEN.discard(tmp)
+    with process.uninterrupted():  # a stop a signal raises waits for the file to be whole or gone
+        fd = process.start_writing(tmp, lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+        try:
+            with process.removed_if_terminated(tmp), os.fdopen(fd, "w+b") as handle:
+                write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            process.publish(tmp, lambda: os.replace(tmp, path))
+        except BaseException:
+            process.abandon(tmp)
+            raise
     _fsync_dir(path.parent)
 
 
@@ -111,29 +99,38 @@ def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) 
     check_output_folder(destination, replaceable)
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(destination.parent)
-    tmp = destination.parent / f".{destination.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()
-    try:
-        yield tmp
-        for entry in os.scandir(tmp):
-            _fsync_path(entry.path)
-        _fsync_path(str(tmp))
-        if destination.exists():
-            # a folder cannot be renamed over a non-empty one: the old one steps aside under a temp name first
-            old = tmp.with_name(f".{destination.name}.lf-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp")
-            os.replace(destination, old)
-            try:
-                os.replace(tmp, destination)
-            except BaseException:
-                os.replace(old, destination)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, destination)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    tmp = _temp_path(destination)
+    with process.uninterrupted():  # a stop a signal raises waits for the folder to be whole or gone
+        process.start_writing(tmp, tmp.mkdir)
+        try:
+            yield tmp
+            for entry in os.scandir(tmp):
+                _fsync_path(entry.path)
+            _fsync_path(str(tmp))
+            process.publish(tmp, lambda: _replace_folder(tmp, destination))
+        except BaseException:
+            process.abandon(tmp)
+            raise
     _fsync_dir(destination.parent)
+
+
+def _replace_folder(tmp: Path, destination: Path) -> None:
+    if not destination.exists():
+        os.replace(tmp, destination)
+        return
+    # a folder cannot be renamed over a non-empty one: the old one steps aside under a temp name first
+    old = _temp_path(destination)
+    os.replace(destination, old)
+    try:
+        os.replace(tmp, destination)
+    except BaseException:
+        os.replace(old, destination)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _temp_path(target: Path) -> Path:
+    return target.parent / process.owned_name(f".{target.name}.lf", ".tmp")
 
 
 def check_output_folder(destination: Path, replaceable: Callable[[str], bool]) -> None:
@@ -153,75 +150,15 @@ def check_output_folder(destination: Path, replaceable: Callable[[str], bool]) -
         )
 
 
-# signals whose default action ends the process; a handler of anyone else's is left alone
-_TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # SIGINT raises KeyboardInterrupt, which removes it too
-
-
-@contextmanager
-def _removed_on_terminating_signal(tmp: Path) -> Iterator[None]:
-    """While ``tmp`` is written: a terminating signal that no one handles removes it, then ends the process as that
-    signal would have (SIGKILL cannot be caught: its temp file is removed by a later write, see above)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    unhandled = [s for s in _TERMINATING if signal.getsignal(s) == signal.SIG_DFL]
-
-    def end(signum: int, frame: Any) -> None:
-        tmp.unlink(missing_ok=True)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    for signum in unhandled:
-        signal.signal(signum, end)
-    try:
-        yield
-    finally:
-        for signum in unhandled:
-            signal.signal(signum, signal.SIG_DFL)
-
-
-def remove_temp_files_being_written() -> list[Path]:
-    """Delete the temp files :func:`write_file_atomic` is writing in this process now, and return them: for a process
-    about to exit at once (``os._exit``), which leaves every target file as it was. Safe in a signal handler."""
-    removed = []
-    for tmp in _BEING_WRITTEN.copy():  # one C call under the GIL: the main thread cannot change it meanwhile
-        try:
-            tmp.unlink()
-            removed.append(tmp)
-        except FileNotFoundError:
-            continue  # renamed over its target a moment ago: that file is whole
-    return removed
-
-
 def remove_stale_temp_files(folder: Path) -> list[Path]:
     """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them.
 
-    A temp file is stale when it was written in this pid space (see :func:`pid_space_tag`) by a process that no
-    longer runs, or when nothing has written to it for ``STALE_TEMP_SECONDS`` (its writer ran on another machine or
+    A temp file is stale when it was written in this pid space (see ``process.pid_space_tag``) by a process that no
+    longer runs, or when nothing has written to it for ``process.STALE_SECONDS`` (its writer ran on another machine or
     in another container sharing the folder, or its pid was reused). A live writer's file, here or elsewhere, is left
     alone, as is every file not named like ours.
     """
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    space, now = pid_space_tag(), time.time()
-    for entry in entries:
-        match = _TEMP_FILE.match(entry.name)
-        if match is None or entry.is_symlink():
-            continue
-        try:
-            idle = now - entry.stat(follow_symlinks=False).st_mtime
-            dead = match["space"] == space and not process_runs(int(match["pid"]))
-            if dead or idle > STALE_TEMP_SECONDS:
-                if entry.is_dir(follow_symlinks=False):  # a folder being written whole (folder_written_whole)
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(Path(entry.path))
-        except FileNotFoundError:
-            continue  # another process removed or renamed it meanwhile
+    removed = process.remove_dead_files(folder, _TEMP_FILE)
     if removed:
         log.warning(
             "lightning-frozen: removed %d temp file(s) left in %s by an interrupted checkpoint write: %s",
@@ -230,31 +167,6 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
             ", ".join(path.name for path in removed),
         )
     return removed
-
-
-def pid_space_tag() -> str:
-    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace.
-
-    A host name is not enough: containers on one machine (or on several) often share one, while each has its own pid
-    namespace, where another container's live writer looks dead. Without ``/proc`` (not Linux) the host name is used.
-    """
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        space = socket.gethostname()
-    return hashlib.sha256(space.encode()).hexdigest()[:16]
-
-
-def process_runs(pid: int) -> bool:
-    """Whether a process with this pid runs in this pid namespace (under any user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it runs, under another user
-    return True
 
 
 def _fsync_path(path: str) -> None:

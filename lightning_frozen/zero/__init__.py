@@ -46,6 +46,9 @@ is defined where it is listed):
 - ``exact_gather``: a param's gathers answered without a collective, a write handed back: ``override_gathers``.
 - ``forward_trace``: ZeRO-3's trace reset once per outermost call, so a step calling ``self(x)`` prefetches:
   ``reset_trace_at_outermost_call``, ``restore_trace_reset``.
+- ``collectives``: the package's own collectives (a flag any rank raised, a value from every rank), through
+  DeepSpeed's communication module, apart from ZeRO's gathers of params: ``gather_objects``, ``any_rank``,
+  ``distributed``.
 - ``checkpoint_files``: what a stock DeepSpeed ZeRO-3 checkpoint directory holds: ``shard_files``,
   ``pickled_classes``, ``read_model_states``, ``read_fp32_tensors``, ``merge_trainable``, ``loss_scaler_of``,
   ``ENGINE_STATE_KEYS``.

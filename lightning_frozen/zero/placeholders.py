@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lightning_frozen import process
+
 
 @contextmanager
 def untouched_while_loading(building: Callable[[], bool], enabled: bool = True) -> Iterator[None]:
@@ -58,11 +60,8 @@ def untouched_while_loading(building: Callable[[], bool], enabled: bool = True) 
         # with a shard in place DeepSpeed takes the param as partitioned already: it only frees the full tensor
         return original(self, param, buffer, has_been_updated, free_data)
 
-    Init._partition_param = partition_param
-    try:
+    with process.patched(Init, "_partition_param", partition_param):  # put back whatever stops the load
         yield
-    finally:
-        Init._partition_param = original
 
 
 @contextmanager
@@ -84,11 +83,8 @@ def not_broadcast_while_loading(building: Callable[[], bool], enabled: bool = Tr
         self._convert_to_deepspeed_param(param)
         param.partition()
 
-    Init._zero_init_param = zero_init_param
-    try:
+    with process.patched(Init, "_zero_init_param", zero_init_param):  # put back whatever stops the load
         yield
-    finally:
-        Init._zero_init_param = original
 
 
 def _is_convert_broadcast_partition(method: Callable[..., Any]) -> bool:

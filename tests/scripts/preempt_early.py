@@ -1,19 +1,24 @@
 """Send SIGTERM to ranks of a 2-process ``frozen_deepspeed`` fit before its first training step, where no step boundary
-can be reached: in ``configure_model`` (a load standing in for a long one: the rank signals itself, then sleeps 120 s),
-in the fingerprint (the first pass over the frozen shards at the start of training), or in sanity validation (then
-sleeps likewise). ``--ranks`` says which ranks are signalled; the others sleep at the same point, as a rank that never
-got the signal would go on loading. Each rank that leaves by itself writes ``<report>/rank<R>.json`` with its exit
-status and how long it took from the signal; no checkpoint may appear in ``--dir``.
+can be reached: in the user's ``setup()``, in ``configure_model`` (a load standing in for a long one: the rank signals
+itself, then sleeps 120 s), in ``on_fit_start``, in the fingerprint (the first pass over the frozen shards at the start
+of training), in sanity validation, in ``train_dataloader()`` (then sleeps likewise), or inside the window in which
+transformers' loader is patched (``patch``: between the two patched functions, where the script's own hook signals
+and sleeps 2 s, the window widened). ``--ranks`` says which ranks are signalled; the others sleep at the same point,
+as a rank that never got the signal would go on loading. Each rank that leaves by itself writes
+``<report>/rank<R>.json`` with its exit status, how long it took from the signal, and the patched functions that
+were not their originals after the run; no checkpoint may appear in ``--dir``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -21,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from lightning_frozen.hf import transformers_loading  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
@@ -38,8 +44,21 @@ class Signalling(AdapterModel):
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(120)  # the long load (or evaluation) the signal arrives in
 
+    def setup(self, stage: str) -> None:
+        self._signal_then_wait("setup")
+
     def configure_model(self) -> None:
         self._signal_then_wait("configure_model")
+
+    def on_fit_start(self) -> None:
+        self._signal_then_wait("on_fit_start")
+
+    def train_dataloader(self) -> Any:
+        self._signal_then_wait("train_dataloader")
+        return regression_data()
+
+    def val_dataloader(self) -> Any:
+        return regression_data()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if self.trainer.sanity_checking:
@@ -47,16 +66,50 @@ class Signalling(AdapterModel):
         super().validation_step(batch, batch_idx)
 
 
+def patched_functions() -> dict[str, Any]:
+    """The functions the load's patch windows replace for a while: transformers' two loading steps, DeepSpeed's
+    partitioning of a param built under ``zero.Init``."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+    from transformers import modeling_utils
+
+    return {
+        "modeling_utils.load_state_dict": modeling_utils.load_state_dict,
+        "modeling_utils._load_state_dict_into_zero3_model": modeling_utils._load_state_dict_into_zero3_model,
+        "Init._partition_param": Init._partition_param,
+        "Init._zero_init_param": Init._zero_init_param,
+    }
+
+
+def signal_inside_the_patch_window(ranks: list[int]) -> None:
+    """The test's hook: transformers' loader is patched in two steps, each a ``functools.partial``; the second call
+    (the first function already patched) signals this rank and sleeps 2 s, a widened window."""
+    calls = []
+
+    def partial(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2 and int(os.environ.get("LOCAL_RANK", "0")) in ranks:
+            SIGNALLED_AT["time"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)
+        return functools.partial(*args, **kwargs)
+
+    transformers_loading.functools = SimpleNamespace(**{**vars(functools), "partial": partial})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--report", required=True)
-    parser.add_argument("--at", choices=["configure_model", "fingerprint", "sanity"], required=True)
+    phases = ["setup", "configure_model", "on_fit_start", "fingerprint", "sanity", "train_dataloader", "patch"]
+    parser.add_argument("--at", choices=phases, required=True)
     parser.add_argument("--ranks", type=lambda text: [int(r) for r in text.split(",")], default=[0, 1])
     parser.add_argument("--grace", type=float, default=15.0)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the suite was started under
 
+    originals = patched_functions()
+    if args.at == "patch":
+        signal_inside_the_patch_window(args.ranks)
     strategy = FrozenAwareDeepSpeedStrategy(preemption_grace=args.grace)
     if args.at == "fingerprint":
         fingerprint = strategy.frozen_base_fingerprint
@@ -78,7 +131,7 @@ def main() -> None:
     model.args = args
     status = 0
     try:
-        trainer.fit(model, regression_data(), regression_data())
+        trainer.fit(model)
     except SystemExit as stop:
         status = stop.code
         raise
@@ -87,7 +140,8 @@ def main() -> None:
         raise
     finally:
         took = time.monotonic() - SIGNALLED_AT.get("time", time.monotonic())
-        write_report(Path(args.report), trainer.global_rank, {"status": status, "seconds": took})
+        left = sorted(name for name, function in patched_functions().items() if function is not originals[name])
+        write_report(Path(args.report), trainer.global_rank, {"status": status, "seconds": took, "patched": left})
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ one collective: no rank uses the file unless every rank mapped it.
 
 The file is unlinked as soon as every rank has mapped it, or given it up, or the handshake raised: the memory goes
 back when the last rank drops its params. A job killed between making the file and unlinking it leaves it behind, so
-the file's name holds its owner's uid and pid (``lightning-frozen-<uid>-<pid>-<random>``), and rank 0 removes files
-of its own uid whose process is gone before it makes one (a pid alive in another pid namespace that shares this
-``/dev/shm`` looks gone: its file lives only for the seconds of a handshake).
+the file's name says which process made it (``lightning-frozen-<pid space>-<pid>-<random>``,
+``process.owned_name``), and rank 0 removes those whose process is gone before it makes one, with the sweeper the
+package's temp files use (``process.remove_dead_files``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import ctypes
 import errno
 import mmap
 import os
-import re
 import secrets
 import weakref
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_frozen import process
 from lightning_frozen.format.codec import split
 from lightning_frozen.zero.frozen_storage import keeps_a_copy
 
@@ -55,7 +55,7 @@ _MADV_POPULATE_READ = 22  # Linux 5.14
 _HEADER = 64  # bytes at the file's head: rank 0's token, which proves the other ranks opened the same file
 _owned = [0]  # bytes of this rank's shards in shared files, of params alive (memory accounting)
 _PREFIX = "lightning-frozen"
-_NAME = re.compile(rf"{_PREFIX}-(\d+)-(\d+)-[0-9a-f]+")  # owner's uid, pid
+_NAME = process.owned_names(_PREFIX)
 
 
 def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parameter], Optional[str]]) -> int:
@@ -161,14 +161,14 @@ def _layout(shard_bytes: list[int], world: int) -> tuple[list[int], int]:
 
 
 def _new_name() -> str:
-    """A name for rank 0's file that says whose it is: ``lightning-frozen-<uid>-<pid>-<random>``."""
-    return f"{_PREFIX}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
+    """A name for rank 0's file that says which process made it: ``lightning-frozen-<pid space>-<pid>-<random>``."""
+    return process.owned_name(_PREFIX)
 
 
 def _offer(path: Path, total: int) -> tuple[list[Optional[str]], Optional[torch.Tensor]]:
     """On rank 0: remove the files of dead jobs, make ``path`` with ``total`` bytes reserved, map it and write its
     token; ([name, token, None], the mapping), or ([None, None, why not], None)."""
-    _remove_files_of_dead_jobs()
+    process.remove_dead_files(SHARED_DIR, _NAME)  # of jobs killed mid-handshake
     try:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -197,31 +197,6 @@ def _no_room(path: Path, total: int, error: OSError) -> str:
         f"{path.parent} has {free} and the codes take {total / 2**30:.2f} GiB ({error.strerror}; in a container, raise"
         " its --shm-size)"
     )
-
-
-def _remove_files_of_dead_jobs() -> None:
-    """Remove the files in :data:`SHARED_DIR` that this user's jobs made and did not unlink because they were killed
-    mid-handshake: named by this uid, owned by it, and of a pid that no longer runs. Never another user's file, nor
-    a live job's."""
-    uid = os.getuid()
-    for path in SHARED_DIR.glob(f"{_PREFIX}-{uid}-*"):
-        match = _NAME.fullmatch(path.name)
-        try:
-            if match is None or path.lstat().st_uid != uid or _runs(int(match[2])):
-                continue
-            path.unlink()
-        except OSError:  # gone already, or not ours to remove
-            continue
-
-
-def _runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _open(path: Path, token: Optional[str], total: int) -> Optional[torch.Tensor]:

@@ -1,0 +1,384 @@
+"""How this process ends and what it leaves behind, with one owner each: the package's signal handlers and the
+watchdog that bounds a stop, the windows a stop waits for, the files this process is writing when it must exit at
+once, and the sweeping of files that dead processes left.
+
+**Signals.** :class:`StopSignals` sets the handler of a run's stop signals (SIGTERM, SLURM's requeue signal) and starts
+a watchdog thread, both before any signal comes; the handler runs in the main thread and records (``preemption.py``
+says what; before a run's first step it also raises the run's stop, see below). The watchdog learns of each signal
+from the wakeup fd CPython's C-level handler writes to, so it counts a signal even while the main thread is stuck in
+C code and never runs the handler: ``grace`` seconds after the first, or at once after a second, it ends the process
+(:func:`exit_now`). Nothing is started in a handler: ``Thread.start`` takes a lock of ``threading`` that the main
+thread may hold at that moment.
+
+**Uninterrupted windows.** A stop raised from a signal handler lands between any two bytecodes of the main thread, also
+between a class patch and the ``try:`` that puts it back. Inside :func:`uninterrupted` such a stop waits: it is raised
+as the window closes, or in the window's :func:`interruptible` body (a load that runs for minutes under the patch).
+``pthread_sigmask`` cannot do this: it blocks the calling thread only, and once the kernel delivers the signal to any
+other thread (torch, gloo and Lightning start some), CPython runs the handler in the main thread all the same.
+
+**Files being written.** Temp files and folders this process is writing are registered (:func:`start_writing`), so
+that an exit at once removes them; once it has begun, none is renamed into place any more, so a target stays as it
+was or is whole. A terminating signal nobody handles removes the file being written before it ends the process
+(:func:`removed_if_terminated`).
+
+**Dead processes' files.** A file named by :func:`owned_name` says which process made it; :func:`remove_dead_files`
+removes those whose process is gone, or that nobody has written to for ``STALE_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn, Optional, TypeVar
+
+T = TypeVar("T")
+
+# A file nobody has written to for this long is stale whoever wrote it (another machine or container, or a reused pid)
+STALE_SECONDS = 3600.0
+# `<prefix>-<pid space>-<pid>-<random><suffix>` (8 hex digits: lightning-frozen 0.1's host-name tag, stale by age only)
+_OWNED = r"-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+"
+
+_windows = [0]  # uninterrupted windows open in the main thread
+_pending: list[BaseException] = []  # the stop a signal raised inside one, raised as the last one closes
+_writing: set[Path] = set()  # temp files and folders this process is writing now
+_writing_lock = threading.Lock()  # against the watchdog's exit; no signal handler takes it
+_exiting = [False]  # set once an exit at once has begun: nothing is renamed into place any more
+
+
+class ProcessExitingError(RuntimeError):
+    """This process is exiting at once (a second stop signal, or its stop deadline passed): no file is published."""
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """While active (in the main thread), a stop that a signal handler raises through :func:`raise_when_safe` waits,
+    and is raised as the outermost window closes: around a patch of another package's class and the ``try:`` that
+    puts it back. Its body may open :func:`interruptible` stretches. Windows in other threads hold nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = _windows[0]
+    _windows[0] = outer + 1  # each window sets the depth it found back: a stop landing anywhere leaves it right
+    try:
+        yield
+    except BaseException:
+        _pending.clear()  # the window is left by an exception already; the deadline still bounds the stop
+        raise
+    finally:
+        _windows[0] = outer
+    if not outer and _pending:
+        raise _pending.pop()
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside an :func:`uninterrupted` window, a stretch where a stop lands again (one waiting is raised at once), and
+    after which the window goes on: the body of a patch, which a ``try:`` already puts back. A patch window reads::
+
+        with uninterrupted():
+            patch()
+            try:
+                with interruptible():
+                    yield
+            finally:
+                restore()
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = _windows[0]
+    _windows[0] = 0
+    try:
+        if _pending:
+            raise _pending.pop()
+        yield
+    finally:
+        _windows[0] = outer
+
+
+@contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.<name>`` is ``value`` while active and its own again after, whatever stops the body: the patch and its
+    undoing in an :func:`uninterrupted` window, the body :func:`interruptible`."""
+    with uninterrupted():
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        try:
+            with interruptible():
+                yield
+        finally:
+            setattr(owner, name, original)
+
+
+def raise_when_safe(stop: BaseException) -> None:
+    """From a signal handler in the main thread: raise ``stop`` now, or, inside :func:`uninterrupted`, as it closes."""
+    if _windows[0]:
+        _pending[:] = [stop]
+        return
+    raise stop
+
+
+class StopSignals:
+    """``handler`` set for ``signums`` in the main thread, and a watchdog thread started with it: ``grace`` seconds
+    after the first of these signals, or at once after a second, it calls :func:`exit_now` with ``status(signum)``
+    and ``before_exit``. :meth:`close` puts back the handlers and the wakeup fd found, and ends the watchdog."""
+
+    def __init__(
+        self,
+        signums: Sequence[int],
+        handler: Callable[[int, Optional[FrameType]], Any],
+        grace: float,
+        status: Callable[[int], int],
+        before_exit: Callable[[], None],
+    ) -> None:
+        self.signums, self.handler, self.grace = tuple(signums), handler, grace
+        self._status, self._before_exit = status, before_exit
+        self.before = {signum: signal.getsignal(signum) for signum in self.signums}
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # CPython's C handler writes to it: it must never block
+        self._closed = False
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        for signum in self.signums:
+            signal.signal(signum, handler)
+        _installed[:] = [self]
+        threading.Thread(target=self._watch, name="lightning-frozen stop watchdog", daemon=True).start()
+
+    def close(self) -> None:
+        """Put back the handlers (where still this one's) and the wakeup fd found, and end the watchdog."""
+        if self._closed:
+            return
+        for signum, before in self.before.items():
+            if signal.getsignal(signum) == self.handler and before is not None:
+                signal.signal(signum, before)
+        signal.set_wakeup_fd(self._previous_fd)
+        _installed.clear()
+        self._closed = True
+        os.write(self._write, b"\0")  # no signal has number 0: it wakes the watchdog to end
+        os.close(self._write)  # here, not by the watchdog: its number could be another file's by the write above
+
+    def _watch(self) -> None:
+        first, deadline = 0, float("inf")
+        try:
+            while True:
+                ready, _, _ = select.select([self._read], [], [], max(0.0, min(deadline - time.monotonic(), 3600.0)))
+                if not ready:
+                    if time.monotonic() >= deadline:
+                        why = f"the rank did not stop within {self.grace:g} s"
+                        exit_now(self._status(first), why, self._before_exit)
+                    continue
+                # in order: a signal that came before close() (a second one its handler saw) is acted on first
+                received, closed, _ = os.read(self._read, 512).partition(b"\0")
+                if self._previous_fd >= 0 and received:  # whoever set a wakeup fd before (asyncio) still hears them
+                    with suppress(OSError):
+                        os.write(self._previous_fd, received)
+                for signum in (s for s in received if s in self.signums):
+                    if first:
+                        why = f"a second {signal.Signals(signum).name} arrived"
+                        exit_now(self._status(signum), why, self._before_exit)
+                    first, deadline = signum, time.monotonic() + self.grace
+                if closed or self._closed:
+                    return
+        finally:
+            os.close(self._read)
+
+
+_installed: list[StopSignals] = []  # the run's, while set: a forked child (a DataLoader worker) takes it off
+
+
+def _not_in_a_forked_child() -> None:
+    """In a child forked while a run's handler is set: the handlers found before, no wakeup fd. The child is not the
+    rank: its SIGTERM (a DataLoader shutting its workers down) must end it, and must not reach the rank's watchdog
+    through the inherited pipe."""
+    for watch in _installed:
+        for signum, before in watch.before.items():
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
+        signal.set_wakeup_fd(-1)
+    _installed.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_a_forked_child)
+
+
+def exit_now(status: int, why: str, before_exit: Callable[[], None] = lambda: None) -> NoReturn:
+    """End this process at once with ``status``: the temp files and folders it is writing removed first (the targets
+    stay as they were), ``why`` written to stderr, then ``before_exit()``. Safe from any thread."""
+    removed = _remove_being_written()
+    unfinished = f" (removed the unfinished {', '.join(p.name for p in removed)})" if removed else ""
+    # straight to stderr: the main thread may hold the logging locks
+    os.write(2, f"lightning-frozen: {why}; exiting now with status {status}{unfinished}.\n".encode())
+    before_exit()
+    os._exit(status)
+
+
+def exiting() -> None:
+    """Mark that this process exits at once (from a signal handler, before the watchdog does it): from here on no temp
+    file is renamed into place."""
+    _exiting[0] = True
+
+
+def start_writing(tmp: Path, create: Callable[[], T]) -> T:
+    """``create()`` ``tmp`` (a temp file or folder) and register it, as one step: an exit at once removes it. Call it,
+    :func:`publish` and :func:`abandon` inside one :func:`uninterrupted` window around the whole write, so that no
+    stop lands between a step and the next.
+
+    Raises:
+        ProcessExitingError: the process is exiting at once.
+    """
+    with _writing_lock:
+        if _exiting[0]:
+            raise ProcessExitingError(f"not writing {tmp}: this process is exiting")
+        made = create()
+        _writing.add(tmp)
+    return made
+
+
+def publish(tmp: Path, rename: Callable[[], None]) -> None:
+    """``rename()`` ``tmp`` into place and forget it, as one step, unless the process is exiting at once.
+
+    Raises:
+        ProcessExitingError: the process is exiting at once (``tmp`` stays registered: the exit removes it).
+    """
+    with _writing_lock:
+        if _exiting[0]:
+            raise ProcessExitingError(f"not renaming {tmp}: this process is exiting")
+        rename()
+        _writing.discard(tmp)
+
+
+def abandon(tmp: Path) -> None:
+    """Remove ``tmp`` (a write failed) and forget it; left to the exit at once when one has begun, which says so."""
+    with _writing_lock:
+        if not _exiting[0]:
+            _remove(tmp)
+            _writing.discard(tmp)
+
+
+def _remove_being_written() -> list[Path]:
+    acquired = _writing_lock.acquire(timeout=1.0)  # held for a rename at most; never wait long to exit
+    try:
+        _exiting[0] = True
+        removed = [tmp for tmp in list(_writing) if _remove(tmp)]
+        _writing.clear()
+        return removed
+    finally:
+        if acquired:
+            _writing_lock.release()
+
+
+def _remove(path: Path) -> bool:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# signals whose default action ends the process; a handler of anyone else's is left alone
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # SIGINT raises KeyboardInterrupt, which removes it too
+
+
+@contextmanager
+def removed_if_terminated(tmp: Path) -> Iterator[None]:
+    """While ``tmp`` is written: a terminating signal that no one handles removes it, then ends the process as that
+    signal would have (SIGKILL cannot be caught: a later sweep removes its file, :func:`remove_dead_files`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    unhandled = [s for s in _TERMINATING if signal.getsignal(s) == signal.SIG_DFL]
+
+    def end(signum: int, frame: Any) -> None:
+        tmp.unlink(missing_ok=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for signum in unhandled:
+        signal.signal(signum, end)
+    try:
+        yield
+    finally:
+        for signum in unhandled:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def owned_name(prefix: str, suffix: str = "") -> str:
+    """A new name ``<prefix>-<pid space>-<pid>-<random><suffix>`` that says which process made it, for
+    :func:`remove_dead_files`."""
+    return f"{prefix}-{pid_space_tag()}-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+
+
+def owned_names(prefix: str, suffix: str = "") -> re.Pattern[str]:
+    """The names :func:`owned_name` makes for ``prefix`` and ``suffix`` (regular expressions, matched whole)."""
+    return re.compile(f"^{prefix}{_OWNED}{suffix}$")
+
+
+def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
+    """Delete the entries of ``folder`` (files, or folders with what they hold) whose names ``names`` matches
+    (:func:`owned_names`) and whose process is gone; return them.
+
+    An entry is a dead process's when it was made in this pid space (see :func:`pid_space_tag`) by a process that no
+    longer runs, or when nothing has written to it for ``STALE_SECONDS`` (its process ran on another machine or in
+    another container sharing the folder, or its pid was reused). A live process's entry, here or elsewhere, is left
+    alone, as is every entry not named so, every link, and what this user may not remove.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    space, now = pid_space_tag(), time.time()
+    for entry in entries:
+        match = names.match(entry.name)
+        if match is None or entry.is_symlink():
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+            dead = match["space"] == space and not process_runs(int(match["pid"]))
+            if dead or idle > STALE_SECONDS:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:  # removed or renamed by another process meanwhile, or not this user's to remove
+            continue
+    return removed
+
+
+def pid_space_tag() -> str:
+    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace.
+
+    A host name is not enough: containers on one machine (or on several) often share one, while each has its own pid
+    namespace, where another container's live process looks dead. Without ``/proc`` (not Linux) the host name is used.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        space = socket.gethostname()
+    return hashlib.sha256(space.encode()).hexdigest()[:16]
+
+
+def process_runs(pid: int) -> bool:
+    """Whether a process with this pid runs in this pid namespace (under any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it runs, under another user
+    return True
