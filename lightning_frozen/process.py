@@ -333,7 +333,8 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
     An entry is a dead process's when it was made in this pid space (see :func:`pid_space_tag`) by a process that no
     longer runs, or when nothing has written to it for ``STALE_SECONDS`` (its process ran on another machine or in
     another container sharing the folder, or its pid was reused). A live process's entry, here or elsewhere, is left
-    alone, as is every entry not named so, every link, and what this user may not remove.
+    alone, as is every entry not named so, every link, and every entry another user owns (a job run as root on a
+    shared node never removes another user's files).
     """
     removed: list[Path] = []
     try:
@@ -346,7 +347,10 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
         if match is None or entry.is_symlink():
             continue
         try:
-            idle = now - entry.stat(follow_symlinks=False).st_mtime
+            status = entry.stat(follow_symlinks=False)
+            if status.st_uid != os.getuid():
+                continue
+            idle = now - status.st_mtime
             dead = match["space"] == space and not process_runs(int(match["pid"]))
             if dead or idle > STALE_SECONDS:
                 if entry.is_dir(follow_symlinks=False):

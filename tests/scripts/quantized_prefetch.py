@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, process  # noqa: E402
 from lightning_frozen.zero import frozen_storage  # noqa: E402
 from lightning_frozen.zero import params as zero  # noqa: E402
 from lightning_frozen.zero.compute import node_codes, quantized  # noqa: E402
@@ -164,17 +164,17 @@ def share_in_a_handshake_that_raises(model: AdapterModel, folder: Path) -> None:
 
 
 def leave_files_of_other_jobs(folder: Path, planted: Path) -> None:
-    """Files in ``folder`` named as the shared files of a dead job of this user, a live one, a dead job of another
-    user, and one named as this user's dead job's but owned by another user (where this process may chown);
-    their names by kind, in ``planted``."""
-    uid = os.getuid()
+    """Files in ``folder`` named as the shared files of a dead job of this pid space, a live one, a job of another
+    pid space (another container's, which this one cannot tell dead), and one named as a dead job's here but owned
+    by another user (where this process may chown); their names by kind, in ``planted``."""
+    uid, space = os.getuid(), process.pid_space_tag()
     ended = subprocess.Popen(["true"])
     ended.wait()  # its pid is no longer alive
     names = {
-        "dead": f"lightning-frozen-{uid}-{ended.pid}-00000000000000aa",
-        "live": f"lightning-frozen-{uid}-{os.getppid()}-00000000000000bb",
-        "other_user": f"lightning-frozen-{uid + 1}-{ended.pid}-00000000000000cc",
-        "other_owner": f"lightning-frozen-{uid}-{ended.pid}-00000000000000dd",
+        "dead": f"lightning-frozen-{space}-{ended.pid}-000000aa",
+        "live": f"lightning-frozen-{space}-{os.getppid()}-000000bb",
+        "other_space": f"lightning-frozen-{'0' * 16}-{ended.pid}-000000cc",
+        "other_owner": f"lightning-frozen-{space}-{ended.pid}-000000dd",
     }
     for name in names.values():
         (folder / name).touch()
