@@ -129,8 +129,10 @@ LIGHTNING_USUAL = re.compile(
 )
 # every other line, named with whose it is and why it stays, and how many of its lines each rank prints
 DEPENDENCY_LINES = {
-    # DeepSpeed's CPU collectives: a print of its op builder
+    # DeepSpeed's CPU collectives: a print of its op builder; torch 2.14's cpp_extension, which that builder imports,
+    # warns where a CUDA toolkit is installed without a GPU (as on this project's machines)
     r"^DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully$": 1,
+    r"torch/utils/cpp_extension\.py:\d+\] No CUDA runtime is found, using CUDA_HOME=": 1,
     # transformers' progress bar in the user's `from_pretrained` (its first and last state)
     r"^Loading weights: ": 2,
     # PEFT 0.21.2's `get_peft_model` reads a property transformers 5 deprecated: the user's call, stock Lightning too
