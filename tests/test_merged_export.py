@@ -32,19 +32,12 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from examples.causal_lm_lora.make_base import write_random_llama  # noqa: E402
+from tests import peft_models  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.peft_models import tiny_bert_folder  # noqa: E402
 from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
 
-TINY_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=64,
-)
+TINY_LLAMA = {**peft_models.TINY_LLAMA, "max_position_embeddings": 64}
 TOKENS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 QV = ["q_proj", "v_proj"]
 
