@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO
 
 import pytest
@@ -53,6 +54,30 @@ def test_a_patch_windows_body_is_interruptible_and_its_patch_is_put_back() -> No
         process.raise_when_safe(_Stop())  # in the body: at once
         reached.append("after the stop")
     assert reached == []
+
+
+def test_a_stop_between_peft_s_two_class_patches_leaves_both_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    # around_adapter_creation patches PeftModel.__init__, then BaseTuner.inject_adapter: a stop a signal raises
+    # between the two (here as the second wrapper is made) waits for the window's `try:`, which puts both back
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    from lightning_frozen.hf import peft_adapters
+
+    originals = (PeftModel.__init__, BaseTuner.inject_adapter)
+    wraps, made = peft_adapters.functools.wraps, []
+
+    def wraps_then_signalled(method: Callable) -> Callable:
+        made.append(method)
+        if len(made) == 2:  # the first class is patched already
+            process.raise_when_safe(_Stop())  # as the handler would, before the first training step
+        return wraps(method)
+
+    monkeypatch.setattr(peft_adapters, "functools", SimpleNamespace(wraps=wraps_then_signalled))
+    reached = []
+    with pytest.raises(_Stop), peft_adapters.around_adapter_creation(enter=list, leave=list):
+        reached.append("body")
+    assert (PeftModel.__init__, BaseTuner.inject_adapter) == originals and reached == []
 
 
 def _forked(run: Callable[[], None]) -> int:

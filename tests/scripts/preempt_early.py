@@ -68,11 +68,15 @@ class Signalling(AdapterModel):
 
 def patched_functions() -> dict[str, Any]:
     """The functions the load's patch windows replace for a while: transformers' two loading steps, DeepSpeed's
-    partitioning of a param built under ``zero.Init``."""
+    partitioning of a param built under ``zero.Init``, PEFT's adapter creation."""
     from deepspeed.runtime.zero.partition_parameters import Init
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
     from transformers import modeling_utils
 
     return {
+        "PeftModel.__init__": PeftModel.__init__,
+        "BaseTuner.inject_adapter": BaseTuner.inject_adapter,
         "modeling_utils.load_state_dict": modeling_utils.load_state_dict,
         "modeling_utils._load_state_dict_into_zero3_model": modeling_utils._load_state_dict_into_zero3_model,
         "Init._partition_param": Init._partition_param,
