@@ -7,10 +7,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.distributed import LoggedLines, logged_lines
+from tests.distributed import LoggedLines, build_deepspeed_cpu_ops, logged_lines, own_extensions_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # before pytest-xdist starts its workers, which, and every rank they start, inherit the folder and find the ops
+    # built (see own_extensions_dir: a rebuild inside a 2-rank test pushed it past its time limit)
+    own_extensions_dir()
+    if not hasattr(config, "workerinput"):
+        seconds = build_deepspeed_cpu_ops()
+        if seconds > 5:
+            print(f"\nbuilt DeepSpeed's CPU ops in {os.environ.get('TORCH_EXTENSIONS_DIR')} ({seconds:.0f} s, once)")
 
 
 @pytest.fixture

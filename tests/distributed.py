@@ -3,6 +3,7 @@ rank where a fresh process is not what is tested, in this process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +25,47 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def own_extensions_dir() -> None:
+    """Point ``TORCH_EXTENSIONS_DIR`` (unless set) at a folder of this interpreter's own, in which DeepSpeed's
+    JIT-built CPU ops (its shared-memory collectives, which every rank builds or loads as ``deepspeed.comm`` starts,
+    and CPU Adam) are built once and then only loaded.
+
+    torch's default folder, ``~/.cache/torch_extensions/py311_cpu``, is one per Python and CUDA version, whatever torch
+    built it: every venv of this machine (``.ci/run`` makes two, each with its torch) rebuilt the ops the one before
+    it left, 22 to 58 s for the shared-memory op and 60 to 116 s for CPU Adam, measured from that folder's ninja log,
+    inside whichever test started a rank first, while every other rank starting meanwhile waited on torch's lock
+    file. A 2-rank run that usually takes well within its time limit then ran past it, on the first run only."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return
+    import torch
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    folder = cache / "torch_extensions" / f"lightning-frozen-tests-{torch.__version__}-{key}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # torch's own default, as before
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+
+
+def build_deepspeed_cpu_ops() -> float:
+    """Build (or only load) DeepSpeed's CPU ops the tests use, in this process, before any test's time limit runs;
+    the seconds it took. Nothing where torch sees a GPU (the CUDA accelerator builds its own)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return 0.0
+    from deepspeed.accelerator import get_accelerator
+
+    begun = time.monotonic()
+    for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+    return time.monotonic() - begun
 
 
 def fresh_env(**overrides: str) -> dict[str, str]:
