@@ -58,6 +58,7 @@ def build_deepspeed_cpu_ops() -> float:
 
     if torch.cuda.is_available():
         return 0.0
+    import lightning_frozen  # noqa: F401  (its import picks DeepSpeed's CPU accelerator without DeepSpeed's warning)
     from deepspeed.accelerator import get_accelerator
 
     begun = time.monotonic()
