@@ -128,6 +128,8 @@ class Preemption:
         first training step (rank 0), then end the ranks ``launcher`` started (after a stop, once they have ended by
         themselves, within what is left of ``grace``, half of it before the first step; none where every rank raised
         it)."""
+        if is_stop(exception):  # as at a step boundary: Lightning's observer would SIGKILL this rank as it waits
+            lightning_seam.stop_watching_ranks()  # for the others, or ends its run after they ended with 143
         before_training = is_stop(exception) and not self.training and self.signum is not None
         if before_training and self.signum == self._requeue_signum and requeue_without_checkpoint():
             log.warning("lightning-frozen: the job was requeued (no checkpoint: it had not trained yet).")

@@ -267,6 +267,19 @@ def test_a_step_longer_than_the_grace_warns_once_with_the_fix() -> None:
 
 
 @pytest.mark.slow
+def test_after_an_early_stop_rank_0_ends_with_the_stops_status_when_the_rank_it_launched_ended_first(
+    tmp_path: Path,
+) -> None:
+    # Lightning's observer of the launched ranks polls every 5 s and SIGKILLs the whole run, rank 0 included, once one
+    # of them ended non-zero: a stop before the first step must take it off as a step-boundary stop does (one
+    # campaign run in 3 ended rank 0 with -9 here, its teardown being slower than rank 1's)
+    args = ["--dir", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report"), "--at", "train_dataloader"]
+    run = run_script("preempt_early.py", *args, "--slow-exit", status=128 + signal.SIGTERM, timeout=200)
+    assert "Forcefully terminating" not in run.stderr + run.stdout
+    assert [r["status"] for r in read_reports(tmp_path / "report")] == [128 + signal.SIGTERM] * 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("at", "ranks"),
     [

@@ -6,7 +6,8 @@ transformers' loader is patched (``patch``: between the two patched functions, w
 and sleeps 2 s, the window widened). ``--ranks`` says which ranks are signalled; the others sleep at the same point,
 as a rank that never got the signal would go on loading. Each rank that leaves by itself writes
 ``<report>/rank<R>.json`` with its exit status, how long it took from the signal, and the patched functions that
-were not their originals after the run; no checkpoint may appear in ``--dir``.
+were not their originals after the run; no checkpoint may appear in ``--dir``. ``--slow-exit`` makes rank 0 end 6 s
+after its report, so that the rank it launched has ended long before.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--at", choices=phases, required=True)
     parser.add_argument("--ranks", type=lambda text: [int(r) for r in text.split(",")], default=[0, 1])
     parser.add_argument("--grace", type=float, default=15.0)
+    parser.add_argument("--slow-exit", action="store_true", help="rank 0 ends 6 s after the rank it launched")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the suite was started under
 
@@ -146,6 +148,8 @@ def main() -> None:
         took = time.monotonic() - SIGNALLED_AT.get("time", time.monotonic())
         left = sorted(name for name, function in patched_functions().items() if function is not originals[name])
         write_report(Path(args.report), trainer.global_rank, {"status": status, "seconds": took, "patched": left})
+        if args.slow_exit and trainer.global_rank == 0:
+            time.sleep(6)  # a teardown slower than the other rank's: Lightning's observer polls every 5 s
 
 
 if __name__ == "__main__":
