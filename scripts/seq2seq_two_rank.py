@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.exit.fit import Seq2SeqLoRA, write_mt5
-from tests.distributed import launch
+from tests.distributed import launch, own_extensions_dir
 from tests.models import cpu_trainer
 from tests.pretrained_support import token_data
 
@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--node", nargs=4, metavar=("STEPS", "NODES", "SAVE", "RESUME"), help="run as one rank")
     args = parser.parse_args()
+    own_extensions_dir()  # DeepSpeed's ops in the suite's folder for this venv, not rebuilt after another venv's run
     base = args.work / "mt5"
     if args.node:
         steps, nodes, save, resume = args.node
