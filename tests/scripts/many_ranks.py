@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from datetime import timedelta
@@ -38,6 +39,27 @@ class Faulty(AdapterModel):
         return super().training_step(batch, batch_idx)
 
 
+class MeetingFirst(FrozenAwareDeepSpeedStrategy):
+    """With a short ``--timeout``: the ranks meet through files in ``<dir>/meeting`` before torch's rendezvous, which
+    waits only that long for them to join. Lightning's launcher starts rank 1 as rank 0 reaches ``fit``, and rank 1
+    then imports torch and Lightning: beside another test suite on 2 cores it joined past 10 s ("Timed out after 11
+    seconds waiting for clients. 1/2 clients joined"), before the hang the test is about."""
+
+    def __init__(self, meeting: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.meeting = meeting
+
+    def setup_distributed(self) -> None:
+        meeting = self.meeting
+        meeting.mkdir(parents=True, exist_ok=True)
+        rank = int(os.environ.get("NODE_RANK", "0")) * self.num_processes + int(os.environ.get("LOCAL_RANK", "0"))
+        (meeting / f"rank{rank}").touch()
+        deadline = time.monotonic() + 300
+        while len(list(meeting.iterdir())) < self.num_processes * self.num_nodes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        super().setup_distributed()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
@@ -52,7 +74,7 @@ def main() -> None:
     def trainer(max_epochs: int, **kwargs: Any) -> Any:
         timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
         return cpu_trainer(
-            FrozenAwareDeepSpeedStrategy(**timeout),
+            MeetingFirst(folder / "meeting", **timeout) if args.timeout else FrozenAwareDeepSpeedStrategy(),
             devices=args.devices,
             num_nodes=args.num_nodes,
             max_epochs=max_epochs,
