@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def pytest_configure(config: pytest.Config) -> None:
     # before pytest-xdist starts its workers, which, and every rank they start, inherit the folder and find the ops
-    # built (see own_extensions_dir: a rebuild inside a 2-rank test pushed it past its time limit)
+    # built (see own_extensions_dir: a rebuild inside a 2-rank test tripled its time)
     own_extensions_dir()
     if not hasattr(config, "workerinput"):
         seconds = build_deepspeed_cpu_ops()
