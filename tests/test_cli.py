@@ -82,7 +82,7 @@ def _console(*args: str) -> subprocess.CompletedProcess:
 
 
 def _strategy_options() -> set[str]:
-    """Every argument of the strategy: its own and those of DeepSpeedStrategy it passes on through ``**kwargs``."""
+    """Every argument of the strategy: DeepSpeedStrategy's, then its own."""
     names: set[str] = set()
     for cls in (FrozenAwareDeepSpeedStrategy, DeepSpeedStrategy):
         for parameter in inspect.signature(cls.__init__).parameters.values():
