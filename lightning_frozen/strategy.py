@@ -44,7 +44,7 @@ from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.frozen_compute import KERNELS, exit_cleanly, frozen_compute_for
+from lightning_frozen.zero.frozen_compute import KERNELS, FrozenCompute, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 from lightning_frozen.zero.whole import still_sharded_notice
 
@@ -231,19 +231,24 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_environment(self) -> None:
         self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
-        open_run(self._ledger, self._module, self._preemption, compute)
-        # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
-        # or the dataloaders ends the run
-        self._preemption.install(self._module.trainer, self.launcher)
-        self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
-        file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
+        if self.lightning_module is not None:  # as stock, the environment alone may be set up, with no model connected
+            self._open_run(self.lightning_module, compute)
         self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
-        unfreezing.check_finetuning_callbacks(self._module)
-        qlora.check_not_quantized(self._module)  # bitsandbytes' layers, built in `__init__`
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's refuses the CPU, whose DeepSpeed accelerator works
+
+    def _open_run(self, module: pl.LightningModule, compute: FrozenCompute) -> None:
+        """The run's part of the set-up: its ledger opened, preemption handled, ``module`` and its Trainer checked."""
+        open_run(self._ledger, module, self._preemption, compute)
+        # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
+        # or the dataloaders ends the run
+        self._preemption.install(module.trainer, self.launcher)
+        self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
+        file.require_restore_path(module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
+        unfreezing.check_finetuning_callbacks(module)
+        qlora.check_not_quantized(module)  # bitsandbytes' layers, built in `__init__`
 
     @override
     def setup_distributed(self) -> None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
+from deepspeed.accelerator import get_accelerator
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
-from lightning_frozen.errors import InvalidArgumentValueError
+from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError
 
 ENV = DeepSpeedStrategy.DEEPSPEED_ENV_VAR
 
@@ -62,3 +67,60 @@ def test_the_config_from_the_environment_variable_is_read_and_a_stage_other_than
         FrozenAwareDeepSpeedStrategy()
     # `config=` wins over the variable, as in stock
     assert FrozenAwareDeepSpeedStrategy(config=stage_3).config["zero_optimization"]["reduce_bucket_size"] == 4321
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+
+def test_the_environment_is_set_up_with_no_model_connected_as_stock_allows() -> None:
+    strategy = FrozenAwareDeepSpeedStrategy(
+        accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment()
+    )
+    assert strategy.lightning_module is None
+    strategy.setup_environment()
+    try:
+        assert torch.distributed.is_initialized() and strategy.world_size == 1 and strategy.global_rank == 0
+        assert get_accelerator()._name == "cpu"
+    finally:
+        strategy.teardown()
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint paths
+
+
+@pytest.fixture
+def stock_checkpoint(tmp_path: Path) -> Path:
+    """The layout of a stock DeepSpeed checkpoint directory (Lightning's tag ``checkpoint``), its files empty."""
+    folder = tmp_path / "epoch=0-step=2.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (folder / "latest").write_text("checkpoint")
+    return folder
+
+
+def test_load_checkpoint_on_a_missing_path_is_a_file_not_found_error_with_stocks_hints(stock_checkpoint: Path) -> None:
+    strategy = FrozenAwareDeepSpeedStrategy()
+    missing = stock_checkpoint.parent / "nothing.ckpt"
+    with pytest.raises(FileNotFoundError, match=rf"No checkpoint at {re.escape(str(missing))}: check the path\.$"):
+        strategy.load_checkpoint(missing)
+    # a name mistyped inside a stock checkpoint: its parent folder is named, as stock names it
+    for missing in (stock_checkpoint / "checkpont", stock_checkpoint / "checkpoint" / "model_states.pt"):
+        with pytest.raises(
+            FileNotFoundError, match=rf"inside {re.escape(str(stock_checkpoint))}, a checkpoint .*stock"
+        ):
+            strategy.load_checkpoint(missing)
+
+
+def test_load_checkpoint_on_a_folder_says_what_it_is(stock_checkpoint: Path) -> None:
+    strategy = FrozenAwareDeepSpeedStrategy()
+    parent = re.escape(str(stock_checkpoint))
+    with pytest.raises(CheckpointFormatError, match=rf"^{parent} is a directory: a checkpoint written by .* convert"):
+        strategy.load_checkpoint(stock_checkpoint)
+    for inside in (
+        stock_checkpoint / "checkpoint",
+        stock_checkpoint / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+    ):
+        with pytest.raises(CheckpointFormatError, match=rf"convert that parent directory instead.*convert {parent} "):
+            strategy.load_checkpoint(inside)
+    with pytest.raises(CheckpointFormatError, match=r"is a directory, not a checkpoint file\. Pass the path of the"):
+        strategy.load_checkpoint(stock_checkpoint.parent)

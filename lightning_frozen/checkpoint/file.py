@@ -264,22 +264,32 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
     ``given_as`` says where the path came from, for the message (``" (the `ckpt_path` of `fit`)"``).
 
     Raises:
-        CheckpointNotFoundError: nothing at ``location``.
-        CheckpointFormatError: a directory; the message says to convert it when it is a stock DeepSpeed checkpoint.
+        CheckpointNotFoundError: nothing at ``location`` (a ``FileNotFoundError``).
+        CheckpointFormatError: a directory, or a path inside a stock DeepSpeed checkpoint; the message says to convert
+            the stock checkpoint where there is one.
     """
     if isinstance(location, str):
         fs = get_filesystem(location)
         exists, is_dir = fs.exists(location), fs.isdir(location)
     else:
         exists, is_dir = location.exists(), location.is_dir()
+    stock = _stock_checkpoint_holding(location) if isinstance(location, Path) else None
+    inside = (
+        f" It lies inside {stock}, a checkpoint written by Lightning's stock DeepSpeedStrategy: convert that parent"
+        f" directory instead, with `lightning-frozen convert {stock} <out.ckpt>`."
+        if stock is not None and stock != location
+        else ""
+    )
     if not exists:
         relative = (
             "" if isinstance(location, str) or location.is_absolute() else f" (relative paths start at {Path.cwd()})"
         )
-        raise CheckpointNotFoundError(f"No checkpoint at {location}{given_as}: check the path{relative}.")
+        raise CheckpointNotFoundError(f"No checkpoint at {location}{given_as}: check the path{relative}.{inside}")
+    if inside:
+        raise CheckpointFormatError(f"{location} is not a lightning-frozen checkpoint file{given_as}.{inside}")
     if not is_dir:
         return
-    if isinstance(location, Path) and deepspeed_shard_folder(location) is not None:
+    if stock is not None:
         raise CheckpointFormatError(
             f"{location} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
             f" `lightning-frozen convert {location} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
@@ -291,6 +301,15 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
         f" ModelCheckpoint writes them in its `dirpath`, by default `<default_root_dir>/lightning_logs/version_<n>/"
         f"checkpoints/`).{holds}"
     )
+
+
+def _stock_checkpoint_holding(location: Path) -> Optional[Path]:
+    """The stock DeepSpeed checkpoint directory that ``location`` is, or lies in (its tag folder, a file or a missing
+    name there), as Lightning's own check of a DeepSpeed path looks at the parent folders; None when there is none."""
+    for folder in (location, location.parent, location.parent.parent):
+        if folder.is_dir() and deepspeed_shard_folder(folder) is not None:
+            return folder
+    return None
 
 
 def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
