@@ -8,15 +8,19 @@ import json
 import re
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError
+from lightning_frozen.zero.engine import shard_device
+from tests.models import AdapterModel, LoRALinear, cpu_trainer, regression_data
 
 ENV = DeepSpeedStrategy.DEEPSPEED_ENV_VAR
 
@@ -124,3 +128,48 @@ def test_load_checkpoint_on_a_folder_says_what_it_is(stock_checkpoint: Path) -> 
             strategy.load_checkpoint(inside)
     with pytest.raises(CheckpointFormatError, match=r"is a directory, not a checkpoint file\. Pass the path of the"):
         strategy.load_checkpoint(stock_checkpoint.parent)
+
+
+# ---------------------------------------------------------------------------------------------- configure_model
+
+
+class _BuiltInConfigureModel(AdapterModel):
+    """The adapter model's layers built in ``configure_model``, under the strategy's ``zero.Init``; what each param
+    was at creation is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.layers
+        self.created: dict[str, tuple[bool, str]] = {}
+
+    def configure_model(self) -> None:
+        if hasattr(self, "layers"):
+            return
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(LoRALinear(32, 4) for _ in range(2))
+        self.created = {
+            name: (hasattr(p, "ds_id"), p.ds_tensor.device.type) for name, p in self.layers.named_parameters()
+        }
+
+
+class _Placement(Callback):
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        engine = trainer.strategy.deepspeed_engine
+        self.offload_param, self.offload_optimizer = engine.zero_offload_param(), engine.zero_offload_optimizer()
+        self.final = {name: p.ds_tensor.final_location for name, p in module.named_parameters()}
+        self.fp32 = {flat.device.type for flat in engine.optimizer.fp32_partitioned_groups_flat}
+
+
+def test_configure_model_builds_zero3_shards_and_only_frozen_ones_stay_offloaded() -> None:
+    model, placement = _BuiltInConfigureModel(), _Placement()
+    cpu_trainer(max_steps=2, callbacks=[placement]).fit(model, regression_data())
+    # created as ZeRO-3 shards in CPU memory (`zero.Init(remote_device="cpu")`), trainable ones included
+    assert model.created and set(model.created.values()) == {(True, "cpu")}
+    # DeepSpeed offloads nothing itself: its config has no `offload_param`, no shard a final location elsewhere
+    assert not placement.offload_param and not placement.offload_optimizer
+    assert set(placement.final.values()) == {None} and placement.fp32 == {"cpu"}  # the accelerator's device here
+    # the CPU accelerator's device is the CPU: on CUDA each shard goes to (tests/test_cuda.py runs it there)
+    cuda = torch.device("cuda", 0)
+    where = {name: shard_device(p, cuda, offload_frozen=True).type for name, p in model.layers.named_parameters()}
+    assert where == {name: "cuda" if p.requires_grad else "cpu" for name, p in model.layers.named_parameters()}
+    assert set(where.values()) == {"cuda", "cpu"}
