@@ -153,6 +153,9 @@ def _convert(options: argparse.Namespace) -> str:
     return f"wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}"
 
 
+DEFAULT_LORA_R = 8  # `estimate`'s adapter on a base given alone (a config.json, a folder, a hub id)
+
+
 def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
@@ -164,7 +167,7 @@ def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-nodes", type=int, help="nodes (default: the config's, else 1)")
     parser.add_argument("--precision", help="the Trainer's precision (default: the config's, else its default 32-true)")
     parser.add_argument("--frozen-dtype", help="int8, nf4, bf16 or fp16 (default: the config's, else None)")
-    parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank on a config.json's model (default: 8)")
+    parser.add_argument("--lora-r", type=int, help=f"LoRA rank on a config.json's model (default: {DEFAULT_LORA_R})")
     parser.add_argument(
         "--target-modules", nargs="+", help="LoRA's target modules (default: PEFT's for the model type)"
     )
@@ -174,8 +177,16 @@ def _estimate(options: argparse.Namespace) -> str:
     settings: dict[str, Any] = {}
     if options.source.endswith((".yaml", ".yml")):
         settings = _cli_config_settings(Path(options.source))
+    lora = ""
     if options.base or not settings:
-        model = reference.lora_model_on_meta(options.base or options.source, options.lora_r, options.target_modules)
+        rank = options.lora_r or DEFAULT_LORA_R
+        model = reference.lora_model_on_meta(options.base or options.source, rank, options.target_modules)
+        targets = (
+            f"on {', '.join(options.target_modules)} (given)"
+            if options.target_modules
+            else "on PEFT's default modules for the model type (`--target-modules`)"
+        )
+        lora = f", LoRA r={rank} ({'given' if options.lora_r else '`--lora-r`, default'}) {targets}"
     else:
         model = _module_on_meta(settings["model"], Path(options.source))
     given = {"precision": options.precision, "frozen_dtype": options.frozen_dtype}
@@ -183,7 +194,7 @@ def _estimate(options: argparse.Namespace) -> str:
     assumed, origins = _assumptions(given, settings)
     estimate = lightning_frozen.estimate_memory(model, print_table=False, **assumed)
     said = ", ".join(f"{name} {assumed[name]!s} ({origins[name]})" for name in ("precision", "frozen_dtype"))
-    return f"{options.source}: assumed {said}\n{estimate.table()}"
+    return f"{options.source}: assumed {said}{lora}\n{estimate.table()}"
 
 
 def _cli_config_settings(path: Path) -> dict[str, Any]:

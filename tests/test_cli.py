@@ -379,8 +379,8 @@ def test_estimate_from_a_config_json_or_a_lightningcli_config_says_what_it_assum
     folder = save_tiny_llama(tmp_path / "llama")
     plain = _estimate_table(capsys, str(folder / "config.json"), "--devices", "2")
     assert (
-        "assumed precision 32-true (the Trainer's default), frozen_dtype None (the strategy's default)"
-        in (plain["first"])
+        "assumed precision 32-true (the Trainer's default), frozen_dtype None (the strategy's default), LoRA r=8"
+        " (`--lora-r`, default) on PEFT's default modules for the model type (`--target-modules`)" in (plain["first"])
     )
     assert (plain["precision"], plain["frozen dtype"], plain["ranks"]) == ("32-true", "None", "2")
     # PEFT's choice for Llama, r=8 on q_proj (64 -> 64) and v_proj (64 -> 32, two key-value heads), two layers
@@ -390,12 +390,14 @@ def test_estimate_from_a_config_json_or_a_lightningcli_config_says_what_it_assum
     strategy = {"class_path": CLASS_PATH, "init_args": {"frozen_dtype": "nf4"}}
     config.write_text(yaml.safe_dump({"trainer": {"precision": "bf16-mixed", "devices": 2, "strategy": strategy}}))
     from_yaml = _estimate_table(capsys, str(config), "--base", str(folder))
-    assert "assumed precision bf16-mixed (the config's), frozen_dtype nf4 (the config's)" in from_yaml["first"]
+    assert (
+        "assumed precision bf16-mixed (the config's), frozen_dtype nf4 (the config's), LoRA r=8" in from_yaml["first"]
+    )
     assert (from_yaml["precision"], from_yaml["frozen dtype"], from_yaml["ranks"]) == ("bf16-mixed", "nf4", "2")
 
     config.write_text(_config(tmp_path, "frozen_deepspeed").read_text())
     built = _estimate_table(capsys, str(config), "--precision", "bf16-true")
-    assert "assumed precision bf16-true (given)" in built["first"]
+    assert "assumed precision bf16-true (given)" in built["first"] and "LoRA" not in built["first"]  # the module's
     assert (built["trainable params"], built["frozen params"]) == ("545", "2,112")  # SavedHparamsAdapterModel
 
 

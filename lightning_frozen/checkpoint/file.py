@@ -202,9 +202,14 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     try:
         mapped = isinstance(source, Path)
         checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
-    except OSError as error:
-        raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
     except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
+        if _rewound(source, _is_truncated):
+            raise CheckpointFormatError(
+                f"{location} is truncated: it ends before the end of its zip archive, as an interrupted copy, download or"
+                " save leaves a file. Copy it again, or resume from an earlier checkpoint."
+            ) from None
+        if isinstance(error, OSError):
+            raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
         if isinstance(error, pickle.UnpicklingError) and _rewound(source, zipfile.is_zipfile):
             found = _rewound(source, unsafe_globals)
             named = f" ({', '.join(found[:5])})" if found else ""
@@ -343,6 +348,21 @@ def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:
     if isinstance(source, io.BytesIO):
         source.seek(0)
     return read(source)
+
+
+def _is_truncated(source: Union[Path, IO[bytes]]) -> bool:
+    """Whether ``source`` is a zip archive (what ``torch.save`` writes) whose end, the central directory, is missing: a
+    file cut short."""
+    try:
+        if isinstance(source, Path):
+            with source.open("rb") as handle:
+                head = handle.read(4)
+        else:
+            head = source.read(4)
+            source.seek(0)
+        return head == b"PK\x03\x04" and not zipfile.is_zipfile(source)
+    except OSError:  # unreadable: said as such by the caller
+        return False
 
 
 def load_error(error: Exception) -> str:
