@@ -15,6 +15,7 @@ import os
 import pkgutil
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 import yaml
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_frozen
@@ -62,6 +63,23 @@ class _FrozenCLI(LightningCLI):
             self.parser.exit(2, f"{PROG}: error: {ours[0]}\n")
 
 
+class _CommandLineCLI(_FrozenCLI):
+    """The console script's CLI. Its ``args`` are the command line it read (a strategy name turned into its class), so
+    Lightning's warning for ``args`` given beside a command line, meant for calls from Python, does not apply."""
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+            super().parse_arguments(parser, args)
+
+    @override
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        if isinstance(self.trainer.strategy, lightning_frozen.FrozenAwareDeepSpeedStrategy):
+            self.trainer.strategy.run_from_command_line = True  # its advice after fit names this command's steps
+
+
 def _instantiate_recording(refused: list[FrozenTrainingError], class_type: type, *args: Any, **kwargs: Any) -> Any:
     try:
         return class_type(*args, **kwargs)
@@ -79,13 +97,14 @@ def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
+def lightning_cli(args: ArgsType = None, *, from_command_line: bool = False, **kwargs: Any) -> LightningCLI:
     """Build (and by default run) the ``lightning-frozen`` LightningCLI and return it.
 
     ``args`` are parsed as LightningCLI parses them (``None`` reads ``sys.argv``). ``kwargs`` go to
     :class:`~lightning.pytorch.cli.LightningCLI` and override this command's defaults: subclass mode for model
     and data, ``trainer.strategy="frozen_deepspeed"``. A :class:`~lightning_frozen.FrozenTrainingError` raised while
     the classes are built (a refused strategy argument) prints as one line and exits with status 2.
+    ``from_command_line``: ``args`` are the process's command line (the console script's), not a call's own.
     """
     options: dict[str, Any] = {
         "model_class": None,
@@ -97,7 +116,7 @@ def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
         "args": args,
     }
     options.update(kwargs)
-    return _FrozenCLI(**options)
+    return (_CommandLineCLI if from_command_line else _FrozenCLI)(**options)
 
 
 @dataclass(frozen=True)
@@ -391,4 +410,4 @@ def main(args: Optional[list[str]] = None) -> None:
             f"{PROG}: error: invalid choice: {argv[0]!r} (choose from {choices}); see `{PROG} --help`", file=sys.stderr
         )
         sys.exit(2)
-    lightning_cli(strategy_named_with_options(argv))
+    lightning_cli(strategy_named_with_options(argv), from_command_line=args is None)

@@ -187,6 +187,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
         self._drops_layers = False  # the module skips layers at random in training (LayerDrop): found at each fit
+        self.run_from_command_line = False  # the `lightning-frozen` command sets it: its advice after a run differs
 
     # stock documents its arguments in its `__init__`, where the CLI's help (jsonargparse) reads them; ours, in the
     # class docstring, take precedence there
@@ -361,7 +362,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         module = self.lightning_module
         if module is not None:
             release_engine(self.model, module)
-            notice = still_sharded_notice(module)
+            callback = module.trainer.checkpoint_callback
+            saved = getattr(callback, "best_model_path", None) or getattr(callback, "last_model_path", None)
+            notice = still_sharded_notice(module, self.run_from_command_line, saved)
             # RUNNING: the run returned (Lightning marks a raised one INTERRUPTED before its teardown)
             if notice and module.trainer.state.status == TrainerStatus.RUNNING:
                 rank_zero_info(notice)

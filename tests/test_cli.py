@@ -436,3 +436,24 @@ def test_help_prints_no_deepspeed_accelerator_warning() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "export-peft" in result.stdout
     assert "accelerator" not in result.stderr, result.stderr  # DeepSpeed's "Setting accelerator to CPU" warning
+
+
+def test_the_command_line_warns_of_no_args_and_advises_its_export_steps_after_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lightning_log: Any
+) -> None:
+    monkeypatch.setattr(
+        sys, "argv", ["lightning-frozen", "fit", "--config", str(_config(tmp_path, "frozen_deepspeed"))]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main()
+    assert not [w for w in caught if "LightningCLI's args parameter" in str(w.message)]
+    saved = tmp_path / "run" / "checkpoints" / "adapter.ckpt"
+    advice = [line for line in lightning_log.lines if "lightning-frozen export-peft" in line]
+    assert advice == [
+        "lightning-frozen: the trained adapter is in the run's checkpoint file. For inference or serving,"
+        f" `lightning-frozen export-peft {saved} OUT_DIR` writes a PEFT adapter folder and `lightning-frozen"
+        f" export-merged {saved} OUT_DIR` a Hugging Face folder with the adapter merged into its base"
+        " (`lightning-frozen STEP --help`)."
+    ]
+    assert not [line for line in lightning_log.lines if "unshard" in line]
