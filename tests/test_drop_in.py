@@ -15,6 +15,7 @@ from deepspeed.accelerator import get_accelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
@@ -173,3 +174,58 @@ def test_configure_model_builds_zero3_shards_and_only_frozen_ones_stay_offloaded
     where = {name: shard_device(p, cuda, offload_frozen=True).type for name, p in model.layers.named_parameters()}
     assert where == {name: "cuda" if p.requires_grad else "cpu" for name, p in model.layers.named_parameters()}
     assert set(where.values()) == {"cuda", "cpu"}
+
+
+# ---------------------------------------------------------------------------------------------- what stock fills in
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true", "32-true"])
+def test_each_precision_fills_the_config_as_stock_does(precision: str) -> None:
+    options = dict(precision_plugin=DeepSpeedPrecision(precision), initial_scale_power=4, loss_scale_window=7)
+    ours, stock = FrozenAwareDeepSpeedStrategy(**options), DeepSpeedStrategy(stage=3, **options)
+    for strategy in (ours, stock):
+        strategy._init_config_if_needed()
+    assert ours.config == stock.config
+    if precision == "16-mixed":
+        assert ours.config["fp16"] == {
+            "enabled": True, "loss_scale": 0, "initial_scale_power": 4, "loss_scale_window": 7, "hysteresis": 2,
+            "min_loss_scale": 1,
+        }  # fmt: skip
+    assert ("bf16" in ours.config) == precision.startswith("bf16") and ("fp16" in ours.config) == (
+        precision == "16-mixed"
+    )
+
+
+class _Config(Callback):
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.config = dict(trainer.strategy.config)
+
+
+def test_the_batch_size_accumulation_and_clipping_come_from_the_trainer_and_its_dataloader() -> None:
+    seen = _Config()
+    trainer = cpu_trainer(max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[seen])
+    trainer.fit(AdapterModel(), regression_data(batch_size=4))
+    assert seen.config["train_micro_batch_size_per_gpu"] == 4  # `logging_batch_size_per_gpu="auto"`
+    assert seen.config["gradient_accumulation_steps"] == 2 and seen.config["gradient_clipping"] == 0.5
+    given = cpu_trainer(FrozenAwareDeepSpeedStrategy(logging_batch_size_per_gpu=3), max_steps=1, callbacks=[seen])
+    given.fit(AdapterModel(), regression_data(batch_size=4))
+    assert seen.config["train_micro_batch_size_per_gpu"] == 3
+
+
+class _Hooked(AdapterModel):
+    loaded: dict = {}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["user_state"] = {"seen": torch.arange(3), "note": "kept"}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.loaded = checkpoint["user_state"]
+
+
+def test_the_modules_checkpoint_hooks_write_and_read_their_own_entries(tmp_path: Path) -> None:
+    trainer = cpu_trainer(max_steps=2)
+    trainer.fit(_Hooked(), regression_data())
+    trainer.save_checkpoint(tmp_path / "hooked.ckpt")
+    resumed = _Hooked()
+    cpu_trainer(max_steps=3).fit(resumed, regression_data(), ckpt_path=tmp_path / "hooked.ckpt")
+    assert resumed.loaded["note"] == "kept" and torch.equal(resumed.loaded["seen"], torch.arange(3))
