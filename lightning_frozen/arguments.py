@@ -5,12 +5,14 @@ The CLI checks types from the signature; Python callers get the same refusals he
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from datetime import timedelta
 from typing import Any, Optional
 
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_frozen.base.fingerprint import FINGERPRINT_MODES
 from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentValueError, UnsupportedConfigurationError
@@ -32,6 +34,10 @@ REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"offload_frozen": False},
     ),
 )
+
+
+# the parameters of Lightning's `DeepSpeedStrategy.__init__`, in its order: the strategy's first ones, handed on to it
+STOCK_ARGUMENTS: tuple[str, ...] = tuple(inspect.signature(DeepSpeedStrategy.__init__).parameters)[1:]
 
 
 def register_names(strategy_registry: Any, strategy_class: type) -> None:
@@ -145,19 +151,29 @@ def check_config_for_accelerator(config: Optional[dict], accelerator: Optional[A
         )
 
 
-def resolve_spec(config: dict, config_given: bool, pin_memory: bool, **arguments: Any) -> StrategySpec:
+def config_source(config: Any, environment_variable: str) -> Optional[str]:
+    """Where the DeepSpeed config comes from, for messages: ``config=``, or the file the environment variable names
+    (Lightning reads it when ``config`` is None); None when the strategy's arguments build it."""
+    if config is not None:
+        return "the DeepSpeed config (`config=`)"
+    if environment_variable in os.environ:
+        return f"the DeepSpeed config file {os.environ[environment_variable]} (from `{environment_variable}`)"
+    return None
+
+
+def resolve_spec(config: dict, source: Optional[str], pin_memory: bool, **arguments: Any) -> StrategySpec:
     """The strategy's :class:`StrategySpec`: ZeRO's stage, offloads, pinning and reduce bucket read from its resolved
     DeepSpeed ``config`` (:func:`zero_settings`, refused unless the stage is 3), the rest from its ``arguments`` (the
-    spec's other fields, checked by :func:`check_strategy_arguments`). ``config_given``: the user passed ``config=``
-    (else the arguments built it, with ``pin_memory``, which then also pins the frozen shards the package offloads).
-    ``generation_memory`` is read by :func:`memory_budget`.
+    spec's other fields, checked by :func:`check_strategy_arguments`). ``source``: where the user's config came from
+    (:func:`config_source`); None when the arguments built it, with ``pin_memory``, which then also pins the frozen
+    shards the package offloads. ``generation_memory`` is read by :func:`memory_budget`.
 
     Raises:
         InvalidArgumentValueError: another stage, or ZeRO off; the message names where it was set and the fix.
     """
-    settings = zero_settings(config, pin_memory=pin_memory and not config_given)
+    settings = zero_settings(config, pin_memory=pin_memory and source is None)
     if settings.stage != 3:
-        where = "the DeepSpeed config (`config=`)" if config_given else "the strategy's arguments"
+        where = source or "the strategy's arguments"
         found = f"ZeRO stage {settings.stage}" if settings.stage else "ZeRO switched off (`zero_optimization`)"
         raise InvalidArgumentValueError(
             f"FrozenAwareDeepSpeedStrategy shards frozen params with ZeRO stage 3, but {where} sets {found}. Set"

@@ -15,6 +15,7 @@ import os
 import pkgutil
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 import yaml
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_frozen
@@ -62,6 +63,23 @@ class _FrozenCLI(LightningCLI):
             self.parser.exit(2, f"{PROG}: error: {ours[0]}\n")
 
 
+class _CommandLineCLI(_FrozenCLI):
+    """The console script's CLI. Its ``args`` are the command line it read (a strategy name turned into its class), so
+    Lightning's warning for ``args`` given beside a command line, meant for calls from Python, does not apply."""
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+            super().parse_arguments(parser, args)
+
+    @override
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        if isinstance(self.trainer.strategy, lightning_frozen.FrozenAwareDeepSpeedStrategy):
+            self.trainer.strategy.run_from_command_line = True  # its advice after fit names this command's steps
+
+
 def _instantiate_recording(refused: list[FrozenTrainingError], class_type: type, *args: Any, **kwargs: Any) -> Any:
     try:
         return class_type(*args, **kwargs)
@@ -79,13 +97,14 @@ def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
+def lightning_cli(args: ArgsType = None, *, from_command_line: bool = False, **kwargs: Any) -> LightningCLI:
     """Build (and by default run) the ``lightning-frozen`` LightningCLI and return it.
 
     ``args`` are parsed as LightningCLI parses them (``None`` reads ``sys.argv``). ``kwargs`` go to
     :class:`~lightning.pytorch.cli.LightningCLI` and override this command's defaults: subclass mode for model
     and data, ``trainer.strategy="frozen_deepspeed"``. A :class:`~lightning_frozen.FrozenTrainingError` raised while
     the classes are built (a refused strategy argument) prints as one line and exits with status 2.
+    ``from_command_line``: ``args`` are the process's command line (the console script's), not a call's own.
     """
     options: dict[str, Any] = {
         "model_class": None,
@@ -97,7 +116,7 @@ def lightning_cli(args: ArgsType = None, **kwargs: Any) -> LightningCLI:
         "args": args,
     }
     options.update(kwargs)
-    return _FrozenCLI(**options)
+    return (_CommandLineCLI if from_command_line else _FrozenCLI)(**options)
 
 
 @dataclass(frozen=True)
@@ -153,6 +172,9 @@ def _convert(options: argparse.Namespace) -> str:
     return f"wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}"
 
 
+DEFAULT_LORA_R = 8  # `estimate`'s adapter on a base given alone (a config.json, a folder, a hub id)
+
+
 def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
@@ -164,7 +186,7 @@ def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-nodes", type=int, help="nodes (default: the config's, else 1)")
     parser.add_argument("--precision", help="the Trainer's precision (default: the config's, else its default 32-true)")
     parser.add_argument("--frozen-dtype", help="int8, nf4, bf16 or fp16 (default: the config's, else None)")
-    parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank on a config.json's model (default: 8)")
+    parser.add_argument("--lora-r", type=int, help=f"LoRA rank on a config.json's model (default: {DEFAULT_LORA_R})")
     parser.add_argument(
         "--target-modules", nargs="+", help="LoRA's target modules (default: PEFT's for the model type)"
     )
@@ -174,8 +196,16 @@ def _estimate(options: argparse.Namespace) -> str:
     settings: dict[str, Any] = {}
     if options.source.endswith((".yaml", ".yml")):
         settings = _cli_config_settings(Path(options.source))
+    lora = ""
     if options.base or not settings:
-        model = reference.lora_model_on_meta(options.base or options.source, options.lora_r, options.target_modules)
+        rank = options.lora_r or DEFAULT_LORA_R
+        model = reference.lora_model_on_meta(options.base or options.source, rank, options.target_modules)
+        targets = (
+            f"on {', '.join(options.target_modules)} (given)"
+            if options.target_modules
+            else "on PEFT's default modules for the model type (`--target-modules`)"
+        )
+        lora = f", LoRA r={rank} ({'given' if options.lora_r else '`--lora-r`, default'}) {targets}"
     else:
         model = _module_on_meta(settings["model"], Path(options.source))
     given = {"precision": options.precision, "frozen_dtype": options.frozen_dtype}
@@ -183,7 +213,7 @@ def _estimate(options: argparse.Namespace) -> str:
     assumed, origins = _assumptions(given, settings)
     estimate = lightning_frozen.estimate_memory(model, print_table=False, **assumed)
     said = ", ".join(f"{name} {assumed[name]!s} ({origins[name]})" for name in ("precision", "frozen_dtype"))
-    return f"{options.source}: assumed {said}\n{estimate.table()}"
+    return f"{options.source}: assumed {said}{lora}\n{estimate.table()}"
 
 
 def _cli_config_settings(path: Path) -> dict[str, Any]:
@@ -380,4 +410,4 @@ def main(args: Optional[list[str]] = None) -> None:
             f"{PROG}: error: invalid choice: {argv[0]!r} (choose from {choices}); see `{PROG} --help`", file=sys.stderr
         )
         sys.exit(2)
-    lightning_cli(strategy_named_with_options(argv))
+    lightning_cli(strategy_named_with_options(argv), from_command_line=args is None)

@@ -5,6 +5,7 @@ The class only wires the package's modules into Lightning's hooks; docs/internal
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -18,6 +19,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -42,7 +44,7 @@ from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.frozen_compute import KERNELS, exit_cleanly, frozen_compute_for
+from lightning_frozen.zero.frozen_compute import KERNELS, FrozenCompute, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 from lightning_frozen.zero.whole import still_sharded_notice
 
@@ -58,14 +60,31 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     ``configure_optimizers`` returns, and are 1/N shards in the compute dtype, in CPU memory by default. Checkpoints
     hold the trainable state only. Every argument of ``DeepSpeedStrategy`` keeps working; runs on CUDA and the CPU.
 
+    Its positional parameters are ``DeepSpeedStrategy``'s, in its order, with its defaults but ``stage=3``
+    (``FrozenAwareDeepSpeedStrategy(None, True, 3, "cpu")`` means accelerator, zero_optimization, stage,
+    remote_device); this package's own follow them, keyword-only.
+
     Args:
         accelerator: the Lightning accelerator, normally from the Trainer's ``accelerator=``; DeepSpeed's matches it.
         zero_optimization: use ZeRO; it must stay on, frozen params are sharded by ZeRO stage 3.
         stage: ZeRO stage; 3 shards frozen params across ranks.
-        offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
-            unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
+        remote_device: where ``configure_model`` creates every param (``"cpu"`` or ``"nvme"``); by default frozen
+            shards are created in CPU memory when ``offload_frozen`` and trainable ones are moved to the accelerator
+            when the engine is built (docs/memory.md).
         offload_optimizer: step the optimizer on the CPU (ZeRO-Offload); a torch ``Adam``/``AdamW`` becomes
             DeepSpeed's CPU Adam with the same hyper-parameters.
+        pin_memory: pin offloaded tensors in page-locked memory (with the strategy's arguments: frozen shards too).
+        config: a DeepSpeed config dict or JSON file (else the file ``PL_DEEPSPEED_CONFIG_PATH`` names); its ZeRO
+            stage must be 3.
+        parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
+        cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
+        precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
+        process_group_backend: the torch.distributed backend; ``nccl`` on CUDA and ``gloo`` on the CPU by default.
+        timeout: how long collectives wait for the other ranks before failing.
+        exclude_frozen_parameters, load_full_weights: no effect (a checkpoint is always one adapter file without
+            frozen weights). Every other argument of ``DeepSpeedStrategy`` builds the same config as there.
+        offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
+            unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
         convert_lr_zero_groups: freeze params that sit only in groups whose learning rate is 0 for the whole run.
         frozen_base: the frozen base's path or hub id, stored in checkpoints; found from the module when not given.
         fingerprint: how checkpoints verify the frozen base: ``"checksum"`` (every value, position-weighted,
@@ -79,24 +98,61 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
         generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md);
             a number asks for that gathering, so a DeepSpeed that moved its names raises here instead of warning.
-        parallel_devices: the devices of this node's processes; normally set by the Trainer from ``devices=``.
-        cluster_environment: where ranks and addresses come from (torchrun, SLURM, ...); detected by the Trainer.
-        precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
-        process_group_backend: the torch.distributed backend; ``nccl`` on CUDA and ``gloo`` on the CPU by default.
-        timeout: how long collectives wait for the other ranks before failing.
-        **kwargs: any other argument of ``DeepSpeedStrategy``; ``exclude_frozen_parameters`` and
-            ``load_full_weights`` have no effect (a checkpoint is always one adapter file without frozen weights).
     """
 
     strategy_name = "frozen_deepspeed"
 
     def __init__(
         self,
+        # Lightning's `DeepSpeedStrategy` arguments, in its order: a positional call means what it means there
         accelerator: Optional[Any] = None,
         zero_optimization: bool = True,
         stage: int = 3,
-        offload_frozen: bool = True,
+        remote_device: Optional[str] = None,
         offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        offload_params_device: str = "cpu",
+        nvme_path: str = "/local_nvme",
+        params_buffer_count: int = 5,
+        params_buffer_size: int = 100_000_000,
+        max_in_cpu: int = 1_000_000_000,
+        offload_optimizer_device: str = "cpu",
+        optimizer_buffer_count: int = 4,
+        block_size: int = 1048576,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        thread_count: int = 1,
+        pin_memory: bool = False,
+        sub_group_size: int = 1_000_000_000_000,
+        contiguous_gradients: bool = True,
+        overlap_comm: bool = True,
+        allgather_partitions: bool = True,
+        reduce_scatter: bool = True,
+        allgather_bucket_size: int = 200_000_000,
+        reduce_bucket_size: int = 200_000_000,
+        zero_allow_untested_optimizer: bool = True,
+        logging_batch_size_per_gpu: Union[str, int] = "auto",
+        config: Optional[Union[PathLike, dict[str, Any]]] = None,
+        logging_level: int = logging.WARN,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        loss_scale: float = 0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: int = 1,
+        partition_activations: bool = False,
+        cpu_checkpointing: bool = False,
+        contiguous_memory_optimization: bool = False,
+        synchronize_checkpoint_boundary: bool = False,
+        load_full_weights: bool = False,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        exclude_frozen_parameters: bool = False,
+        *,
+        offload_frozen: bool = True,
         convert_lr_zero_groups: bool = True,
         frozen_base: Optional[str] = None,
         fingerprint: Literal["checksum", "sha256", "none"] = "checksum",
@@ -104,37 +160,21 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         return_freed_memory: bool = True,
         preemption_grace: float = preemption.DEFAULT_GRACE_SECONDS,
         generation_memory: Union[int, str] = "auto",
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        **kwargs: Any,
     ) -> None:
+        given = locals()
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
         flags.update(offload_optimizer=offload_optimizer, convert_lr_zero_groups=convert_lr_zero_groups)
         flags["return_freed_memory"] = return_freed_memory
-        config = kwargs.get("config")
         arguments.check_strategy_arguments(
             flags, frozen_base, timeout, config, fingerprint, zero_optimization, stage, frozen_dtype
         )
-        super().__init__(
-            accelerator=accelerator,
-            zero_optimization=zero_optimization,
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
+        super().__init__(**{name: given[name] for name in arguments.STOCK_ARGUMENTS if name in given})
         # resolved once: for ZeRO the config that runs decides, whether the arguments built it or `config=` gave it
         own = {name: flags[name] for name in ("offload_frozen", "convert_lr_zero_groups", "return_freed_memory")}
         own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
         own.update(generation_memory=generation_memory, preemption_grace=preemption_grace)
-        self._spec = arguments.resolve_spec(self.config, config is not None, kwargs.get("pin_memory", False), **own)
+        config_source = arguments.config_source(config, self.DEEPSPEED_ENV_VAR)
+        self._spec = arguments.resolve_spec(self.config, config_source, pin_memory, **own)
         capabilities.check_for_run(self._spec)  # a renamed hook would leave this strategy running as stock DeepSpeed
         self._preemption = preemption.Preemption(self._spec.preemption_grace)
         self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
@@ -147,6 +187,11 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
         self._drops_layers = False  # the module skips layers at random in training (LayerDrop): found at each fit
+        self.run_from_command_line = False  # the `lightning-frozen` command sets it: its advice after a run differs
+
+    # stock documents its arguments in its `__init__`, where the CLI's help (jsonargparse) reads them; ours, in the
+    # class docstring, take precedence there
+    __init__.__doc__ = DeepSpeedStrategy.__init__.__doc__
 
     @property
     def spec(self) -> StrategySpec:
@@ -187,19 +232,24 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def setup_environment(self) -> None:
         self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
-        open_run(self._ledger, self._module, self._preemption, compute)
-        # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
-        # or the dataloaders ends the run
-        self._preemption.install(self._module.trainer, self.launcher)
-        self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
-        file.require_restore_path(self._module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
+        if self.lightning_module is not None:  # as stock, the environment alone may be set up, with no model connected
+            self._open_run(self.lightning_module, compute)
         self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
-        unfreezing.check_finetuning_callbacks(self._module)
-        qlora.check_not_quantized(self._module)  # bitsandbytes' layers, built in `__init__`
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's refuses the CPU, whose DeepSpeed accelerator works
+
+    def _open_run(self, module: pl.LightningModule, compute: FrozenCompute) -> None:
+        """The run's part of the set-up: its ledger opened, preemption handled, ``module`` and its Trainer checked."""
+        open_run(self._ledger, module, self._preemption, compute)
+        # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
+        # or the dataloaders ends the run
+        self._preemption.install(module.trainer, self.launcher)
+        self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
+        file.require_restore_path(module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
+        unfreezing.check_finetuning_callbacks(module)
+        qlora.check_not_quantized(module)  # bitsandbytes' layers, built in `__init__`
 
     @override
     def setup_distributed(self) -> None:
@@ -312,7 +362,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         module = self.lightning_module
         if module is not None:
             release_engine(self.model, module)
-            notice = still_sharded_notice(module)
+            callback = module.trainer.checkpoint_callback
+            saved = getattr(callback, "best_model_path", None) or getattr(callback, "last_model_path", None)
+            notice = still_sharded_notice(module, self.run_from_command_line, saved)
             # RUNNING: the run returned (Lightning marks a raised one INTERRUPTED before its teardown)
             if notice and module.trainer.state.status == TrainerStatus.RUNNING:
                 rank_zero_info(notice)

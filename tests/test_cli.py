@@ -82,7 +82,7 @@ def _console(*args: str) -> subprocess.CompletedProcess:
 
 
 def _strategy_options() -> set[str]:
-    """Every argument of the strategy: its own and those of DeepSpeedStrategy it passes on through ``**kwargs``."""
+    """Every argument of the strategy: DeepSpeedStrategy's, then its own."""
     names: set[str] = set()
     for cls in (FrozenAwareDeepSpeedStrategy, DeepSpeedStrategy):
         for parameter in inspect.signature(cls.__init__).parameters.values():
@@ -379,8 +379,8 @@ def test_estimate_from_a_config_json_or_a_lightningcli_config_says_what_it_assum
     folder = save_tiny_llama(tmp_path / "llama")
     plain = _estimate_table(capsys, str(folder / "config.json"), "--devices", "2")
     assert (
-        "assumed precision 32-true (the Trainer's default), frozen_dtype None (the strategy's default)"
-        in (plain["first"])
+        "assumed precision 32-true (the Trainer's default), frozen_dtype None (the strategy's default), LoRA r=8"
+        " (`--lora-r`, default) on PEFT's default modules for the model type (`--target-modules`)" in (plain["first"])
     )
     assert (plain["precision"], plain["frozen dtype"], plain["ranks"]) == ("32-true", "None", "2")
     # PEFT's choice for Llama, r=8 on q_proj (64 -> 64) and v_proj (64 -> 32, two key-value heads), two layers
@@ -390,12 +390,14 @@ def test_estimate_from_a_config_json_or_a_lightningcli_config_says_what_it_assum
     strategy = {"class_path": CLASS_PATH, "init_args": {"frozen_dtype": "nf4"}}
     config.write_text(yaml.safe_dump({"trainer": {"precision": "bf16-mixed", "devices": 2, "strategy": strategy}}))
     from_yaml = _estimate_table(capsys, str(config), "--base", str(folder))
-    assert "assumed precision bf16-mixed (the config's), frozen_dtype nf4 (the config's)" in from_yaml["first"]
+    assert (
+        "assumed precision bf16-mixed (the config's), frozen_dtype nf4 (the config's), LoRA r=8" in from_yaml["first"]
+    )
     assert (from_yaml["precision"], from_yaml["frozen dtype"], from_yaml["ranks"]) == ("bf16-mixed", "nf4", "2")
 
     config.write_text(_config(tmp_path, "frozen_deepspeed").read_text())
     built = _estimate_table(capsys, str(config), "--precision", "bf16-true")
-    assert "assumed precision bf16-true (given)" in built["first"]
+    assert "assumed precision bf16-true (given)" in built["first"] and "LoRA" not in built["first"]  # the module's
     assert (built["trainable params"], built["frozen params"]) == ("545", "2,112")  # SavedHparamsAdapterModel
 
 
@@ -434,3 +436,24 @@ def test_help_prints_no_deepspeed_accelerator_warning() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "export-peft" in result.stdout
     assert "accelerator" not in result.stderr, result.stderr  # DeepSpeed's "Setting accelerator to CPU" warning
+
+
+def test_the_command_line_warns_of_no_args_and_advises_its_export_steps_after_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lightning_log: Any
+) -> None:
+    monkeypatch.setattr(
+        sys, "argv", ["lightning-frozen", "fit", "--config", str(_config(tmp_path, "frozen_deepspeed"))]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main()
+    assert not [w for w in caught if "LightningCLI's args parameter" in str(w.message)]
+    saved = tmp_path / "run" / "checkpoints" / "adapter.ckpt"
+    advice = [line for line in lightning_log.lines if "lightning-frozen export-peft" in line]
+    assert advice == [
+        "lightning-frozen: the trained adapter is in the run's checkpoint file. For inference or serving,"
+        f" `lightning-frozen export-peft {saved} OUT_DIR` writes a PEFT adapter folder and `lightning-frozen"
+        f" export-merged {saved} OUT_DIR` a Hugging Face folder with the adapter merged into its base"
+        " (`lightning-frozen STEP --help`)."
+    ]
+    assert not [line for line in lightning_log.lines if "unshard" in line]

@@ -202,9 +202,14 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     try:
         mapped = isinstance(source, Path)
         checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
-    except OSError as error:
-        raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
     except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
+        if _rewound(source, _is_truncated):
+            raise CheckpointFormatError(
+                f"{location} is truncated: it ends before the end of its zip archive, as an interrupted copy, download or"
+                " save leaves a file. Copy it again, or resume from an earlier checkpoint."
+            ) from None
+        if isinstance(error, OSError):
+            raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None
         if isinstance(error, pickle.UnpicklingError) and _rewound(source, zipfile.is_zipfile):
             found = _rewound(source, unsafe_globals)
             named = f" ({', '.join(found[:5])})" if found else ""
@@ -264,22 +269,32 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
     ``given_as`` says where the path came from, for the message (``" (the `ckpt_path` of `fit`)"``).
 
     Raises:
-        CheckpointNotFoundError: nothing at ``location``.
-        CheckpointFormatError: a directory; the message says to convert it when it is a stock DeepSpeed checkpoint.
+        CheckpointNotFoundError: nothing at ``location`` (a ``FileNotFoundError``).
+        CheckpointFormatError: a directory, or a path inside a stock DeepSpeed checkpoint; the message says to convert
+            the stock checkpoint where there is one.
     """
     if isinstance(location, str):
         fs = get_filesystem(location)
         exists, is_dir = fs.exists(location), fs.isdir(location)
     else:
         exists, is_dir = location.exists(), location.is_dir()
+    stock = _stock_checkpoint_holding(location) if isinstance(location, Path) else None
+    inside = (
+        f" It lies inside {stock}, a checkpoint written by Lightning's stock DeepSpeedStrategy: convert that parent"
+        f" directory instead, with `lightning-frozen convert {stock} <out.ckpt>`."
+        if stock is not None and stock != location
+        else ""
+    )
     if not exists:
         relative = (
             "" if isinstance(location, str) or location.is_absolute() else f" (relative paths start at {Path.cwd()})"
         )
-        raise CheckpointNotFoundError(f"No checkpoint at {location}{given_as}: check the path{relative}.")
+        raise CheckpointNotFoundError(f"No checkpoint at {location}{given_as}: check the path{relative}.{inside}")
+    if inside:
+        raise CheckpointFormatError(f"{location} is not a lightning-frozen checkpoint file{given_as}.{inside}")
     if not is_dir:
         return
-    if isinstance(location, Path) and deepspeed_shard_folder(location) is not None:
+    if stock is not None:
         raise CheckpointFormatError(
             f"{location} is a directory: a checkpoint written by Lightning's stock DeepSpeedStrategy. Convert it with"
             f" `lightning-frozen convert {location} <out.ckpt>` (or `lightning_frozen.convert_deepspeed_checkpoint`)."
@@ -291,6 +306,15 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
         f" ModelCheckpoint writes them in its `dirpath`, by default `<default_root_dir>/lightning_logs/version_<n>/"
         f"checkpoints/`).{holds}"
     )
+
+
+def _stock_checkpoint_holding(location: Path) -> Optional[Path]:
+    """The stock DeepSpeed checkpoint directory that ``location`` is, or lies in (its tag folder, a file or a missing
+    name there), as Lightning's own check of a DeepSpeed path looks at the parent folders; None when there is none."""
+    for folder in (location, location.parent, location.parent.parent):
+        if folder.is_dir() and deepspeed_shard_folder(folder) is not None:
+            return folder
+    return None
 
 
 def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
@@ -324,6 +348,21 @@ def _rewound(source: Union[Path, io.BytesIO], read: Callable[[Any], T]) -> T:
     if isinstance(source, io.BytesIO):
         source.seek(0)
     return read(source)
+
+
+def _is_truncated(source: Union[Path, IO[bytes]]) -> bool:
+    """Whether ``source`` is a zip archive (what ``torch.save`` writes) whose end, the central directory, is missing: a
+    file cut short."""
+    try:
+        if isinstance(source, Path):
+            with source.open("rb") as handle:
+                head = handle.read(4)
+        else:
+            head = source.read(4)
+            source.seek(0)
+        return head == b"PK\x03\x04" and not zipfile.is_zipfile(source)
+    except OSError:  # unreadable: said as such by the caller
+        return False
 
 
 def load_error(error: Exception) -> str:

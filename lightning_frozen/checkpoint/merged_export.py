@@ -238,7 +238,8 @@ def _base_folder(checkpoint: Mapping[str, Any], source: Path, base: Optional[Pat
     raise BaseFolderError(
         f"{source} was trained on the frozen base {reference!r}, {'and ' + repr(str(base)) if base else 'which'} is"
         " no folder here (nor a hub model in the local cache). Pass the base folder: `export_merged(...,"
-        " base='path/to/base')`; it is verified against the checkpoint's fingerprint all the same."
+        " base='path/to/base')`, or `--base path/to/base` to `lightning-frozen export-merged`; it is verified against"
+        " the checkpoint's fingerprint all the same."
     )
 
 
@@ -252,7 +253,8 @@ def _folder_tensors(base: Path) -> dict[str, tuple[str, slice_reads.StoredTensor
     else:
         raise BaseFolderError(
             f"{base} holds no safetensors weights (`model.safetensors` or its index), the only ones the merged export"
-            " reads. Save the base with `save_pretrained` (transformers writes safetensors) and pass it as `base=`."
+            " reads. Save the base with `save_pretrained` (transformers writes safetensors) and pass it as `base=` (`--base`"
+            " on the command line)."
         )
     return {
         key: (str(base / name), at) for name in files for key, at in slice_reads.read_header(str(base / name)).items()
@@ -418,7 +420,7 @@ class _Plan:
         if tensor.is_meta and key is None:
             raise BaseFolderError(
                 f"The merged model needs `{name}`, which is neither in the base folder nor trained. Pass the folder the"
-                " run loaded its base from as `base=`."
+                " run loaded its base from as `base=` (`--base` on the command line)."
             )
         value = None if tensor.is_meta else tensor.detach()
         dtype = self._out_dtype(key, tensor.dtype)

@@ -129,16 +129,21 @@ def place_shards(model: nn.Module, device: torch.device, offload_frozen: bool, d
     with (a bf16 checkpoint stays bf16 under fp32 training), and DeepSpeed moves neither them nor the module later
     ("zero.Init handles device placement"); its ZeRO-3 optimizer needs every trainable shard in one dtype.
     """
-    cpu = torch.device("cpu")
     for param in model.parameters():
         if not is_partitioned(param):
             continue
-        target = cpu if offload_frozen and not param.requires_grad else device
+        target = shard_device(param, device, offload_frozen)
         cast = param.ds_tensor.is_floating_point() and param.ds_tensor.dtype != dtype
         if param.ds_tensor.device != target or cast:
             param.ds_tensor.data = param.ds_tensor.data.to(target, dtype=dtype if cast else None)
         if cast:
             param.data = torch.empty(0, dtype=dtype, device=param.data.device)
+
+
+def shard_device(param: nn.Parameter, device: torch.device, offload_frozen: bool) -> torch.device:
+    """Where ``param``'s shard goes on a rank whose accelerator is ``device``: CPU memory for a frozen one when
+    ``offload_frozen``, else ``device``, whatever ``remote_device`` it was created on."""
+    return torch.device("cpu") if offload_frozen and not param.requires_grad else device
 
 
 def place_buffers(model: nn.Module, device: torch.device) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_frozen.capabilities import CORE, UNSHARD, require
+from lightning_frozen.zero.accelerator import ignore_dependency_deprecations
 from lightning_frozen.zero.params import is_partitioned
 
 # what DeepSpeed 0.19's ZeRO-3 sets on each module it converts or hooks (`partition_parameters.Init`,
@@ -51,15 +52,19 @@ def unshard(model: nn.Module) -> nn.Module:
     require(CORE, UNSHARD)
 
     replaced: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or not is_partitioned(param):
-                continue
-            if id(param) not in replaced:
-                with deepspeed.zero.GatheredParameters([param]):
-                    whole = param.data.detach().clone()
-                replaced[id(param)] = nn.Parameter(whole, requires_grad=param.requires_grad)
-            module._parameters[name] = replaced[id(param)]
+    stop_ignoring = ignore_dependency_deprecations()  # torch's FutureWarning at DeepSpeed's gathers, as in a run
+    try:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or not is_partitioned(param):
+                    continue
+                if id(param) not in replaced:
+                    with deepspeed.zero.GatheredParameters([param]):
+                        whole = param.data.detach().clone()
+                    replaced[id(param)] = nn.Parameter(whole, requires_grad=param.requires_grad)
+                module._parameters[name] = replaced[id(param)]
+    finally:
+        stop_ignoring()
     if replaced or _has_zero_attributes(model):
         for module in model.modules():
             _plain_module(module)
@@ -78,11 +83,23 @@ def _plain_module(module: nn.Module) -> None:
         module._parameters = params
 
 
-def still_sharded_notice(model: nn.Module) -> Optional[str]:
+def still_sharded_notice(
+    model: nn.Module, command_line: bool = False, checkpoint: Optional[str] = None
+) -> Optional[str]:
     """The line a run that returned logs where ``model``'s params are still ZeRO-3 shards: how to use the module
-    outside the Trainer and how to load it for inference or serving; None where no param is a shard."""
+    outside the Trainer and how to load it for inference or serving; None where no param is a shard. Run from the
+    ``lightning-frozen`` command (``command_line``), it names the export steps instead, with the ``checkpoint`` file
+    the run wrote where there is one."""
     if not any(is_partitioned(param) for param in model.parameters()):
         return None
+    if command_line:
+        saved = checkpoint or "CHECKPOINT"
+        return (
+            f"lightning-frozen: the trained adapter is in the run's checkpoint file. For inference or serving,"
+            f" `lightning-frozen export-peft {saved} OUT_DIR` writes a PEFT adapter folder and"
+            f" `lightning-frozen export-merged {saved} OUT_DIR` a Hugging Face folder with the adapter merged into its"
+            " base (`lightning-frozen STEP --help`)."
+        )
     name = type(model).__name__
     return (
         f"lightning-frozen: `{name}`'s params are still ZeRO-3 shards, empty outside the Trainer (torch raises"
