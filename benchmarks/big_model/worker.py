@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.big_model.step_profile import PairedFloor, StepProfile, floors
-from benchmarks.harness.probes import PeakSampler, memory_now, snapshot, tree_bytes
+from benchmarks.harness.probes import BandwidthCanary, PeakSampler, memory_now, snapshot, thread_cpu_s, tree_bytes
 from benchmarks.harness.records import RankReport
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
@@ -100,7 +100,11 @@ class Probe(Callback):
         self.start_snapshot: dict[str, torch.Tensor] = {}
         self.first_global_step: Optional[int] = None
         self.step_s: list[float] = []
-        self._started = 0.0
+        self.step_began: list[float] = []  # wall-clock starts, to line steps up with samples taken outside the process
+        self.step_threads: list[dict[str, float]] = []  # CPU seconds of each thread that used >= 10 ms in the step
+        self.canary: list[float] = []  # the machine's single-thread copy rate after each step, GiB/s
+        self._canary = BandwidthCanary()
+        self._started, self._threads_before = 0.0, {}
 
     def _at(self) -> float:
         return round(time.perf_counter() - self.clock["fit"], 3)
@@ -125,13 +129,26 @@ class Probe(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._started = time.perf_counter()
+        self.step_began.append(round(time.time(), 3))
+        self._threads_before = thread_cpu_s()
         if self.first_global_step is None:
             self.first_global_step = trainer.global_step
             self.report.update(**{f"{self.prefix}first_step_at": self._at()})
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         self.step_s.append(round(time.perf_counter() - self._started, 3))
-        self.report.update(**{f"{self.prefix}step_s": self.step_s, f"{self.prefix}losses": module.losses})
+        used = {n: round(s - self._threads_before.get(n, 0.0), 2) for n, s in thread_cpu_s().items()}
+        self.step_threads.append({n: s for n, s in used.items() if s >= 0.01})
+        self.canary.append(self._canary.gib_s())
+        self.report.update(
+            **{
+                f"{self.prefix}step_s": self.step_s,
+                f"{self.prefix}step_began": self.step_began,
+                f"{self.prefix}step_threads": self.step_threads,
+                f"{self.prefix}canary_gib_s": self.canary,
+                f"{self.prefix}losses": module.losses,
+            }
+        )
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.report.update(**{f"{self.prefix}train_peaks": self.sampler.end_phase()})

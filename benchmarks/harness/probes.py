@@ -253,3 +253,36 @@ def snapshot(module: Any, names: list[str]) -> dict[str, Any]:
     wanted = [params[name] for name in names]
     with deepspeed.zero.GatheredParameters(wanted):
         return {name: params[name].detach().clone() for name in names}
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used so far, by ``name[tid]``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                text = stat.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        used[f"{text[text.index('(') + 1 : text.rindex(')')]}[{tid}]"] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+class BandwidthCanary:
+    """A fixed single-thread memory pass timed between steps: a step that is slow while the canary is not points at
+    the process; both slow, at the machine (a neighbour's memory traffic, frequency) the vCPUs' idle time hides."""
+
+    def __init__(self, mib: int = 64) -> None:
+        import numpy
+
+        self.source = numpy.ones(mib << 18, dtype=numpy.float32)
+        self.target = numpy.empty_like(self.source)
+
+    def gib_s(self) -> float:
+        import numpy
+
+        began = time.perf_counter()
+        numpy.copyto(self.target, self.source)
+        return round(2 * self.source.nbytes / (time.perf_counter() - began) / 2**30, 2)

@@ -37,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import PeakSampler, load_average, machine  # noqa: E402
+from benchmarks.harness.probes import BandwidthCanary, PeakSampler, load_average, machine  # noqa: E402
 from benchmarks.harness.records import now_utc, read_json, write_json  # noqa: E402
 
 BIG_MODEL = HERE.parent / "big_model" / "run.py"
@@ -76,7 +76,7 @@ def peer_worker(spec: dict[str, Any]) -> None:
         (spec["warmup"] + spec["steps"], 1, SEQUENCE),
         generator=torch.Generator().manual_seed(0),
     )
-    steps = []
+    steps, canary, meter = [], [], BandwidthCanary()
     for input_ids in tokens:
         begin = time.perf_counter()
         loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -84,12 +84,14 @@ def peer_worker(spec: dict[str, Any]) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append(time.perf_counter() - begin)
+        canary.append(meter.gib_s())
     sampler.stop()
     Path(spec["out"]).write_text(
         json.dumps(
             {
                 "load_s": load_s,
                 "steps_s": steps,
+                "canary_gib_s": canary,
                 "peak_uss": sampler.peaks()["uss"],
                 "loss": float(loss.detach()),
                 "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -119,6 +121,7 @@ def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> di
         "peak_uss": figures["peak_uss"],
         "load_s": figures["load_s"],
         "steps_s": figures["steps_s"],
+        "canary_gib_s": figures["canary_gib_s"],
     }
 
 
@@ -157,6 +160,7 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
     summary = found["summary"]
     if summary["status"] != "ok":
         return {"name": name, "status": summary["status"], "reason": summary.get("reason")}
+    rank0 = next(r for r in found["ranks"] if r["rank"] == 0)
     return {
         "name": name,
         "status": "ok",
@@ -165,7 +169,21 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
         "step_s": summary["step_s"],
         "peak_uss": summary["train_peak_uss"],
         "load_s": summary.get("first_step_at_s"),
+        # rank 0's every step (warm-up first), what each thread used in it and the machine's copy rate after it
+        "steps_s": rank0.get("step_s", []),
+        "step_threads": rank0.get("step_threads", []),
+        "canary_gib_s": rank0.get("canary_gib_s", []),
     }
+
+
+def write_folder(data_dir: Path) -> Path:
+    """The folder big_model's ``write`` makes (or reuses) for this size, under ``data_dir``."""
+    subprocess.run(
+        [sys.executable, str(BIG_MODEL), "write", "--size", SIZE, "--data-dir", str(data_dir)],
+        check=True,
+        env=launch.child_env(),
+    )
+    return data_dir / f"llama-{SIZE}"
 
 
 def report(result: dict[str, Any]) -> str:
@@ -211,12 +229,7 @@ def main() -> None:
     if args.peer:
         peer_worker(json.loads(args.peer))
         return
-    folder = args.data_dir / f"llama-{SIZE}"  # the folder big_model's ``write`` makes (or reuses) for this size
-    subprocess.run(
-        [sys.executable, str(BIG_MODEL), "write", "--size", SIZE, "--data-dir", str(args.data_dir)],
-        check=True,
-        env=launch.child_env(),
-    )
+    folder = write_folder(args.data_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = load_average()[0]
     rows = []
