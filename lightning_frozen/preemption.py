@@ -10,10 +10,13 @@ then every rank takes part in saving the adapter checkpoint (rank 0 writes it), 
 128 + the signal number, as a process the signal ended would. A SLURM requeue signal, under
 ``SLURMEnvironment(auto_requeue=True)``, saves Lightning's ``hpc_ckpt_<n>.ckpt`` and requeues the job, as Lightning
 does, so the requeued job resumes by itself. Before the first training step no step boundary can be reached: the
-handler raises the stop at once (inside a ``process.uninterrupted`` window, such as a class patch, as it closes) and
-the requeue, if asked, runs where the run ends (:meth:`Preemption.end_run`). A second signal, or a process still
-running ``grace`` seconds after its first, exits at once: the temporary file of a checkpoint being written is removed
-first, so the previous file stays whole.
+recorded stop is raised, without a checkpoint, at the strategy's own boundaries
+(:meth:`Preemption.stop_before_training`: after ``configure_model``, before the first training batch, after each batch
+of sanity validation, ``validate``, ``test`` and ``predict``), where no class of another package is patched, and the
+requeue, if asked, runs where the run ends (:meth:`Preemption.end_run`). The handler never raises: a stop raised there
+lands between any two bytecodes, also between a patch and the ``try:`` that puts it back. A second signal, or a
+process still running ``grace`` seconds after its first (a load that outlasts it), exits at once: the temporary file
+of a checkpoint being written is removed first, so the previous file stays whole.
 """
 
 from __future__ import annotations
@@ -106,14 +109,26 @@ class Preemption:
         if self.training:
             line = f"{name} received; stopping at the next step boundary (within {self.grace:g} s)"
         else:
-            line = f"{name} before the first training step: no step boundary to save at, so no checkpoint"
+            line = (
+                f"{name} before the first training step: no step boundary to save at, so no checkpoint; stopping at"
+                f" the next safe point (within {self.grace:g} s)"
+            )
         os.write(2, f"lightning-frozen: {line}; exiting with status {status}.\n".encode())  # logging may be locked
         for handler in self._chained.get(signum, []):
             handler(signum, frame)
-        if not self.training:
-            # before the first step (setup, the load in `configure_model`, the fingerprint, sanity validation; or any
-            # `validate`/`test`/`predict`) no step boundary can be reached: the stop ends the run where it is
-            process.raise_when_safe(SIGTERMException(status))
+
+    def stop_before_training(self) -> None:
+        """At one of the strategy's boundaries before the first training step (after ``configure_model``, before the
+        first batch, after a batch of sanity validation or of ``validate``/``test``/``predict``), where nothing of
+        another package is patched: end the run on this rank if it received a stop signal. Not collective: the ranks
+        that did not receive it are ended by :meth:`end_run`.
+
+        Raises:
+            SIGTERMException: with status 128 + the signal, when this rank received one and no step boundary was
+                reached yet.
+        """
+        if self.signum is not None and not self.training:
+            raise SIGTERMException(exit_status(self.signum))
 
     def agree(self, strategy: Any) -> tuple[bool, bool]:
         """Whether any rank received SIGTERM, and whether any received the requeue signal. Collective when
@@ -191,9 +206,16 @@ class StopAtStepBoundary(Callback):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not self.preemption.training:
-            return  # sanity validation and `validate` end by themselves (`Preemption._end_before_training`)
+            self.preemption.stop_before_training()  # sanity validation and `validate`: no step to save
+            return
         self._check_grace()
         self._stop_if_agreed(trainer)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.preemption.stop_before_training()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.preemption.stop_before_training()
 
     def _stop_if_agreed(self, trainer: pl.Trainer) -> None:
         terminate, requeue = self.preemption.agree(trainer.strategy)

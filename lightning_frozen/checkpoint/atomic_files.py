@@ -69,17 +69,16 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     tmp = _temp_path(path)
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode. Open
     # for reading too: a write in two passes reads where the first put each tensor (zero/torch_file.py)
-    with process.uninterrupted():  # a stop a signal raises waits for the file to be whole or gone
-        fd = process.start_writing(tmp, lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
-        try:
-            with process.removed_if_terminated(tmp), os.fdopen(fd, "w+b") as handle:
-                write(handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            process.publish(tmp, lambda: os.replace(tmp, path))
-        except BaseException:
-            process.abandon(tmp)
-            raise
+    fd = process.start_writing(tmp, lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        with process.removed_if_terminated(tmp), os.fdopen(fd, "w+b") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        process.publish(tmp, lambda: os.replace(tmp, path))
+    except BaseException:
+        process.abandon(tmp)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -100,17 +99,16 @@ def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) 
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(destination.parent)
     tmp = _temp_path(destination)
-    with process.uninterrupted():  # a stop a signal raises waits for the folder to be whole or gone
-        process.start_writing(tmp, tmp.mkdir)
-        try:
-            yield tmp
-            for entry in os.scandir(tmp):
-                _fsync_path(entry.path)
-            _fsync_path(str(tmp))
-            process.publish(tmp, lambda: _replace_folder(tmp, destination))
-        except BaseException:
-            process.abandon(tmp)
-            raise
+    process.start_writing(tmp, tmp.mkdir)
+    try:
+        yield tmp
+        for entry in os.scandir(tmp):
+            _fsync_path(entry.path)
+        _fsync_path(str(tmp))
+        process.publish(tmp, lambda: _replace_folder(tmp, destination))
+    except BaseException:
+        process.abandon(tmp)
+        raise
     _fsync_dir(destination.parent)
 
 
