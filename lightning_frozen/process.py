@@ -249,8 +249,24 @@ def owned_names(prefix: str, suffix: str = "") -> re.Pattern[str]:
 
 
 def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
-    """Delete the entries of ``folder`` (files, or folders with what they hold) whose names ``names`` matches
-    (:func:`owned_names`) and whose process is gone; return them.
+    """Delete the entries of ``folder`` (files, or folders with what they hold) that :func:`dead_files` finds; return
+    them."""
+    removed: list[Path] = []
+    for path, _ in dead_files(folder, names):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:  # removed or renamed by another process meanwhile, or not this user's to remove
+            continue
+        removed.append(path)
+    return removed
+
+
+def dead_files(folder: Path, names: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
+    """The entries of ``folder`` whose names ``names`` matches (:func:`owned_names`) and whose process is gone, each
+    with its name's match.
 
     An entry is a dead process's when it was made in this pid space (see :func:`pid_space_tag`) by a process that no
     longer runs, or when nothing has written to it for ``STALE_SECONDS`` (its process ran on another machine or in
@@ -258,11 +274,11 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
     alone, as is every entry not named so, every link, and every entry another user owns (a job run as root on a
     shared node never removes another user's files).
     """
-    removed: list[Path] = []
+    found: list[tuple[Path, re.Match[str]]] = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
-        return removed
+        return found
     space, now = pid_space_tag(), time.time()
     for entry in entries:
         match = names.match(entry.name)
@@ -270,19 +286,14 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
             continue
         try:
             status = entry.stat(follow_symlinks=False)
-            if status.st_uid != os.getuid():
-                continue
-            idle = now - status.st_mtime
-            dead = match["space"] == space and not process_runs(int(match["pid"]))
-            if dead or idle > STALE_SECONDS:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(Path(entry.path))
-        except OSError:  # removed or renamed by another process meanwhile, or not this user's to remove
+        except OSError:  # removed or renamed by another process meanwhile
             continue
-    return removed
+        if status.st_uid != os.getuid():
+            continue
+        dead = match["space"] == space and not process_runs(int(match["pid"]))
+        if dead or now - status.st_mtime > STALE_SECONDS:
+            found.append((Path(entry.path), match))
+    return found
 
 
 def pid_space_tag() -> str:

@@ -81,6 +81,38 @@ def test_one_sweeper_removes_dead_processes_files_and_keeps_live_ones(tmp_path: 
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([mine.name, other.name])
 
 
+def _export(folder: Path, content: bytes) -> None:
+    with atomic_files.folder_written_whole(folder, lambda name: name == "adapter_model.bin") as tmp:
+        (tmp / "adapter_model.bin").write_bytes(content)
+
+
+def _killed_after_rename(folder: Path, renames: int) -> None:
+    """Replace ``folder``'s export with a new one, killed (SIGKILL) right after its ``renames``-th rename."""
+    replace, done = os.replace, []
+
+    def replace_then_killed(source: object, target: object) -> None:
+        replace(source, target)
+        done.append(target)
+        if len(done) == renames:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = replace_then_killed  # in the forked child only
+    _export(folder, b"the new export")
+
+
+@pytest.mark.parametrize("renames", [1, 2, 3], ids=["old-moved-aside", "new-in-place", "old-renamed-to-remove"])
+def test_an_export_replaced_by_a_process_killed_at_any_rename_leaves_a_whole_one(tmp_path: Path, renames: int) -> None:
+    folder = tmp_path / "adapter"
+    _export(folder, b"the earlier export")
+    assert _forked(lambda: _killed_after_rename(folder, renames)) == -signal.SIGKILL
+    atomic_files.remove_stale_temp_files(tmp_path)  # what the next write into the parent runs first
+    expected = b"the earlier export" if renames == 1 else b"the new export"
+    assert (folder / "adapter_model.bin").read_bytes() == expected
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["adapter"]  # nothing else left, whole or half
+    _export(folder, b"the next export")  # and the next export replaces it as usual
+    assert (folder / "adapter_model.bin").read_bytes() == b"the next export"
+
+
 def _fork_a_worker_that_is_terminated() -> None:
     process.StopSignals([signal.SIGTERM], lambda s, f: None, 1.0, lambda s: 128 + s, lambda: None)
     worker = os.fork()
