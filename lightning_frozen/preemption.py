@@ -38,7 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen import lightning_seam, process
+from lightning_frozen import capabilities, lightning_seam, process
 from lightning_frozen.zero.collectives import any_rank
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class Preemption:
         self._signals: Optional[process.StopSignals] = None  # the handler and its watchdog, while a run is set up
         self.training = False  # whether a step boundary can be reached (the fit loop started): else a signal ends it
         self._signalled_at = 0.0
+        self._on = False  # this run's stop is ours: else Lightning's signal handling runs (capabilities.PREEMPTION off)
 
     def install(self, trainer: pl.Trainer, launcher: Any) -> None:
         """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run, from the strategy's
@@ -73,8 +74,13 @@ class Preemption:
 
         Handlers that were set before the run still run, after this one. A watchdog started here ends the process
         ``grace`` seconds after a signal, or at once after a second one. Call it from the main thread (elsewhere only
-        the step-boundary callback is added: signal handlers can only be set there).
+        the step-boundary callback is added: signal handlers can only be set there). Where Lightning's names that this
+        needs moved (``capabilities.PREEMPTION`` off, with one warning when the strategy was built), it does nothing:
+        Lightning's own signal handling runs.
         """
+        if not capabilities.available(capabilities.PREEMPTION):
+            return
+        self._on = True
         self._launcher = launcher
         if not any(isinstance(callback, StopAtStepBoundary) for callback in trainer.callbacks):
             trainer.callbacks.append(StopAtStepBoundary(self))
@@ -91,12 +97,12 @@ class Preemption:
     def uninstall(self, trainer: Optional[pl.Trainer]) -> None:
         """The run ended: put back the handlers found at its start, end the watchdog, let Lightning's connector
         register handlers again, take the run's callback off ``trainer``, and forget the run's signal."""
-        if trainer is not None:
+        if trainer is not None and self._on:
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopAtStepBoundary)]
             lightning_seam.register_no_signal_handlers(trainer, False)
         if self._signals is not None:
             self._signals.close()
-        self._signals, self._chained, self.signum, self.training = None, {}, None, False
+        self._signals, self._chained, self.signum, self.training, self._on = None, {}, None, False, False
 
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         # runs in the main thread between two bytecodes, maybe inside a collective: it records and writes one line;
@@ -143,6 +149,8 @@ class Preemption:
         first training step (rank 0), then end the ranks ``launcher`` started (after a stop, once they have ended by
         themselves, within what is left of ``grace``, half of it before the first step; none where every rank raised
         it)."""
+        if not self._on:
+            return  # Lightning's signal handling ran the run
         if is_stop(exception):  # as at a step boundary: Lightning's observer would SIGKILL this rank as it waits
             lightning_seam.stop_watching_ranks()  # for the others, or ends its run after they ended with 143
         before_training = is_stop(exception) and not self.training and self.signum is not None
