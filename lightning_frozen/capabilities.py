@@ -57,25 +57,6 @@ CORE = Capability(
         # a resumed fit's epoch count (loops.py)
         ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.restarted_mid_epoch", "loops.py"),
         ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.reset_restart_stage", "loops.py", ("self",)),
-        # preemption's
-        ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
-        ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
-        ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
-        ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
-        ForeignName(
-            "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
-            "preemption.py",
-        ),
-        ForeignName(
-            "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_accumulate",
-            "preemption.py",
-            ("self",),
-        ),
-        ForeignName(
-            "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
-            "preemption.py",
-            in_code=("_child_processes",),
-        ),
         # the ZeRO-3 optimizer's inner state by param, and a sub-group's step that makes it
         ForeignName(
             f"{_STAGE3}.__init__",
@@ -154,6 +135,34 @@ CORE = Capability(
             ("self", "model", "adapter_name"),
         ),
         ForeignName("peft.tuners.tuners_utils:BaseTunerLayer.adapter_layer_names", "hf/peft_adapters.py"),
+    ),
+)
+
+PREEMPTION = Capability(
+    "preemption (a stop signal saved at the next step boundary)",
+    fallback="Lightning's own signal handling: its SIGTERM handler, which broadcasts inside the handler (against a"
+    " ZeRO-3 all-gather on another rank that can hang), and its SLURM requeue",
+    changes="the run's SIGTERM and requeue handlers and a watchdog thread, in place of Lightning's signal connector"
+    " (preemption.Preemption.install)",
+    rows=(
+        ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
+        ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
+        ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
+        ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
+        ForeignName(
+            "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
+            "preemption.py",
+        ),
+        ForeignName(
+            "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_accumulate",
+            "preemption.py",
+            ("self",),
+        ),
+        ForeignName(
+            "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
+            "preemption.py",
+            in_code=("_child_processes",),
+        ),
     ),
 )
 
@@ -393,6 +402,7 @@ EARLY_CKPT_CHECK = Capability(
 )
 
 OPTIONAL = (
+    PREEMPTION,
     CPU_COMPUTE,
     SLICED_LOADING,
     GENERATE,

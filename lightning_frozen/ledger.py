@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 
-from lightning_frozen import process
 from lightning_frozen.preemption import Preemption
 from lightning_frozen.zero import accelerator
 from lightning_frozen.zero.frozen_compute import FrozenCompute
@@ -42,9 +41,8 @@ class RunLedger:
 
     def enter(self, context: AbstractContextManager[T], what: str = "") -> T:
         """Enter ``context`` now and leave it when the run ends."""
-        with process.uninterrupted():  # a stop a signal raises never lands between entering and the undo's record
-            value = context.__enter__()
-            self.callback(lambda: context.__exit__(None, None, None), what or type(context).__qualname__)
+        value = context.__enter__()
+        self.callback(lambda: context.__exit__(None, None, None), what or type(context).__qualname__)
         return value
 
     def set_attribute(self, owner: Any, name: str, value: Any) -> None:

@@ -10,10 +10,13 @@ then every rank takes part in saving the adapter checkpoint (rank 0 writes it), 
 128 + the signal number, as a process the signal ended would. A SLURM requeue signal, under
 ``SLURMEnvironment(auto_requeue=True)``, saves Lightning's ``hpc_ckpt_<n>.ckpt`` and requeues the job, as Lightning
 does, so the requeued job resumes by itself. Before the first training step no step boundary can be reached: the
-handler raises the stop at once (inside a ``process.uninterrupted`` window, such as a class patch, as it closes) and
-the requeue, if asked, runs where the run ends (:meth:`Preemption.end_run`). A second signal, or a process still
-running ``grace`` seconds after its first, exits at once: the temporary file of a checkpoint being written is removed
-first, so the previous file stays whole.
+recorded stop is raised, without a checkpoint, at the strategy's own boundaries
+(:meth:`Preemption.stop_before_training`: after ``configure_model``, before the first training batch, after each batch
+of sanity validation, ``validate``, ``test`` and ``predict``), where no class of another package is patched, and the
+requeue, if asked, runs where the run ends (:meth:`Preemption.end_run`). The handler never raises: a stop raised there
+lands between any two bytecodes, also between a patch and the ``try:`` that puts it back. A second signal, or a
+process still running ``grace`` seconds after its first (a load that outlasts it), exits at once: the temporary file
+of a checkpoint being written is removed first, so the previous file stays whole.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_frozen import lightning_seam, process
+from lightning_frozen import capabilities, lightning_seam, process
 from lightning_frozen.zero.collectives import any_rank
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ class Preemption:
         self._signals: Optional[process.StopSignals] = None  # the handler and its watchdog, while a run is set up
         self.training = False  # whether a step boundary can be reached (the fit loop started): else a signal ends it
         self._signalled_at = 0.0
+        self._on = False  # this run's stop is ours: else Lightning's signal handling runs (capabilities.PREEMPTION off)
 
     def install(self, trainer: pl.Trainer, launcher: Any) -> None:
         """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run, from the strategy's
@@ -70,8 +74,13 @@ class Preemption:
 
         Handlers that were set before the run still run, after this one. A watchdog started here ends the process
         ``grace`` seconds after a signal, or at once after a second one. Call it from the main thread (elsewhere only
-        the step-boundary callback is added: signal handlers can only be set there).
+        the step-boundary callback is added: signal handlers can only be set there). Where Lightning's names that this
+        needs moved (``capabilities.PREEMPTION`` off, with one warning when the strategy was built), it does nothing:
+        Lightning's own signal handling runs.
         """
+        if not capabilities.available(capabilities.PREEMPTION):
+            return
+        self._on = True
         self._launcher = launcher
         if not any(isinstance(callback, StopAtStepBoundary) for callback in trainer.callbacks):
             trainer.callbacks.append(StopAtStepBoundary(self))
@@ -88,12 +97,12 @@ class Preemption:
     def uninstall(self, trainer: Optional[pl.Trainer]) -> None:
         """The run ended: put back the handlers found at its start, end the watchdog, let Lightning's connector
         register handlers again, take the run's callback off ``trainer``, and forget the run's signal."""
-        if trainer is not None:
+        if trainer is not None and self._on:
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopAtStepBoundary)]
             lightning_seam.register_no_signal_handlers(trainer, False)
         if self._signals is not None:
             self._signals.close()
-        self._signals, self._chained, self.signum, self.training = None, {}, None, False
+        self._signals, self._chained, self.signum, self.training, self._on = None, {}, None, False, False
 
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         # runs in the main thread between two bytecodes, maybe inside a collective: it records and writes one line;
@@ -106,14 +115,26 @@ class Preemption:
         if self.training:
             line = f"{name} received; stopping at the next step boundary (within {self.grace:g} s)"
         else:
-            line = f"{name} before the first training step: no step boundary to save at, so no checkpoint"
+            line = (
+                f"{name} before the first training step: no step boundary to save at, so no checkpoint; stopping at"
+                f" the next safe point (within {self.grace:g} s)"
+            )
         os.write(2, f"lightning-frozen: {line}; exiting with status {status}.\n".encode())  # logging may be locked
         for handler in self._chained.get(signum, []):
             handler(signum, frame)
-        if not self.training:
-            # before the first step (setup, the load in `configure_model`, the fingerprint, sanity validation; or any
-            # `validate`/`test`/`predict`) no step boundary can be reached: the stop ends the run where it is
-            process.raise_when_safe(SIGTERMException(status))
+
+    def stop_before_training(self) -> None:
+        """At one of the strategy's boundaries before the first training step (after ``configure_model``, before the
+        first batch, after a batch of sanity validation or of ``validate``/``test``/``predict``), where nothing of
+        another package is patched: end the run on this rank if it received a stop signal. Not collective: the ranks
+        that did not receive it are ended by :meth:`end_run`.
+
+        Raises:
+            SIGTERMException: with status 128 + the signal, when this rank received one and no step boundary was
+                reached yet.
+        """
+        if self.signum is not None and not self.training:
+            raise SIGTERMException(exit_status(self.signum))
 
     def agree(self, strategy: Any) -> tuple[bool, bool]:
         """Whether any rank received SIGTERM, and whether any received the requeue signal. Collective when
@@ -128,6 +149,8 @@ class Preemption:
         first training step (rank 0), then end the ranks ``launcher`` started (after a stop, once they have ended by
         themselves, within what is left of ``grace``, half of it before the first step; none where every rank raised
         it)."""
+        if not self._on:
+            return  # Lightning's signal handling ran the run
         if is_stop(exception):  # as at a step boundary: Lightning's observer would SIGKILL this rank as it waits
             lightning_seam.stop_watching_ranks()  # for the others, or ends its run after they ended with 143
         before_training = is_stop(exception) and not self.training and self.signum is not None
@@ -191,9 +214,16 @@ class StopAtStepBoundary(Callback):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not self.preemption.training:
-            return  # sanity validation and `validate` end by themselves (`Preemption._end_before_training`)
+            self.preemption.stop_before_training()  # sanity validation and `validate`: no step to save
+            return
         self._check_grace()
         self._stop_if_agreed(trainer)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.preemption.stop_before_training()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.preemption.stop_before_training()
 
     def _stop_if_agreed(self, trainer: pl.Trainer) -> None:
         terminate, requeue = self.preemption.agree(trainer.strategy)

@@ -1,20 +1,15 @@
 """How this process ends and what it leaves behind, with one owner each: the package's signal handlers and the
-watchdog that bounds a stop, the windows a stop waits for, the files this process is writing when it must exit at
-once, and the sweeping of files that dead processes left.
+watchdog that bounds a stop, the files this process is writing when it must exit at once, and the sweeping of files
+that dead processes left.
 
 **Signals.** :class:`StopSignals` sets the handler of a run's stop signals (SIGTERM, SLURM's requeue signal) and starts
-a watchdog thread, both before any signal comes; the handler runs in the main thread and records (``preemption.py``
-says what; before a run's first step it also raises the run's stop, see below). The watchdog learns of each signal
+a watchdog thread, both before any signal comes; the handler runs in the main thread and only records
+(``preemption.py`` says what, and where the run's code raises the stop: never from the handler, which lands between
+any two bytecodes, also between a class patch and the ``try:`` that puts it back). The watchdog learns of each signal
 from the wakeup fd CPython's C-level handler writes to, so it counts a signal even while the main thread is stuck in
 C code and never runs the handler: ``grace`` seconds after the first, or at once after a second, it ends the process
 (:func:`exit_now`). Nothing is started in a handler: ``Thread.start`` takes a lock of ``threading`` that the main
 thread may hold at that moment.
-
-**Uninterrupted windows.** A stop raised from a signal handler lands between any two bytecodes of the main thread, also
-between a class patch and the ``try:`` that puts it back. Inside :func:`uninterrupted` such a stop waits: it is raised
-as the window closes, or in the window's :func:`interruptible` body (a load that runs for minutes under the patch).
-``pthread_sigmask`` cannot do this: it blocks the calling thread only, and once the kernel delivers the signal to any
-other thread (torch, gloo and Lightning start some), CPython runs the handler in the main thread all the same.
 
 **Files being written.** Temp files and folders this process is writing are registered (:func:`start_writing`), so
 that an exit at once removes them; once it has begun, none is renamed into place any more, so a target stays as it
@@ -50,8 +45,6 @@ STALE_SECONDS = 3600.0
 # `<prefix>-<pid space>-<pid>-<random><suffix>` (8 hex digits: lightning-frozen 0.1's host-name tag, stale by age only)
 _OWNED = r"-(?P<space>[0-9a-f]{16}|[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]+"
 
-_windows = [0]  # uninterrupted windows open in the main thread
-_pending: list[BaseException] = []  # the stop a signal raised inside one, raised as the last one closes
 _writing: set[Path] = set()  # temp files and folders this process is writing now
 _writing_lock = threading.Lock()  # against the watchdog's exit; no signal handler takes it
 _exiting = [False]  # set once an exit at once has begun: nothing is renamed into place any more
@@ -59,75 +52,6 @@ _exiting = [False]  # set once an exit at once has begun: nothing is renamed int
 
 class ProcessExitingError(RuntimeError):
     """This process is exiting at once (a second stop signal, or its stop deadline passed): no file is published."""
-
-
-@contextmanager
-def uninterrupted() -> Iterator[None]:
-    """While active (in the main thread), a stop that a signal handler raises through :func:`raise_when_safe` waits,
-    and is raised as the outermost window closes: around a patch of another package's class and the ``try:`` that
-    puts it back. Its body may open :func:`interruptible` stretches. Windows in other threads hold nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    outer = _windows[0]
-    _windows[0] = outer + 1  # each window sets the depth it found back: a stop landing anywhere leaves it right
-    try:
-        yield
-    except BaseException:
-        _pending.clear()  # the window is left by an exception already; the deadline still bounds the stop
-        raise
-    finally:
-        _windows[0] = outer
-    if not outer and _pending:
-        raise _pending.pop()
-
-
-@contextmanager
-def interruptible() -> Iterator[None]:
-    """Inside an :func:`uninterrupted` window, a stretch where a stop lands again (one waiting is raised at once), and
-    after which the window goes on: the body of a patch, which a ``try:`` already puts back. A patch window reads::
-
-        with uninterrupted():
-            patch()
-            try:
-                with interruptible():
-                    yield
-            finally:
-                restore()
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    outer = _windows[0]
-    _windows[0] = 0
-    try:
-        if _pending:
-            raise _pending.pop()
-        yield
-    finally:
-        _windows[0] = outer
-
-
-@contextmanager
-def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.<name>`` is ``value`` while active and its own again after, whatever stops the body: the patch and its
-    undoing in an :func:`uninterrupted` window, the body :func:`interruptible`."""
-    with uninterrupted():
-        original = getattr(owner, name)
-        setattr(owner, name, value)
-        try:
-            with interruptible():
-                yield
-        finally:
-            setattr(owner, name, original)
-
-
-def raise_when_safe(stop: BaseException) -> None:
-    """From a signal handler in the main thread: raise ``stop`` now, or, inside :func:`uninterrupted`, as it closes."""
-    if _windows[0]:
-        _pending[:] = [stop]
-        return
-    raise stop
 
 
 class StopSignals:
@@ -229,9 +153,7 @@ def exiting() -> None:
 
 
 def start_writing(tmp: Path, create: Callable[[], T]) -> T:
-    """``create()`` ``tmp`` (a temp file or folder) and register it, as one step: an exit at once removes it. Call it,
-    :func:`publish` and :func:`abandon` inside one :func:`uninterrupted` window around the whole write, so that no
-    stop lands between a step and the next.
+    """``create()`` ``tmp`` (a temp file or folder) and register it, as one step: an exit at once removes it.
 
     Raises:
         ProcessExitingError: the process is exiting at once.
@@ -327,8 +249,24 @@ def owned_names(prefix: str, suffix: str = "") -> re.Pattern[str]:
 
 
 def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
-    """Delete the entries of ``folder`` (files, or folders with what they hold) whose names ``names`` matches
-    (:func:`owned_names`) and whose process is gone; return them.
+    """Delete the entries of ``folder`` (files, or folders with what they hold) that :func:`dead_files` finds; return
+    them."""
+    removed: list[Path] = []
+    for path, _ in dead_files(folder, names):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:  # removed or renamed by another process meanwhile, or not this user's to remove
+            continue
+        removed.append(path)
+    return removed
+
+
+def dead_files(folder: Path, names: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
+    """The entries of ``folder`` whose names ``names`` matches (:func:`owned_names`) and whose process is gone, each
+    with its name's match.
 
     An entry is a dead process's when it was made in this pid space (see :func:`pid_space_tag`) by a process that no
     longer runs, or when nothing has written to it for ``STALE_SECONDS`` (its process ran on another machine or in
@@ -336,11 +274,11 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
     alone, as is every entry not named so, every link, and every entry another user owns (a job run as root on a
     shared node never removes another user's files).
     """
-    removed: list[Path] = []
+    found: list[tuple[Path, re.Match[str]]] = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
-        return removed
+        return found
     space, now = pid_space_tag(), time.time()
     for entry in entries:
         match = names.match(entry.name)
@@ -348,19 +286,14 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
             continue
         try:
             status = entry.stat(follow_symlinks=False)
-            if status.st_uid != os.getuid():
-                continue
-            idle = now - status.st_mtime
-            dead = match["space"] == space and not process_runs(int(match["pid"]))
-            if dead or idle > STALE_SECONDS:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(Path(entry.path))
-        except OSError:  # removed or renamed by another process meanwhile, or not this user's to remove
+        except OSError:  # removed or renamed by another process meanwhile
             continue
-    return removed
+        if status.st_uid != os.getuid():
+            continue
+        dead = match["space"] == space and not process_runs(int(match["pid"]))
+        if dead or now - status.st_mtime > STALE_SECONDS:
+            found.append((Path(entry.path), match))
+    return found
 
 
 def pid_space_tag() -> str:

@@ -244,7 +244,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         """The run's part of the set-up: its ledger opened, preemption handled, ``module`` and its Trainer checked."""
         open_run(self._ledger, module, self._preemption, compute)
         # ours for every phase from here on, Lightning's never registered: a signal during the user's setup(), the load
-        # or the dataloaders ends the run
+        # or the dataloaders ends the run at the next of the strategy's boundaries (`Preemption.stop_before_training`)
         self._preemption.install(module.trainer, self.launcher)
         self._row_hooks = self._ledger.scope("the guarded adapter layers' hooks")
         file.require_restore_path(module.trainer, self.checkpoint_io)  # a wrong `ckpt_path` fails before the load
@@ -309,6 +309,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             yield
         # the one fact a setup may add to the spec: the frozen_dtype a bitsandbytes `quantization_config` chose
         self._spec = self._spec.with_frozen_dtype(plan.frozen_dtype)
+        self._preemption.stop_before_training()  # a signal in the load: the loader's patches are undone here
 
     @override
     def start_training(self, model: Module) -> None:
@@ -337,6 +338,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def on_train_start(self) -> None:
         loops.start_next_epoch_afresh(self._module.trainer.fit_loop)  # a resumed run counts epochs as one never stopped
+        self._preemption.stop_before_training()  # before the first batch: a signal in sanity or `train_dataloader()`
         self._preemption.training = True  # from now on a signal stops at the next step boundary
         wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 

@@ -37,6 +37,8 @@ def test_a_plain_fit_trains_with_one_warning_where_a_name_of_a_capability_it_doe
     (warning,) = found["warnings"]
     assert f"{name}` " in warning and f"{getattr(capabilities, capability).name} is off" in warning
     assert f"so {getattr(capabilities, capability).fallback}" in warning
+    # preemption's fallback is Lightning's own signal handling; with it on, Lightning's handler is never set
+    assert found["lightnings_sigterm_handler"] == (capability == "PREEMPTION")
 
 
 @pytest.mark.parametrize(

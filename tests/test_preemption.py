@@ -228,9 +228,12 @@ def test_slurm_requeue_saves_the_hpc_checkpoint_requeues_and_the_job_resumes_fro
 
 
 class _RequeuedInConfigureModel(AdapterModel):
+    loaded = False
+
     def configure_model(self) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's requeue signal in the middle of the load
-        time.sleep(30)
+        time.sleep(1)  # the rest of the load: the handler only records the signal
+        self.loaded = True
 
 
 @pytest.mark.usefixtures("sigusr1_default")
@@ -239,17 +242,79 @@ def test_a_requeue_signal_during_the_load_requeues_without_a_checkpoint(
 ) -> None:
     _slurm_job(tmp_path, monkeypatch, "4343")
     strategy = FrozenAwareDeepSpeedStrategy(cluster_environment=SLURMEnvironment(auto_requeue=True))
-    started = time.monotonic()
+    module = _RequeuedInConfigureModel()
     with pytest.raises(SystemExit) as stop:
-        cpu_trainer(strategy, max_steps=2, default_root_dir=tmp_path).fit(
-            _RequeuedInConfigureModel(), regression_data()
-        )
-    assert time.monotonic() - started < 25  # not the 30 s the load would have taken
+        cpu_trainer(strategy, max_steps=2, default_root_dir=tmp_path).fit(module, regression_data())
+    assert module.loaded and module.global_step == 0  # raised after `configure_model`, before any step
     assert stop.value.code == 128 + signal.SIGUSR1
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4343"]
     assert not list(tmp_path.rglob("*.ckpt"))
     assert "SIGUSR1 before the first training step" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)  # the handler found before the run is back
+
+
+class _SignalledBeforeTraining(AdapterModel):
+    """Sends SIGTERM to its own process in the phase ``at`` and records every phase it reaches, that one included."""
+
+    at = ""
+    reached: list[str]
+
+    def _reach(self, phase: str) -> None:
+        if phase == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.reached.append(phase)  # after the signal too: the handler only records it
+
+    def setup(self, stage: str) -> None:
+        self._reach("setup")
+
+    def configure_model(self) -> None:
+        self._reach("configure_model")
+
+    def on_train_start(self) -> None:
+        self._reach("on_train_start")
+
+    def train_dataloader(self) -> Any:
+        return regression_data()
+
+    def val_dataloader(self) -> Any:
+        return regression_data()
+
+    def test_dataloader(self) -> Any:
+        return regression_data()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._reach(f"sanity {batch_idx}")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._reach(f"test {batch_idx}")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._reach("training_step")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("at", "reached"),
+    [
+        ("setup", ["setup", "configure_model"]),  # raised after `configure_model`
+        ("configure_model", ["setup", "configure_model"]),
+        ("sanity 0", ["setup", "configure_model", "sanity 0"]),  # between sanity batches
+        ("on_train_start", ["setup", "configure_model", "sanity 0", "sanity 1", "on_train_start"]),  # before batch 0
+        ("test 0", ["setup", "configure_model", "test 0"]),  # between the batches of `test`
+    ],
+)
+def test_a_sigterm_before_the_first_step_is_raised_at_the_next_boundary_never_by_the_handler(
+    tmp_path: Path, capfd: pytest.CaptureFixture, at: str, reached: list[str]
+) -> None:
+    module = _SignalledBeforeTraining()
+    module.at, module.reached = at, []
+    trainer = cpu_trainer(max_steps=2, num_sanity_val_steps=2, limit_val_batches=2, default_root_dir=tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        trainer.test(module) if at.startswith("test") else trainer.fit(module)
+    assert stop.value.code == SIGTERM_STATUS
+    assert module.reached == reached
+    assert "SIGTERM before the first training step" in capfd.readouterr().err
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 class _SlowStep(AdapterModel):
@@ -303,7 +368,8 @@ def test_after_an_early_stop_rank_0_ends_with_the_stops_status_when_the_rank_it_
 )
 def test_a_sigterm_before_the_first_step_ends_every_rank_within_the_grace(tmp_path: Path, at: str, ranks: str) -> None:
     # every phase from the strategy's setup on: its handler alone sees the signal (Lightning's, which broadcasts
-    # inside the handler, is never registered), and a stop raised inside a patch window waits for its `try:`
+    # inside the handler, is never registered) and records it; the signalled ranks go on for 2 s, the rest of a load,
+    # and the strategy's next boundary raises the stop, where no patch is held
     grace = 15.0
     args = ["--dir", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report"), "--at", at, "--ranks", ranks]
     started = time.monotonic()
@@ -316,3 +382,16 @@ def test_a_sigterm_before_the_first_step_ends_every_rank_within_the_grace(tmp_pa
     assert all(r["patched"] == [] for r in reports), reports  # every patched function is its original again
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())  # nothing written, whole or half
     assert time.monotonic() - started < 120  # not the 120 s each rank would have slept, nor a hang
+
+
+@pytest.mark.slow
+def test_a_load_that_outlasts_the_grace_after_a_sigterm_is_ended_by_the_watchdog(tmp_path: Path) -> None:
+    # the load goes on for 120 s after the signal and no boundary comes: the watchdog ends each rank at its deadline
+    grace = 5.0
+    args = ["--dir", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report"), "--at", "configure_model"]
+    started = time.monotonic()
+    run = run_script("preempt_early.py", *args, "--load", "120", "--grace", str(grace), status=143, timeout=200)
+    assert f"the rank did not stop within {grace:g} s; exiting now with status 143" in run.stderr
+    assert not (tmp_path / "report").exists() or not list((tmp_path / "report").iterdir())  # no rank went on
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+    assert time.monotonic() - started < 100  # not the 120 s of the load

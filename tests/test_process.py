@@ -1,5 +1,4 @@
-"""How a process ends (issue 45, ``lightning_frozen/process.py``): a stop raised from a signal handler waits for the
-end of an uninterrupted window (a class patch and its ``try:``); the watchdog set up before any signal ends the
+"""How a process ends (issue 45, ``lightning_frozen/process.py``): the watchdog set up before any signal ends the
 process ``grace`` seconds after one, or at once after a second, even while the main thread never runs the handler,
 removing the file being written first; one sweeper removes dead processes' temp files and shared-memory files."""
 
@@ -12,72 +11,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import IO
 
 import pytest
 
 from lightning_frozen import process
 from lightning_frozen.checkpoint import atomic_files
-
-
-class _Stop(BaseException):
-    pass
-
-
-def test_a_stop_raised_in_an_uninterrupted_window_waits_for_its_end() -> None:
-    went_on = []
-    with pytest.raises(_Stop), process.uninterrupted():
-        with process.uninterrupted():  # nested: only the outermost raises
-            process.raise_when_safe(_Stop())  # as a signal handler would
-            went_on.append("inner")
-        went_on.append("outer")
-    assert went_on == ["inner", "outer"]
-    with process.uninterrupted():  # the next window starts without a stop pending
-        went_on.append("next")
-    assert went_on[-1] == "next"
-
-
-def test_a_patch_windows_body_is_interruptible_and_its_patch_is_put_back() -> None:
-    patched = {"function": "original"}
-    reached = []
-    with pytest.raises(_Stop), process.uninterrupted():
-        patched["function"] = "patch"
-        process.raise_when_safe(_Stop())  # a signal between the patch and its `try:`: it waits
-        try:
-            with process.interruptible():  # ... and is raised where the load would run, inside the `try:`
-                reached.append("body")
-        finally:
-            patched["function"] = "original"
-    assert patched == {"function": "original"} and reached == []
-    with pytest.raises(_Stop), process.uninterrupted(), process.interruptible():
-        process.raise_when_safe(_Stop())  # in the body: at once
-        reached.append("after the stop")
-    assert reached == []
-
-
-def test_a_stop_between_peft_s_two_class_patches_leaves_both_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
-    # around_adapter_creation patches PeftModel.__init__, then BaseTuner.inject_adapter: a stop a signal raises
-    # between the two (here as the second wrapper is made) waits for the window's `try:`, which puts both back
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTuner
-
-    from lightning_frozen.hf import peft_adapters
-
-    originals = (PeftModel.__init__, BaseTuner.inject_adapter)
-    wraps, made = peft_adapters.functools.wraps, []
-
-    def wraps_then_signalled(method: Callable) -> Callable:
-        made.append(method)
-        if len(made) == 2:  # the first class is patched already
-            process.raise_when_safe(_Stop())  # as the handler would, before the first training step
-        return wraps(method)
-
-    monkeypatch.setattr(peft_adapters, "functools", SimpleNamespace(wraps=wraps_then_signalled))
-    reached = []
-    with pytest.raises(_Stop), peft_adapters.around_adapter_creation(enter=list, leave=list):
-        reached.append("body")
-    assert (PeftModel.__init__, BaseTuner.inject_adapter) == originals and reached == []
 
 
 def _forked(run: Callable[[], None]) -> int:
@@ -140,6 +79,38 @@ def test_one_sweeper_removes_dead_processes_files_and_keeps_live_ones(tmp_path: 
     assert process.remove_dead_files(tmp_path, names) == [gone]
     assert process.remove_dead_files(tmp_path, process.owned_names(r"\..+\.lf", r"\.tmp")) == [folder]
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([mine.name, other.name])
+
+
+def _export(folder: Path, content: bytes) -> None:
+    with atomic_files.folder_written_whole(folder, lambda name: name == "adapter_model.bin") as tmp:
+        (tmp / "adapter_model.bin").write_bytes(content)
+
+
+def _killed_after_rename(folder: Path, renames: int) -> None:
+    """Replace ``folder``'s export with a new one, killed (SIGKILL) right after its ``renames``-th rename."""
+    replace, done = os.replace, []
+
+    def replace_then_killed(source: object, target: object) -> None:
+        replace(source, target)
+        done.append(target)
+        if len(done) == renames:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = replace_then_killed  # in the forked child only
+    _export(folder, b"the new export")
+
+
+@pytest.mark.parametrize("renames", [1, 2, 3], ids=["old-moved-aside", "new-in-place", "old-renamed-to-remove"])
+def test_an_export_replaced_by_a_process_killed_at_any_rename_leaves_a_whole_one(tmp_path: Path, renames: int) -> None:
+    folder = tmp_path / "adapter"
+    _export(folder, b"the earlier export")
+    assert _forked(lambda: _killed_after_rename(folder, renames)) == -signal.SIGKILL
+    atomic_files.remove_stale_temp_files(tmp_path)  # what the next write into the parent runs first
+    expected = b"the earlier export" if renames == 1 else b"the new export"
+    assert (folder / "adapter_model.bin").read_bytes() == expected
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["adapter"]  # nothing else left, whole or half
+    _export(folder, b"the next export")  # and the next export replaces it as usual
+    assert (folder / "adapter_model.bin").read_bytes() == b"the next export"
 
 
 def _fork_a_worker_that_is_terminated() -> None:

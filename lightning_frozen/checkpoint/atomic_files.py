@@ -12,7 +12,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 # `.<name>.lf-<pid space>-<pid>-<random>.tmp` (process.owned_name): who wrote a temp file or folder, so that a later
 # write into the same folder can tell a dead writer's
 _TEMP_FILE = process.owned_names(r"\..+\.lf", r"\.tmp")
+# `.<name>.lf-<pid space>-<pid>-<random>.old`: an export folder moved aside while its replacement takes its name
+_MOVED_ASIDE = process.owned_names(r"\.(?P<target>.+)\.lf", r"\.old")
 
 
 def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
@@ -69,17 +71,16 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     tmp = _temp_path(path)
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode. Open
     # for reading too: a write in two passes reads where the first put each tensor (zero/torch_file.py)
-    with process.uninterrupted():  # a stop a signal raises waits for the file to be whole or gone
-        fd = process.start_writing(tmp, lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
-        try:
-            with process.removed_if_terminated(tmp), os.fdopen(fd, "w+b") as handle:
-                write(handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            process.publish(tmp, lambda: os.replace(tmp, path))
-        except BaseException:
-            process.abandon(tmp)
-            raise
+    fd = process.start_writing(tmp, lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        with process.removed_if_terminated(tmp), os.fdopen(fd, "w+b") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        process.publish(tmp, lambda: os.replace(tmp, path))
+    except BaseException:
+        process.abandon(tmp)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -91,7 +92,9 @@ def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) 
     An existing ``destination`` is replaced whole only when every entry in it is a name ``replaceable`` accepts (what
     an earlier export wrote); one holding anything else is refused before anything is written. A block that raises
     leaves ``destination`` as it was and removes the temporary folder; a process killed meanwhile leaves it behind, and
-    a later write into the same parent removes it once its writer is dead (:func:`remove_stale_temp_files`).
+    a later write into the same parent removes it once its writer is dead (:func:`remove_stale_temp_files`). A kill
+    at any point of the replacement leaves the earlier folder or the new one under ``destination`` once that write has
+    run.
 
     Raises:
         OutputDirectoryError: ``destination`` is a file, or a folder holding entries an export does not write.
@@ -100,17 +103,16 @@ def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) 
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(destination.parent)
     tmp = _temp_path(destination)
-    with process.uninterrupted():  # a stop a signal raises waits for the folder to be whole or gone
-        process.start_writing(tmp, tmp.mkdir)
-        try:
-            yield tmp
-            for entry in os.scandir(tmp):
-                _fsync_path(entry.path)
-            _fsync_path(str(tmp))
-            process.publish(tmp, lambda: _replace_folder(tmp, destination))
-        except BaseException:
-            process.abandon(tmp)
-            raise
+    process.start_writing(tmp, tmp.mkdir)
+    try:
+        yield tmp
+        for entry in os.scandir(tmp):
+            _fsync_path(entry.path)
+        _fsync_path(str(tmp))
+        process.publish(tmp, lambda: _replace_folder(tmp, destination))
+    except BaseException:
+        process.abandon(tmp)
+        raise
     _fsync_dir(destination.parent)
 
 
@@ -118,15 +120,19 @@ def _replace_folder(tmp: Path, destination: Path) -> None:
     if not destination.exists():
         os.replace(tmp, destination)
         return
-    # a folder cannot be renamed over a non-empty one: the old one steps aside under a temp name first
-    old = _temp_path(destination)
+    # a folder cannot be renamed over a non-empty one, so the old one steps aside first, under a `.old` name that the
+    # next sweep puts back where the final name is missing (a kill between the two renames): portable, where
+    # renameat2's RENAME_EXCHANGE is Linux-only and refused by some filesystems, so it would need this fallback anyway
+    old = destination.parent / process.owned_name(f".{destination.name}.lf", ".old")
     os.replace(destination, old)
     try:
         os.replace(tmp, destination)
     except BaseException:
         os.replace(old, destination)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    doomed = _temp_path(destination)  # renamed whole before it is emptied: a `.old` folder is never a partial one
+    os.replace(old, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _temp_path(target: Path) -> Path:
@@ -151,14 +157,22 @@ def check_output_folder(destination: Path, replaceable: Callable[[str], bool]) -
 
 
 def remove_stale_temp_files(folder: Path) -> list[Path]:
-    """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them.
+    """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them. An
+    export folder that :func:`folder_written_whole` had moved aside when its process died is put back under its name
+    where that name is missing (the process died between its two renames), else deleted.
 
     A temp file is stale when it was written in this pid space (see ``process.pid_space_tag``) by a process that no
     longer runs, or when nothing has written to it for ``process.STALE_SECONDS`` (its writer ran on another machine or
     in another container sharing the folder, or its pid was reused). A live writer's file, here or elsewhere, is left
     alone, as is every file not named like ours.
     """
-    removed = process.remove_dead_files(folder, _TEMP_FILE)
+    for aside, match in process.dead_files(folder, _MOVED_ASIDE):
+        target = folder / match["target"]
+        if not target.exists():
+            with suppress(OSError):  # another process put it back, or wrote the folder anew, meanwhile
+                os.rename(aside, target)
+                log.warning("lightning-frozen: put back %s, left aside by an interrupted export", target)
+    removed = process.remove_dead_files(folder, _TEMP_FILE) + process.remove_dead_files(folder, _MOVED_ASIDE)
     if removed:
         log.warning(
             "lightning-frozen: removed %d temp file(s) left in %s by an interrupted checkpoint write: %s",

@@ -23,8 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_frozen import process
-
 
 @contextmanager
 def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
@@ -58,15 +56,13 @@ def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]
 
         return wrapper
 
-    with process.uninterrupted():  # a stop a signal raises lands in the body, never between a patch and its `try:`
+    for (owner, name), method in originals.items():
+        setattr(owner, name, wrapped(method))
+    try:
+        yield
+    finally:
         for (owner, name), method in originals.items():
-            setattr(owner, name, wrapped(method))
-        try:
-            with process.interruptible():
-                yield
-        finally:
-            for (owner, name), method in originals.items():
-                setattr(owner, name, method)
+            setattr(owner, name, method)
 
 
 def is_peft_model(module: Any) -> bool:

@@ -32,7 +32,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen import process
 from lightning_frozen.capabilities import SLICED_LOADING, available
 from lightning_frozen.errors import FrozenBaseFileError
 
@@ -77,22 +76,16 @@ def zero3_loading(
     from transformers import modeling_utils
 
     patched = available(SLICED_LOADING)
-    with process.uninterrupted():  # a stop a signal raises lands in the load, never between a patch and its `try:`
+    if patched:
+        originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
+        modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
+        modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
+    try:
+        with zero3_known(config), base_files_named(), built_in(build_dtype if patched else None):
+            yield patched
+    finally:
         if patched:
-            originals = (modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model)
-            modeling_utils.load_state_dict = functools.partial(load_state_dict, originals[0])
-            modeling_utils._load_state_dict_into_zero3_model = functools.partial(load_into_zero3, originals[1])
-        try:
-            with (
-                zero3_known(config),
-                base_files_named(),
-                built_in(build_dtype if patched else None),
-                process.interruptible(),
-            ):
-                yield patched
-        finally:
-            if patched:
-                modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
+            modeling_utils.load_state_dict, modeling_utils._load_state_dict_into_zero3_model = originals
 
 
 @contextmanager

@@ -24,8 +24,6 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_frozen import process
-
 
 @contextmanager
 def sharded_creation(config: dict, remote_device: Optional[str]) -> Iterator[None]:
@@ -36,18 +34,15 @@ def sharded_creation(config: dict, remote_device: Optional[str]) -> Iterator[Non
 
     outermost = partition_parameters.top_level_context is None
     kept = _bookkeeping_present() if outermost else {}
-    # a stop a signal raises lands in `configure_model`, never inside zero.Init's patching of classes or its undoing
-    with process.uninterrupted():
-        try:
-            with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
-                try:
-                    with process.interruptible():
-                        yield
-                finally:
-                    _keep_decorated_inits()
-        finally:
-            if outermost:
-                _forget_bookkeeping(kept)
+    try:
+        with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
+            try:
+                yield
+            finally:
+                _keep_decorated_inits()
+    finally:
+        if outermost:
+            _forget_bookkeeping(kept)
 
 
 @contextmanager
@@ -58,16 +53,14 @@ def outside_zero_init() -> Iterator[None]:
 
     context = partition_parameters.top_level_context
     patched = context is not None and context.patched
-    with process.uninterrupted():  # a stop a signal raises never lands between undoing zero.Init and the `try:`
+    if patched:
+        _keep_decorated_inits()
+        partition_parameters.shutdown_init_context()
+    try:
+        yield
+    finally:
         if patched:
-            _keep_decorated_inits()
-            partition_parameters.shutdown_init_context()
-        try:
-            with process.interruptible():
-                yield
-        finally:
-            if patched:
-                partition_parameters.restore_init_context()
+            partition_parameters.restore_init_context()
 
 
 # what `zero.Init` writes on classes to put their methods back, and leaves there once it did (DeepSpeed 0.19's

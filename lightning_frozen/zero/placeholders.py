@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import torch
-
-from lightning_frozen import process
 
 
 @contextmanager
@@ -60,7 +59,7 @@ def untouched_while_loading(building: Callable[[], bool], enabled: bool = True) 
         # with a shard in place DeepSpeed takes the param as partitioned already: it only frees the full tensor
         return original(self, param, buffer, has_been_updated, free_data)
 
-    with process.patched(Init, "_partition_param", partition_param):  # put back whatever stops the load
+    with mock.patch.object(Init, "_partition_param", partition_param):  # put back whatever stops the load
         yield
 
 
@@ -83,7 +82,7 @@ def not_broadcast_while_loading(building: Callable[[], bool], enabled: bool = Tr
         self._convert_to_deepspeed_param(param)
         param.partition()
 
-    with process.patched(Init, "_zero_init_param", zero_init_param):  # put back whatever stops the load
+    with mock.patch.object(Init, "_zero_init_param", zero_init_param):  # put back whatever stops the load
         yield
 
 

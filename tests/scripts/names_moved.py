@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pkgutil
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -22,14 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_frozen  # noqa: E402
-from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, capabilities  # noqa: E402
+from lightning_frozen import DependencyDriftError, FrozenAwareDeepSpeedStrategy, capabilities, lightning_seam  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
 
 _OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 # capability: (owner, name, how a release moved it)
 PLAIN_FIT = {
+    "PREEMPTION": ("lightning.pytorch.trainer.connectors.signal_connector", "_get_sigkill_signal", "delete"),
     "CPU_COMPUTE": ("torch._C", "_storage_Use_Count", "delete"),
     "SLICED_LOADING": ("transformers.modeling_utils", "_load_state_dict_into_zero3_model", "delete"),
     "GENERATE": (
@@ -70,12 +73,24 @@ def trainable_values(model: torch.nn.Module) -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]
 
 
+class SigtermHandlerSeen(Callback):
+    """Whether Lightning's own SIGTERM handler is the one set while the run trains."""
+
+    lightnings = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        handler = signal.getsignal(signal.SIGTERM)
+        handlers = getattr(handler, "signal_handlers", [handler])  # Lightning's composes its handlers
+        self.lightnings = any(lightning_seam.is_lightnings_signal_handler(h) for h in handlers)
+
+
 def plain_fit(name: str, folder: Path) -> dict[str, Any]:
     model = AdapterModel()
     before = trainable_values(model)
+    seen = SigtermHandlerSeen()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = cpu_trainer(max_steps=3)
+        trainer = cpu_trainer(max_steps=3, callbacks=[seen])
         trainer.fit(model, regression_data())
         trainer.save_checkpoint(folder / f"{name}.ckpt")
     after = trainable_values(model)
@@ -84,6 +99,7 @@ def plain_fit(name: str, folder: Path) -> dict[str, Any]:
         warnings=[str(w.message) for w in caught if name in str(w.message)],
         trained=all(not torch.equal(b, a) for b, a in zip(before, after)),
         saved=sorted(saved),
+        lightnings_sigterm_handler=seen.lightnings,
     )
 
 

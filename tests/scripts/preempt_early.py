@@ -1,13 +1,15 @@
 """Send SIGTERM to ranks of a 2-process ``frozen_deepspeed`` fit before its first training step, where no step boundary
-can be reached: in the user's ``setup()``, in ``configure_model`` (a load standing in for a long one: the rank signals
-itself, then sleeps 120 s), in ``on_fit_start``, in the fingerprint (the first pass over the frozen shards at the start
-of training), in sanity validation, in ``train_dataloader()`` (then sleeps likewise), or inside the window in which
-transformers' loader is patched (``patch``: between the two patched functions, where the script's own hook signals
-and sleeps 2 s, the window widened). ``--ranks`` says which ranks are signalled; the others sleep at the same point,
-as a rank that never got the signal would go on loading. Each rank that leaves by itself writes
-``<report>/rank<R>.json`` with its exit status, how long it took from the signal, and the patched functions that
-were not their originals after the run; no checkpoint may appear in ``--dir``. ``--slow-exit`` makes rank 0 end 6 s
-after its report, so that the rank it launched has ended long before.
+can be reached: in the user's ``setup()``, in ``configure_model``, in ``on_fit_start``, in the fingerprint (the first
+pass over the frozen shards at the start of training), in sanity validation (after the batch's forward: a rank
+signalled alone that waits in a gather for one that was not is ended by the watchdog), in ``train_dataloader()``, or
+inside the window in which transformers' loader is patched (``patch``: between the two patched functions, where the
+script's own hook signals and sleeps 2 s, the window widened). A signalled rank goes on for ``--load`` seconds (the
+rest of a load or an evaluation: the handler only records the signal) and then reaches the strategy's next boundary,
+which raises the stop; a load longer than the grace is ended by the watchdog. ``--ranks`` says which ranks are
+signalled; the others sleep 120 s at the same point, as a rank that never got the signal would go on loading. Each
+rank that leaves by itself writes ``<report>/rank<R>.json`` with its exit status, how long it took from the signal,
+and the patched functions that were not their originals after the run; no checkpoint may appear in ``--dir``.
+``--slow-exit`` makes rank 0 end 6 s after its report, so that the rank it launched has ended long before.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class Signalling(AdapterModel):
         SIGNALLED_AT["time"] = time.monotonic()
         if self.global_rank in self.args.ranks:
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(120)  # the long load (or evaluation) the signal arrives in
+            time.sleep(self.args.load)  # the rest of the load (or evaluation) the signal arrives in
+        else:
+            time.sleep(120)  # a rank that never got the signal goes on loading
 
     def setup(self, stage: str) -> None:
         self._signal_then_wait("setup")
@@ -62,9 +66,9 @@ class Signalling(AdapterModel):
         return regression_data()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if self.trainer.sanity_checking:
-            self._signal_then_wait("sanity")
         super().validation_step(batch, batch_idx)
+        if self.trainer.sanity_checking:  # after the forward, whose gathers wait for every rank
+            self._signal_then_wait("sanity")
 
 
 def patched_functions() -> dict[str, Any]:
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--at", choices=phases, required=True)
     parser.add_argument("--ranks", type=lambda text: [int(r) for r in text.split(",")], default=[0, 1])
     parser.add_argument("--grace", type=float, default=15.0)
+    parser.add_argument("--load", type=float, default=2.0, help="seconds a signalled rank goes on after the signal")
     parser.add_argument("--slow-exit", action="store_true", help="rank 0 ends 6 s after the rank it launched")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the suite was started under
