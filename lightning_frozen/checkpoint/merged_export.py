@@ -36,6 +36,7 @@ from torch import nn
 
 from lightning_frozen.base import slice_reads
 from lightning_frozen.base.fingerprint import ReadSums, fingerprint_base, verify_base
+from lightning_frozen.capabilities import CONVERTED_EXPORT, require
 from lightning_frozen.checkpoint.atomic_files import check_output_folder, folder_written_whole
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint
 from lightning_frozen.checkpoint.peft_export import peft_entry_of
@@ -368,6 +369,8 @@ class _Plan:
         self.keys = adapted.layout.keys
         self.conversions = adapted.layout.conversions
         self.used = adapted.layout.used
+        if self.used:  # its keys are written back as save_pretrained reverts them
+            require(CONVERTED_EXPORT)
         self.model_type = getattr(adapted.config, "model_type", type(inner).__name__)
         self.stored = stored
         read = [*self.keys.values(), *(key for c in self.conversions.values() for key in c.keys)]

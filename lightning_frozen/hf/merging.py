@@ -239,6 +239,8 @@ def reverted(model: nn.Module, used: list[Any], tensors: dict[str, torch.Tensor]
     Raises:
         ValueError, NotImplementedError: transformers cannot revert a conversion.
     """
+    if not used:  # nothing was converted or renamed: written as named
+        return dict(tensors)
     from transformers.core_model_loading import revert_weight_conversion
 
     model._weight_conversions = used  # what `from_pretrained` records: `save_pretrained` reverts these
