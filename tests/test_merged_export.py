@@ -35,7 +35,7 @@ from examples.causal_lm_lora.make_base import write_random_llama  # noqa: E402
 from tests import peft_models  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.peft_models import tiny_bert_folder  # noqa: E402
-from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
+from tests.pretrained_support import MOE_CONFIGS, MoELoRA, PretrainedLoRA, moe_folder, token_data  # noqa: E402
 
 TINY_LLAMA = {**peft_models.TINY_LLAMA, "max_position_embeddings": 64}
 TOKENS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -381,33 +381,6 @@ def test_the_cli_step_writes_the_same_folder(llama: Path, tmp_path: Path, capsys
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(python), dtype=torch.bfloat16)
     for name, value in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[name], value), name
-
-
-# tiny random-weight MoE bases as transformers 5 writes them: each expert's tensors in the folder, fused at load
-MOE_CONFIGS: dict[str, Callable[[], Any]] = {
-    "mixtral": lambda: transformers.MixtralConfig(
-        **TINY_LLAMA, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
-    ),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **TINY_LLAMA, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=16
-    ),
-}
-EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def moe_folder(folder: Path, kind: str) -> Path:
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(MOE_CONFIGS[kind]()).save_pretrained(str(folder))
-    return folder
-
-
-class MoELoRA(PretrainedLoRA):
-    """LoRA on attention and on the fused experts themselves (PEFT's ``target_parameters``)."""
-
-    def configure_model(self) -> None:
-        if not hasattr(self, "model"):
-            config = peft.LoraConfig(r=4, target_modules=QV, target_parameters=EXPERTS)
-            self.model = peft.get_peft_model(self.load_base(), config)
 
 
 def folder_values(folder: Path) -> dict[str, torch.Tensor]:
