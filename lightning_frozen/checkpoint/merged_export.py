@@ -698,9 +698,9 @@ def _converted(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor]) -> 
     """A tensor transformers builds from folder tensors: each read whole (one at a time), then transformers' own
     converter; counted in the fingerprint as built, as the loader built it."""
     assert tensor.conversion is not None
-    parts = [next(slices).reshape(plan.stored[key][1].shape) for key in tensor.conversion.keys]
+    # handed over one by one and held by the converter alone, which frees each list once it has stacked it
+    parts = (next(slices).reshape(plan.stored[key][1].shape) for key in tensor.conversion.keys)
     built = merging.converted(plan.inner, tensor.conversion, parts)[tensor.conversion.target]
-    del parts
     if tensor.record is not None:
         plan.sums.add(tensor.record, built.to(tensor.record.dtype), 0)
     return built.to(tensor.dtype)

@@ -13,7 +13,7 @@ with the conversions the folder used, as ``from_pretrained`` records them on the
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,9 +219,9 @@ def folder_layout(model: nn.Module, keys: Sequence[str]) -> FolderLayout:
     return FolderLayout(plain, conversions, [entry for entry in mapping if entry.was_used()])
 
 
-def converted(model: nn.Module, conversion: Conversion, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+def converted(model: nn.Module, conversion: Conversion, tensors: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model tensors ``conversion`` builds from ``tensors``, the values of its folder keys in order, by model key
-    (transformers' own converter, as its loader calls it)."""
+    (transformers' own converter, as its loader calls it; it alone holds them)."""
     converter = deepcopy(conversion.converter)
     values = iter(tensors)
     for pattern, keys in conversion.sources:
