@@ -338,6 +338,29 @@ MERGE_CHECK = Capability(
     rows=(ForeignName("peft.tuners.tuners_utils:BaseTuner._check_merge_allowed", "hf/merging.py", ("self",)),),
 )
 
+CONVERTED_EXPORT = Capability(
+    "`export_merged` of a base transformers converts at load (MoE experts fused, legacy keys renamed)",
+    fallback="`export_merged` raises DependencyDriftError for such a base; other bases merge as before",
+    rows=(
+        ForeignName(
+            "transformers.core_model_loading:revert_weight_conversion",
+            "hf/merging.py",
+            ("model", "state_dict"),
+            in_code=("_weight_conversions",),
+        ),
+        ForeignName(
+            "transformers.core_model_loading:WeightTransform.add_tensor",
+            "hf/merging.py",
+            ("self", "target_key", "source_key", "source_pattern", "future"),
+        ),
+        ForeignName(
+            "transformers.core_model_loading:WeightConverter.convert",
+            "hf/merging.py",
+            ("self", "layer_name", "model", "config"),
+        ),
+    ),
+)
+
 UNSHARD = Capability(
     "`unshard`",
     fallback="`unshard` raises DependencyDriftError",
@@ -410,6 +433,7 @@ OPTIONAL = (
     UNFREEZING,
     CONVERT,
     MERGE_CHECK,
+    CONVERTED_EXPORT,
     UNSHARD,
     RELEASE,
     TRACE,

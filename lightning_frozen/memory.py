@@ -13,12 +13,17 @@ module's own params whole before it partitions them (so the largest module, whol
 of one tensor read from the checkpoint, and the adapters, which PEFT builds whole, in fp32, outside ``zero.Init``.
 DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``)
 count every parameter as trainable, which is exactly the cost frozen training avoids.
+
+A mixture-of-experts base (Mixtral, Qwen3-MoE, DeepSeek) holds every expert in its frozen shards, in ``frozen_dtype``
+like any frozen param, though only the top k of E run for a token: the estimate says how many params a token uses.
+transformers fuses a layer's experts into one tensor per projection (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``down_proj``): one ZeRO-3 param, which a step gathers (and decodes, when quantized) whole, all E experts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -32,7 +37,7 @@ from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero.config import fitted_reduce_bucket
 from lightning_frozen.zero.frozen_storage import frozen_dtype_of
 from lightning_frozen.zero.optimizers import inner_optimizer
-from lightning_frozen.zero.params import full_numel, local_shard
+from lightning_frozen.zero.params import full_numel, full_shape, local_shard
 
 _PRECISION_BYTES = {
     "32": 4,
@@ -70,6 +75,14 @@ class MemoryEstimate:
     # what the estimate assumed, echoed at the top of its table
     precision: str = "32-true"
     frozen_dtype: Optional[str] = None
+    # a mixture of experts: top `experts_per_token` of `experts` run per token; `expert_params` of the frozen base
+    # are experts' (all of them counted in its shards); `active_params` is what one token computes with
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+    active_params: int = 0
+    # bytes a step's forward gathers (its backward the frozen ones again): every param whole, every expert included
+    gathered_per_step: int = 0
 
     @property
     def limit_bytes(self) -> int:
@@ -124,6 +137,14 @@ class MemoryEstimate:
             ("host at load / node", format_bytes(self.host_load_bytes), f"{self.ranks_per_node} rank(s)"),
             ("lr=0 workaround would add", format_bytes(self.lr_zero_workaround_extra), self.optimizer_on),
         ]
+        if self.experts:
+            rows[4:4] = [
+                ("experts", f"top-{self.experts_per_token} of {self.experts}", "per token, per layer"),
+                ("expert params", f"{self.expert_params:,}", "all in the frozen base"),
+                ("active params / token", f"{self.active_params:,}", "the experts that run + the shared parts"),
+            ]
+            gathers = f"every layer's {self.experts} experts whole, {self.experts_per_token} run per token"
+            rows.append(("gathered per forward", format_bytes(self.gathered_per_step), gathers))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value:>12}  {where}".rstrip() for name, value, where in rows)
 
@@ -200,6 +221,21 @@ def estimate_from_counts(
     )
 
 
+def experts_of(model: nn.Module) -> tuple[int, int, int]:
+    """``(experts, experts_per_token, expert_params)`` of a mixture-of-experts model, read from its transformers
+    config (``num_experts_per_tok`` of ``num_local_experts`` / ``num_experts`` / ``n_routed_experts``) and its fused
+    expert tensors (3-D, one slice per expert); ``(0, 0, 0)`` for a dense model."""
+    configs = (getattr(module, "config", None) for module in model.modules())
+    config = next((c for c in configs if getattr(c, "num_experts_per_tok", None)), None)
+    if config is None:
+        return 0, 0, 0
+    names = ("num_local_experts", "num_experts", "n_routed_experts")
+    experts = next((int(getattr(config, n)) for n in names if getattr(config, n, None)), 0)
+    shapes = (tuple(full_shape(p)) for p in model.parameters() if not p.requires_grad)
+    expert_params = sum(math.prod(shape) for shape in shapes if len(shape) == 3 and shape[0] == experts)
+    return (experts, int(config.num_experts_per_tok), expert_params) if expert_params else (0, 0, 0)
+
+
 def largest_module_params(model: nn.Module) -> int:
     """Elements of the module with the most params of its own: ZeRO-3 gathers them whole while it runs."""
     return max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
@@ -230,6 +266,11 @@ def estimate_memory(
     plus one scale per block. Activations are not included. The model may live on the ``meta`` device, so a 13B
     model can be estimated without allocating it, or be partitioned by ZeRO-3 already.
 
+    On a mixture-of-experts model (a transformers config with ``num_experts_per_tok``) it also gives the experts
+    (top k of E), the params in them (every expert, counted in the frozen shards at ``frozen_dtype``), the params one
+    token computes with (``active_params``: all but the idle experts' share), and the bytes a forward gathers
+    (``gathered_per_step``: every layer's fused experts whole, all E of them; ``gathered_params`` is the largest).
+
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or ``num_devices`` / ``num_nodes`` not integers.
         ValueError: ``num_devices`` or ``num_nodes`` below 1, or an unknown ``precision``.
@@ -259,6 +300,15 @@ def estimate_memory(
         reduce_bucket_size=fitted_reduce_bucket(trainable) if reduce_bucket_size is None else reduce_bucket_size,
         ranks_per_node=num_devices,
         frozen_dtype=frozen_dtype,
+    )
+    experts, per_token, expert_params = experts_of(model)
+    estimate = replace(
+        estimate,
+        experts=experts,
+        experts_per_token=per_token,
+        expert_params=expert_params,
+        active_params=trainable + frozen - (expert_params * (experts - per_token) // experts if experts else 0),
+        gathered_per_step=(trainable + frozen) * precision_bytes(precision),
     )
     if print_table:
         print(estimate.table())

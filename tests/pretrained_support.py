@@ -221,3 +221,33 @@ def held_frozen(module: L.LightningModule) -> dict[str, Any]:
         "fingerprint": strategy.frozen_base_fingerprint()["digest"],
         "quantized_at_load": strategy._loaded_base.quantized_at_load,
     }
+
+
+# tiny random-weight MoE bases as transformers 5 writes them: each expert's tensors in the folder, fused at load
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen3_moe": dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=16),
+}
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def moe_folder(folder: Path, kind: str) -> Path:
+    """A tiny ``kind`` MoE (``MOE_CONFIGS``) with random weights, written with ``save_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(kind, **TINY_LLAMA, **MOE_CONFIGS[kind])
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    return folder
+
+
+class MoELoRA(PretrainedLoRA):
+    """LoRA on attention and on the fused experts themselves (PEFT's ``target_parameters``)."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, target_modules=self.lora_targets, target_parameters=EXPERTS)
+        self.model = get_peft_model(self.load_base(), config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 
 import lightning_frozen
 from lightning_frozen import memory
+from lightning_frozen.cli import main
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
 
@@ -159,3 +161,34 @@ def test_a_quantized_base_is_loaded_at_its_quantized_size() -> None:
     assert nf4.frozen_shards < plain.frozen_shards  # stored as codes
     # and loaded as codes: the sliced loader encodes each slice as it reads it
     assert nf4.host_load_bytes == 2 * (nf4.frozen_shards + nf4.load_in_flight) < plain.host_load_bytes
+
+
+def test_a_moe_base_counts_every_expert_frozen_what_a_token_uses_and_what_a_step_gathers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("peft")
+    from tests.pretrained_support import MoELoRA, moe_folder, token_data
+
+    folder = moe_folder(tmp_path / "base", "qwen3_moe")
+    built = MoELoRA(str(folder))
+    built.configure_model()
+    estimate = lightning_frozen.estimate_memory(built, frozen_dtype="nf4", print_table=False)
+    one_layer = 4 * (2 * 24 * 64 + 64 * 24)  # 4 experts: gate_up_proj [4, 48, 64] and down_proj [4, 64, 24]
+    assert (estimate.experts, estimate.experts_per_token, estimate.expert_params) == (4, 2, 2 * one_layer)
+    everything = estimate.trainable_params + estimate.frozen_params
+    assert estimate.active_params == everything - one_layer  # top-2 of 4: half the experts idle, in both layers
+    assert estimate.gathered_params == one_layer * 4  # a layer's fused experts, one ZeRO-3 param each, whole in fp32
+    assert estimate.gathered_per_step == everything * 4
+    rows = {line[:26].strip(): line[26:].split() for line in estimate.table().splitlines()}
+    assert rows["experts"][:4] == ["top-2", "of", "4", "per"] and rows["expert params"][0] == f"{2 * one_layer:,}"
+
+    # measured: a real run stores every expert as nf4 codes, as the estimate counted them
+    trainer = cpu_trainer(lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), max_steps=1)
+    module = MoELoRA(str(folder))
+    trainer.fit(module, token_data())
+    measured, device = memory.measured_frozen_shard_bytes([p for p in module.parameters() if not p.requires_grad])
+    assert device == "cpu" and measured == pytest.approx(estimate.frozen_shards, rel=0.01)
+
+    main(["estimate", str(folder / "config.json"), "--frozen-dtype", "nf4", "--target-modules", "q_proj", "v_proj"])
+    printed = capsys.readouterr().out
+    assert "top-2 of 4" in printed and f"{2 * one_layer:,}" in printed and "gathered per forward" in printed

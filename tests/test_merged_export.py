@@ -35,7 +35,7 @@ from examples.causal_lm_lora.make_base import write_random_llama  # noqa: E402
 from tests import peft_models  # noqa: E402
 from tests.models import cpu_trainer  # noqa: E402
 from tests.peft_models import tiny_bert_folder  # noqa: E402
-from tests.pretrained_support import PretrainedLoRA, token_data  # noqa: E402
+from tests.pretrained_support import MOE_CONFIGS, MoELoRA, PretrainedLoRA, moe_folder, token_data  # noqa: E402
 
 TINY_LLAMA = {**peft_models.TINY_LLAMA, "max_position_embeddings": 64}
 TOKENS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -382,3 +382,61 @@ def test_the_cli_step_writes_the_same_folder(llama: Path, tmp_path: Path, capsys
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(python), dtype=torch.bfloat16)
     for name, value in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[name], value), name
+
+
+def folder_values(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {key: value for shard in sorted(folder.glob("*.safetensors")) for key, value in load_file(shard).items()}
+
+
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_a_moe_base_trained_on_attention_and_experts_merges_as_peft_does_with_save_pretrained_keys(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = moe_folder(tmp_path / "base", kind)
+    trainer = cpu_trainer(max_steps=3, precision="32-true")
+    trainer.fit(MoELoRA(str(folder), lr=5e-2), token_data())
+    trainer.save_checkpoint(tmp_path / "moe.ckpt")
+    if kind == "mixtral":
+        out = lightning_frozen.export_merged(tmp_path / "moe.ckpt", tmp_path / "merged")
+    else:  # the CLI step: the same function
+        main(["export-merged", str(tmp_path / "moe.ckpt"), str(tmp_path / "merged")])
+        assert f"wrote {tmp_path / 'merged'}" in capsys.readouterr().out
+        out = tmp_path / "merged"
+    theirs = peft_merged(transformers.AutoModelForCausalLM, folder, tmp_path / "moe.ckpt", tmp_path)
+    assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")  # save_pretrained's keys: one tensor per expert
+    base, ours, peft_written = folder_values(folder), folder_values(out), folder_values(tmp_path / "peft_merged")
+    experts = [key for key in base if key.startswith("model.layers.1.") and ".experts.3." in key]
+    assert len(experts) == 3 and set(experts) <= set(ours)
+    for key in experts:  # LoRA on the fused experts, split back per expert as the folder stores them
+        assert not torch.equal(ours[key], base[key]), key
+    for key, value in peft_written.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert type(merged).__name__ == type(theirs).__name__
+    torch.testing.assert_close(logits(merged, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=0, atol=1e-4)
+
+
+def test_a_conversion_transformers_cannot_revert_is_refused_naming_the_model_type(
+    llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class OneWay(ConversionOps):  # a conversion with no reverse op
+        def convert(self, input_dict: dict, source_patterns: list, target_patterns: list, **kwargs: Any) -> dict:
+            return {target_patterns[0]: next(iter(input_dict.values()))[0]}
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
+    checkpoint = write_checkpoint(Adapted(base, TUNERS["lora"]()), tmp_path / "run.ckpt")
+    conversion_mapping.get_checkpoint_conversion_mapping("llama")  # the table built, then one entry added for the test
+    one_way = WeightConverter("mlp.down_proj.weight", "mlp.down_proj.weight", operations=[OneWay()])
+    monkeypatch.setitem(conversion_mapping._checkpoint_conversion_mapping_cache, "LlamaForCausalLM", [one_way])
+    with pytest.raises(
+        UnsupportedConfigurationError,
+        match=r"converts the tensors of this 'llama' base as it loads them, and cannot revert it .*merge_and_unload",
+    ):
+        lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run.ckpt"]  # nor a temporary folder beside it

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, Optional, Protocol
 
@@ -164,7 +165,8 @@ class Checksummer:
 class ReadSums:
     """The fingerprint's sums of tensors that another reader than the loader reads in chunks, in order (the merged
     export reads a base folder): a :class:`LoadedSums` for :func:`fingerprint_base`, so that verifying those tensors
-    reads nothing again. Each tensor is named by a stand-in (a meta tensor of its shape and dtype)."""
+    reads nothing again. Each tensor is named by a stand-in (a meta tensor of its shape and dtype). Threads may add at
+    once (the reading thread its chunks, the merging one a tensor it built), one at a time: they share the buffers."""
 
     changes = 0
 
@@ -173,11 +175,15 @@ class ReadSums:
         self._checksummer = Checksummer() if mode == "checksum" else None
         self._sums: dict[int, list[int]] = {}
         self._hashes: dict[int, Any] = {}
+        self._lock = threading.Lock()
 
     def add(self, stand_in: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Count ``values``, the elements of the tensor ``stand_in`` stands for (flattened) from index ``start``, in the
         dtype it was recorded in; chunks come in order."""
-        flat = values.reshape(-1)
+        with self._lock:
+            self._add(stand_in, values.reshape(-1), start)
+
+    def _add(self, stand_in: torch.Tensor, flat: torch.Tensor, start: int) -> None:
         if self._checksummer is not None:
             part = self._checksummer(flat, start)
             total = self._sums.get(id(stand_in))

@@ -7,6 +7,12 @@ are read and verified against the checkpoint's fingerprint before the folder is 
 on its own by PEFT's own ``merge`` (the calls of ``merge_and_unload``), with its base weights read just for it, then
 freed; every other tensor is copied through in chunks. Tensors are written as they come into safetensors shards whose
 headers are planned beforehand, so memory holds one tuner layer and a couple of chunks, not the model.
+
+Where transformers converts a base's tensors as it loads them (a MoE layer's experts, one tensor each in the folder,
+fused into one), the converted tensor is built from its folder tensors, read one at a time, by transformers' own
+converter, merged as a whole (PEFT merges the fused tensor), and written back by transformers' own reversal, under the
+keys and in the layout ``save_pretrained`` writes (one tensor per expert again); every output name goes through that
+reversal, so renamed legacy keys come back as ``save_pretrained`` writes them too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import nn
 
 from lightning_frozen.base import slice_reads
 from lightning_frozen.base.fingerprint import ReadSums, fingerprint_base, verify_base
+from lightning_frozen.capabilities import CONVERTED_EXPORT, require
 from lightning_frozen.checkpoint.atomic_files import check_output_folder, folder_written_whole
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint
 from lightning_frozen.checkpoint.peft_export import peft_entry_of
@@ -75,6 +82,7 @@ class _Tensor:
     folder_key: Optional[str] = None
     value: Optional[torch.Tensor] = None  # a trained tensor, from the checkpoint
     record: Optional[torch.Tensor] = None
+    conversion: Optional[merging.Conversion] = None  # built by transformers from these folder tensors
 
     @property
     def nbytes(self) -> int:
@@ -85,11 +93,12 @@ class _Tensor:
 class _Item:
     """A step of the pass: a tuner layer (or wrapper) merged whole, or one tensor of a plain module copied through."""
 
-    tensors: list[_Tensor]
+    tensors: list[_Tensor]  # by model name
     unit: Optional[nn.Module] = None
     lead: str = ""  # the unit's name and a dot, before the names of what PEFT puts in its place
     reads: list[tuple[nn.Module, str, _Tensor]] = field(default_factory=list)  # a unit's base tensors to fill
     missing: list[str] = field(default_factory=list)  # a unit's tensors in neither the checkpoint nor the folder
+    outputs: list[_Tensor] = field(default_factory=list)  # what is written: ``tensors`` as save_pretrained writes them
 
 
 def export_merged(
@@ -264,12 +273,12 @@ def _folder_tensors(base: Path) -> dict[str, tuple[str, slice_reads.StoredTensor
 @dataclass
 class _Adapted:
     """The PEFT model the run trained, on the meta device, with the checkpoint's tensors of it in place; the base
-    folder's config; each tensor's names in the model without the adapter; those names' keys in the folder."""
+    folder's config; each tensor's names in the model without the adapter; where those names come from in the folder."""
 
     model: Any
     config: Any
     names_of: dict[int, list[str]]
-    keys: dict[str, str]
+    layout: merging.FolderLayout
 
 
 def _adapted_model(
@@ -284,7 +293,6 @@ def _adapted_model(
 
     Raises:
         CheckpointFormatError: no model class of the folder has the checkpoint's tensors.
-        UnsupportedConfigurationError: transformers converts the folder's tensors as it loads them.
     """
     config = merging.folder_config(base)
     lead = f"{entry[layout.PEFT_PREFIX]}." if entry[layout.PEFT_PREFIX] else ""
@@ -310,7 +318,7 @@ def _adapted_model(
         names_of: dict[int, list[str]] = {}
         for name, tensor in [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()]:
             names_of.setdefault(id(tensor), []).append(name)
-        keys = merging.folder_keys(plain, list(stored))
+        folder = merging.folder_layout(plain, list(stored))
         try:
             model = merging.adapted(plain, peft_configs, entry[layout.ADAPTER_NAME])
         except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
@@ -332,12 +340,7 @@ def _adapted_model(
                 n[len(lead) :]: v for n, v in state_dict.items() if n.startswith(lead) and n[len(lead) :] in buffers
             }
             model.load_state_dict(values, strict=False, assign=True)
-            if keys is None:
-                raise UnsupportedConfigurationError(
-                    f"{source}: transformers converts this model's tensors as it loads them (merged or split), which"
-                    f" the merged export does not do. {_PEFT_WAY}"
-                )
-            return _Adapted(model, config, names_of, keys)
+            return _Adapted(model, config, names_of, folder)
         differences.append(
             f"{model_class.__name__}: lacks {format_names(sorted(expected - tensors))}, has"
             f" {format_names(sorted(params - expected))}"
@@ -362,12 +365,18 @@ class _Plan:
         wanted_dtype: Optional[torch.dtype],
     ) -> None:
         model = adapted.model
-        inner = merging.inner_model(model)
+        inner = self.inner = merging.inner_model(model)
         self.adapter = entry[layout.ADAPTER_NAME]
         self.names_of = adapted.names_of
-        keys = self.keys = adapted.keys
+        self.keys = adapted.layout.keys
+        self.conversions = adapted.layout.conversions
+        self.used = adapted.layout.used
+        if self.used:  # its keys are written back as save_pretrained reverts them
+            require(CONVERTED_EXPORT)
+        self.model_type = getattr(adapted.config, "model_type", type(inner).__name__)
         self.stored = stored
-        folder_dtypes = [stored[key][1].dtype for key in keys.values() if stored[key][1].dtype.is_floating_point]
+        read = [*self.keys.values(), *(key for c in self.conversions.values() for key in c.keys)]
+        folder_dtypes = [stored[key][1].dtype for key in read if stored[key][1].dtype.is_floating_point]
         self.dtype = wanted_dtype or max(set(folder_dtypes), key=folder_dtypes.count, default=torch.float32)
         self.wanted_dtype = wanted_dtype
         lead = f"{entry[layout.PEFT_PREFIX]}." if entry[layout.PEFT_PREFIX] else ""
@@ -405,9 +414,59 @@ class _Plan:
             self.items.extend(_Item([t]) for t in tensors)
         self._drop_tied_copies()
         self.items.sort(key=self._file_order)
+        self._check_conversions()
+        for item in self.items:
+            item.outputs = self._outputs(item)
+
+    def _conversion_of(self, tensor: torch.Tensor) -> Optional[merging.Conversion]:
+        names = self.names_of.get(id(tensor), [])
+        return next((self.conversions[n] for n in names if n in self.conversions), None)
 
     def _key_of(self, tensor: torch.Tensor) -> Optional[str]:
+        """The folder key ``tensor``'s values are read from: its own, or the first of those it is converted from."""
+        conversion = self._conversion_of(tensor)
+        if conversion is not None:
+            return conversion.keys[0]
         return next((self.keys[n] for n in self.names_of.get(id(tensor), []) if n in self.keys), None)
+
+    def _refused(self, what: str) -> UnsupportedConfigurationError:
+        return UnsupportedConfigurationError(
+            f"transformers converts the tensors of this {self.model_type!r} base as it loads them, and {what}, so the"
+            f" merged export cannot write it as `save_pretrained` does. {_PEFT_WAY}"
+        )
+
+    def _check_conversions(self) -> None:
+        """Each conversion builds one model tensor (transformers' own converter, run on meta tensors).
+
+        Raises:
+            UnsupportedConfigurationError: one builds several (split across layers), or transformers cannot run it.
+        """
+        for conversion in self.conversions.values():
+            inputs = [torch.empty(self.stored[key][1].shape, device="meta") for key in conversion.keys]
+            try:
+                built = merging.converted(self.inner, conversion, inputs)
+            except Exception as error:  # whatever the converter raises: named in the refusal, before any write
+                raise self._refused(
+                    f"its converter for `{conversion.target}` fails on the folder's tensors"
+                    f" ({type(error).__name__}: {error})"
+                ) from error
+            if list(built) != [conversion.target]:
+                raise self._refused(f"it splits {format_names(conversion.keys)} into {format_names(list(built))}")
+
+    def _outputs(self, item: _Item) -> list[_Tensor]:
+        """The tensors written for ``item``: its tensors reverted by transformers (on meta tensors) to the keys and
+        layout ``save_pretrained`` writes.
+
+        Raises:
+            UnsupportedConfigurationError: transformers cannot revert a conversion of the item's tensors.
+        """
+        meta = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in item.tensors}
+        try:
+            written = merging.reverted(self.inner, self.used, meta)
+        except Exception as error:  # a conversion without a reverse op raises whatever its op raises
+            names = format_names(list(meta))
+            raise self._refused(f"cannot revert it for {names} ({type(error).__name__}: {error})") from error
+        return [_Tensor(name, value.dtype, tuple(value.shape)) for name, value in written.items()]
 
     def _out_dtype(self, key: Optional[str], fallback: torch.dtype) -> torch.dtype:
         own = self.stored[key][1].dtype if key is not None else fallback
@@ -424,7 +483,8 @@ class _Plan:
             )
         value = None if tensor.is_meta else tensor.detach()
         dtype = self._out_dtype(key, tensor.dtype)
-        return _Tensor(name, dtype, tuple(tensor.shape), key, value, self.pending.pop(key, None) if key else None)
+        record = self.pending.pop(key, None) if key else None
+        return _Tensor(name, dtype, tuple(tensor.shape), key, value, record, self._conversion_of(tensor))
 
     def _unit_item(self, lead: str, unit: nn.Module) -> _Item:
         """A tuner layer or wrapper: its meta tensors to read, and the tensors of what PEFT puts in its place."""
@@ -440,6 +500,7 @@ class _Plan:
                     continue
                 at = _Tensor(name, self._out_dtype(key, tensor.dtype), tuple(tensor.shape), key)
                 at.record = self.pending.pop(key, None)
+                at.conversion = self._conversion_of(tensor)
                 item.reads.append((module, attr, at))
         for k, tensor in merging.unloaded_module(unit).state_dict(keep_vars=True).items():
             key = self._key_of(tensor)
@@ -481,7 +542,7 @@ def _shards(items: list[_Item], limit: int) -> list[tuple[str, list[_Tensor]]]:
     names them."""
     shards: list[list[_Tensor]] = [[]]
     size = 0
-    for tensor in (t for item in items for t in item.tensors):
+    for tensor in (t for item in items for t in item.outputs):
         if shards[-1] and size + tensor.nbytes > limit:
             shards.append([])
             size = 0
@@ -576,14 +637,21 @@ class _ShardWriter:
 
 
 def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[_Tensor]]]:
-    """Every read of the pass, in order (a unit's base tensors whole, a copied tensor in chunks), and for each the
-    tensor whose fingerprint record it counts for, if any."""
+    """Every read of the pass, in order (a unit's base tensors whole, a copied tensor in chunks, each folder tensor of a
+    converted one whole), and for each the tensor whose fingerprint record it counts for, if any (a converted tensor
+    is counted once built)."""
     reads: list[slice_reads.SliceRead] = []
     counted: list[Optional[_Tensor]] = []
     for item in plan.items:
         tensors = [t for _, _, t in item.reads] if item.unit is not None else item.tensors
         for tensor in tensors:
             if tensor.folder_key is None or tensor.value is not None:
+                continue
+            if tensor.conversion is not None:
+                for key in tensor.conversion.keys:
+                    path, at = plan.stored[key]
+                    reads.append(slice_reads.SliceRead(path, key, 0, _numel(at.shape)))
+                    counted.append(None)
                 continue
             path, at = plan.stored[tensor.folder_key]
             numel = _numel(at.shape)
@@ -607,38 +675,64 @@ def _write_tensors(plan: _Plan, shards: list[tuple[str, list[_Tensor]]], folder:
     try:
         with torch.no_grad(), slice_reads.read_ahead(reads, count) as slices:
             for item in plan.items:
+                tensor = item.tensors[0] if item.tensors else None
                 if item.unit is not None:
-                    _merge_unit(plan, item, slices, writer)
-                elif item.tensors[0].value is not None:
-                    writer.write(item.tensors[0].name, item.tensors[0].value.to(item.tensors[0].dtype))
+                    _write_reverted(plan, item, _merge_unit(plan, item, slices), writer)
+                elif tensor is not None and tensor.value is not None:
+                    _write_reverted(plan, item, {tensor.name: tensor.value}, writer)
+                elif tensor is not None and tensor.conversion is not None:
+                    _write_reverted(plan, item, {tensor.name: _converted(plan, tensor, slices)}, writer)
                 else:
-                    _copy_through(item.tensors[0], slices, writer)
+                    _copy_through(tensor, item.outputs[0], slices, writer)
     finally:
         writer.close()
 
 
-def _copy_through(tensor: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
-    """A tensor of the base folder, chunk by chunk (counted in the fingerprint as they were read): cast, written."""
+def _write_reverted(plan: _Plan, item: _Item, values: dict[str, torch.Tensor], writer: _ShardWriter) -> None:
+    """``values`` (an item's tensors by model name) reverted by transformers as ``save_pretrained`` reverts them, each
+    written in its output dtype."""
+    written = merging.reverted(plan.inner, plan.used, {t.name: values[t.name] for t in item.tensors})
+    for tensor in item.outputs:
+        writer.write(tensor.name, written.pop(tensor.name).to(tensor.dtype))
+
+
+def _converted(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor]) -> torch.Tensor:
+    """A tensor transformers builds from folder tensors: each read whole (one at a time), then transformers' own
+    converter; counted in the fingerprint as built, as the loader built it."""
+    assert tensor.conversion is not None
+    # handed over one by one and held by the converter alone, which frees each list once it has stacked it
+    parts = (next(slices).reshape(plan.stored[key][1].shape) for key in tensor.conversion.keys)
+    built = merging.converted(plan.inner, tensor.conversion, parts)[tensor.conversion.target]
+    if tensor.record is not None:
+        plan.sums.add(tensor.record, built.to(tensor.record.dtype), 0)
+    return built.to(tensor.dtype)
+
+
+def _copy_through(tensor: _Tensor, output: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
+    """A tensor of the base folder, chunk by chunk (counted in the fingerprint as they were read): cast, written under
+    its output name."""
     start, numel = 0, _numel(tensor.shape)
     while True:
         values = next(slices)
-        writer.write(tensor.name, values.to(tensor.dtype))
+        writer.write(output.name, values.to(output.dtype))
         start += values.numel()
         if start >= numel:
             return
 
 
-def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
-    """A tuner layer or wrapper: its base tensors read whole into it, PEFT's merge, what PEFT puts in its place
-    written; then the base tensors are freed (back on the meta device).
+def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tuner layer or wrapper: its base tensors read whole into it, PEFT's merge; returns what PEFT puts in its place
+    by model name. The base tensors are then freed (back on the meta device).
 
     Raises:
         UnsupportedConfigurationError: the merge needs tensors PEFT computes when it creates the layer.
     """
     assert item.unit is not None
     for module, attr, tensor in item.reads:
-        values = next(slices)
-        whole = values.to(tensor.dtype).reshape(tensor.shape)
+        if tensor.conversion is not None:
+            whole = _converted(plan, tensor, slices)
+        else:
+            whole = next(slices).to(tensor.dtype).reshape(tensor.shape)
         is_param = attr in dict(module.named_parameters(recurse=False))
         setattr(module, attr, nn.Parameter(whole, requires_grad=False) if is_param else whole)
     try:
@@ -653,9 +747,9 @@ def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], writer
             " the base folder (PEFT computes it when it creates the layer), so the merged export cannot merge this"
             f" tuner. {_PEFT_WAY}"
         )
-    for tensor in item.tensors:
-        writer.write(tensor.name, merged[tensor.name[len(item.lead) :]].to(tensor.dtype))
+    values = {tensor.name: merged[tensor.name[len(item.lead) :]] for tensor in item.tensors}
     for module, attr, tensor in item.reads:  # freed; the adapter's tensors stay (views of the checkpoint file)
         placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         is_param = attr in dict(module.named_parameters(recurse=False))
         setattr(module, attr, nn.Parameter(placeholder, requires_grad=False) if is_param else placeholder)
+    return values

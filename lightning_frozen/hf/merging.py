@@ -2,14 +2,21 @@
 meta device (no memory), the adapter injected into it as PEFT injects it, and PEFT's own merge of one tuner layer at
 a time (``merge`` / ``unload_and_optionally_merge_module``, the calls of PEFT's ``merge_and_unload`` loop), so that the
 arithmetic of every tuner stays PEFT's.
+
+A base whose tensors transformers converts as it loads them (a MoE's experts, stored one by one in the folder and
+fused into one tensor per layer; renamed legacy keys) goes through transformers' own conversion machinery both ways:
+:func:`folder_layout` groups the folder's keys as its loader does, :func:`converted` builds a model tensor from them,
+and :func:`reverted` writes tensors back under the keys ``save_pretrained`` writes (its ``revert_weight_conversion``,
+with the conversions the folder used, as ``from_pretrained`` records them on the model).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -17,7 +24,6 @@ from torch import nn
 
 from lightning_frozen.capabilities import MERGE_CHECK, available
 from lightning_frozen.hf.peft_adapters import is_modules_to_save_wrapper
-from lightning_frozen.hf.transformers_loading import model_keys
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 # the transformers class each PEFT task type wraps (PEFT's `AutoPeftModelFor*` classes)
@@ -155,14 +161,90 @@ def unloaded_module(unit: nn.Module) -> nn.Module:
     return unit.get_base_layer()
 
 
-def folder_keys(model: nn.Module, keys: Sequence[str]) -> Optional[dict[str, str]]:
-    """``{model key: folder key}`` for the folder's tensor ``keys`` that ``from_pretrained`` loads into ``model``'s
-    state dict (its renamings: legacy names, the base-model prefix), or None when one needs a conversion (tensors
-    merged or split), which only transformers' own loader applies."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
+@dataclass(frozen=True)
+class Conversion:
+    """A model tensor that transformers builds at load from folder tensors (a layer's experts fused into one): its
+    converter (a fresh copy of transformers' ``WeightConverter``) and the folder keys it reads, by source pattern, in
+    the order its loader collects them."""
 
-    targets = dict(model.state_dict(keep_vars=True))
-    return model_keys(model, targets, list(keys), SimpleNamespace(weight_mapping=get_model_conversion_mapping(model)))
+    target: str
+    converter: Any
+    sources: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for _, keys in self.sources for key in keys]
+
+
+@dataclass(frozen=True)
+class FolderLayout:
+    """How ``from_pretrained`` fills a model from a folder: ``keys`` ``{model key: folder key}`` for tensors read as
+    they are (renamed or not), ``conversions`` ``{model key: Conversion}`` for those it converts, and the transforms
+    the folder used (what ``from_pretrained`` records on the model and ``save_pretrained`` reverts)."""
+
+    keys: dict[str, str]
+    conversions: dict[str, Conversion]
+    used: list[Any]
+
+
+def folder_layout(model: nn.Module, keys: Sequence[str]) -> FolderLayout:
+    """The :class:`FolderLayout` of the folder's tensor ``keys`` for ``model`` (on the meta device), grouped as
+    transformers' loader groups them (``core_model_loading.convert_and_load_state_dict_in_model``): its conversion
+    mapping, each key renamed and handed to at most one converter, keys in its natural order."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    meta = {key: torch.empty(0, device="meta") for key in model.state_dict(keep_vars=True)}
+    prefix = getattr(model, "base_model_prefix", None)
+    plain: dict[str, str] = {}
+    groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    for key in sorted(keys, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:  # the loader's own fallback: the key as it is, prefixed if need be
+            renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if renamed not in meta:
+            continue
+        if pattern is None:
+            plain[renamed] = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        groups.setdefault(renamed, (converter, {}))[1].setdefault(pattern, []).append(key)
+    conversions = {
+        target: Conversion(target, deepcopy(converter), tuple((p, tuple(k)) for p, k in sources.items()))
+        for target, (converter, sources) in groups.items()
+    }
+    return FolderLayout(plain, conversions, [entry for entry in mapping if entry.was_used()])
+
+
+def converted(model: nn.Module, conversion: Conversion, tensors: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model tensors ``conversion`` builds from ``tensors``, the values of its folder keys in order, by model key
+    (transformers' own converter, as its loader calls it; it alone holds them)."""
+    converter = deepcopy(conversion.converter)
+    values = iter(tensors)
+    for pattern, keys in conversion.sources:
+        for key in keys:
+            converter.add_tensor(conversion.target, key, pattern, next(values))
+    built = converter.convert(conversion.target, model=model, config=model.config)
+    return {key: value[0] if isinstance(value, list) else value for key, value in built.items()}
+
+
+def reverted(model: nn.Module, used: list[Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (by model key) under the keys and in the layout ``save_pretrained`` writes them for a model loaded
+    from the folder whose conversions were ``used``: transformers' ``revert_weight_conversion`` (on meta tensors it
+    gives the keys and shapes alone).
+
+    Raises:
+        ValueError, NotImplementedError: transformers cannot revert a conversion.
+    """
+    if not used:  # nothing was converted or renamed: written as named
+        return dict(tensors)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model._weight_conversions = used  # what `from_pretrained` records: `save_pretrained` reverts these
+    return revert_weight_conversion(model, dict(tensors))
 
 
 def shard_bytes(size: Any) -> int:

@@ -44,6 +44,7 @@ PLAIN_FIT = {
     "UNFREEZING": ("lightning.pytorch.callbacks.finetuning:BaseFinetuning", "_store", "delete"),
     "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),
     "MERGE_CHECK": ("peft.tuners.tuners_utils:BaseTuner", "_check_merge_allowed", "delete"),
+    "CONVERTED_EXPORT": ("transformers.core_model_loading", "revert_weight_conversion", "delete"),
     "UNSHARD": ("deepspeed.runtime.zero.partition_parameters", "_init_external_params", "delete"),
     "RELEASE": (f"{_OFFLOAD}:ZeROOrderedDict", "__init__", "replace"),
     "TRACE": (f"{_OFFLOAD}:DeepSpeedZeRoOffload", "setup_zero_stage3_hooks", "replace"),
