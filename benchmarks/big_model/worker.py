@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.big_model.step_profile import PairedFloor, StepProfile, floors
-from benchmarks.harness.probes import BandwidthCanary, PeakSampler, memory_now, snapshot, thread_cpu_s, tree_bytes
+from benchmarks.harness.probes import MachineCanary, PeakSampler, memory_now, snapshot, thread_cpu_s, tree_bytes
 from benchmarks.harness.records import RankReport
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
@@ -102,8 +102,8 @@ class Probe(Callback):
         self.step_s: list[float] = []
         self.step_began: list[float] = []  # wall-clock starts, to line steps up with samples taken outside the process
         self.step_threads: list[dict[str, float]] = []  # CPU seconds of each thread that used >= 10 ms in the step
-        self.canary: list[float] = []  # the machine's single-thread copy rate after each step, GiB/s
-        self._canary = BandwidthCanary()
+        self.canary: list[float] = []  # the machine's canary after each step (MachineCanary)
+        self._canary = MachineCanary()
         self._started, self._threads_before = 0.0, {}
 
     def _at(self) -> float:
@@ -139,13 +139,13 @@ class Probe(Callback):
         self.step_s.append(round(time.perf_counter() - self._started, 3))
         used = {n: round(s - self._threads_before.get(n, 0.0), 2) for n, s in thread_cpu_s().items()}
         self.step_threads.append({n: s for n, s in used.items() if s >= 0.01})
-        self.canary.append(self._canary.gib_s())
+        self.canary.append(self._canary.sample())
         self.report.update(
             **{
                 f"{self.prefix}step_s": self.step_s,
                 f"{self.prefix}step_began": self.step_began,
                 f"{self.prefix}step_threads": self.step_threads,
-                f"{self.prefix}canary_gib_s": self.canary,
+                f"{self.prefix}canary": self.canary,
                 f"{self.prefix}losses": module.losses,
             }
         )

@@ -270,19 +270,46 @@ def thread_cpu_s() -> dict[str, float]:
     return used
 
 
-class BandwidthCanary:
-    """A fixed single-thread memory pass timed between steps: a step that is slow while the canary is not points at
-    the process; both slow, at the machine (a neighbour's memory traffic, frequency) the vCPUs' idle time hides."""
+class MachineCanary:
+    """Fixed work timed between steps, with the process otherwise quiet (OpenMP's threads given time to stop
+    spinning): a 64 MiB single-thread copy, and a 1024^3 fp32 matmul on one thread and on all of torch's. A step that
+    is slow while the canary is not points at the process; both slow, at the machine (a neighbour's memory traffic,
+    two vCPUs on one core's hyperthreads) that the vCPUs' idle and steal time do not show."""
+
+    QUIET_S = 0.05
+    SIDE = 1024
 
     def __init__(self, mib: int = 64) -> None:
         import numpy
+        import torch
 
         self.source = numpy.ones(mib << 18, dtype=numpy.float32)
         self.target = numpy.empty_like(self.source)
+        numpy.copyto(self.target, self.source)  # its pages faulted in here, not in the first sample
+        self.a, self.b = torch.ones(self.SIDE, self.SIDE), torch.ones(self.SIDE, self.SIDE)
 
-    def gib_s(self) -> float:
+    def sample(self) -> dict[str, float]:
+        """``copy_gib_s``; ``mm_1t_gflops`` and ``mm_gflops`` (all threads); ``threads_worth``: how many single
+        threads the all-thread matmul was worth (2 cores that are cores: near 2)."""
         import numpy
+        import torch
 
+        time.sleep(self.QUIET_S)
         began = time.perf_counter()
         numpy.copyto(self.target, self.source)
-        return round(2 * self.source.nbytes / (time.perf_counter() - began) / 2**30, 2)
+        copy = 2 * self.source.nbytes / (time.perf_counter() - began) / 2**30
+        threads = torch.get_num_threads()
+        rates = []
+        for use in (1, threads):
+            torch.set_num_threads(use)
+            torch.mm(self.a, self.b)  # the team of this size started
+            began = time.perf_counter()
+            torch.mm(self.a, self.b)
+            rates.append(2 * self.SIDE**3 / (time.perf_counter() - began) / 1e9)
+        torch.set_num_threads(threads)
+        return dict(
+            copy_gib_s=round(copy, 2),
+            mm_1t_gflops=round(rates[0], 1),
+            mm_gflops=round(rates[1], 1),
+            threads_worth=round(rates[1] / rates[0], 2),
+        )

@@ -37,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import BandwidthCanary, PeakSampler, load_average, machine  # noqa: E402
+from benchmarks.harness.probes import MachineCanary, PeakSampler, load_average, machine  # noqa: E402
 from benchmarks.harness.records import now_utc, read_json, write_json  # noqa: E402
 
 BIG_MODEL = HERE.parent / "big_model" / "run.py"
@@ -76,7 +76,7 @@ def peer_worker(spec: dict[str, Any]) -> None:
         (spec["warmup"] + spec["steps"], 1, SEQUENCE),
         generator=torch.Generator().manual_seed(0),
     )
-    steps, canary, meter = [], [], BandwidthCanary()
+    steps, canary, meter = [], [], MachineCanary()
     for input_ids in tokens:
         begin = time.perf_counter()
         loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -84,14 +84,14 @@ def peer_worker(spec: dict[str, Any]) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append(time.perf_counter() - begin)
-        canary.append(meter.gib_s())
+        canary.append(meter.sample())
     sampler.stop()
     Path(spec["out"]).write_text(
         json.dumps(
             {
                 "load_s": load_s,
                 "steps_s": steps,
-                "canary_gib_s": canary,
+                "canary": canary,
                 "peak_uss": sampler.peaks()["uss"],
                 "loss": float(loss.detach()),
                 "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -121,7 +121,7 @@ def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> di
         "peak_uss": figures["peak_uss"],
         "load_s": figures["load_s"],
         "steps_s": figures["steps_s"],
-        "canary_gib_s": figures["canary_gib_s"],
+        "canary": figures["canary"],
     }
 
 
@@ -172,7 +172,7 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
         # rank 0's every step (warm-up first), what each thread used in it and the machine's copy rate after it
         "steps_s": rank0.get("step_s", []),
         "step_threads": rank0.get("step_threads", []),
-        "canary_gib_s": rank0.get("canary_gib_s", []),
+        "canary": rank0.get("canary", []),
     }
 
 

@@ -4,9 +4,11 @@
 
 Each round runs, one after another in fresh processes: the dense fp32 plain loop (the floor: transformers + PEFT),
 the QLoRA peer (bitsandbytes NF4), and ``frozen_deepspeed`` with ``frozen_dtype="nf4"`` on 1 and on 2 ranks; one
-warm-up step, then ``--steps`` timed ones. Each step is followed, outside its time, by a fixed single-thread copy of
-64 MiB (``BandwidthCanary``): a step that is slow while the copy is not points at the process, both slow at the
-machine. Ours also records the CPU seconds each of its threads used in every step.
+warm-up step, then ``--steps`` timed ones. Each step is followed, outside its time, by fixed work
+(``MachineCanary``: a 64 MiB copy, a matmul on one thread and on both): a step that is slow while the canary is not
+points at the process, both slow at the machine. The canary's two matmuls also tell whether the two vCPUs compute as
+two cores (``threads_worth`` near 2) or share one (near 1: hyperthreads of one core). Ours also records the CPU
+seconds each of its threads used in every step.
 
 Goals (issue 53), per round on the 2-core CPU:
 - spread: every timed step within 1.15x of the round's fastest;
@@ -62,7 +64,7 @@ def report(result: dict[str, Any]) -> str:
         " compute, LoRA r=8 on q/v. Spread: slowest timed step ÷ fastest. Floor: the dense fp32 plain loop of the"
         " same round; peer: the QLoRA peer of the same round (per token).",
         "",
-        "| round | run | timed steps (s) | copy GiB/s after each | median s | spread | ÷ floor | ÷ peer |",
+        "| round | run | timed steps (s) | canary: copy GiB/s / threads worth | median s | spread | ÷ floor | ÷ peer |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for number, rows in enumerate(result["rounds"], 1):
@@ -72,12 +74,15 @@ def report(result: dict[str, Any]) -> str:
             if row["status"] != "ok":
                 lines.append(f"| {number} | {row['name']} | {row['status']} {row.get('reason') or ''} | | | | | |")
                 continue
-            canary = row.get("canary_gib_s", [])[len(row["steps_s"]) - len(row["timed_s"]) :]
+            canary = ", ".join(
+                "{copy_gib_s:.1f} / {threads_worth:.2f}".format(**c)
+                for c in row.get("canary", [])[len(row["steps_s"]) - len(row["timed_s"]) :]
+            )
             to_floor = row["per_token_s"] / floor["per_token_s"] if floor else None
             to_peer = row["per_token_s"] / peer["per_token_s"] if peer else None
             lines.append(
                 f"| {number} | {row['name']} | {', '.join(f'{s:.2f}' for s in row['timed_s'])} |"
-                f" {', '.join(f'{c:.1f}' for c in canary)} | {row['median_s']:.2f} | {row['spread']:.2f} |"
+                f" {canary} | {row['median_s']:.2f} | {row['spread']:.2f} |"
                 f" {'' if to_floor is None else f'{to_floor:.2f}'} | {'' if to_peer is None else f'{to_peer:.2f}'} |"
             )
     lines += [
