@@ -99,9 +99,10 @@ def zero3_loading(
 def zero3_known(config: dict) -> Iterator[None]:
     """While active, transformers knows that models run under ZeRO-3 with the DeepSpeed ``config``: an
     ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true and every ``from_pretrained`` builds
-    ZeRO-3 params. Only :func:`zero3_loading` enters it, around ``configure_model``: a model loaded anywhere else in a
-    run (a scorer in ``setup()``) is built whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit.
-    Without transformers: nothing."""
+    ZeRO-3 params. It is entered for the shortest scope that needs it: :func:`zero3_loading`, around
+    ``configure_model``, and a training step of a model that skips layers at random (``drops_layers``); a ``generate``
+    call is synced by the strategy itself. A model loaded anywhere else in a run (a scorer in ``setup()``) is built
+    whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit. Without transformers: nothing."""
     if importlib.util.find_spec("transformers") is None:
         yield
         return
