@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_frozen import process
-from lightning_frozen.capabilities import SLICED_LOADING, available
+from lightning_frozen.capabilities import SLICED_LOADING, ZERO3_SWITCH, available
 from lightning_frozen.errors import FrozenBaseFileError
 
 
@@ -108,12 +108,16 @@ def zero3_known(config: dict) -> Iterator[None]:
         return
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    restores = available(ZERO3_SWITCH)  # else transformers' public unset, after
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref if restores else None
     hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
     try:
         yield
     finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        if restores:
+            hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        else:
+            hf_deepspeed.unset_hf_deepspeed_config()
         del hf_config
 
 
