@@ -109,20 +109,12 @@ CORE = Capability(
         ),
         ForeignName(f"{_PARTITION}:top_level_context", "zero/init.py"),
         ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/forward_trace.py", in_code=("forward_hooks",)),
-        # the accelerator, CPU Adam
-        ForeignName(
-            "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
-        ),
-        ForeignName(
-            "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.__init__",
-            "zero/accelerator.py",
-            in_code=("_name",),
-        ),
+        # CPU Adam
         ForeignName("deepspeed.ops.adam:DeepSpeedCPUAdam.__init__", "zero/optimizers.py", in_code=("adam_w_mode",)),
         ForeignName(
             "torch.nn.modules.module:Module.__init__",
-            "zero/engine.py, zero/params.py, zero/whole.py, zero/forward_trace.py, zero/compute/coded_linear.py",
-            in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
+            "zero/engine.py, zero/whole.py, zero/forward_trace.py, zero/compute/coded_linear.py",
+            in_code=("_parameters", "_forward_pre_hooks"),
         ),
         ForeignName("torch:Tensor._version", "zero/params.py"),
     ),

@@ -402,12 +402,13 @@ def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's buffers that ``state_dict()`` would save, by name."""
-    buffers: dict[str, torch.Tensor] = {}
-    for prefix, submodule in module.named_modules():
-        for name, buffer in submodule.named_buffers(recurse=False):
-            if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                buffers[f"{prefix}.{name}" if prefix else name] = buffer
-    return buffers
+    saved = module.state_dict(keep_vars=True)  # references only: no param is gathered or copied
+    return {
+        name: buffer
+        for prefix, submodule in module.named_modules()
+        for name, buffer in submodule.named_buffers(prefix, recurse=False)
+        if name in saved
+    }
 
 
 def storage_identity(tensor: torch.Tensor) -> tuple[int, int]:
