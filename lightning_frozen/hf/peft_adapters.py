@@ -97,6 +97,17 @@ def tuner_layer_params(module: nn.Module) -> dict[str, list[str]]:
     return owned
 
 
+def holds_tuner_layers(module: nn.Module) -> bool:
+    """Whether ``module`` holds a PEFT tuner layer or ``modules_to_save`` wrapper, whose adapters' params only PEFT's
+    layer internals name (``capabilities.PEFT_LAYERS``); False where PEFT is not imported (then none is held)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    return any(isinstance(layer, (BaseTunerLayer, ModulesToSaveWrapper)) for layer in module.modules())
+
+
 def add_tuner_layer_params(owned: dict[str, list[str]], prefix: str, layer: nn.Module) -> None:
     """If ``layer`` (named ``prefix``) is a PEFT tuner layer or a ``modules_to_save`` wrapper (whose trained copy is its
     adapter's), add each of its adapters' params to ``owned`` by name."""
