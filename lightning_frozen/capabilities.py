@@ -2,11 +2,12 @@
 capability (:class:`~lightning_frozen.foreign_names.Capability`: its names, what it changes in a run, what a run does
 without it).
 
-A strategy checks its names when it is built (:func:`check_for_run`): a moved name of the core, or of a capability its
-arguments ask for, raises :class:`~lightning_frozen.errors.DependencyDriftError`; a moved name of another capability
-turns that capability off, with one warning per process that names it and what the run does instead. The code of a
-capability asks :func:`available` before it changes anything, and takes the fallback where it is off; an entry point
-or a capability that cannot run without its names calls :func:`require` where it is used, which raises.
+A strategy checks the core's names and those of the capabilities its arguments ask for when it is built
+(:func:`check_for_run`): a moved one raises :class:`~lightning_frozen.errors.DependencyDriftError`. Every other
+capability is looked up where it is first used: its code asks :func:`available` before it changes anything, which,
+where a name moved, turns it off with one warning per process that names it and what the run does instead, and takes
+the fallback; an entry point or a capability that cannot run without its names calls :func:`require` there, which
+raises. A run so imports nothing of transformers or PEFT for a capability it does not use.
 """
 
 from __future__ import annotations
@@ -54,23 +55,14 @@ CORE = Capability(
         ForeignName(f"{_STRATEGY}._initialize_deepspeed_inference", "lightning_seam.py", ("self", "model"), exact=True),
         ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
         ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
-        # a resumed fit's epoch count (loops.py)
-        ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.restarted_mid_epoch", "loops.py"),
-        ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.reset_restart_stage", "loops.py", ("self",)),
         # the ZeRO-3 optimizer's inner state by param, and a sub-group's step that makes it
         ForeignName(
             f"{_STAGE3}.__init__",
             "zero/params.py, zero/engine.py",
-            in_code=("grad_position", "fp32_partitioned_groups_flat", "optimizer", "loss_scaler", "parameter_offload"),
+            in_code=("grad_position", "fp32_partitioned_groups_flat", "optimizer", "parameter_offload"),
         ),
         ForeignName(f"{_STAGE3}.get_param_id", "zero/params.py", ("self", "param")),
         ForeignName(f"{_STAGE3}._optimizer_step", "zero/params.py", ("self", "sub_group_id")),
-        # the fp16 loss scale a resume continues
-        ForeignName(
-            "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler.update_scale",
-            "zero/params.py",
-            in_code=("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"),
-        ),
         # a ZeRO-3 param's attributes; zero.Init's bookkeeping, put back where a module is built outside it
         ForeignName(
             f"{_INIT}._convert_to_deepspeed_param",
@@ -98,16 +90,49 @@ CORE = Capability(
         ),
         ForeignName(f"{_PARTITION}:top_level_context", "zero/init.py"),
         ForeignName(f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/forward_trace.py", in_code=("forward_hooks",)),
-        # the accelerator, CPU Adam, a scheduler's learning rates (a group at lr 0 for the whole run is frozen)
-        ForeignName(
-            "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.__init__", "zero/accelerator.py", in_code=("_name",)
-        ),
-        ForeignName(
-            "deepspeed.accelerator.cuda_accelerator:CUDA_Accelerator.__init__",
-            "zero/accelerator.py",
-            in_code=("_name",),
-        ),
+        # CPU Adam
         ForeignName("deepspeed.ops.adam:DeepSpeedCPUAdam.__init__", "zero/optimizers.py", in_code=("adam_w_mode",)),
+        ForeignName(
+            "torch.nn.modules.module:Module.__init__",
+            "zero/engine.py, zero/whole.py, zero/forward_trace.py, zero/compute/coded_linear.py",
+            in_code=("_parameters", "_forward_pre_hooks"),
+        ),
+        ForeignName("torch:Tensor._version", "zero/params.py"),
+    ),
+)
+
+RESUMED_EPOCH = Capability(
+    "the resumed epoch counted as in a run never stopped",
+    fallback="a fit resumed from a checkpoint saved at an epoch's last batch counts the next epoch as Lightning does"
+    " (its `on_train_epoch_start` skipped, its shuffle seeded with the previous epoch's number)",
+    changes="the fit loop's restart stage cleared at the start of a resumed fit (loops.start_next_epoch_afresh)",
+    rows=(
+        ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.restarted_mid_epoch", "loops.py"),
+        # called as Lightning calls it, on no arguments: one more is another contract
+        ForeignName("lightning.pytorch.loops.fit_loop:_FitLoop.reset_restart_stage", "loops.py", ("self",), exact=True),
+    ),
+)
+
+SCALER_RESUME = Capability(
+    "the fp16 loss scale continued by a resume",
+    fallback="a checkpoint does not keep DeepSpeed's dynamic fp16 loss scale, and a resumed `16-mixed` run's scale"
+    " starts afresh",
+    rows=(
+        ForeignName(f"{_STAGE3}.__init__", "zero/params.py", in_code=("loss_scaler",)),
+        ForeignName(
+            "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler.update_scale",
+            "zero/params.py",
+            in_code=("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"),
+        ),
+    ),
+)
+
+SCHEDULER_INTERNALS = Capability(
+    "learning-rate schedulers read inside",
+    fallback="a mid-run rebuild points only the outermost scheduler at the rebuilt optimizer (not those inside"
+    " `SequentialLR` / `ChainedScheduler`), and a group at learning rate 0 under a scheduler stays in the optimizer"
+    " (the `lr=0` workaround's cost)",
+    rows=(
         ForeignName(
             "deepspeed.runtime.lr_schedules:WarmupCosineLR.__init__", "optim/filtering.py", in_code=("org_lrs",)
         ),
@@ -115,15 +140,16 @@ CORE = Capability(
         ForeignName(
             "torch.optim.lr_scheduler:ChainedScheduler.__init__", "zero/optimizers.py", in_code=("_schedulers",)
         ),
-        ForeignName(
-            "torch.nn.modules.module:Module.__init__",
-            "zero/engine.py, zero/params.py, zero/whole.py, zero/forward_trace.py, zero/compute/coded_linear.py",
-            in_code=("_buffers", "_parameters", "_forward_pre_hooks", "_non_persistent_buffers_set"),
-        ),
-        ForeignName("torch:Tensor._version", "zero/params.py"),
-        # transformers builds ZeRO-3 params in `configure_model` and syncs `generate` while it believes ZeRO-3 is on
-        ForeignName("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref", _LOADING),
-        # PEFT's adapters created whole inside `zero.Init`, and each adapter's params
+    ),
+)
+
+PEFT_LAYERS = Capability(
+    "PEFT's layer internals (adapters created whole in `configure_model`, each adapter's params)",
+    fallback="adapters PEFT creates in `configure_model` are built as ZeRO-3 shards, so PEFT's own initialisation of"
+    " them is lost (build the PEFT model in `__init__`), and a checkpoint names no adapter's params apart",
+    changes="`PeftModel.__init__` and `BaseTuner.inject_adapter`, wrapped class-wide while `configure_model` runs"
+    " (hf/peft_adapters.around_adapter_creation)",
+    rows=(
         ForeignName(
             "peft.peft_model:PeftModel.__init__",
             "hf/peft_adapters.py",
@@ -164,6 +190,15 @@ PREEMPTION = Capability(
             in_code=("_child_processes",),
         ),
     ),
+)
+
+
+ZERO3_SWITCH = Capability(
+    "transformers told that ZeRO-3 is on, and told back after",
+    fallback="the switch is set with transformers' public `HfDeepSpeedConfig` and unset after, so an"
+    " `HfDeepSpeedConfig` a user made before the run no longer holds after `configure_model`",
+    changes="transformers' ZeRO-3 belief, around `configure_model` (hf/transformers_loading.zero3_known)",
+    rows=(ForeignName("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref", _LOADING),),
 )
 
 CPU_COMPUTE = Capability(
@@ -426,6 +461,11 @@ EARLY_CKPT_CHECK = Capability(
 
 OPTIONAL = (
     PREEMPTION,
+    RESUMED_EPOCH,
+    SCALER_RESUME,
+    SCHEDULER_INTERNALS,
+    PEFT_LAYERS,
+    ZERO3_SWITCH,
     CPU_COMPUTE,
     SLICED_LOADING,
     GENERATE,
@@ -452,8 +492,13 @@ def moved_names(capability: Capability) -> tuple[tuple[ForeignName, str], ...]:
 
 
 def available(capability: Capability) -> bool:
-    """Whether every name ``capability`` needs is in the installed packages as it was written for."""
-    return not moved_names(capability)
+    """Whether every name ``capability`` needs is in the installed packages as it was written for; looked up where the
+    capability is first used, once per process. Where one moved, the capability is off: one warning per process names
+    it and what the run does instead."""
+    moved = moved_names(capability)
+    if moved:
+        _warn_off(capability, moved)
+    return not moved
 
 
 def require(*capabilities: Capability) -> None:
@@ -470,16 +515,13 @@ def require(*capabilities: Capability) -> None:
 
 def check_for_run(spec: StrategySpec) -> None:
     """What a strategy checks when it is built: the core's names and those of the capabilities its ``spec`` asks
-    for (:func:`require`); each other capability whose names moved is off, with one warning per process.
+    for (:func:`require`). Every other capability is looked up where it is first used (:func:`available`), so a run
+    imports nothing for a capability it does not use.
 
     Raises:
         DependencyDriftError: as :func:`require`.
     """
-    asked = [capability for capability in OPTIONAL if capability.asked and capability.asked(spec)]
-    for capability in OPTIONAL:
-        if capability not in asked and not available(capability):
-            _warn_off(capability, moved_names(capability))
-    require(CORE, *asked)
+    require(CORE, *(capability for capability in OPTIONAL if capability.asked and capability.asked(spec)))
 
 
 @functools.cache

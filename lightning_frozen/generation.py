@@ -10,8 +10,9 @@ available memory shared by the ranks on it), agreed by every rank. Within it, th
 ZeRO-3 gathers each layer for each forward. A one-line notice on rank 0 says which mode ran and why, the first time
 each mode runs in a run. On several ranks each call passes ``synced_gpus=True`` unless it sets it: a rank that has
 finished its sequences keeps running forwards until every rank has, instead of leaving the others waiting in a gather
-(transformers turns it on by itself only while it believes ZeRO-3 is on, which the strategy tells it in
-``configure_model`` alone).
+(transformers turns it on by itself only while it believes ZeRO-3 is on; the strategy holds that belief around
+``configure_model`` and, for a model that skips layers at random, a training step, never for a whole run, so a
+``generate`` call is synced here instead).
 """
 
 from __future__ import annotations

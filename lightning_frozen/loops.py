@@ -28,6 +28,7 @@ from typing import Any
 
 from lightning.pytorch.trainer.states import RunningStage
 
+from lightning_frozen.capabilities import RESUMED_EPOCH, available
 from lightning_frozen.errors import UnevenBatchesError
 from lightning_frozen.zero.collectives import gather_objects
 
@@ -43,9 +44,12 @@ _FIX = (
 def start_next_epoch_afresh(fit_loop: Any) -> None:
     """Where ``FitLoop.reset`` has just counted a restarted epoch as finished (it had ended at its last batch), clear
     its restart stage, so the next epoch starts as in a run never stopped: its hooks run and its counts count it.
-    Call between ``FitLoop.reset`` and the first epoch (a strategy's ``on_train_start``); elsewhere it does nothing."""
+    Call between ``FitLoop.reset`` and the first epoch (a strategy's ``on_train_start``); elsewhere it does nothing,
+    as where ``capabilities.RESUMED_EPOCH`` is off."""
     epochs = fit_loop.epoch_progress.current
-    if getattr(fit_loop, "restarted_mid_epoch", False) and epochs.processed == epochs.started:
+    if not available(RESUMED_EPOCH):
+        return
+    if fit_loop.restarted_mid_epoch and epochs.processed == epochs.started:
         fit_loop.reset_restart_stage()
 
 

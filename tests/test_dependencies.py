@@ -128,11 +128,10 @@ def test_a_changed_signature_fails_at_construction(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(DeepSpeedStrategy, "_setup_model_and_optimizer", setup)
     monkeypatch.setattr(BaseFinetuning, "_store", store)
-    with (
-        pytest.raises(DependencyDriftError) as raised,
-        pytest.warns(UserWarning, match="progressive unfreezing is off"),
-    ):
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(DependencyDriftError) as raised:
+        warnings.simplefilter("always")
         FrozenAwareDeepSpeedStrategy()
+    assert [str(w.message) for w in caught if "unfreezing" in str(w.message)] == []  # looked up where first used
     message = str(raised.value)
     assert "1 of them" in message  # `_store` is progressive unfreezing's, which this run does not ask for
     assert (
@@ -151,6 +150,9 @@ def test_a_capability_the_run_did_not_ask_for_warns_once(monkeypatch: pytest.Mon
         warnings.simplefilter("always")
         FrozenAwareDeepSpeedStrategy()
         FrozenAwareDeepSpeedStrategy()
+        assert caught == []  # not looked up when a strategy is built: only where the capability is first used
+        assert not capabilities.available(capabilities.SLICED_LOADING)
+        assert not capabilities.available(capabilities.SLICED_LOADING)
     moved = [str(w.message) for w in caught if "safe_open" in str(w.message)]
     assert len(moved) == 1
     assert moved[0].startswith("lightning-frozen: sliced loading from hub folders is off, because transformers 5.25")
@@ -176,6 +178,7 @@ class _RaisesAfterDeepSpeedMoved(AdapterModel):
 def test_a_teardown_that_reaches_a_moved_name_warns_and_lets_the_runs_error_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    assert capabilities.available(capabilities.RELEASE)  # looked up before the name moves, as by an earlier run
     trainer = cpu_trainer(max_steps=2)
     with (
         pytest.raises(ValueError, match="the run's own error"),

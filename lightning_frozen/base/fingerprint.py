@@ -34,8 +34,7 @@ from lightning_frozen.format.codec import Kernels
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.hf.reference import base_of
 from lightning_frozen.progress import Progress
-from lightning_frozen.zero.collectives import distributed as world_of_ranks
-from lightning_frozen.zero.collectives import gather_objects
+from lightning_frozen.zero import collectives
 from lightning_frozen.zero.params import full_numel, full_shape, gathered, is_partitioned, local_shard, shard_range
 
 
@@ -207,7 +206,7 @@ def values_checksum(values: torch.Tensor, start: int) -> list[int]:
 def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
         return sums
-    gathered = gather_objects(sums)
+    gathered = collectives.gather_objects(sums)
     return [
         [sum(rank[i][j] for rank in gathered) % _MODULUS for j in range(len(sums[i]))]  # type: ignore[index]
         for i in range(len(sums))
@@ -252,7 +251,7 @@ def fingerprint_base(
     if mode not in FINGERPRINT_MODES:
         raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
     named = sorted(named_frozen, key=lambda item: item[0])
-    distributed = world_of_ranks() and any(is_partitioned(p) for _, p in named)
+    distributed = collectives.distributed() and any(is_partitioned(p) for _, p in named)
     tensors: dict[str, dict[str, Any]] = {}
     for name, param in named:
         tensors[name] = layout.tensor_record(full_shape(param), str(param.dtype).replace("torch.", ""))

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_frozen.anatomy import anatomy_of
 from lightning_frozen.base.fingerprint import fingerprint_base
-from lightning_frozen.capabilities import CONVERT, require
+from lightning_frozen.capabilities import CONVERT, PEFT_LAYERS, require
 from lightning_frozen.checkpoint import trainable_state
 from lightning_frozen.checkpoint.file import (
     PathLike,
@@ -35,6 +35,7 @@ from lightning_frozen.checkpoint.file import (
 )
 from lightning_frozen.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_frozen.format import layout
+from lightning_frozen.hf import peft_adapters
 from lightning_frozen.zero import checkpoint_files
 from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.params import scaler_state
@@ -106,7 +107,8 @@ def convert_deepspeed_checkpoint(
         CheckpointFormatError: ``source`` is not a ZeRO-3 DeepSpeed checkpoint, has a damaged shard file or holds
             unexpected Python objects (refused unexecuted), or ``destination`` is a directory. Nothing is written
             then, and an existing file at ``destination`` stays as it was.
-        DependencyDriftError: a private name of DeepSpeed's that reading its directory needs moved.
+        DependencyDriftError: a private name of DeepSpeed's that reading its directory needs moved, or of PEFT's
+            that names the adapters' params of a `module` with tuner layers.
     """
     require(CONVERT)
     source = checked_path(source, "source", "convert_deepspeed_checkpoint")
@@ -160,6 +162,8 @@ def convert_deepspeed_checkpoint(
 
     state_dict.update({name: value for name, value in model_states[0].buffers.items()})
     frozen = {name: whole[name] for name in model_states[0].frozen_param_shapes or {}}
+    if module is not None and peft_adapters.holds_tuner_layers(module):  # its adapters' params, named by PEFT's layers
+        require(PEFT_LAYERS)
     found = anatomy_of(module, reference) if module is not None else None
     for name in found.trained_copies if found is not None else ():
         frozen.pop(name, None)  # as a save does: the adapted model computes with their trained copies instead

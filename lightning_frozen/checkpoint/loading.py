@@ -13,7 +13,7 @@ from torch import nn
 from lightning_frozen import anatomy
 from lightning_frozen.base import qlora
 from lightning_frozen.base.fingerprint import FingerprintCache, verify_checkpoint_base
-from lightning_frozen.capabilities import CORE, require
+from lightning_frozen.capabilities import PEFT_LAYERS, require
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
 from lightning_frozen.errors import (
@@ -23,7 +23,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 from lightning_frozen.format import layout
-from lightning_frozen.hf import transformers_loading
+from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.params import persistent_buffers
 
@@ -61,6 +61,8 @@ def load_into(
 ) -> None:
     """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed); with
     ``adapter``, only that adapter's, which becomes the module's active adapter."""
+    if peft_adapters.holds_tuner_layers(module):  # the one capability loading reads: each adapter's params
+        require(PEFT_LAYERS)
     found = anatomy.anatomy_of(module)  # one walk: the adapter's params, the trained copies, its PEFT model
     state_dict = layout.state_dict_of(checkpoint)
     owned = None
@@ -115,9 +117,9 @@ def load_adapter(
             is left unchanged.
         ValueError, AdapterSetupError: ``adapter`` is not in the checkpoint (or None where it holds several and
             ``strict``), or not in ``module``.
-        DependencyDriftError: a private name of another package that the core needs moved.
+        DependencyDriftError: ``module`` holds PEFT's tuner layers and a name of PEFT's that finds each adapter's
+            params moved.
     """
-    require(CORE)
     if not isinstance(module, nn.Module):
         raise InvalidArgumentTypeError(
             f"`load_adapter`: `module` must be a torch.nn.Module, got {type(module).__name__}."
@@ -142,7 +144,6 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
         FileNotFoundError, CheckpointFormatError, FrozenBaseMismatchError, CheckpointKeysError,
             DependencyDriftError: as :func:`load_adapter`.
     """
-    require(CORE)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise InvalidArgumentTypeError(
             f"`load_from_checkpoint`: `cls` must be the module class (e.g. `MyModule`), got"

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 
 from torch import nn
 
 
 def generating_models(module: nn.Module) -> list[nn.Module]:
     """The outermost transformers models inside ``module`` that can ``generate`` (instances of ``GenerationMixin``),
-    in module order: a PEFT model's base model, a teacher beside it. Empty without transformers installed."""
-    if importlib.util.find_spec("transformers") is None:
+    in module order: a PEFT model's base model, a teacher beside it. Empty while transformers' generation module is
+    not imported: nothing can be one, and a plain torch model's run imports none of transformers."""
+    generation = sys.modules.get("transformers.generation.utils")
+    if generation is None:
         return []
-    from transformers import GenerationMixin
+    GenerationMixin = generation.GenerationMixin  # noqa: N806  (the class, as transformers names it)
 
     found: list[nn.Module] = []
     inside: set[int] = set()

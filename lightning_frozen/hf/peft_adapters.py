@@ -23,15 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_frozen.capabilities import PEFT_LAYERS, available
+
 
 @contextmanager
 def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
     """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` (where PEFT creates and initialises
     adapter layers) are replaced class-wide by wrappers that call ``enter()`` before the outermost of those calls and
-    ``leave()`` after it; the originals are put back on exit. Without PEFT installed nothing is wrapped. Their
-    signatures are rows of the core (``capabilities.CORE``), checked when a strategy is built.
+    ``leave()`` after it; the originals are put back on exit. Without PEFT installed nothing is wrapped, nor where
+    ``capabilities.PEFT_LAYERS``, whose rows their signatures are, is off.
     """
-    if importlib.util.find_spec("peft") is None:
+    if importlib.util.find_spec("peft") is None or not available(PEFT_LAYERS):
         yield
         return
     from peft import PeftModel
@@ -90,6 +92,17 @@ def tuner_layer_params(module: nn.Module) -> dict[str, list[str]]:
     for prefix, layer in module.named_modules():
         add_tuner_layer_params(owned, prefix, layer)
     return owned
+
+
+def holds_tuner_layers(module: nn.Module) -> bool:
+    """Whether ``module`` holds a PEFT tuner layer or ``modules_to_save`` wrapper, whose adapters' params only PEFT's
+    layer internals name (``capabilities.PEFT_LAYERS``); False where PEFT is not imported (then none is held)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    return any(isinstance(layer, (BaseTunerLayer, ModulesToSaveWrapper)) for layer in module.modules())
 
 
 def add_tuner_layer_params(owned: dict[str, list[str]], prefix: str, layer: nn.Module) -> None:

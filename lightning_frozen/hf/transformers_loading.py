@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_frozen.capabilities import SLICED_LOADING, available
+from lightning_frozen.capabilities import SLICED_LOADING, ZERO3_SWITCH, available
 from lightning_frozen.errors import FrozenBaseFileError
 
 
@@ -92,20 +92,25 @@ def zero3_loading(
 def zero3_known(config: dict) -> Iterator[None]:
     """While active, transformers knows that models run under ZeRO-3 with the DeepSpeed ``config``: an
     ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true and every ``from_pretrained`` builds
-    ZeRO-3 params. Only :func:`zero3_loading` enters it, around ``configure_model``: a model loaded anywhere else in a
-    run (a scorer in ``setup()``) is built whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit.
-    Without transformers: nothing."""
+    ZeRO-3 params. It is entered for the shortest scope that needs it: :func:`zero3_loading`, around
+    ``configure_model``, and a training step of a model that skips layers at random (``drops_layers``); a ``generate``
+    call is synced by the strategy itself. A model loaded anywhere else in a run (a scorer in ``setup()``) is built
+    whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit. Without transformers: nothing."""
     if importlib.util.find_spec("transformers") is None:
         yield
         return
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    restores = available(ZERO3_SWITCH)  # else transformers' public unset, after
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref if restores else None
     hf_config = hf_deepspeed.HfDeepSpeedConfig(config)
     try:
         yield
     finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        if restores:
+            hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        else:
+            hf_deepspeed.unset_hf_deepspeed_config()
         del hf_config
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_frozen.capabilities import SCHEDULER_INTERNALS, available
 from lightning_frozen.errors import (
     ForeignParametersError,
     NoTrainableParametersError,
@@ -65,6 +66,8 @@ def _group_can_leave_zero(group: dict, index: int, schedulers: Sequence[Any]) ->
         return True  # the optimizer sets its own step size (Adafactor's `relative_step`)
     if any(float(group.get(key, 0.0) or 0.0) != 0.0 for key in _GROUP_LR_KEYS):
         return True
+    if schedulers and not available(SCHEDULER_INTERNALS):
+        return True  # what the scheduler climbs to cannot be read: the group is kept, as without this package
     for scheduler in schedulers:
         for key in _SCHEDULER_PER_GROUP_LR_KEYS:
             values = getattr(scheduler, key, None)

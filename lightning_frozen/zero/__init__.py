@@ -19,8 +19,8 @@ is defined where it is listed):
   ``optimizer_state_with``, ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``,
   ``scaler_state``, ``restore_loss_scaler``; a save's whole tensors, gathered to the writing rank alone:
   ``gather_to_writer``, ``whole_on_meta``, ``WRITER_RANK``;
-  and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (from a module's
-  non-persistent buffer set), ``storage_identity`` (from a tensor's version counter).
+  and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (the buffers a
+  module's ``state_dict`` holds), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
   ``import_deepspeed``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of
   ``F.linear`` that ``zero.Init`` keeps on a class, for the run's ledger to put back).

@@ -34,15 +34,15 @@ def deepspeed_accelerator_matching(accelerator: Optional[Accelerator]) -> Iterat
             f" `{type(accelerator).__name__}`. Pass `accelerator='gpu'` or `accelerator='cpu'` to the Trainer."
         )
     before = get_accelerator()
-    if before._name == wanted:
+    if before.device_name() == wanted:
         yield
         return
     pinned = os.environ.get("DS_ACCELERATOR")
     if pinned:
         raise UnsupportedConfigurationError(
             f"Lightning trains on `{type(accelerator).__name__}` but `DS_ACCELERATOR={pinned}` makes DeepSpeed use"
-            f" its `{before._name}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the Trainer's"
-            " `accelerator`."
+            f" its `{before.device_name()}` accelerator. Unset DS_ACCELERATOR or set it to `{wanted}`, or change the"
+            " Trainer's `accelerator`."
         )
     if wanted == "cpu":
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator

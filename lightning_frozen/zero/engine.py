@@ -155,11 +155,11 @@ def place_buffers(model: nn.Module, device: torch.device) -> None:
     """
     for module in model.modules():
         if _is_metric(module):
-            module.to(device)  # torchmetrics keeps its states outside `_buffers` and moves them in `_apply`
+            module.to(device)  # torchmetrics keeps its states outside the buffers and moves them in `_apply`
             continue
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+        for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))  # a registered buffer's name: replaced, persistence kept
 
 
 def _is_metric(module: nn.Module) -> bool:

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_frozen.capabilities import SCHEDULER_INTERNALS, available
+
 # what a DeepSpeed engine counts (steps, samples, micro-steps, fp16 overflows skipped), carried to a rebuilt engine
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 # Attributes that hold sub-schedulers (SequentialLR, ChainedScheduler): each follows the optimizer it is pointed at
@@ -58,11 +60,12 @@ def set_engine_counters(engine: Any, counters: Mapping[str, Any]) -> None:
 
 
 def scheduler_chain(scheduler: Any) -> list[Any]:
-    """The scheduler and, for SequentialLR / ChainedScheduler, every scheduler inside it."""
+    """The scheduler and, for SequentialLR / ChainedScheduler, every scheduler inside it (the outermost alone where
+    ``capabilities.SCHEDULER_INTERNALS`` is off)."""
     if scheduler is None:
         return []
     chain = [scheduler]
-    for key in SUB_SCHEDULER_KEYS:
+    for key in SUB_SCHEDULER_KEYS if available(SCHEDULER_INTERNALS) else ():
         for inner in getattr(scheduler, key, None) or []:
             chain.extend(scheduler_chain(inner))
     return chain

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_frozen.capabilities import SCALER_RESUME, available
 from lightning_frozen.errors import NoTrainableParametersError, format_names
 
 
@@ -362,7 +363,10 @@ def loss_scaler_state(deepspeed_optimizer: Any) -> dict[str, Any]:
     """The ZeRO optimizer's loss-scaler state as plain numbers (scale, iteration, last overflow, hysteresis left).
 
     Under ``16-mixed`` it is DeepSpeed's dynamic loss scale, which a resume must continue; otherwise a constant 1.
+    Empty where ``capabilities.SCALER_RESUME`` is off.
     """
+    if not available(SCALER_RESUME):
+        return {}
     return scaler_state(getattr(deepspeed_optimizer, "loss_scaler", None))
 
 
@@ -379,7 +383,10 @@ def scaler_state(scaler: Any) -> dict[str, Any]:
 
 def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None:
     """Set the loss-scaler state :func:`loss_scaler_state` returned. Keys the scaler does not have (a run resumed in
-    another precision than the saved one's) warn that the loss scale starts afresh."""
+    another precision than the saved one's) warn that the loss scale starts afresh, as does
+    ``capabilities.SCALER_RESUME`` off."""
+    if not state or not available(SCALER_RESUME):
+        return
     scaler = getattr(deepspeed_optimizer, "loss_scaler", None)
     lacking = [key for key in state if key in _LOSS_SCALER_STATE and not hasattr(scaler, key)]
     if lacking:
@@ -395,12 +402,13 @@ def restore_loss_scaler(deepspeed_optimizer: Any, state: dict[str, Any]) -> None
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's buffers that ``state_dict()`` would save, by name."""
-    buffers: dict[str, torch.Tensor] = {}
-    for prefix, submodule in module.named_modules():
-        for name, buffer in submodule.named_buffers(recurse=False):
-            if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                buffers[f"{prefix}.{name}" if prefix else name] = buffer
-    return buffers
+    saved = module.state_dict(keep_vars=True)  # references only: no param is gathered or copied
+    return {
+        name: buffer
+        for prefix, submodule in module.named_modules()
+        for name, buffer in submodule.named_buffers(prefix, recurse=False)
+        if name in saved
+    }
 
 
 def storage_identity(tensor: torch.Tensor) -> tuple[int, int]:
