@@ -22,7 +22,15 @@ from tests.scripts.names_moved import PLAIN_FIT
 
 # the optional capabilities a plain fit and save of a torch model reaches; the others are used only where asked for
 # (`configure_model`, `generate`, a scheduler, a finetuning callback, an entry point), and are never looked up here
-REACHED_BY_A_PLAIN_FIT = {"RESUMED_EPOCH", "SCALER_RESUME", "CPU_COMPUTE", "RELEASE", "TRACE", "EARLY_CKPT_CHECK"}
+REACHED_BY_A_PLAIN_FIT = {
+    "PREEMPTION",
+    "RESUMED_EPOCH",
+    "SCALER_RESUME",
+    "CPU_COMPUTE",
+    "RELEASE",
+    "TRACE",
+    "EARLY_CKPT_CHECK",
+}
 
 
 @pytest.fixture(scope="module")
