@@ -240,7 +240,9 @@ def report(result: dict[str, Any]) -> str:
         body = []
         for row in rows:
             if row["status"] != "ok":
-                body.append([row["name"], "", f"{row['status']} {row.get('reason') or ''}", *[""] * 9])
+                # the first rank's error, else why the guard stopped the run: the whole of each is in moe.json
+                why = next(iter((row.get("errors") or {}).values()), None) or row.get("reason") or ""
+                body.append([row["name"], "", f"{row['status']}: {why[:200]}", *[""] * 9])
                 continue
             limit = limit_bytes(row)
             body.append(
