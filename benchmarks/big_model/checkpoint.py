@@ -156,8 +156,8 @@ def complete(folder: Path, config: dict[str, Any], shard_bytes: int, seed: int =
 
 
 def shard_files(folder: Path) -> list[Path]:
-    """The checkpoint's safetensors files, in order."""
-    return sorted(folder.glob("model-*-of-*.safetensors"))
+    """The checkpoint's safetensors files (shards, or the one file a small model is saved in), in order."""
+    return sorted(folder.glob("model*.safetensors"))
 
 
 def write_checkpoint(

@@ -91,7 +91,9 @@ TIMEOUT_MIN = {"tiny": 15, "1.1b": 30, "7b": 90, "13b": 180}
 def config_key(
     size: str, overrides: dict[str, int], frozen_dtype: str, precision: str, devices: int, args: argparse.Namespace
 ) -> str:
-    key = f"{size_key(size, overrides)} {frozen_dtype} {precision} {devices}r seq{args.sequence}"
+    model = args.folder.name if args.folder else size_key(size, overrides)
+    key = f"{model} {frozen_dtype} {precision} {devices}r seq{args.sequence}"
+    key += f" {args.label}" if args.label else ""
     key += " mmap1m" if args.allocator == "mmap1m" else ""
     key += " exchange-codes" if args.exchange_codes else ""
     key += " gpu" if args.accelerator == "gpu" else ""
@@ -133,10 +135,12 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
             steps=args.steps,
             allocator=args.allocator,
             resume=not args.no_resume,
+            folder=str(args.folder) if args.folder else None,
+            lora=args.lora,
         ),
     }
     try:
-        folder = ensure_folder(size, overrides, args)
+        folder = args.folder or ensure_folder(size, overrides, args)
     except subprocess.CalledProcessError as error:  # recorded; the next configuration goes on
         record["outcome"] = {"status": "error", "reason": f"writing the checkpoint failed (exit {error.returncode})"}
         record["summary"] = report.summarize(record)
@@ -166,6 +170,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         accelerator=args.accelerator,
         decode_whole=args.decode_whole,
         exchange_codes=args.exchange_codes,
+        lora=args.lora,
     )
     env = child_env(threads=threads, mmap_1mib=args.allocator == "mmap1m" or None)
     files_of_run = dict(
@@ -343,6 +348,17 @@ def main() -> None:
         action="store_true",
         help="the alternative to zero/compute/node_codes.py: ranks exchange frozen codes through gloo at each gather",
     )
+    run_parser.add_argument(
+        "--folder",
+        type=Path,
+        help="train on this Hugging Face folder instead of the written Llama (its name keys the run)",
+    )
+    run_parser.add_argument(
+        "--lora",
+        type=json.loads,
+        help="LoraConfig arguments as JSON (default: r=8 on q_proj/v_proj), e.g. '{\"r\": 4, ...}'",
+    )
+    run_parser.add_argument("--label", help="a word added to the configuration's key (e.g. which LoRA it trains)")
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")
     args = parser.parse_args()

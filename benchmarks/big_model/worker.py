@@ -61,9 +61,9 @@ class LogLines(logging.Handler):
 class LoRACausalLM(L.LightningModule):
     """``from_pretrained`` + PEFT LoRA in ``configure_model``, as a user writes it; timings into ``times``."""
 
-    def __init__(self, folder: str, times: dict[str, float], clock: dict[str, float]) -> None:
+    def __init__(self, folder: str, lora: dict[str, Any], times: dict[str, float], clock: dict[str, float]) -> None:
         super().__init__()
-        self.folder, self.times, self.clock = folder, times, clock
+        self.folder, self.lora, self.times, self.clock = folder, lora, times, clock
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
@@ -76,7 +76,7 @@ class LoRACausalLM(L.LightningModule):
         self.times["configure_model_at"] = started - self.clock["fit"]
         base = AutoModelForCausalLM.from_pretrained(self.folder)
         loaded = time.perf_counter()
-        self.model = get_peft_model(base, LoraConfig(**LORA))
+        self.model = get_peft_model(base, LoraConfig(**self.lora))
         self.times["from_pretrained_s"] = loaded - started
         self.times["get_peft_model_s"] = time.perf_counter() - loaded
 
@@ -226,7 +226,7 @@ def run(spec_path: Path) -> None:
         report.error(f"{prefix}strategy")
         return
     probe = Probe(prefix, sampler, report, clock)
-    module = LoRACausalLM(spec["folder"], times, clock)
+    module = LoRACausalLM(spec["folder"], spec.get("lora") or LORA, times, clock)
     checkpoint, adapter = Path(spec["checkpoint"]), Path(spec["trained_adapter"])
     if resume:
         trained = torch.load(adapter, weights_only=True)

@@ -25,104 +25,31 @@ The big-model study is run through its command line (``run`` and ``write``), not
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import MachineCanary, PeakSampler, load_average, machine  # noqa: E402
+from benchmarks.harness import launch, plain_loop  # noqa: E402
+from benchmarks.harness.probes import load_average, machine  # noqa: E402
 from benchmarks.harness.records import now_utc, read_json, write_json  # noqa: E402
 
 BIG_MODEL = HERE.parent / "big_model" / "run.py"
 
 SIZE = "1.1b"
 SEQUENCE = 64
-LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 OURS = (("ours NF4 1r", "nf4", 1), ("ours NF4 2r", "nf4", 2), ("ours bf16 1r", "bf16", 1))
 PEERS = (("peer dense", False), ("peer QLoRA", True))
 # issue 24's goals: our step per token no slower than the QLoRA peer's; our peak memory <= 0.5x the peer's
 GOAL_STEP, GOAL_MEMORY = 1.0, 0.5
 
 
-def peer_worker(spec: dict[str, Any]) -> None:
-    """One peer run in this process: load, then warm-up and timed steps of a plain loop; figures to ``spec['out']``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    torch.manual_seed(0)
-    sampler = PeakSampler()
-    sampler.start()
-    started = time.perf_counter()
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
-    if spec["nf4"]:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-        )
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(spec["folder"], **kwargs), LoraConfig(**LORA))
-    model.train()
-    load_s = time.perf_counter() - started
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    tokens = torch.randint(
-        0,
-        model.config.vocab_size,
-        (spec["warmup"] + spec["steps"], 1, SEQUENCE),
-        generator=torch.Generator().manual_seed(0),
-    )
-    steps, canary, meter = [], [], MachineCanary()
-    for input_ids in tokens:
-        begin = time.perf_counter()
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        steps.append(time.perf_counter() - begin)
-        canary.append(meter.sample())
-    sampler.stop()
-    Path(spec["out"]).write_text(
-        json.dumps(
-            {
-                "load_s": load_s,
-                "steps_s": steps,
-                "canary": canary,
-                "peak_uss": sampler.peaks()["uss"],
-                "loss": float(loss.detach()),
-                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            }
-        )
-    )
-
-
 def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "peer.json"
-        spec = dict(folder=str(folder), nf4=nf4, warmup=args.warmup, steps=args.steps, out=str(out))
-        print(f"\n=== {name}", flush=True)
-        command = [sys.executable, __file__, "--peer", json.dumps(spec)]
-        outcome = launch.guarded_run(command, launch.child_env(), Path(scratch) / "peer.log", args.timeout / 60)
-        if launch.exit_status(outcome) != 0 or not out.exists():
-            print((Path(scratch) / "peer.log").read_text()[-3000:], flush=True)
-            return {"name": name, "status": outcome.get("reason") or f"exit {outcome['returncode']}"}
-        figures = read_json(out)
-    timed = figures["steps_s"][args.warmup :]
-    return {
-        "name": name,
-        "status": "ok",
-        "ranks": 1,
-        "tokens_per_step": SEQUENCE,
-        "step_s": statistics.median(timed),
-        "peak_uss": figures["peak_uss"],
-        "load_s": figures["load_s"],
-        "steps_s": figures["steps_s"],
-        "canary": figures["canary"],
-    }
+    spec = dict(folder=str(folder), lora=LORA, nf4=nf4, sequence=SEQUENCE, warmup=args.warmup, steps=args.steps)
+    return plain_loop.run(name, spec, args.timeout)
 
 
 def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -218,7 +145,6 @@ def report(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer", help=argparse.SUPPRESS)  # a peer run's spec, in its own process
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
@@ -226,9 +152,6 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
-    if args.peer:
-        peer_worker(json.loads(args.peer))
-        return
     folder = write_folder(args.data_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = load_average()[0]
