@@ -90,6 +90,17 @@ class _Tensor:
 
 
 @dataclass
+class _Experts:
+    """A converted tensor (a layer's experts fused) read, merged and written one expert at a time: each folder tensor of
+    an expert is one run of the converted tensor, where transformers' converter puts it; it is counted in the
+    fingerprint there and merged with PEFT's delta of that expert, if the tensor is adapted."""
+
+    tensor: _Tensor  # the converted tensor: its dtype (the merge's), shape and fingerprint record
+    runs: list[list[tuple[_Tensor, int]]]  # each expert's folder tensors as written, with their flat start in it
+    wrapper: Optional[nn.Module] = None  # PEFT's ParamWrapper adapting it
+
+
+@dataclass
 class _Item:
     """A step of the pass: a tuner layer (or wrapper) merged whole, or one tensor of a plain module copied through."""
 
@@ -99,6 +110,7 @@ class _Item:
     reads: list[tuple[nn.Module, str, _Tensor]] = field(default_factory=list)  # a unit's base tensors to fill
     missing: list[str] = field(default_factory=list)  # a unit's tensors in neither the checkpoint nor the folder
     outputs: list[_Tensor] = field(default_factory=list)  # what is written: ``tensors`` as save_pretrained writes them
+    experts: list[_Experts] = field(default_factory=list)  # where ``tensors`` are written one expert at a time
 
 
 def export_merged(
@@ -417,6 +429,9 @@ class _Plan:
         self._check_conversions()
         for item in self.items:
             item.outputs = self._outputs(item)
+            item.experts = self._by_expert(item)
+            if item.experts:
+                item.outputs = [t for experts in item.experts for runs in experts.runs for t, _ in runs]
 
     def _conversion_of(self, tensor: torch.Tensor) -> Optional[merging.Conversion]:
         names = self.names_of.get(id(tensor), [])
@@ -507,6 +522,34 @@ class _Plan:
             item.tensors.append(_Tensor(f"{lead}{k}", self._out_dtype(key, tensor.dtype), tuple(tensor.shape)))
             self.changed.add(f"{lead}{k}")
         return item
+
+    def _by_expert(self, item: _Item) -> list[_Experts]:
+        """The item's converted tensors, one expert at a time, where each of its tensors is converted (a unit: PEFT's
+        ``ParamWrapper`` alone, nested, each adapting one) and transformers' reversal writes each back as the folder
+        stores it; else none (the item is converted and merged whole)."""
+        if item.unit is None:
+            reads = [(None, "", t) for t in item.tensors if t.value is None]
+        elif hasattr(item.unit, "get_delta_factors") and not item.missing:
+            reads = item.reads
+        else:
+            return []
+        found = []
+        for module, attr, tensor in reads:
+            shapes = {k: self.stored[k][1].shape for k in tensor.conversion.keys} if tensor.conversion else {}
+            runs = tensor.conversion and merging.expert_runs(self.inner, tensor.conversion, shapes)
+            units = item.unit.modules() if item.unit is not None else []
+            wrappers = [m for m in units if getattr(m, "parameter_name", None) == attr and m.get_base_layer() is module]
+            if not runs or (item.unit is not None and not wrappers):
+                return []
+            outputs = [
+                [(_Tensor(key, self._out_dtype(key, tensor.dtype), tuple(shapes[key])), start) for key, start in expert]
+                for expert in runs
+            ]
+            found.append(_Experts(tensor, outputs, wrappers[0] if wrappers else None))
+        written = {(t.name, t.shape) for t in item.outputs}
+        if written != {(t.name, t.shape) for e in found for runs in e.runs for t, _ in runs}:
+            return []  # transformers writes them back otherwise than the folder stores them
+        return found
 
     def _drop_tied_copies(self) -> None:
         """Of weights tied in the base that no adapter changed, only the first name is written (as ``save_pretrained``
@@ -636,13 +679,20 @@ class _ShardWriter:
             self._file = None
 
 
-def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[_Tensor]]]:
+def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[tuple[_Tensor, int]]]]:
     """Every read of the pass, in order (a unit's base tensors whole, a copied tensor in chunks, each folder tensor of a
-    converted one whole), and for each the tensor whose fingerprint record it counts for, if any (a converted tensor
-    is counted once built)."""
+    converted one whole), and for each the tensor whose fingerprint record it counts for and where, if any (a tensor
+    converted whole is counted once built)."""
     reads: list[slice_reads.SliceRead] = []
-    counted: list[Optional[_Tensor]] = []
+    counted: list[Optional[tuple[_Tensor, int]]] = []
     for item in plan.items:
+        for experts in item.experts:
+            for tensor, start in (run for runs in experts.runs for run in runs):
+                path, at = plan.stored[tensor.name]
+                reads.append(slice_reads.SliceRead(path, tensor.name, 0, _numel(at.shape)))
+                counted.append((experts.tensor, start) if experts.tensor.record is not None else None)
+        if item.experts:
+            continue
         tensors = [t for _, _, t in item.reads] if item.unit is not None else item.tensors
         for tensor in tensors:
             if tensor.folder_key is None or tensor.value is not None:
@@ -658,7 +708,7 @@ def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[_Ten
             step = numel if item.unit is not None else CHUNK_ELEMENTS
             starts = range(0, numel, step) if numel else range(1)
             reads += [slice_reads.SliceRead(path, tensor.folder_key, s, min(step, numel - s)) for s in starts]
-            counted += [tensor if tensor.record is not None else None] * len(starts)
+            counted += [(tensor, s) if tensor.record is not None else None for s in starts]
     return reads, counted
 
 
@@ -668,15 +718,17 @@ def _write_tensors(plan: _Plan, shards: list[tuple[str, list[_Tensor]]], folder:
     reads, counted = _reads(plan)
 
     def count(index: int, values: torch.Tensor) -> None:  # on the reading thread, beside the merge
-        tensor = counted[index]
-        if tensor is not None and tensor.record is not None:
-            plan.sums.add(tensor.record, values.to(tensor.record.dtype), reads[index].start)
+        if counted[index] is not None:
+            tensor, start = counted[index]
+            plan.sums.add(tensor.record, values.to(tensor.record.dtype), start)
 
     try:
         with torch.no_grad(), slice_reads.read_ahead(reads, count) as slices:
             for item in plan.items:
                 tensor = item.tensors[0] if item.tensors else None
-                if item.unit is not None:
+                if item.experts:
+                    _write_by_expert(plan, item, slices, writer)
+                elif item.unit is not None:
                     _write_reverted(plan, item, _merge_unit(plan, item, slices), writer)
                 elif tensor is not None and tensor.value is not None:
                     _write_reverted(plan, item, {tensor.name: tensor.value}, writer)
@@ -694,6 +746,22 @@ def _write_reverted(plan: _Plan, item: _Item, values: dict[str, torch.Tensor], w
     written = merging.reverted(plan.inner, plan.used, {t.name: values[t.name] for t in item.tensors})
     for tensor in item.outputs:
         writer.write(tensor.name, written.pop(tensor.name).to(tensor.dtype))
+
+
+def _write_by_expert(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
+    """Each converted tensor of ``item`` one expert at a time: its folder tensors, each with its run of PEFT's delta of
+    that expert added (as PEFT's merge adds the whole delta, in the converted tensor's dtype), written as read."""
+    for experts in item.experts:
+        delta_of = merging.expert_delta(experts.wrapper, plan.adapter) if experts.wrapper is not None else None
+        size = _numel(experts.tensor.shape[1:])
+        for expert, runs in enumerate(experts.runs):
+            delta = None if delta_of is None else delta_of(expert).reshape(-1).to(experts.tensor.dtype)
+            for tensor, start in runs:
+                values = next(slices).to(experts.tensor.dtype)
+                if delta is not None:
+                    begin = start - expert * size
+                    values = values + delta[begin : begin + values.numel()]
+                writer.write(tensor.name, values.to(tensor.dtype))
 
 
 def _converted(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,7 @@ with the conversions the folder used, as ``from_pretrained`` records them on the
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from copy import deepcopy
@@ -229,6 +230,57 @@ def converted(model: nn.Module, conversion: Conversion, tensors: Iterable[torch.
             converter.add_tensor(conversion.target, key, pattern, next(values))
     built = converter.convert(conversion.target, model=model, config=model.config)
     return {key: value[0] if isinstance(value, list) else value for key, value in built.items()}
+
+
+def expert_runs(
+    model: nn.Module, conversion: Conversion, shapes: Mapping[str, Sequence[int]]
+) -> Optional[list[list[tuple[str, int]]]]:
+    """Where transformers' converter puts each folder tensor of ``conversion`` when it stacks experts: for each expert
+    (the n-th key of every source pattern, as its loader collects them), its keys with the flat index each starts at in
+    the converted tensor, in that order. Found by the converter itself, run on one expert's tensors numbered element by
+    element; None where the converted tensor is not the experts stacked one after another, each folder tensor one run
+    of it in its own order (the tensor is then converted whole)."""
+    counts = {len(keys) for _, keys in conversion.sources}
+    if len(counts) != 1:
+        return None
+    experts = counts.pop()
+    one = Conversion(conversion.target, conversion.converter, tuple((p, keys[:1]) for p, keys in conversion.sources))
+    sizes = [math.prod(shapes[key]) for key in one.keys]
+    size = sum(sizes)
+    numbers = torch.arange(size, dtype=torch.float32 if size < 2**24 else torch.float64)  # exact in that dtype
+    parts = [part.reshape(tuple(shapes[key])) for key, part in zip(one.keys, numbers.split(sizes))]
+    try:
+        built = converted(model, one, parts)[conversion.target]
+    except Exception:  # a converter that needs every expert: converted whole
+        return None
+    flat = built.reshape(-1)
+    if built.shape[0] != 1 or flat.numel() != size:
+        return None
+    starts = []
+    for part in parts:
+        start = int((flat == part.reshape(-1)[0]).nonzero()[0]) if part.numel() else 0
+        if not torch.equal(flat[start : start + part.numel()], part.reshape(-1)):
+            return None
+        starts.append(start)
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    return [[(conversion.sources[i][1][expert], expert * size + starts[i]) for i in order] for expert in range(experts)]
+
+
+def expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
+    """A function of an expert's index giving PEFT's delta of the param that ``wrapper`` (PEFT's ``ParamWrapper``)
+    adapts, for that expert alone: ``scaling * lhs @ rhs`` of its ``get_delta_factors``, in the adapter's dtype; None
+    where the wrapper holds no ``adapter_name``."""
+    if adapter_name not in wrapper.lora_A:
+        return None
+    base, name = wrapper.get_base_layer(), wrapper.parameter_name
+    own = getattr(base, name)
+    exact = torch.empty(own.shape, dtype=wrapper.lora_A[adapter_name].weight.dtype, device="meta")
+    setattr(base, name, nn.Parameter(exact, requires_grad=False))  # PEFT casts the factors to the param's dtype
+    try:
+        lhs, rhs, scaling = wrapper.get_delta_factors(adapter_name)
+    finally:
+        setattr(base, name, own)
+    return lambda expert: (lhs[expert] @ rhs[expert]) * scaling
 
 
 def reverted(model: nn.Module, used: list[Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
