@@ -172,18 +172,8 @@ PREEMPTION = Capability(
     " (preemption.Preemption.install)",
     rows=(
         ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
-        ForeignName(f"{_SIGNALS}:_get_sigkill_signal", "preemption.py", params=()),
-        ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector", "_checkpoint_connector")),
+        ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector",)),
         ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
-        ForeignName(
-            "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._hpc_resume_path",
-            "preemption.py",
-        ),
-        ForeignName(
-            "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._should_accumulate",
-            "preemption.py",
-            ("self",),
-        ),
         ForeignName(
             "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
             "preemption.py",

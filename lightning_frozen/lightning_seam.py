@@ -13,8 +13,7 @@
   over, and a wrong path is worth refusing before a large base is loaded. Without ``_run``, nothing is read.
 - For preemption: ``_SignalConnector``, its ``register_signal_handlers`` (replaced on a run's connector, which then
   registers nothing) and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
-  ``trainer._signal_connector``; ``_get_sigkill_signal``; ``trainer._checkpoint_connector._hpc_resume_path``; the
-  epoch loop's ``_should_accumulate``; and ``_ChildProcessObserver``'s list of the ranks it watches.
+  ``trainer._signal_connector``; and ``_ChildProcessObserver``'s list of the ranks it watches.
 
 Each of them is a row of ``capabilities.py``, checked when a strategy is built. Private names are reached through their
 modules, at call time, so that a moved one meets that check rather than failing ``import lightning_frozen``.
@@ -102,16 +101,10 @@ def is_lightnings_signal_handler(handler: Any) -> bool:
     return isinstance(getattr(handler, "__self__", None), signal_connector._SignalConnector)
 
 
-def mid_accumulation(trainer: pl.Trainer) -> bool:
-    """Whether the batch that just ended does not step the optimizer (gradient accumulation goes on)."""
-    return trainer.fit_loop.epoch_loop._should_accumulate()
-
-
-def requeue(trainer: pl.Trainer, signum: int) -> Any:
-    """Lightning's SLURM requeue (loggers finalized, ``hpc_ckpt_<n>.ckpt`` saved by every rank, ``scontrol
-    requeue``); returns the checkpoint's path."""
+def requeue(trainer: pl.Trainer, signum: int) -> None:
+    """Lightning's SLURM requeue: loggers finalized, ``hpc_ckpt_<n>.ckpt`` saved by every rank in the Trainer's
+    ``default_root_dir``, ``scontrol requeue``."""
     trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
-    return trainer._checkpoint_connector._hpc_resume_path
 
 
 def register_no_signal_handlers(trainer: pl.Trainer, off: bool) -> None:
@@ -127,11 +120,6 @@ def register_no_signal_handlers(trainer: pl.Trainer, off: bool) -> None:
 
 def _register_nothing() -> None:
     """What Lightning's signal connector registers in a run whose strategy handles its signals itself."""
-
-
-def sigkill_signal() -> int:
-    """The signal Lightning ends its launched ranks with."""
-    return signal_connector._get_sigkill_signal()
 
 
 def stop_watching_ranks() -> None:

@@ -167,6 +167,12 @@ class Preemption:
         end_launched_ranks(self._launcher, wait=0.0)
 
 
+def mid_accumulation(trainer: pl.Trainer) -> bool:
+    """Whether the batch that just ended does not step the optimizer (gradient accumulation goes on)."""
+    # Lightning's `_should_accumulate` for a strategy that handles accumulation (DeepSpeed's), by public counters
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches != 0
+
+
 def requeue_without_checkpoint() -> bool:
     """``scontrol requeue`` of this job from global rank 0, as Lightning's SLURM requeue does, before any checkpoint
     can be saved; returns whether this rank asked for it and ``scontrol`` succeeded."""
@@ -207,7 +213,7 @@ class StopAtStepBoundary(Callback):
         self._last_boundary = time.monotonic()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if lightning_seam.mid_accumulation(trainer):
+        if mid_accumulation(trainer):
             return  # mid-accumulation: the step boundary is the batch that steps
         self._check_grace()
         self._stop_if_agreed(trainer)
@@ -236,7 +242,8 @@ class StopAtStepBoundary(Callback):
             trainer.save_checkpoint(path, weights_only=False)  # the whole state, for a resume
         else:
             # Lightning's requeue: loggers finalized, `hpc_ckpt_<n>.ckpt` saved (every rank), `scontrol requeue`
-            path = lightning_seam.requeue(trainer, signum)
+            lightning_seam.requeue(trainer, signum)
+            path = os.path.join(str(trainer.default_root_dir), "hpc_ckpt_<n>.ckpt")
         log.warning(
             "lightning-frozen: rank %d: %s received (on this rank: %s); stopped after step %d, checkpoint saved to"
             " %s; exiting with status %d.",
@@ -299,4 +306,4 @@ def end_launched_ranks(launcher: Any, wait: float) -> None:
             continue
     for rank in processes:
         if rank.poll() is None:
-            rank.send_signal(lightning_seam.sigkill_signal())
+            rank.send_signal(signal.SIGKILL)

@@ -33,7 +33,11 @@ from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E40
 _OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 # capability: (owner, name, how a release moved it)
 PLAIN_FIT = {
-    "PREEMPTION": ("lightning.pytorch.trainer.connectors.signal_connector", "_get_sigkill_signal", "delete"),
+    "PREEMPTION": (
+        "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector",
+        "_slurm_sigusr_handler_fn",
+        "delete",
+    ),
     "RESUMED_EPOCH": ("lightning.pytorch.loops.fit_loop:_FitLoop", "reset_restart_stage", "replace"),
     "SCALER_RESUME": ("deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler", "update_scale", "replace"),
     "SCHEDULER_INTERNALS": ("torch.optim.lr_scheduler:SequentialLR", "__init__", "replace"),
