@@ -59,7 +59,8 @@ def build_deepspeed_cpu_ops() -> float:
 
     if torch.cuda.is_available():
         return 0.0
-    import lightning_frozen  # noqa: F401  (its import picks DeepSpeed's CPU accelerator without DeepSpeed's warning)
+    # lightning_frozen first: its import picks DeepSpeed's CPU accelerator without DeepSpeed's warning
+    import lightning_frozen  # noqa: F401, I001
     from deepspeed.accelerator import get_accelerator
 
     begun = time.monotonic()
