@@ -1,6 +1,8 @@
 """The peer a CPU user would run, side by side with ``frozen_deepspeed``: LoRA on a TinyLlama-1.1B-shaped folder.
 
-    python benchmarks/peer_qlora/run.py [--steps 4] [--warmup 1] [--data-dir /work/bench-data] [--out DIR]
+    python benchmarks/peer_qlora/run.py [--steps 4] [--warmup 1] [--rounds 1] [--data-dir /work/bench-data] [--out DIR]
+    python benchmarks/peer_qlora/run.py --rounds 3 --steps 8 --only "peer dense" "peer QLoRA" "ours NF4 1r" \
+        "ours NF4 2r"
 
 One run, one configuration at a time, each in fresh processes, on the same folder (written once by
 ``benchmarks/big_model/run.py write``: Llama, hidden 2048, 22 layers, grouped-query attention, bf16 safetensors), the
@@ -18,6 +20,14 @@ over all ranks. Memory: peak USS over the run, summed over the node's processes 
 sampled every 0.05 s for the peers and 0.1 s for ours (big_model's default), as a user's processes hold it (no
 allocator variables). Writes ``<out>/peer_qlora.json`` and ``<out>/peer_qlora.md``; the ``big_model/run.py`` records
 of our runs go to ``<out>/peer_qlora_ours.json``.
+
+Steadiness (issue 53): ``--rounds N`` runs the configurations N times over, and the report's second table gives every
+timed step of every round, the spread (slowest ÷ fastest), and the median ÷ the same round's dense floor and QLoRA
+peer. Each step is followed, outside its time, by fixed work (``MachineCanary``: a 64 MiB copy, a matmul on one thread
+and on both): a step slow while the canary is not points at the process, both slow at the machine; its
+``threads_worth`` (the two-thread matmul ÷ the one-thread one) near 1 instead of 2 says the two vCPUs share one core.
+Ours also records each thread's CPU seconds in every step (``peer_qlora_ours.json``). Goals: spread ≤ 1.15; ours'
+median ≤ 1.05x the floor and ≤ the peer.
 
 The big-model study is run through its command line (``run`` and ``write``), not imported.
 """
@@ -45,6 +55,7 @@ OURS = (("ours NF4 1r", "nf4", 1), ("ours NF4 2r", "nf4", 2), ("ours bf16 1r", "
 PEERS = (("peer dense", False), ("peer QLoRA", True))
 # issue 24's goals: our step per token no slower than the QLoRA peer's; our peak memory <= 0.5x the peer's
 GOAL_STEP, GOAL_MEMORY = 1.0, 0.5
+GOAL_SPREAD, GOAL_FLOOR = 1.15, 1.05  # issue 53's
 
 
 def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -140,13 +151,48 @@ def report(result: dict[str, Any]) -> str:
             f" {'' if ratio_m is None else f'{ratio_m:.2f}'} |"
         )
     lines += ["", f"Goals (issue 24): ours per token ≤ {GOAL_STEP}x the QLoRA peer; peak memory ≤ {GOAL_MEMORY}x.", ""]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + steadiness(result["rounds"])) + "\n"
+
+
+def steadiness(rounds: list[list[dict[str, Any]]]) -> list[str]:
+    """Every timed step of every round, with the canary after it, the spread, and the ratios to the round's floor
+    (peer dense) and peer (peer QLoRA), per token."""
+    lines = [
+        "## Every step, round by round",
+        "",
+        "| round | run | timed steps (s) | canary: copy GiB/s / threads worth | median s | spread | ÷ floor | ÷ peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for number, rows in enumerate(rounds, 1):
+        by_name = {r["name"]: r for r in rows if r["status"] == "ok"}
+        per_token = {name: r["step_s"] / r["tokens_per_step"] for name, r in by_name.items()}
+        floor, peer = per_token.get("peer dense"), per_token.get("peer QLoRA")
+        for row in rows:
+            if row["status"] != "ok":
+                lines.append(f"| {number} | {row['name']} | {row['status']} {row.get('reason') or ''} | | | | | |")
+                continue
+            warmup = len(row["steps_s"]) - row["timed"]
+            timed = row["steps_s"][warmup:]
+            canary = ", ".join("{copy_gib_s:.1f} / {threads_worth:.2f}".format(**c) for c in row["canary"][warmup:])
+            mine = per_token[row["name"]]
+            lines.append(
+                f"| {number} | {row['name']} | {', '.join(f'{s:.2f}' for s in timed)} | {canary} |"
+                f" {row['step_s']:.2f} | {max(timed) / min(timed):.2f} |"
+                f" {'' if floor is None else f'{mine / floor:.2f}'} | {'' if peer is None else f'{mine / peer:.2f}'} |"
+            )
+    lines += [
+        "",
+        f"Goals (issue 53): spread ≤ {GOAL_SPREAD}; ours' median ≤ {GOAL_FLOOR}x the floor and ≤ the peer.",
+        "",
+    ]
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="run the configurations this many times over")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     parser.add_argument("--only", nargs="+", help="run only these names (e.g. 'peer QLoRA' 'ours NF4 1r')")
     parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
@@ -155,19 +201,23 @@ def main() -> None:
     folder = write_folder(args.data_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = load_average()[0]
-    rows = []
-    for name, nf4 in PEERS:
-        if not args.only or name in args.only:
-            rows.append(run_peer(name, nf4, folder, args))
-    for name, frozen_dtype, devices in OURS:
-        if not args.only or name in args.only:
-            rows.append(run_ours(name, frozen_dtype, devices, args))
+    rounds = []
+    for _ in range(args.rounds):
+        rows = []
+        for name, nf4 in PEERS:
+            if not args.only or name in args.only:
+                rows.append(dict(run_peer(name, nf4, folder, args), timed=args.steps))
+        for name, frozen_dtype, devices in OURS:
+            if not args.only or name in args.only:
+                rows.append(dict(run_ours(name, frozen_dtype, devices, args), timed=args.steps))
+        rounds.append(rows)
     result = {
         "date": now_utc(),
         "load_before": load_before,
         "load_after": load_average()[0],
         "machine": machine(),
-        "rows": rows,
+        "rows": rounds[0],
+        "rounds": rounds,
     }
     write_json(args.out / "peer_qlora.json", result)
     (args.out / "peer_qlora.md").write_text(report(result))
