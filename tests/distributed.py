@@ -59,7 +59,7 @@ def build_deepspeed_cpu_ops() -> float:
 
     if torch.cuda.is_available():
         return 0.0
-    import lightning_frozen  # noqa: F401  (its import picks DeepSpeed's CPU accelerator without DeepSpeed's warning)
+    import lightning_frozen  # noqa: F401, I001  (its import, first, picks DeepSpeed's CPU accelerator without its warning)
     from deepspeed.accelerator import get_accelerator
 
     begun = time.monotonic()

@@ -356,8 +356,8 @@ def test_a_moved_base_is_named_and_taken_from_base(tmp_path: Path) -> None:
     folder.rename(tmp_path / "moved")
     with pytest.raises(
         lightning_frozen.BaseFolderError,
-        match=r"trained on the frozen base .*base'?, which is no folder.*base='path/to/base'\)`, or `--base path/to/base`"
-        " to `lightning-frozen export-merged`",
+        match=r"trained on the frozen base .*base'?, which is no folder.*base='path/to/base'\)`, or "
+        "`--base path/to/base` to `lightning-frozen export-merged`",
     ):
         lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
     out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged", base=tmp_path / "moved")

@@ -205,8 +205,8 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     except Exception as error:  # torch.load raises whatever its parsers meet in a damaged or foreign file
         if _rewound(source, _is_truncated):
             raise CheckpointFormatError(
-                f"{location} is truncated: it ends before the end of its zip archive, as an interrupted copy, download or"
-                " save leaves a file. Copy it again, or resume from an earlier checkpoint."
+                f"{location} is truncated: it ends before the end of its zip archive, as an interrupted copy, download"
+                " or save leaves a file. Copy it again, or resume from an earlier checkpoint."
             ) from None
         if isinstance(error, OSError):
             raise CheckpointFormatError(f"{location} cannot be read ({type(error).__name__}: {error}).") from None

@@ -253,8 +253,8 @@ def _folder_tensors(base: Path) -> dict[str, tuple[str, slice_reads.StoredTensor
     else:
         raise BaseFolderError(
             f"{base} holds no safetensors weights (`model.safetensors` or its index), the only ones the merged export"
-            " reads. Save the base with `save_pretrained` (transformers writes safetensors) and pass it as `base=` (`--base`"
-            " on the command line)."
+            " reads. Save the base with `save_pretrained` (transformers writes safetensors) and pass it as `base=`"
+            " (`--base` on the command line)."
         )
     return {
         key: (str(base / name), at) for name in files for key, at in slice_reads.read_header(str(base / name)).items()
