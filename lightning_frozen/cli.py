@@ -29,6 +29,7 @@ from typing_extensions import override
 
 import lightning_frozen
 from lightning_frozen import arguments
+from lightning_frozen.checkpoint import convert
 from lightning_frozen.errors import FrozenTrainingError, InvalidArgumentValueError
 from lightning_frozen.hf import reference
 from lightning_frozen.memory import format_bytes
@@ -165,10 +166,20 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src_dir", type=Path, help="checkpoint directory written by DeepSpeedStrategy")
     parser.add_argument("dst_file", type=Path, help="the lightning-frozen checkpoint file to write")
     parser.add_argument("--reference", help="where the frozen base comes from (a path or hub id), stored in the file")
+    parser.add_argument(
+        "--module",
+        help="the LightningModule class it was trained from (package.module.Class), built from the hyper-parameters"
+        " the directory saved: it records the base's reference and, for a PEFT model, what export-peft needs",
+    )
 
 
 def _convert(options: argparse.Namespace) -> str:
-    written = lightning_frozen.convert_deepspeed_checkpoint(options.src_dir, options.dst_file, options.reference)
+    module = None
+    if options.module:
+        module = convert.module_from_directory(options.src_dir, pkgutil.resolve_name(options.module))
+    written = lightning_frozen.convert_deepspeed_checkpoint(
+        options.src_dir, options.dst_file, options.reference, module=module
+    )
     return f"wrote {written} ({format_bytes(written.stat().st_size)}) from {options.src_dir}"
 
 
@@ -310,7 +321,8 @@ STEPS: dict[str, Step] = {
         "Convert a checkpoint directory written by Lightning's stock DeepSpeedStrategy (ZeRO-3) into one"
         " lightning-frozen checkpoint file: trainable state and optimizer state by name, plus the frozen base's"
         " fingerprint when the directory holds the frozen weights. `lightning_frozen.load_adapter`,"
-        " `load_from_checkpoint`, `export_peft_adapter` and `fit(ckpt_path=...)` under frozen_deepspeed read it.",
+        " `load_from_checkpoint` and `fit(ckpt_path=...)` under frozen_deepspeed read it; `export-peft` reads it"
+        " when `--module` named the class of a PEFT model.",
         _convert_arguments,
         _convert,
     ),

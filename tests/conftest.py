@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.distributed import LoggedLines, build_deepspeed_cpu_ops, logged_lines, own_extensions_dir
+# bitsandbytes for the tests that compare with it, where scripts/bootstrap.sh puts it: beside the venv's packages, not
+# in them, so that the main job's processes do not import it (before anything here imports transformers or PEFT)
+TESTS_ONLY = Path(sys.prefix) / "tests-only"
+if TESTS_ONLY.is_dir():
+    sys.path.append(str(TESTS_ONLY))
+
+from tests.distributed import LoggedLines, build_deepspeed_cpu_ops, logged_lines, own_extensions_dir  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

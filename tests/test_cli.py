@@ -457,3 +457,15 @@ def test_the_command_line_warns_of_no_args_and_advises_its_export_steps_after_fi
         " (`lightning-frozen STEP --help`)."
     ]
     assert not [line for line in lightning_log.lines if "unshard" in line]
+
+
+def test_estimate_of_a_config_json_prints_no_deprecation_from_its_own_lora(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.peft_models import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # each time, not once per place: an earlier test may have shown it
+        _estimate_table(capsys, str(folder / "config.json"))
+    assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == []

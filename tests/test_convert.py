@@ -69,3 +69,22 @@ def test_bad_sources_are_refused(tmp_path: Path, stock: Path) -> None:
     with pytest.raises(CheckpointFormatError, match="is a file"):
         lightning_frozen.convert_deepspeed_checkpoint(ours, tmp_path / "out.ckpt")
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_convert_on_the_command_line_takes_the_module_a_peft_export_needs(tmp_path: Path) -> None:
+    from lightning_frozen.cli import main
+    from tests.peft_models import PeftModule, batches
+
+    trainer = cpu_trainer(StockDeepSpeedOnCPU(stage=3), max_steps=2)
+    trainer.fit(PeftModule("lora_modules_to_save"), batches("lora_modules_to_save"))
+    trainer.save_checkpoint(tmp_path / "stock.ckpt")
+
+    main(["convert", str(tmp_path / "stock.ckpt"), str(tmp_path / "plain.ckpt")])
+    with pytest.raises(CheckpointFormatError, match="was not trained on a PEFT model"):
+        lightning_frozen.export_peft_adapter(tmp_path / "plain.ckpt", tmp_path / "refused")
+
+    module = "tests.peft_models.PeftModule"
+    main(["convert", str(tmp_path / "stock.ckpt"), str(tmp_path / "adapter.ckpt"), "--module", module])
+    main(["export-peft", str(tmp_path / "adapter.ckpt"), str(tmp_path / "peft")])
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+    assert "tiny-bert" in torch.load(tmp_path / "adapter.ckpt", weights_only=True)["frozen_base"]["reference"]

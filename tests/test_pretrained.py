@@ -15,6 +15,7 @@ from torch import nn
 import lightning_frozen
 from examples.causal_lm_lora.make_base import write_random_llama
 from lightning_frozen import progress
+from lightning_frozen.format import layout
 from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero import engine
 from lightning_frozen.zero.init import outside_zero_init
@@ -274,3 +275,28 @@ def test_a_module_class_first_defined_in_configure_model_keeps_its_decorated_ini
     assert [b.__dict__.get("set_by_decorator") for b in built] == [True] * 4
     assert hasattr(module.inside.weight, "ds_id") and not hasattr(built[-1].weight, "ds_id")  # shard vs plain
     assert built[-1](torch.ones(1, 8)).shape == (1, 8)
+
+
+class BaseInInit(PretrainedLoRA):
+    """The base loaded in ``__init__``, as most users' modules do."""
+
+    def __init__(self, folder: str, lr: float = 1e-2) -> None:
+        super().__init__(folder, lr)
+        self.configure_model()
+
+
+@pytest.mark.parametrize("module_class", [BaseInInit, PretrainedLoRA], ids=["__init__", "configure_model"])
+def test_a_base_folder_that_moved_is_named_with_the_argument_that_moves_it(tmp_path: Path, module_class: type) -> None:
+    gone = str(tmp_path / "moved" / "base")  # a folder path transformers reads as a malformed hub id
+    entry = layout.new_frozen_base_entry(gone, layout.fingerprint_entry("none", None, {}))
+    lightning = {"hyper_parameters": {"folder": gone, "lr": 0.01}}
+    torch.save(layout.assemble(lightning, {}, None, entry, layout.format_marker()), tmp_path / "adapter.ckpt")
+
+    with pytest.raises(lightning_frozen.BaseFolderError) as raised:
+        lightning_frozen.load_from_checkpoint(module_class, tmp_path / "adapter.ckpt")
+
+    message = str(raised.value)
+    assert f"trained on the frozen base {gone!r}, which is no folder now" in message
+    assert f"`{module_class.__name__}.load_from_checkpoint(path, folder='path/to/base')`" in message
+    assert "`--base path/to/base`" in message
+    assert isinstance(raised.value.__cause__, (OSError, ValueError))

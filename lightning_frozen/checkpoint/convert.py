@@ -64,6 +64,26 @@ def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
             ) from None
 
 
+def module_from_directory(source: PathLike, module_class: type[nn.Module]) -> nn.Module:
+    """``module_class`` built as for training from the hyper-parameters the stock directory saved (``__init__``, then
+    ``configure_model`` as Lightning calls it): the ``module`` :func:`convert_deepspeed_checkpoint` takes, for the
+    command line, where no module can be passed.
+
+    Raises:
+        FileNotFoundError, CheckpointFormatError: as :func:`convert_deepspeed_checkpoint`.
+    """
+    source = checked_path(source, "source", "convert_deepspeed_checkpoint")
+    model_files, optim_files = checkpoint_files.shard_files(_checkpoint_folder(source))
+    with _weights_only_loads(source, [*model_files, *optim_files]):
+        client = torch.load(model_files[0], map_location="cpu", weights_only=True)
+    # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
+    hyper_parameters = {k: v for k, v in (client.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+    module = module_class(**hyper_parameters)
+    if callable(getattr(module, "configure_model", None)):
+        module.configure_model()
+    return module
+
+
 def _checkpoint_folder(source: Path) -> Path:
     if not source.exists():
         raise CheckpointNotFoundError(f"No DeepSpeed checkpoint at {source}.")

@@ -3,7 +3,9 @@ module built from the checkpoint's hyper-parameters, checking keys and shapes an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
 
 import lightning.pytorch as L
@@ -17,6 +19,7 @@ from lightning_frozen.capabilities import PEFT_LAYERS, require
 from lightning_frozen.checkpoint.adapter_entries import adapter_state, use_adapter
 from lightning_frozen.checkpoint.file import PathLike, checked_location, read_checkpoint
 from lightning_frozen.errors import (
+    BaseFolderError,
     CheckpointKeysError,
     InvalidArgumentTypeError,
     InvalidArgumentValueError,
@@ -157,7 +160,8 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
     hyper_parameters = {k: v for k, v in layout.hyper_parameters_of(checkpoint).items() if not k.startswith("_")}
     try:
-        with qlora.loaded_unquantized():  # a QLoRA module's base: the unquantized weights it was fingerprinted on
+        # a QLoRA module's base: the unquantized weights it was fingerprinted on
+        with _base_moved_named(cls, checkpoint, hyper_parameters, kwargs), qlora.loaded_unquantized():
             module = cls(**{**hyper_parameters, **kwargs})
     except TypeError as error:
         raise InvalidArgumentTypeError(
@@ -166,12 +170,42 @@ def load_from_checkpoint(cls: type[ModuleT], checkpoint_path: PathLike, **kwargs
             " override the offending arguments as keyword arguments."
         ) from error
     if callable(getattr(module, "configure_model", None)):
-        with transformers_loading.base_files_named(), qlora.loaded_unquantized():  # a broken shard is named
+        with (
+            _base_moved_named(cls, checkpoint, hyper_parameters, kwargs),
+            transformers_loading.base_files_named(),  # a broken shard is named
+            qlora.loaded_unquantized(),
+        ):
             module.configure_model()  # as Lightning's `load_from_checkpoint` does: the base may be built there
     load_into(module, checkpoint, str(checkpoint_path), strict, verify, adapter)
     if hasattr(module, "on_load_checkpoint"):
         module.on_load_checkpoint(checkpoint)
     return module.eval()
+
+
+@contextmanager
+def _base_moved_named(
+    cls: type, checkpoint: Mapping[str, Any], hyper_parameters: Mapping[str, Any], kwargs: Mapping[str, Any]
+) -> Iterator[None]:
+    """Where the module's own ``from_pretrained`` fails (transformers' ``Repo id must be in the form ...``, or its
+    ``OSError``) on a recorded base folder that no longer exists, :class:`BaseFolderError` naming it and the argument
+    that moves it, the original chained."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        reference = layout.reference_of(checkpoint)
+        if not reference or Path(reference).exists() or not any(sep in reference for sep in ("/", "\\")):
+            raise
+        argument = next((k for k, v in hyper_parameters.items() if v == reference), None)
+        if argument in kwargs:  # the caller gave the base another folder already: not a moved base
+            raise
+        fix = f"{argument}='path/to/base'" if argument else "ARGUMENT='path/to/base'"
+        raise BaseFolderError(
+            f"`load_from_checkpoint`: the checkpoint was trained on the frozen base {reference!r}, which is no folder"
+            f" now (moved or deleted?), and `{cls.__name__}` failed to load it ({type(error).__name__}: {error})."
+            f" Pass the folder it moved to: `{cls.__name__}.load_from_checkpoint(path, {fix})`"
+            + ("" if argument else f", ARGUMENT being the argument of `{cls.__name__}` that names the base")
+            + "; for `lightning-frozen export-merged`, `--base path/to/base`."
+        ) from error
 
 
 class AdapterCheckpointMixin:

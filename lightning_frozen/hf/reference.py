@@ -4,6 +4,7 @@ built from its reference's config alone, on the meta device, for a memory estima
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -88,7 +89,9 @@ def lora_model_on_meta(source: str, rank: int, target_modules: Optional[list[str
     with torch.device("meta"):
         model = architecture(config) if architecture else transformers.AutoModel.from_config(config)
     try:
-        return get_peft_model(model, LoraConfig(r=rank, target_modules=target_modules))
+        with warnings.catch_warnings():  # PEFT 0.21's get_peft_model reads a property transformers 5 deprecated
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(model, LoraConfig(r=rank, target_modules=target_modules))
     except ValueError as error:
         raise InvalidArgumentValueError(
             f"{source}: LoRA found no target modules in `{type(model).__name__}` ({error}). Name them with"
