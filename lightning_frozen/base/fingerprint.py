@@ -165,13 +165,14 @@ class ReadSums:
     """The fingerprint's sums of tensors that another reader than the loader reads in chunks, in order (the merged
     export reads a base folder): a :class:`LoadedSums` for :func:`fingerprint_base`, so that verifying those tensors
     reads nothing again. Each tensor is named by a stand-in (a meta tensor of its shape and dtype). Threads may add at
-    once (the reading thread its chunks, the merging one a tensor it built), one at a time: they share the buffers."""
+    once (the reading thread its chunks, the merging one a tensor it built), one at a time: they share the buffers.
+    ``kernels`` as :class:`Checksummer`: without them a bf16 chunk is summed about twenty times slower than read."""
 
     changes = 0
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, kernels: Optional[Kernels] = None) -> None:
         self.mode = mode
-        self._checksummer = Checksummer() if mode == "checksum" else None
+        self._checksummer = Checksummer(kernels) if mode == "checksum" else None
         self._sums: dict[int, list[int]] = {}
         self._hashes: dict[int, Any] = {}
         self._lock = threading.Lock()

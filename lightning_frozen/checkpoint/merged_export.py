@@ -50,7 +50,7 @@ from lightning_frozen.errors import (
 from lightning_frozen.format import layout
 from lightning_frozen.hf import merging
 from lightning_frozen.progress import Progress
-from lightning_frozen.zero.frozen_compute import frozen_compute_for
+from lightning_frozen.zero.frozen_compute import KERNELS, frozen_compute_for
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -396,7 +396,7 @@ class _Plan:
         self.recorded = dict(fingerprint)
         records = {n: r for n, r in layout.fingerprint_tensors(fingerprint).items() if n.startswith(lead)}
         self.recorded[layout.DIGEST] = None  # compared tensor by tensor: only those of the PEFT model's base
-        self.sums = ReadSums(fingerprint.get(layout.FINGERPRINT_MODE, "none"))
+        self.sums = ReadSums(fingerprint.get(layout.FINGERPRINT_MODE, "none"), KERNELS)
         verified: dict[str, Any] = {}
         self.stand_ins: list[tuple[str, torch.Tensor]] = []
         # each recorded tensor by the folder key its values are read from: counted at the first read of that key
