@@ -36,7 +36,7 @@ from lightning_frozen.checkpoint import file, streamed_save, trainable_state
 from lightning_frozen.checkpoint.file import PathLike
 from lightning_frozen.format import layout
 from lightning_frozen.generation import wrap_generate
-from lightning_frozen.hf import transformers_loading
+from lightning_frozen.hf import peft_adapters, transformers_loading
 from lightning_frozen.ledger import RunLedger, open_run
 from lightning_frozen.optim import schedulers, trainable_groups, unfreezing
 from lightning_frozen.optim.filtering import prepare_for_zero, same_kind_of_optimizer, to_cpu_adam, trainable_params
@@ -291,8 +291,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._optimized.record_flags(model, optimizer)
         trainable = trainable_params(model)
         where, loaded = self._placement, self._loaded_base
+        reads = peft_adapters.params_read_outside_forward(model)
         built = initialize_engine(
-            model, self.config, self.spec, where, self._compute, optimizer, lr_scheduler, trainable, loaded
+            model, self.config, self.spec, where, self._compute, optimizer, lr_scheduler, trainable, loaded, reads
         )
         adapters.engine_built(built[1], self._module_anatomy(), self._optimized.trained_names(), self._row_hooks)
         return built
@@ -326,7 +327,10 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
         config, loaded = inference_config(self.config), self._loaded_base
-        self.model, _ = initialize_engine(model, config, self.spec, self._placement, self._compute, loaded=loaded)
+        reads = peft_adapters.params_read_outside_forward(model)
+        self.model, _ = initialize_engine(
+            model, config, self.spec, self._placement, self._compute, loaded=loaded, read_outside_forward=reads
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -251,3 +251,31 @@ class MoELoRA(PretrainedLoRA):
 
         config = LoraConfig(r=4, target_modules=self.lora_targets, target_parameters=EXPERTS)
         self.model = get_peft_model(self.load_base(), config)
+
+
+class ExpertsLoRA(MoELoRA):
+    """LoRA on the fused experts alone (no target module), as a MoE user trains it: no input of the first MoE block
+    requires grad. Records each step's batch and loss and, at the end, the experts' LoRA B weights (PEFT starts them
+    at zero)."""
+
+    lora_targets: list[str] = []
+
+    def __init__(self, folder: str, lr: float = 1e-2) -> None:
+        super().__init__(folder, lr)
+        self.batches: list[torch.Tensor] = []
+        self.losses: list[float] = []
+        self.experts_lora_b: dict[str, torch.Tensor] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.batches.append(batch[0].clone())
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_train_end(self) -> None:
+        import deepspeed
+
+        for name, param in self.named_parameters():
+            if "experts" in name and "lora_B" in name:
+                with deepspeed.zero.GatheredParameters([param]):
+                    self.experts_lora_b[name] = param.detach().float().clone()

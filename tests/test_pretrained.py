@@ -21,7 +21,15 @@ from lightning_frozen.zero import engine
 from lightning_frozen.zero.init import outside_zero_init
 from tests.distributed import read_reports, run_in_this_process, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
-from tests.pretrained_support import TINY_LLAMA, PretrainedLoRA, folder_tensors, token_data, write_llama
+from tests.pretrained_support import (
+    TINY_LLAMA,
+    ExpertsLoRA,
+    PretrainedLoRA,
+    folder_tensors,
+    moe_folder,
+    token_data,
+    write_llama,
+)
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +308,24 @@ def test_a_base_folder_that_moved_is_named_with_the_argument_that_moves_it(tmp_p
     assert f"`{module_class.__name__}.load_from_checkpoint(path, folder='path/to/base')`" in message
     assert "`--base path/to/base`" in message
     assert isinstance(raised.value.__cause__, (OSError, ValueError))
+
+
+@pytest.mark.parametrize(("kind", "frozen_dtype"), [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", "nf4")])
+def test_lora_on_the_fused_experts_alone_trains_from_the_first_moe_block(
+    kind: str, frozen_dtype: str | None, tmp_path: Path
+) -> None:
+    # DeepSpeed makes these MoE blocks ZeRO-3 leaves; no input of the first one requires grad here (issue 51)
+    from transformers import AutoModelForCausalLM
+
+    folder = moe_folder(tmp_path / "base", kind)
+    module = ExpertsLoRA(str(folder), lr=5e-2)
+    strategy = lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype)
+    cpu_trainer(strategy=strategy, max_steps=2, precision="32-true").fit(module, token_data())
+    first = module.batches[0]
+    with torch.no_grad():  # LoRA B starts at zero: PEFT's model computes the plain model's loss
+        plain = float(AutoModelForCausalLM.from_pretrained(str(folder))(input_ids=first, labels=first).loss)
+    assert module.losses[0] == pytest.approx(plain, rel=1e-5 if frozen_dtype is None else 2e-2)
+    assert sorted({name.split(".mlp.")[0].split(".")[-1] for name in module.experts_lora_b}) == ["0", "1"]
+    assert len(module.experts_lora_b) == 4  # gate_up_proj and down_proj in each layer
+    for name, lora_b in module.experts_lora_b.items():
+        assert lora_b.abs().sum() > 0, name

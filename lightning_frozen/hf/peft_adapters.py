@@ -123,6 +123,24 @@ def add_tuner_layer_params(owned: dict[str, list[str]], prefix: str, layer: nn.M
             owned.setdefault(adapter, []).extend(f"{lead}.{n}" if n else lead for n, _ in named)
 
 
+def params_read_outside_forward(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Each PEFT ``ParamWrapper`` inside ``module`` (LoRA on a param itself, ``target_parameters``: a MoE's fused
+    experts) with the params its forward reads without calling the modules that hold them: the targeted param and
+    each adapter's LoRA A and B weights. Empty without PEFT."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return [
+        (
+            layer,
+            [layer.get_param(), *[lora[adapter].weight for lora in (layer.lora_A, layer.lora_B) for adapter in lora]],
+        )
+        for layer in module.modules()
+        if isinstance(layer, ParamWrapper)
+    ]
+
+
 def lora_row_layers(module: nn.Module) -> list[nn.Module]:
     """The LoRA layers inside ``module`` whose forward is ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``
     (PEFT 0.21's ``Linear`` and ``Conv1d``/``Conv2d``/``Conv3d``): those :func:`lora_forward_by_rows` computes."""

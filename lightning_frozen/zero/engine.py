@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -75,6 +76,7 @@ def initialize_engine(
     lr_scheduler: Any = None,
     model_parameters: Optional[list[nn.Parameter]] = None,
     loaded: Optional[LoadedShards] = None,
+    read_outside_forward: Sequence[tuple[nn.Module, list[nn.Parameter]]] = (),
 ) -> tuple[Any, Any]:
     """Partition and place the model's params as ``spec`` says, on ``where.device``, then ``deepspeed.initialize`` over
     them (a training engine when ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen
@@ -82,9 +84,11 @@ def initialize_engine(
     says so; ``loaded`` (what the sliced loader stored) is settled first and keeps the source values. ZeRO-3's trace
     is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
     (:func:`forward_trace.reset_trace_at_outermost_call`). An optimizer's param groups keep their indices, empty ones
-    included (:func:`keep_empty_groups`). How the frozen shards compute on ``where.device`` (on the CPU, defaults for
-    ZeRO-3's gather bounds the user left unset, codes shared and computed from) is the run's ``compute``'s
-    (``zero/frozen_compute.py``).
+    included (:func:`keep_empty_groups`). Each module of ``read_outside_forward`` fetches the params it reads without
+    calling the modules that hold them (PEFT's ParamWrapper), and ZeRO-3's leaf modules are settled for them and for
+    trainable params (:func:`settle_leaf_modules`). How the frozen shards compute on ``where.device`` (on the CPU,
+    defaults for ZeRO-3's gather bounds the user left unset, codes shared and computed from) is the run's
+    ``compute``'s (``zero/frozen_compute.py``).
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -103,6 +107,10 @@ def initialize_engine(
     place_model(model, config, where.device, spec)
     if optimizer is not None and model_parameters:
         keep_empty_groups(optimizer, model_parameters[0].dtype)  # placed: the dtype ZeRO-3 computes in
+    for reader, params in read_outside_forward:  # registered up front: the first step's trace then holds them
+        for param in params:
+            deepspeed.zero.register_external_parameter(reader, param)
+    settle_leaf_modules(model, config, read_outside_forward)
     engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
         args=argparse.Namespace(device_rank=where.device_rank),
         config=config,
@@ -119,6 +127,41 @@ def initialize_engine(
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
         compute.prepare(model, spec.frozen_dtype, keeper)
     return engine, deepspeed_optimizer
+
+
+def settle_leaf_modules(model: nn.Module, config: dict, read_outside_forward: Sequence[tuple[nn.Module, list]]) -> None:
+    """Write ``model``'s ZeRO-3 leaf modules into ``config`` (``zero_optimization.leaf_module``, by name): DeepSpeed's
+    own choice, less those that hold trainable params, plus each module that holds a frozen param another module
+    reads (``read_outside_forward``).
+
+    DeepSpeed makes some modules leaves (by default the sparse MoE blocks of Mixtral, Qwen2-MoE and Qwen3-MoE): a leaf
+    fetches all its params itself, and the gradients of its trainable ones are reduced by a full backward hook on it.
+    That hook fires once the gradients of the leaf's inputs are computed, or, when none of its inputs requires grad
+    (the first MoE block when LoRA trains only the experts), as soon as its outputs' gradients arrive: before the
+    leaf's params are gathered for the backward and before its LoRA gradients exist. It then reduces zero gradients
+    the size of the shard (empty), and the real gradient cannot accumulate onto them.
+
+    A module whose param PEFT's ParamWrapper reads (the fused experts) holds it in a parametrization during its own
+    forward and directly after; ZeRO-3 builds the prefetch trace from the params a module holds after the step, so
+    only a leaf (its params counted with its submodules', the parametrization's included) fetches the same params
+    in the trace and in the step.
+    """
+    from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
+    from deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_module, z3_leaf_module
+    from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
+
+    zero = config.setdefault("zero_optimization", {})
+    # the leaves DeepSpeed's initialize would flag, flagged now as it flags them (a rebuilt engine's too)
+    apply_zero_leaf_module_config(model, DeepSpeedZeroLeafModuleConfig(**zero.get("leaf_module", {})))
+    for module in get_z3_leaf_modules(model):
+        if any(p.requires_grad for p in module.parameters()):
+            set_z3_leaf_module(module, False)
+    read = {id(param) for _, params in read_outside_forward for param in params if not param.requires_grad}
+    for module in model.modules():
+        if any(id(p) in read for p in module.parameters(recurse=False)):
+            set_z3_leaf_module(module, True)
+    leaves = [name for name, module in model.named_modules() if z3_leaf_module(module)]
+    zero["leaf_module"] = {"classes": [], "names": leaves, "name_suffixes": []}
 
 
 def place_shards(model: nn.Module, device: torch.device, offload_frozen: bool, dtype: torch.dtype) -> None:
