@@ -397,11 +397,6 @@ UNSHARD = Capability(
         ),
         ForeignName(f"{_OFFLOAD}:_inject_parameters", "zero/whole.py", in_code=("_original_parameters",)),
         ForeignName(
-            f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
-            "zero/whole.py",
-            in_code=("ds_recompute_parameters", "ds_grads_remaining", "applied_pre_backward_ref_cnt", "pre_bwd_fn"),
-        ),
-        ForeignName(
             f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/whole.py", in_code=("ds_inflight_param_registry",)
         ),
     ),
