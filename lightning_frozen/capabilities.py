@@ -174,11 +174,6 @@ PREEMPTION = Capability(
         ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
         ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector",)),
         ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
-        ForeignName(
-            "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
-            "preemption.py",
-            in_code=("_child_processes",),
-        ),
     ),
 )
 

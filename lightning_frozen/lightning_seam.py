@@ -13,7 +13,7 @@
   over, and a wrong path is worth refusing before a large base is loaded. Without ``_run``, nothing is read.
 - For preemption: ``_SignalConnector``, its ``register_signal_handlers`` (replaced on a run's connector, which then
   registers nothing) and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
-  ``trainer._signal_connector``; and ``_ChildProcessObserver``'s list of the ranks it watches.
+  ``trainer._signal_connector``.
 
 Each of them is a row of ``capabilities.py``, checked when a strategy is built. Private names are reached through their
 modules, at call time, so that a moved one meets that check rather than failing ``import lightning_frozen``.
@@ -22,12 +22,10 @@ modules, at call time, so that a moved one meets that check rather than failing 
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.connectors import signal_connector
 from torch.nn import Module
@@ -120,12 +118,3 @@ def register_no_signal_handlers(trainer: pl.Trainer, off: bool) -> None:
 
 def _register_nothing() -> None:
     """What Lightning's signal connector registers in a run whose strategy handles its signals itself."""
-
-
-def stop_watching_ranks() -> None:
-    """Keep Lightning's observer of the ranks this process launched from SIGKILLing the run once one of them ends
-    with a stop's status: it polls every 5 s and kills every rank, this one included, as soon as one ended non-zero,
-    which races this rank's own stop. Ranks that outlive the stop are ended by ``preemption.end_launched_ranks``."""
-    for thread in threading.enumerate():
-        if isinstance(thread, subprocess_script._ChildProcessObserver):
-            thread._child_processes = []  # nothing to watch: its next poll finds "all ended well" and returns

@@ -356,7 +356,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._preemption.end_run(self.launcher, exception)
+        self._preemption.end_run(exception)
 
     @override
     def teardown(self) -> None:
