@@ -51,8 +51,6 @@ CORE = Capability(
             ("self", "model", "optimizer", "lr_scheduler"),
             exact=True,
         ),
-        ForeignName(f"{_STRATEGY}._initialize_deepspeed_train", "lightning_seam.py", ("self", "model"), exact=True),
-        ForeignName(f"{_STRATEGY}._initialize_deepspeed_inference", "lightning_seam.py", ("self", "model"), exact=True),
         ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
         ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
         # the ZeRO-3 optimizer's inner state by param, and a sub-group's step that makes it

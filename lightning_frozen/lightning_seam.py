@@ -2,9 +2,8 @@
 (2.6.6 tested). When Lightning changes, this is the one place to look.
 
 - ``DeepSpeedHooks``: ``DeepSpeedStrategy`` with its private hooks (``_init_optimizers``,
-  ``_setup_model_and_optimizer``, ``_initialize_deepspeed_train``, ``_initialize_deepspeed_inference``) handed to
-  public methods a subclass overrides, and its private helpers (``_init_deepspeed_distributed``,
-  ``_init_config_if_needed``) callable under public names.
+  ``_setup_model_and_optimizer``) handed to public methods a subclass overrides, and its private helpers
+  (``_init_deepspeed_distributed``, ``_init_config_if_needed``) callable under public names.
 
 - ``record_added_groups``: ``BaseFinetuning._store``, which remembers the param groups a ``finetune_function`` added.
 - ``resolved_ckpt_path``: the ``ckpt_path`` argument of ``Trainer._run``, read from the call stack. Lightning resolves
@@ -35,8 +34,8 @@ _TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
 
 
 class DeepSpeedHooks(DeepSpeedStrategy):
-    """``DeepSpeedStrategy`` whose private hooks call public methods: override ``build_optimizer``,
-    ``build_engine``, ``start_training`` and ``start_inference`` (calling ``super()`` for Lightning's own step)."""
+    """``DeepSpeedStrategy`` whose private hooks call public methods: override ``build_optimizer`` and
+    ``build_engine`` (calling ``super()`` for Lightning's own step)."""
 
     def start_deepspeed_distributed(self) -> None:
         """DeepSpeed's process group, as ``DeepSpeedStrategy.setup_distributed`` starts it."""
@@ -54,14 +53,6 @@ class DeepSpeedHooks(DeepSpeedStrategy):
         """The DeepSpeed engine over ``model`` and its ZeRO optimizer."""
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
-    def start_training(self, model: Module) -> None:
-        """The training engine set up, as ``fit`` does."""
-        super()._initialize_deepspeed_train(model)
-
-    def start_inference(self, model: Module) -> None:
-        """The engine set up for ``validate``/``test``/``predict``."""
-        super()._initialize_deepspeed_inference(model)
-
     @override
     def _init_optimizers(self) -> tuple[Any, Any]:
         return self.build_optimizer()
@@ -69,14 +60,6 @@ class DeepSpeedHooks(DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(self, model: Module, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         return self.build_engine(model, optimizer, lr_scheduler)
-
-    @override
-    def _initialize_deepspeed_train(self, model: Module) -> None:
-        self.start_training(model)
-
-    @override
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
-        self.start_inference(model)
 
 
 def record_added_groups(callback: Any, pl_module: Any, num_groups: int, groups: Sequence[dict]) -> None:
