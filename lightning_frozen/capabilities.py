@@ -379,22 +379,6 @@ CONVERTED_EXPORT = Capability(
     ),
 )
 
-UNSHARD = Capability(
-    "`unshard`",
-    fallback="`unshard` raises DependencyDriftError",
-    rows=(
-        ForeignName(
-            f"{_PARTITION}:_init_external_params",
-            "zero/whole.py",
-            in_code=("_external_params", "ds_external_parameters", "all_parameters"),
-        ),
-        ForeignName(f"{_OFFLOAD}:_inject_parameters", "zero/whole.py", in_code=("_original_parameters",)),
-        ForeignName(
-            f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/whole.py", in_code=("ds_inflight_param_registry",)
-        ),
-    ),
-)
-
 RELEASE = Capability(
     "releasing a finished run's engine",
     fallback="a finished run's modules stay referenced by DeepSpeed until the process ends (their memory with them)",
@@ -452,7 +436,6 @@ OPTIONAL = (
     CONVERT,
     MERGE_CHECK,
     CONVERTED_EXPORT,
-    UNSHARD,
     RELEASE,
     TRACE,
     EARLY_CKPT_CHECK,

@@ -27,6 +27,7 @@ from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.frozen_compute import FrozenCompute
 from lightning_frozen.zero.optimizers import keep_empty_groups
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
+from lightning_frozen.zero.whole import engine_additions_recorded
 
 
 def place_model(model: nn.Module, config: Optional[dict], device: torch.device, spec: StrategySpec) -> None:
@@ -103,15 +104,16 @@ def initialize_engine(
     place_model(model, config, where.device, spec)
     if optimizer is not None and model_parameters:
         keep_empty_groups(optimizer, model_parameters[0].dtype)  # placed: the dtype ZeRO-3 computes in
-    engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-        args=argparse.Namespace(device_rank=where.device_rank),
-        config=config,
-        model=model,
-        model_parameters=model_parameters or [],
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        dist_init_required=False,
-    )
+    with engine_additions_recorded(model):  # what the build adds to the modules, for `unshard` to take off
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=where.device_rank),
+            config=config,
+            model=model,
+            model_parameters=model_parameters or [],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
     release_frozen_persistence(engine, model)
     if available(TRACE):
         forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
