@@ -51,8 +51,6 @@ CORE = Capability(
             ("self", "model", "optimizer", "lr_scheduler"),
             exact=True,
         ),
-        ForeignName(f"{_STRATEGY}._initialize_deepspeed_train", "lightning_seam.py", ("self", "model"), exact=True),
-        ForeignName(f"{_STRATEGY}._initialize_deepspeed_inference", "lightning_seam.py", ("self", "model"), exact=True),
         ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
         ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
         # the ZeRO-3 optimizer's inner state by param, and a sub-group's step that makes it
@@ -174,11 +172,6 @@ PREEMPTION = Capability(
         ForeignName(f"{_SIGNALS}:_SignalConnector._slurm_sigusr_handler_fn", "preemption.py", ("self", "signum", "_")),
         ForeignName(f"{_TRAINER}.__init__", "preemption.py", in_code=("_signal_connector",)),
         ForeignName(f"{_SIGNALS}:_SignalConnector.register_signal_handlers", "preemption.py", ("self",)),
-        ForeignName(
-            "lightning.fabric.strategies.launchers.subprocess_script:_ChildProcessObserver.__init__",
-            "preemption.py",
-            in_code=("_child_processes",),
-        ),
     ),
 )
 
@@ -386,27 +379,6 @@ CONVERTED_EXPORT = Capability(
     ),
 )
 
-UNSHARD = Capability(
-    "`unshard`",
-    fallback="`unshard` raises DependencyDriftError",
-    rows=(
-        ForeignName(
-            f"{_PARTITION}:_init_external_params",
-            "zero/whole.py",
-            in_code=("_external_params", "ds_external_parameters", "all_parameters"),
-        ),
-        ForeignName(f"{_OFFLOAD}:_inject_parameters", "zero/whole.py", in_code=("_original_parameters",)),
-        ForeignName(
-            f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
-            "zero/whole.py",
-            in_code=("ds_recompute_parameters", "ds_grads_remaining", "applied_pre_backward_ref_cnt", "pre_bwd_fn"),
-        ),
-        ForeignName(
-            f"{_OFFLOAD}:DeepSpeedZeRoOffload.__init__", "zero/whole.py", in_code=("ds_inflight_param_registry",)
-        ),
-    ),
-)
-
 RELEASE = Capability(
     "releasing a finished run's engine",
     fallback="a finished run's modules stay referenced by DeepSpeed until the process ends (their memory with them)",
@@ -464,7 +436,6 @@ OPTIONAL = (
     CONVERT,
     MERGE_CHECK,
     CONVERTED_EXPORT,
-    UNSHARD,
     RELEASE,
     TRACE,
     EARLY_CKPT_CHECK,

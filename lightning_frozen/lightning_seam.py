@@ -2,9 +2,8 @@
 (2.6.6 tested). When Lightning changes, this is the one place to look.
 
 - ``DeepSpeedHooks``: ``DeepSpeedStrategy`` with its private hooks (``_init_optimizers``,
-  ``_setup_model_and_optimizer``, ``_initialize_deepspeed_train``, ``_initialize_deepspeed_inference``) handed to
-  public methods a subclass overrides, and its private helpers (``_init_deepspeed_distributed``,
-  ``_init_config_if_needed``) callable under public names.
+  ``_setup_model_and_optimizer``) handed to public methods a subclass overrides, and its private helpers
+  (``_init_deepspeed_distributed``, ``_init_config_if_needed``) callable under public names.
 
 - ``record_added_groups``: ``BaseFinetuning._store``, which remembers the param groups a ``finetune_function`` added.
 - ``resolved_ckpt_path``: the ``ckpt_path`` argument of ``Trainer._run``, read from the call stack. Lightning resolves
@@ -13,7 +12,7 @@
   over, and a wrong path is worth refusing before a large base is loaded. Without ``_run``, nothing is read.
 - For preemption: ``_SignalConnector``, its ``register_signal_handlers`` (replaced on a run's connector, which then
   registers nothing) and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
-  ``trainer._signal_connector``; and ``_ChildProcessObserver``'s list of the ranks it watches.
+  ``trainer._signal_connector``.
 
 Each of them is a row of ``capabilities.py``, checked when a strategy is built. Private names are reached through their
 modules, at call time, so that a moved one meets that check rather than failing ``import lightning_frozen``.
@@ -22,12 +21,10 @@ modules, at call time, so that a moved one meets that check rather than failing 
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.connectors import signal_connector
 from torch.nn import Module
@@ -37,8 +34,8 @@ _TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
 
 
 class DeepSpeedHooks(DeepSpeedStrategy):
-    """``DeepSpeedStrategy`` whose private hooks call public methods: override ``build_optimizer``,
-    ``build_engine``, ``start_training`` and ``start_inference`` (calling ``super()`` for Lightning's own step)."""
+    """``DeepSpeedStrategy`` whose private hooks call public methods: override ``build_optimizer`` and
+    ``build_engine`` (calling ``super()`` for Lightning's own step)."""
 
     def start_deepspeed_distributed(self) -> None:
         """DeepSpeed's process group, as ``DeepSpeedStrategy.setup_distributed`` starts it."""
@@ -56,14 +53,6 @@ class DeepSpeedHooks(DeepSpeedStrategy):
         """The DeepSpeed engine over ``model`` and its ZeRO optimizer."""
         return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
-    def start_training(self, model: Module) -> None:
-        """The training engine set up, as ``fit`` does."""
-        super()._initialize_deepspeed_train(model)
-
-    def start_inference(self, model: Module) -> None:
-        """The engine set up for ``validate``/``test``/``predict``."""
-        super()._initialize_deepspeed_inference(model)
-
     @override
     def _init_optimizers(self) -> tuple[Any, Any]:
         return self.build_optimizer()
@@ -71,14 +60,6 @@ class DeepSpeedHooks(DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(self, model: Module, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         return self.build_engine(model, optimizer, lr_scheduler)
-
-    @override
-    def _initialize_deepspeed_train(self, model: Module) -> None:
-        self.start_training(model)
-
-    @override
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
-        self.start_inference(model)
 
 
 def record_added_groups(callback: Any, pl_module: Any, num_groups: int, groups: Sequence[dict]) -> None:
@@ -120,12 +101,3 @@ def register_no_signal_handlers(trainer: pl.Trainer, off: bool) -> None:
 
 def _register_nothing() -> None:
     """What Lightning's signal connector registers in a run whose strategy handles its signals itself."""
-
-
-def stop_watching_ranks() -> None:
-    """Keep Lightning's observer of the ranks this process launched from SIGKILLing the run once one of them ends
-    with a stop's status: it polls every 5 s and kills every rank, this one included, as soon as one ended non-zero,
-    which races this rank's own stop. Ranks that outlive the stop are ended by ``preemption.end_launched_ranks``."""
-    for thread in threading.enumerate():
-        if isinstance(thread, subprocess_script._ChildProcessObserver):
-            thread._child_processes = []  # nothing to watch: its next poll finds "all ended well" and returns

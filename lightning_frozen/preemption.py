@@ -27,7 +27,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, Optional
 
@@ -62,6 +62,7 @@ class Preemption:
         self._requeue_signum: Optional[int] = None
         self._chained: dict[int, list[Callable[..., Any]]] = {}
         self._launcher: Any = None
+        self._unwatched: list[subprocess.Popen] = []  # the ranks taken out of the launcher's list (stop_watching_ranks)
         self._signals: Optional[process.StopSignals] = None  # the handler and its watchdog, while a run is set up
         self.training = False  # whether a step boundary can be reached (the fit loop started): else a signal ends it
         self._signalled_at = 0.0
@@ -103,6 +104,7 @@ class Preemption:
         if self._signals is not None:
             self._signals.close()
         self._signals, self._chained, self.signum, self.training, self._on = None, {}, None, False, False
+        self._launcher, self._unwatched = None, []
 
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         # runs in the main thread between two bytecodes, maybe inside a collective: it records and writes one line;
@@ -144,15 +146,15 @@ class Preemption:
         terminate, requeue = any_rank([terminate, requeue], strategy.root_device)
         return terminate, requeue
 
-    def end_run(self, launcher: Any, exception: BaseException) -> None:
+    def end_run(self, exception: BaseException) -> None:
         """After ``fit`` raised ``exception`` on this rank: requeue the job when a requeue signal stopped it before the
-        first training step (rank 0), then end the ranks ``launcher`` started (after a stop, once they have ended by
+        first training step (rank 0), then end the ranks this process launched (after a stop, once they have ended by
         themselves, within what is left of ``grace``, half of it before the first step; none where every rank raised
         it)."""
         if not self._on:
             return  # Lightning's signal handling ran the run
         if is_stop(exception):  # as at a step boundary: Lightning's observer would SIGKILL this rank as it waits
-            lightning_seam.stop_watching_ranks()  # for the others, or ends its run after they ended with 143
+            self.unwatch_launched_ranks()  # for the others, or ends its run after they ended with 143
         before_training = is_stop(exception) and not self.training and self.signum is not None
         if before_training and self.signum == self._requeue_signum and requeue_without_checkpoint():
             log.warning("lightning-frozen: the job was requeued (no checkpoint: it had not trained yet).")
@@ -161,10 +163,19 @@ class Preemption:
             # before the first step a rank that did not get the signal never stops by itself: half of what is left
             # for the others to end, half for this rank's own teardown, inside its deadline
             wait = left / 2 if before_training else left
-            end_launched_ranks(launcher, max(wait, 0.0) if is_stop(exception) else 0.0)
+            end_launched_ranks(self.launched_ranks(), max(wait, 0.0) if is_stop(exception) else 0.0)
 
     def _end_ranks_now(self) -> None:
-        end_launched_ranks(self._launcher, wait=0.0)
+        end_launched_ranks(self.launched_ranks(), wait=0.0)
+
+    def unwatch_launched_ranks(self) -> None:
+        """Once every rank ends by itself with a stop's status: Lightning's observer no longer watches the ranks this
+        process launched (:func:`stop_watching_ranks`), and :meth:`end_run` still ends those that outlive the stop."""
+        self._unwatched.extend(stop_watching_ranks(self._launcher))
+
+    def launched_ranks(self) -> list[subprocess.Popen]:
+        """The ranks this process launched (Lightning's subprocess launcher), watched by Lightning's observer or not."""
+        return [*self._unwatched, *(getattr(self._launcher, "procs", None) or [])]
 
 
 def mid_accumulation(trainer: pl.Trainer) -> bool:
@@ -235,7 +246,7 @@ class StopAtStepBoundary(Callback):
         terminate, requeue = self.preemption.agree(trainer.strategy)
         if not (terminate or requeue):
             return
-        lightning_seam.stop_watching_ranks()  # every rank now ends by itself, with a stop's non-zero status
+        self.preemption.unwatch_launched_ranks()  # every rank now ends by itself, with a stop's non-zero status
         signum = signal.SIGTERM if terminate else self.preemption._requeue_signum or signal.SIGUSR1
         if terminate:
             path = stop_checkpoint_path(trainer)
@@ -295,10 +306,21 @@ def raised_on_every_rank(exception: BaseException) -> bool:
     return bool(getattr(exception, "raised_on_every_rank", False))
 
 
-def end_launched_ranks(launcher: Any, wait: float) -> None:
-    """SIGKILL the ranks ``launcher`` (Lightning's subprocess launcher) started that still run after ``wait``
-    seconds. Lightning ends them itself only on Ctrl+C: a rank left in a hang of its own would outlive the run."""
-    processes = list(getattr(launcher, "procs", None) or [])
+def stop_watching_ranks(launcher: Any) -> list[subprocess.Popen]:
+    """Take the ranks ``launcher`` (Lightning's subprocess launcher) started out of its public ``procs``, and return
+    them. Lightning's observer polls that very list every 5 s and SIGKILLs every rank, this one included, as soon as
+    one ended non-zero, which races this rank's own stop; emptied, it finds "all ended well" and returns."""
+    procs = getattr(launcher, "procs", None)
+    if not procs:
+        return []
+    taken = list(procs)
+    procs.clear()  # in place: the observer holds this list, not the launcher
+    return taken
+
+
+def end_launched_ranks(processes: Sequence[subprocess.Popen], wait: float) -> None:
+    """SIGKILL the ranks in ``processes`` that still run after ``wait`` seconds. Lightning ends the ranks it launched
+    itself only on Ctrl+C: a rank left in a hang of its own would outlive the run."""
     for rank in processes:
         try:
             rank.wait(timeout=wait)

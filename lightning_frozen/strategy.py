@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -23,7 +24,10 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -50,7 +54,6 @@ from lightning_frozen.zero.whole import still_sharded_notice
 
 if TYPE_CHECKING:
     import deepspeed
-    import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
 
 
@@ -313,17 +316,22 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._preemption.stop_before_training()  # a signal in the load: the loader's patches are undone here
 
     @override
-    def start_training(self, model: Module) -> None:
-        super().start_training(model)
-        self._drops_layers = transformers_loading.drops_layers(model)
-        if self.is_global_zero:
-            rank_zero_info(self.memory_summary())
-        self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
-
-    @override
-    def start_inference(self, model: Module) -> None:
+    def init_deepspeed(self) -> None:
+        """The run's engine. ``fit``: Lightning's (its gradient-clipping checks, then ``build_optimizer`` and
+        ``build_engine``), then the memory summary and the frozen base's fingerprint. ``validate``/``test``/``predict``:
+        the same checks, then an engine without an optimizer over the frozen-aware config."""
+        module, model = self._module, self.model
+        assert isinstance(model, Module)
+        if module.trainer and module.trainer.training:
+            super().init_deepspeed()
+            self._drops_layers = transformers_loading.drops_layers(model)
+            if self.is_global_zero:
+                rank_zero_info(self.memory_summary())
+            self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
+            return
+        check_gradient_clipping(module)
         for freeze in self._freezes:
-            freeze(self._module)
+            freeze(module)
         assert isinstance(self.config, dict)
         remove_module_hooks(model)
         config, loaded = inference_config(self.config), self._loaded_base
@@ -360,7 +368,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._preemption.end_run(self.launcher, exception)
+        self._preemption.end_run(exception)
 
     @override
     def teardown(self) -> None:
@@ -486,3 +494,22 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         module, optimizer, precision = self._module, self._deepspeed_optimizer, str(self.precision_plugin.precision)
         loaded, ranks = self._loaded_base, self.num_processes
         return memory.run_summary(module, optimizer, self.spec, loaded, precision, self.world_size, ranks)
+
+
+def check_gradient_clipping(module: pl.LightningModule) -> None:
+    """Lightning's checks of gradient clipping under DeepSpeed, made as its ``init_deepspeed`` makes them for any
+    engine: a warning where ``module`` overrides ``configure_gradient_clipping``, which DeepSpeed does not call.
+
+    Raises:
+        MisconfigurationException: the Trainer clips by value, which DeepSpeed does not.
+    """
+    if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
+        rank_zero_warn(
+            "Since DeepSpeed handles gradient clipping internally, the default"
+            " `LightningModule.configure_gradient_clipping` implementation will not actually clip gradients."
+            " The hook will still be called. Consider setting"
+            " `Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm')`"
+            " which will use the internal mechanism."
+        )
+    if module.trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        raise MisconfigurationException("DeepSpeed does not support clipping gradients by value.")

@@ -17,6 +17,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError
@@ -210,6 +211,20 @@ def test_the_batch_size_accumulation_and_clipping_come_from_the_trainer_and_its_
     given = cpu_trainer(FrozenAwareDeepSpeedStrategy(logging_batch_size_per_gpu=3), max_steps=1, callbacks=[seen])
     given.fit(AdapterModel(), regression_data(batch_size=4))
     assert seen.config["train_micro_batch_size_per_gpu"] == 3
+
+
+class _ClipsItself(AdapterModel):
+    def configure_gradient_clipping(self, *args: object, **kwargs: object) -> None:
+        """Overridden: what Lightning warns of under DeepSpeed, which clips by itself."""
+
+
+@pytest.mark.parametrize("run", ["fit", "validate"])
+def test_gradient_clipping_is_checked_as_stock_checks_it_for_training_and_evaluation(run: str) -> None:
+    by_value = cpu_trainer(max_steps=1, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    with pytest.raises(MisconfigurationException, match="DeepSpeed does not support clipping gradients by value"):
+        getattr(by_value, run)(AdapterModel(), regression_data())
+    with pytest.warns(UserWarning, match="will not actually clip gradients"):
+        getattr(cpu_trainer(max_steps=1), run)(_ClipsItself(), regression_data())
 
 
 class _Hooked(AdapterModel):

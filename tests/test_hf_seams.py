@@ -261,7 +261,7 @@ def test_the_pinned_section_ends_at_the_next_heading_and_its_absence_fails() -> 
 def test_the_override_check_finds_lightning_hooks_the_seam_overrides() -> None:
     source = (PACKAGE / "lightning_seam.py").read_text()
     overridden = overridden_private_methods("lightning_seam", source)
-    assert {"_init_optimizers", "_setup_model_and_optimizer", "_initialize_deepspeed_train"} <= set(overridden)
+    assert {"_init_optimizers", "_setup_model_and_optimizer"} <= set(overridden)
     strategy = overridden_private_methods("strategy", (PACKAGE / "strategy.py").read_text())
     assert "_placement" not in strategy  # the strategy's own property
 

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
-from lightning_frozen import FrozenAwareDeepSpeedStrategy, lightning_seam, preemption, read_checkpoint
+from lightning_frozen import FrozenAwareDeepSpeedStrategy, preemption, read_checkpoint
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 
@@ -97,16 +98,18 @@ def test_an_agreed_stop_keeps_lightnings_observer_from_killing_the_launching_ran
     with the agreed stop's status, the launching rank is still finishing its own stop (the race seen in CI)."""
     launching = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for rank 0
     rank1 = subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep(0.5); sys.exit({SIGTERM_STATUS})"])
-    observer = _ChildProcessObserver(main_pid=launching.pid, child_processes=[rank1], sleep_period=0.2)
+    launcher = SimpleNamespace(procs=[rank1])  # Lightning's subprocess launcher: the ranks it started
+    # the observer Lightning's launcher starts over that list (`_launch_process_observer(self.procs)`), polling faster
+    observer = _ChildProcessObserver(main_pid=launching.pid, child_processes=launcher.procs, sleep_period=0.2)
     observer.start()
     try:
-        if stopping:
-            lightning_seam.stop_watching_ranks()
+        taken = preemption.stop_watching_ranks(launcher) if stopping else []
         rank1.wait()
         observer.join(timeout=5)
         time.sleep(0.5)
         assert not observer.is_alive()
         assert launching.poll() == (None if stopping else -signal.SIGKILL)
+        assert taken == ([rank1] if stopping else [])  # the run still ends those that outlive the stop
     finally:
         launching.kill()
         launching.wait()

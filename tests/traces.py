@@ -32,6 +32,8 @@ KEPT_GLOBALS = {
     "lightning_frozen.zero.frozen_storage:_stored_as": "which codes each quantized param's shard holds",
     "lightning_frozen.zero.gathers:_deepspeed": "DeepSpeed's own gather methods of each quantized param",
     "lightning_frozen.zero.gathers:_kind": "which gather methods each quantized param has",
+    # per module, held weakly, for as long as it keeps its shards; `unshard` takes the attributes off and forgets it
+    "lightning_frozen.zero.whole:_added_by_engine": "which attributes building an engine added to each module",
 }
 _HOOK_DICTS = (
     "_forward_hooks",

@@ -28,6 +28,7 @@ from lightning_frozen.zero.config import fit_reduce_bucket
 from lightning_frozen.zero.frozen_compute import FrozenCompute
 from lightning_frozen.zero.optimizers import keep_empty_groups
 from lightning_frozen.zero.params import compute_dtype, full_numel, is_partitioned
+from lightning_frozen.zero.whole import engine_additions_recorded
 
 
 def place_model(model: nn.Module, config: Optional[dict], device: torch.device, spec: StrategySpec) -> None:
@@ -107,19 +108,21 @@ def initialize_engine(
     place_model(model, config, where.device, spec)
     if optimizer is not None and model_parameters:
         keep_empty_groups(optimizer, model_parameters[0].dtype)  # placed: the dtype ZeRO-3 computes in
-    for reader, params in read_outside_forward:  # registered up front: the first step's trace then holds them
-        for param in params:
-            deepspeed.zero.register_external_parameter(reader, param)
-    settle_leaf_modules(model, config, read_outside_forward)
-    engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-        args=argparse.Namespace(device_rank=where.device_rank),
-        config=config,
-        model=model,
-        model_parameters=model_parameters or [],
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        dist_init_required=False,
-    )
+    # what the build adds to the modules (the external params registered up front included), for `unshard` to take off
+    with engine_additions_recorded(model):
+        for reader, params in read_outside_forward:  # registered up front: the first step's trace then holds them
+            for param in params:
+                deepspeed.zero.register_external_parameter(reader, param)
+        settle_leaf_modules(model, config, read_outside_forward)
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=where.device_rank),
+            config=config,
+            model=model,
+            model_parameters=model_parameters or [],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
     release_frozen_persistence(engine, model)
     if available(TRACE):
         forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))

@@ -5,34 +5,40 @@ whole base would not fit in one rank's memory for the models the package is for)
 state (its process group among it), so ``torch.save(module)`` fails on it as after stock Lightning DeepSpeed, and its
 ``data`` is an empty placeholder. :func:`unshard` gathers each param once, decodes a quantized frozen one to its
 compute dtype, and puts a plain ``nn.Parameter`` with the whole values in its place (tied params stay tied); the
-attributes ZeRO-3 set on the modules go, and their param dicts are plain ones again.
+attributes ZeRO-3 set on the modules go (those its engine's build added, recorded then, and those its hooks set in a
+forward), and their param dicts are plain ones again.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 from torch import nn
 
-from lightning_frozen.capabilities import CORE, UNSHARD, require
+from lightning_frozen.capabilities import CORE, require
 from lightning_frozen.zero.accelerator import ignore_dependency_deprecations
 from lightning_frozen.zero.params import is_partitioned
 
-# what DeepSpeed 0.19's ZeRO-3 sets on each module it converts or hooks (`partition_parameters.Init`,
-# `parameter_offload.DeepSpeedZeRoOffload`); a name missing on a module is skipped
-DEEPSPEED_MODULE_ATTRIBUTES = (
-    "ds_id",
-    "ds_external_parameters",
-    "ds_grads_remaining",
-    "ds_inflight_param_registry",
-    "ds_recompute_parameters",
-    "_external_params",
-    "_original_parameters",
-    "all_parameters",
-    "applied_pre_backward_ref_cnt",
-    "pre_bwd_fn",
-    "post_bwd_fn",
-)
+# what DeepSpeed 0.19's ZeRO-3 hooks set on a module in a forward and backward, after its engine was built
+# (`parameter_offload.DeepSpeedZeRoOffload`); a name missing on a module is skipped
+SET_IN_FORWARD = ("ds_grads_remaining", "applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn")
+# each module's instance attributes that building a DeepSpeed engine over it added (its param offload's bookkeeping),
+# held weakly for as long as the module keeps its shards: `unshard` takes them off
+_added_by_engine: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def engine_additions_recorded(model: nn.Module) -> Iterator[None]:
+    """Around building a DeepSpeed engine over ``model``: remember the instance attributes the build adds to each of
+    its modules, so that :func:`unshard` takes them off by what the build added rather than by DeepSpeed's names."""
+    before = {module: set(vars(module)) for module in model.modules()}
+    yield
+    for module, names in before.items():
+        if added := set(vars(module)) - names:
+            _added_by_engine.setdefault(module, set()).update(added)
 
 
 def unshard(model: nn.Module) -> nn.Module:
@@ -49,7 +55,7 @@ def unshard(model: nn.Module) -> nn.Module:
     """
     import deepspeed
 
-    require(CORE, UNSHARD)
+    require(CORE)
 
     replaced: dict[int, nn.Parameter] = {}
     stop_ignoring = ignore_dependency_deprecations()  # torch's FutureWarning at DeepSpeed's gathers, as in a run
@@ -72,11 +78,14 @@ def unshard(model: nn.Module) -> nn.Module:
 
 
 def _has_zero_attributes(model: nn.Module) -> bool:
-    return any(name in vars(module) for module in model.modules() for name in DEEPSPEED_MODULE_ATTRIBUTES)
+    modules = list(model.modules())
+    return any(module in _added_by_engine for module in modules) or any(
+        name in vars(module) for module in modules for name in SET_IN_FORWARD
+    )
 
 
 def _plain_module(module: nn.Module) -> None:
-    for name in DEEPSPEED_MODULE_ATTRIBUTES:
+    for name in (*_added_by_engine.pop(module, ()), *SET_IN_FORWARD):
         vars(module).pop(name, None)
     if type(module._parameters) is not dict:  # ZeRO-3's ZeROOrderedDict gathers on read inside a forward
         params: Any = dict(module._parameters)

@@ -55,7 +55,6 @@ PLAIN_FIT = {
     "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),
     "MERGE_CHECK": ("peft.tuners.tuners_utils:BaseTuner", "_check_merge_allowed", "delete"),
     "CONVERTED_EXPORT": ("transformers.core_model_loading", "revert_weight_conversion", "delete"),
-    "UNSHARD": ("deepspeed.runtime.zero.partition_parameters", "_init_external_params", "delete"),
     "RELEASE": (f"{_OFFLOAD}:ZeROOrderedDict", "__init__", "replace"),
     "TRACE": (f"{_OFFLOAD}:DeepSpeedZeRoOffload", "setup_zero_stage3_hooks", "replace"),
     "EARLY_CKPT_CHECK": ("lightning.pytorch:Trainer", "_run", "replace"),
@@ -155,8 +154,6 @@ def main() -> None:
             found["GENERATE asked"] = raised(lambda: FrozenAwareDeepSpeedStrategy(generation_memory="1GB"))
         if capability == "CONVERT":
             found["CONVERT used"] = raised(lambda: lightning_frozen.convert_deepspeed_checkpoint(folder, folder / "x"))
-        if capability == "UNSHARD":
-            found["UNSHARD used"] = raised(lambda: lightning_frozen.unshard(AdapterModel()))
         put_back()
     found["ALL"] = all_moved_fit(folder)
     put_back = moved("lightning.pytorch.strategies:DeepSpeedStrategy", "_init_optimizers", "delete")
