@@ -88,4 +88,4 @@ def test_a_plain_fit_with_every_optional_capability_off_trains_with_one_warning_
 def test_a_plain_torch_models_strategy_imports_neither_transformers_nor_peft(tmp_path: Path) -> None:
     run_script("torch_only_imports.py", str(tmp_path / "report.json"))
     found = json.loads((tmp_path / "report.json").read_text())
-    assert found == dict(imported=[], built=[], fitted=[], configured=[])  # `configure_model` overridden too
+    assert found == dict(imported=[], built=[], fitted=[])

@@ -14,14 +14,10 @@ flight per rank. Checkpoints this cannot slice (``.bin`` files, key conversions)
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import math
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -67,63 +63,14 @@ def sharded_model_creation(
     """Where ``configure_model`` runs: params are ZeRO-3 shards as they are created (on ``remote_device``),
     ``from_pretrained`` loads each rank's slices into them as ``plan`` says (:func:`zero3_pretrained_loading`) and
     PEFT initialises its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
-    with ExitStack() as stack:
-        # PEFT's methods are wrapped before `zero.Init` wraps every module class's `__init__` and put back after it
-        # restored them: wrapped inside it, `zero.Init` took the wrapper for PEFT's own and restored it for good
-        # (wrapped once PEFT is imported inside `zero.Init`, they are put back first, as the stack unwinds)
-        enter_once_imported(stack, "peft.peft_model", peft_adapters_outside_zero_init)
-        stack.enter_context(sharded_creation(config, remote_device))
-        enter_once_imported(stack, "transformers.modeling_utils", lambda: zero3_pretrained_loading(config, plan))
+    # PEFT's methods are wrapped before `zero.Init` wraps every module class's `__init__` and put back after it
+    # restored them: wrapped inside it, `zero.Init` took the wrapper for PEFT's own and restored it for good
+    with (
+        peft_adapters_outside_zero_init(),
+        sharded_creation(config, remote_device),
+        zero3_pretrained_loading(config, plan),
+    ):
         yield
-
-
-def enter_once_imported(stack: ExitStack, module_name: str, context: Callable[[], AbstractContextManager[Any]]) -> None:
-    """Enter ``context()`` on ``stack`` now where ``module_name`` is imported, else right after it is first imported
-    while ``stack`` is open: a model that never imports it (a plain torch model) imports nothing for it."""
-    if module_name in sys.modules:
-        stack.enter_context(context())
-        return
-    # a one-off finder ahead of the others, taken off at its first hit or when the stack closes: the simplest hook that
-    # runs after the module's own code (a wrapped loader), before the importer uses any name of it
-    finder = _AfterImport(module_name, lambda: stack.enter_context(context()))
-    sys.meta_path.insert(0, finder)
-    stack.callback(finder.remove)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: at the import of ``module_name`` it takes itself off, and has the loader the other finders
-    found call ``imported()`` once the module's code ran."""
-
-    def __init__(self, module_name: str, imported: Callable[[], None]) -> None:
-        self.module_name, self.imported = module_name, imported
-
-    def remove(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != self.module_name:
-            return None
-        self.remove()
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ThenCall(spec.loader, self.imported)
-        return spec
-
-
-class _ThenCall(importlib.abc.Loader):
-    """A module's own loader, then ``imported()``; the module keeps its own loader."""
-
-    def __init__(self, loader: importlib.abc.Loader, imported: Callable[[], None]) -> None:
-        self.loader, self.imported = loader, imported
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__loader__ = module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        self.imported()
 
 
 @contextmanager

@@ -36,7 +36,7 @@ def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]
     if importlib.util.find_spec("peft") is None or not available(PEFT_LAYERS):
         yield
         return
-    from peft.peft_model import PeftModel
+    from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
 
     originals = {(PeftModel, "__init__"): PeftModel.__init__, (BaseTuner, "inject_adapter"): BaseTuner.inject_adapter}
@@ -71,7 +71,7 @@ def is_peft_model(module: Any) -> bool:
     """Whether ``module`` is a ``peft.PeftModel`` (False while ``peft`` is not imported: nothing can be one)."""
     if "peft" not in sys.modules:
         return False
-    from peft.peft_model import PeftModel
+    from peft import PeftModel
 
     return isinstance(module, PeftModel)
 
