@@ -4,6 +4,7 @@ world size, validate, load without DeepSpeed) works on that path."""
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 from pathlib import Path
@@ -70,6 +71,15 @@ def test_configure_model_loads_the_folder_bit_for_bit_into_shards(
     # the bytes counted are the (bf16) files', also when the model computes in fp32
     file_mib = sum(t.numel() * t.element_size() for t in folder_tensors(llama_folder).values()) / 2**20
     assert f"of {file_mib:,.1f} MiB (100%)" in lightning_log.text
+
+
+def test_the_base_is_loaded_in_slices_when_configure_model_first_imports_transformers_and_peft(
+    llama_folder: Path, tmp_path: Path
+) -> None:
+    # a late import used to meet the capabilities' lookup mid-import: sliced loading was then turned off for good
+    run_script("first_import_in_configure_model.py", str(llama_folder), str(tmp_path / "report.json"))
+    found = json.loads((tmp_path / "report.json").read_text())
+    assert found == dict(imported_before=[], sliced=True)
 
 
 def test_adapter_from_a_configure_model_base_loads_without_deepspeed(llama_folder: Path, tmp_path: Path) -> None:
