@@ -31,10 +31,13 @@ def child_env(
     threads: Optional[int] = None, mmap_1mib: Optional[bool] = None, package: Optional[Path] = None
 ) -> dict[str, str]:
     """The environment of a configuration's processes: this one's, offline, importing ``package`` (default: this
-    checkout) and the benchmarks; ``threads`` torch threads per process (None: torch's default); glibc's mmap
-    threshold at 1 MiB (True), removed as a user runs (False), or as inherited (None)."""
+    checkout) and the benchmarks before what this one's ``PYTHONPATH`` names; ``threads`` torch threads per process
+    (None: torch's default); glibc's mmap threshold at 1 MiB (True), removed as a user runs (False), or as inherited
+    (None)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(str(p) for p in (package or REPO, REPO)))
+    # what the caller's PYTHONPATH adds stays, after them (e.g. the set-up's `.venv/tests-only`, bitsandbytes' folder)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(str(p) for p in (package or REPO, REPO, *inherited)))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     if mmap_1mib:
