@@ -131,6 +131,11 @@ class Snapshot:
 
     @classmethod
     def take(cls, *models: nn.Module, libraries: tuple[str, ...] = LIBRARIES) -> Snapshot:
+        # DeepSpeed's Muon, decorated with torch.compile, is imported by the first engine's optimizer check, and its
+        # import makes torch's dynamo wrap torch.jit.trace and every optimizer's _init_group for good
+        # (TorchPatcher.patch): imported before any snapshot, so that torch's own doing is not taken for a run's
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+
         modules = {
             f"{i}/{key}": value for i, model in enumerate(models) for key, value in _module_traces(model).items()
         }

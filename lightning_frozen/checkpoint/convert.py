@@ -77,7 +77,7 @@ def module_from_directory(source: PathLike, module_class: type[nn.Module]) -> nn
     with _weights_only_loads(source, [*model_files, *optim_files]):
         client = torch.load(model_files[0], map_location="cpu", weights_only=True)
     # LightningCLI and Lightning add private entries (`_class_path`, `_instantiator`) that are no init arguments
-    hyper_parameters = {k: v for k, v in (client.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+    hyper_parameters = {k: v for k, v in layout.hyper_parameters_of(client).items() if not k.startswith("_")}
     module = module_class(**hyper_parameters)
     if callable(getattr(module, "configure_model", None)):
         module.configure_model()

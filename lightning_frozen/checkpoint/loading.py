@@ -26,7 +26,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 from lightning_frozen.format import layout
-from lightning_frozen.hf import peft_adapters, transformers_loading
+from lightning_frozen.hf import transformers_loading
 from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.params import persistent_buffers
 
@@ -64,9 +64,9 @@ def load_into(
 ) -> None:
     """Verify the frozen base of ``module`` and copy the checkpoint's trainable state into it (no DeepSpeed); with
     ``adapter``, only that adapter's, which becomes the module's active adapter."""
-    if peft_adapters.holds_tuner_layers(module):  # the one capability loading reads: each adapter's params
-        require(PEFT_LAYERS)
     found = anatomy.anatomy_of(module)  # one walk: the adapter's params, the trained copies, its PEFT model
+    if found.peft is not None or found.adapter_params:  # the one capability loading reads: each adapter's params
+        require(PEFT_LAYERS)
     state_dict = layout.state_dict_of(checkpoint)
     owned = None
     if adapter is not None:

@@ -20,7 +20,7 @@ is defined where it is listed):
   ``scaler_state``, ``restore_loss_scaler``; a save's whole tensors, gathered to the writing rank alone:
   ``gather_to_writer``, ``whole_on_meta``, ``WRITER_RANK``;
   and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (the buffers a
-  module's ``state_dict`` holds), ``storage_identity`` (from a tensor's version counter).
+  module's state dict holds), ``storage_identity`` (from a tensor's version counter).
 - ``init``: ``deepspeed.zero.Init`` and importing DeepSpeed: ``sharded_creation``, ``outside_zero_init``,
   ``import_deepspeed``, ``linear_restorer``, ``deepspeed_linear_copy`` (the copy of
   ``F.linear`` that ``zero.Init`` keeps on a class, for the run's ledger to put back).

@@ -156,6 +156,7 @@ def settle_leaf_modules(model: nn.Module, config: dict, read_outside_forward: Se
     zero = config.setdefault("zero_optimization", {})
     # the leaves DeepSpeed's initialize would flag, flagged now as it flags them (a rebuilt engine's too)
     apply_zero_leaf_module_config(model, DeepSpeedZeroLeafModuleConfig(**zero.get("leaf_module", {})))
+    deepspeeds = {id(module) for module in get_z3_leaf_modules(model)}
     for module in get_z3_leaf_modules(model):
         if any(p.requires_grad for p in module.parameters()):
             set_z3_leaf_module(module, False)
@@ -163,8 +164,9 @@ def settle_leaf_modules(model: nn.Module, config: dict, read_outside_forward: Se
     for module in model.modules():
         if any(id(p) in read for p in module.parameters(recurse=False)):
             set_z3_leaf_module(module, True)
-    leaves = [name for name, module in model.named_modules() if z3_leaf_module(module)]
-    zero["leaf_module"] = {"classes": [], "names": leaves, "name_suffixes": []}
+    leaves = [(name, module) for name, module in model.named_modules() if z3_leaf_module(module)]
+    if {id(module) for _, module in leaves} != deepspeeds:  # else DeepSpeed's own config, which warns of no match
+        zero["leaf_module"] = {"classes": [], "names": [name for name, _ in leaves], "name_suffixes": []}
 
 
 def place_shards(model: nn.Module, device: torch.device, offload_frozen: bool, dtype: torch.dtype) -> None:

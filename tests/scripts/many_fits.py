@@ -16,6 +16,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+# imported before the functions are recorded, as the first engine's optimizer check imports it: DeepSpeed's Muon is
+# decorated with torch.compile, and torch's dynamo then wraps torch.jit.trace and every optimizer's _init_group for
+# good (TorchPatcher.patch): torch's own doing at an import, not a run's (the strategy imported it when built before)
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402, F401
 import peft  # noqa: E402, F401
 import psutil  # noqa: E402
 import torch  # noqa: E402
