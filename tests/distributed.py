@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 SCRIPTS = Path(__file__).parent / "scripts"
+EXIT_HOOK = Path(__file__).parent / "exit_hook"  # its sitecustomize skips the collector's passes at a child's exit
 RANK_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")
 
 
@@ -73,9 +74,17 @@ def build_deepspeed_cpu_ops() -> float:
 
 def fresh_env(**overrides: str) -> dict[str, str]:
     """This environment for a child process that starts a world of its own: without the rank variables an in-process
-    Trainer left behind, on a free loopback port (one left behind may still be taken), then ``overrides``."""
+    Trainer left behind, on a free loopback port (one left behind may still be taken), with ``tests/exit_hook`` first
+    on ``PYTHONPATH`` (a shutdown seconds shorter), then ``overrides``."""
     environment = {key: value for key, value in os.environ.items() if key not in RANK_VARIABLES}
-    return {**environment, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **overrides}
+    python_path = os.pathsep.join(filter(None, [str(EXIT_HOOK), environment.get("PYTHONPATH")]))
+    return {
+        **environment,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": python_path,
+        **overrides,
+    }
 
 
 def run_script(

@@ -41,23 +41,43 @@ def _run(folder: Path, report: Path, devices: int, *args: str) -> list[dict[str,
     return reports
 
 
-# under 32-true the bf16 file's values widen exactly into fp32 shards, and are encoded as read
+# under 32-true the bf16 file's values widen exactly into fp32 shards, and are encoded as read; both 2-rank cases run
+# in one world (a 2-rank launch costs more than the runs in it)
 @pytest.mark.parametrize(
-    ("devices", "frozen_dtype", "precision"),
-    [(1, "int8", "bf16-mixed"), (2, "nf4", "bf16-mixed"), (1, "bf16", "32-true"), (2, "nf4", "32-true")],
+    ("devices", "cases"),
+    [
+        (1, [("int8", "bf16-mixed")]),
+        (1, [("bf16", "32-true")]),
+        (2, [("nf4", "bf16-mixed"), ("nf4", "32-true")]),
+    ],
+    ids=["1-int8-bf16-mixed", "1-bf16-32-true", "2-nf4-bf16-mixed-and-32-true"],
 )
 def test_quantizing_while_loading_gives_the_codes_and_fingerprint_of_quantizing_after(
-    devices: int, frozen_dtype: str, precision: str, tmp_path: Path
+    devices: int, cases: list[tuple[str, str]], tmp_path: Path
 ) -> None:
     folder = write_llama(tmp_path / "llama")
-    common = ("--log-every", "-1", "--precision", precision)  # a progress line for every tensor
-    at_load, after, unquantized = _runs(
-        folder,
-        devices,
-        (tmp_path / "at_load", *common, "--frozen-dtype", frozen_dtype),
-        (tmp_path / "after", *common, "--frozen-dtype", frozen_dtype, "--after"),
-        (tmp_path / "bf16", *common),
-    )
+    runs = []
+    for frozen_dtype, precision in cases:
+        common = ("--log-every", "-1", "--precision", precision)  # a progress line for every tensor
+        case = tmp_path / f"{frozen_dtype}-{precision}"
+        runs += [
+            (case / "at_load", *common, "--frozen-dtype", frozen_dtype),
+            (case / "after", *common, "--frozen-dtype", frozen_dtype, "--after"),
+            (case / "bf16", *common),
+        ]
+    found = _runs(folder, devices, *runs)
+    for index, (frozen_dtype, _) in enumerate(cases):
+        _quantized_at_load_as_after(devices, frozen_dtype, *found[3 * index : 3 * index + 3])
+
+
+def _quantized_at_load_as_after(
+    devices: int,
+    frozen_dtype: str,
+    at_load: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    unquantized: list[dict[str, Any]],
+) -> None:
+    """Each rank's reports of one case: stored as ``frozen_dtype`` while loading, after loading, and not at all."""
     assert len(at_load) == devices
     for loaded, quantized_later, plain in zip(at_load, after, unquantized):
         assert loaded["quantized_at_load"] > 0 and quantized_later["quantized_at_load"] == 0

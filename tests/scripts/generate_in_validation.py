@@ -8,8 +8,9 @@ base with the adapter disabled (``disable_adapter`` under ``no_grad``), as TRL d
 
 With ``--count-gathers``, validation also generates 3 and then 9 new tokens on both ranks and records, for each
 call, how many ZeRO-3 all-gathers it started (``tests/gather_recording.py``) and the ids. ``--generation-memory`` and
-``--frozen-dtype`` are the strategy's arguments; ``--validate-only`` runs ``trainer.validate`` on the adapter as PEFT
-creates it (``init_lora_weights=False``: random, seeded, so that it changes what is generated) instead of ``fit``.
+``--frozen-dtype`` are the strategy's arguments (``none`` for None); ``--validate-only`` runs ``trainer.validate`` on
+the adapter as PEFT creates it (``init_lora_weights=False``: random, seeded, so that it changes what is generated)
+instead of ``fit``, once for each frozen dtype and budget of their comma-separated lists.
 
 Each rank writes ``<report>/rank<R>.json``: its prompts, the ids generated with the adapter and with it disabled
 (PEFT's ``disable_adapter``: the base alone), for each training step its input ids with the last position's
@@ -118,19 +119,21 @@ def main() -> None:
     GeneratingLoRA.random_adapter = args.validate_only
     GeneratingLoRA.recorder = GatherRecorder() if args.count_gathers else None
 
-    # with `--validate-only`, one `validate` per budget of a comma-separated list, each with a Trainer of its own, in
-    # one launch; its reports go to `<report>/budget-<budget>/`
+    # with `--validate-only`, one `validate` per frozen dtype and budget of comma-separated lists, each with a Trainer
+    # of its own, in one launch; its reports go to `<report>/<frozen dtype>-budget-<budget>/`
+    frozen_dtypes = (args.frozen_dtype or "none").split(",") if args.validate_only else [args.frozen_dtype or "none"]
     budgets = args.generation_memory.split(",") if args.validate_only else [args.generation_memory]
-    for budget in budgets:
+    for frozen_dtype, budget in [(frozen_dtype, budget) for frozen_dtype in frozen_dtypes for budget in budgets]:
         torch.manual_seed(0)
         model = GeneratingLoRA(args.folder, lr=0.2)  # large steps: the adapter must change what greedy decoding picks
         memory = int(budget) if budget.isdigit() else budget
-        strategy = FrozenAwareDeepSpeedStrategy(generation_memory=memory, frozen_dtype=args.frozen_dtype)
+        stored = None if frozen_dtype == "none" else frozen_dtype
+        strategy = FrozenAwareDeepSpeedStrategy(generation_memory=memory, frozen_dtype=stored)
         trainer = cpu_trainer(strategy, devices=2, max_epochs=4, check_val_every_n_epoch=4)
         report = Path(args.report)
         if args.validate_only:
             trainer.validate(model, token_data(samples=4, batch_size=2))
-            model.steps, report = [], report / f"budget-{budget}"
+            model.steps, report = [], report / f"{frozen_dtype}-budget-{budget}"
             report.mkdir(exist_ok=True)
         else:
             trainer.fit(model, token_data(), token_data(samples=4, batch_size=2))
