@@ -300,8 +300,8 @@ def _adapted_model(
     stored: Mapping[str, Any],
     source: Path,
 ) -> _Adapted:
-    """The :class:`_Adapted` model of the checkpoint: of the folder's model classes, the one whose tensors are the
-    checkpoint's (its fingerprint and trained names).
+    """The :class:`_Adapted` model of the checkpoint: of the class it recorded, or else of the folder's model classes
+    the one whose tensors are the checkpoint's (its fingerprint and trained names).
 
     Raises:
         CheckpointFormatError: no model class of the folder has the checkpoint's tensors.
@@ -324,7 +324,8 @@ def _adapted_model(
         )
     peft_configs = {name: other[layout.PEFT_CONFIG] for name, other in entries.items()}
     differences = []
-    for model_class in merging.model_classes(config, entry[layout.PEFT_CONFIG].get("task_type")):
+    saved_class = entry.get(layout.ADAPTED_CLASS)  # absent from older files: the likeliest classes are tried
+    for model_class in merging.model_classes(config, entry[layout.PEFT_CONFIG].get("task_type"), saved_class):
         plain = merging.meta_model(model_class, config)
         # each tensor's names in the plain model (several where tied): PEFT's injection keeps the tensors
         names_of: dict[int, list[str]] = {}

@@ -83,6 +83,7 @@ PEFT_KEYS = "keys"
 PROMPT_ENCODER = "prompt_encoder"
 NOT_IN_ADAPTER = "not_in_adapter"
 NOT_EXPORTABLE = "not_exportable"
+ADAPTED_CLASS = "adapted_class"  # the adapted model's class, ``module.QualName``; absent in older files
 
 
 # ---------------------------------------------------------------------------------------------- building
