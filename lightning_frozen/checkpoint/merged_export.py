@@ -118,20 +118,13 @@ def export_merged(
     """Write a Hugging Face model folder with the checkpoint's adapter merged into its base, for serving:
     ``AutoModel*.from_pretrained(output_dir)`` loads it without PEFT or DeepSpeed.
 
-    The folder holds safetensors shards of at most ``max_shard_size`` (with ``model.safetensors.index.json`` when
-    there are several), ``config.json`` with the weights' dtype, and every other file of the base folder (tokenizer,
-    generation config). The frozen weights are read from the base folder the checkpoint references (a hub id: its
-    snapshot in the local Hugging Face cache; ``base``: another folder, where the base moved), verified against its
-    fingerprint as they are read; each adapted layer is merged by PEFT's own per-layer ``merge`` in the base's
-    dtype, or in ``dtype`` (``"bfloat16"``, ``torch.float16``...); ``modules_to_save`` copies replace their originals
-    and fully trained params are written as trained. Tied weights stay tied unless the adapter changed one side. A
-    base stored as int8 or nf4 during training is merged into the folder's original weights.
-
-    Memory holds one adapted layer, the adapter and a few chunks of 32 MiB, not the model. The folder is written
-    whole: into a temporary folder beside ``output_dir``, renamed into place at the end, so a failure at any point
-    leaves ``output_dir`` as it was. An existing ``output_dir`` is replaced only when it holds nothing but an earlier
-    merged export. Of a run that trained several adapters at once, ``adapter`` names the one merged. Returns
-    ``output_dir``.
+    The folder holds safetensors shards of at most ``max_shard_size`` (with their index where there are several),
+    ``config.json`` with the weights' dtype (the base's, or ``dtype``: ``"bfloat16"``, ``torch.float16``...), and every
+    other file of the base folder. The frozen weights are read from the base folder the checkpoint references (a hub
+    id: its cached snapshot; ``base``: where the base moved), verified against its fingerprint as they are read.
+    Memory holds one adapted layer and the adapter, not the model. The folder is written whole, so a failure leaves
+    ``output_dir`` as it was; an existing one is replaced only when it holds an earlier merged export. Of a run that
+    trained several adapters at once, ``adapter`` names the one merged. Returns ``output_dir`` (docs/checkpoints.md).
 
     Raises:
         TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.
