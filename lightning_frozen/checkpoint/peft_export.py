@@ -51,10 +51,9 @@ def peft_entry(
 
     ``{"prefix", "adapter_name", "config", "keys": {our name: PEFT key}, "prompt_encoder": {encoder's own name: our
     name}, "not_in_adapter": [our names], "not_exportable": reason or None, "adapted_class": the adapted model's class
-    as ``module.QualName``}``. ``trainable_names`` and
-    ``buffer_names`` are the checkpoint's ``state_dict`` names (of the LightningModule); ``prefix`` is the PeftModel's
-    name in it. ``adapter_name`` defaults to the active adapter. Runs no part of the model: under ZeRO-3 its weights
-    are partitioned here.
+    as ``module.QualName``}``. ``trainable_names`` and ``buffer_names`` are the checkpoint's ``state_dict`` names (of
+    the LightningModule); ``prefix`` is the PeftModel's name in it. ``adapter_name`` defaults to the active adapter.
+    Runs no part of the model: under ZeRO-3 its weights are partitioned here.
     """
     adapter_name = adapter_name or peft_model.active_adapter
     peft_config = peft_model.peft_config[adapter_name]
