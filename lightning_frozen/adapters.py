@@ -134,9 +134,6 @@ class AdapterRows:
             start += size
         return found
 
-    def per_row(self) -> list[str]:
-        return [name for name, size in self.blocks for _ in range(size)]
-
 
 def _rows_of(batch: Any) -> Optional[int]:
     if isinstance(batch, torch.Tensor):

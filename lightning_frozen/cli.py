@@ -151,14 +151,7 @@ def _export_merged_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export_merged(options: argparse.Namespace) -> str:
-    written = lightning_frozen.export_merged(
-        options.checkpoint_path,
-        options.output_dir,
-        options.adapter,
-        options.dtype,
-        options.max_shard_size,
-        options.base,
-    )
+    written = lightning_frozen.export_merged(**vars(options))  # the options are named as its parameters
     return f"wrote {written} (load it with `AutoModel*.from_pretrained({str(written)!r})`)"
 
 

@@ -2,22 +2,10 @@
 
 The model states follow the physical limit that docs/benchmarks.md measures against: frozen weights cost their
 storage dtype / N per rank; each trainable element costs its weight, an fp32 master copy, its optimizer state and a
-gradient.
-On top of them ZeRO-3 needs two working buffers on the accelerator: the params of the running module, gathered
-whole, and a gradient bucket of ``reduce_bucket_size`` elements that it allocates up front. Activations depend
-on the batch and are not counted.
-
-Loading a base with ``from_pretrained`` in ``configure_model`` costs host memory per node rather than per rank: the
-frozen base once (the sum of the ranks' shards) plus, on every rank, what is in flight: ``zero.Init`` creates each
-module's own params whole before it partitions them (so the largest module, whole, in the compute dtype), the slice
-of one tensor read from the checkpoint, and the adapters, which PEFT builds whole, in fp32, outside ``zero.Init``.
-DeepSpeed's own estimators (``estimate_zero3_model_states_mem_needs_all_live``)
-count every parameter as trainable, which is exactly the cost frozen training avoids.
-
-A mixture-of-experts base (Mixtral, Qwen3-MoE, DeepSeek) holds every expert in its frozen shards, in ``frozen_dtype``
-like any frozen param, though only the top k of E run for a token: the estimate says how many params a token uses.
-transformers fuses a layer's experts into one tensor per projection (``mlp.experts.gate_up_proj`` [E, 2I, H],
-``down_proj``): one ZeRO-3 param, which a step gathers (and decodes, when quantized) whole, all E experts.
+gradient. On top, ZeRO-3's two working buffers on the accelerator: the running module's params gathered whole, and a
+gradient bucket of ``reduce_bucket_size`` elements allocated up front. Activations are not counted. DeepSpeed's own
+estimators (``estimate_zero3_model_states_mem_needs_all_live``) count every param as trainable, the very cost frozen
+training avoids. Loading in ``configure_model`` (host memory per node) and MoE bases: docs/large-models.md.
 """
 
 from __future__ import annotations

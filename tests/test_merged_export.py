@@ -209,6 +209,36 @@ def test_bert_classifier_with_modules_to_save_and_its_tokenizer(tmp_path: Path) 
     torch.testing.assert_close(ours.classifier.weight, copy)  # the trained copy replaced its original
 
 
+def test_the_class_recorded_at_save_is_built_and_an_older_file_is_guessed(tmp_path: Path) -> None:
+    folder = tmp_path / "bert"  # its config.json names BertModel, the class the module did not build
+    transformers.BertModel.from_pretrained(str(tiny_bert_folder())).save_pretrained(folder)
+    torch.manual_seed(0)
+    base = transformers.BertForSequenceClassification.from_pretrained(str(folder), num_labels=2)
+    lora = peft.LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"])  # no task type
+    checkpoint = write_checkpoint(Adapted(base, lora), tmp_path / "run.ckpt")
+    saved = torch.load(checkpoint, weights_only=True)
+    recorded = saved["frozen_base"]["peft"]["adapted_class"]
+    assert recorded == "transformers.models.bert.modeling_bert.BertForSequenceClassification"
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForSequenceClassification"]
+    theirs = peft_merged(transformers.BertForSequenceClassification, folder, checkpoint, tmp_path)
+    ours = transformers.BertForSequenceClassification.from_pretrained(str(out))
+    inputs = dict(input_ids=TOKENS % 100)
+    torch.testing.assert_close(logits(ours, **inputs), logits(theirs, **inputs), rtol=1e-5, atol=1e-5)
+
+    del saved["frozen_base"]["peft"]["adapted_class"]  # a file written before the class was recorded: guessed
+    torch.save(saved, tmp_path / "older.ckpt")
+    with pytest.raises(lightning_frozen.CheckpointFormatError, match="no model class of .* holds the tensors"):
+        lightning_frozen.export_merged(tmp_path / "older.ckpt", tmp_path / "guessed")  # BertModel, AutoModel: not it
+    llama = llama_folder(tmp_path / "llama")
+    module = Adapted(transformers.AutoModelForCausalLM.from_pretrained(str(llama)), peft.LoraConfig(target_modules=QV))
+    older = torch.load(write_checkpoint(module, tmp_path / "llama.ckpt"), weights_only=True)
+    del older["frozen_base"]["peft"]["adapted_class"]
+    torch.save(older, tmp_path / "llama-older.ckpt")
+    out = lightning_frozen.export_merged(tmp_path / "llama-older.ckpt", tmp_path / "llama-merged")  # config's class
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_tied_embeddings_stay_tied_unless_the_adapter_changed_one_side(tmp_path: Path, caplog: Any) -> None:
     folder = llama_folder(tmp_path / "tied", tie_word_embeddings=True)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(folder))

@@ -199,11 +199,6 @@ class ReadSums:
         return None if hashed is None else hashed.hexdigest()
 
 
-def values_checksum(values: torch.Tensor, start: int) -> list[int]:
-    """This rank's part of the checksum fingerprint of ``values``, the elements of a tensor from index ``start``."""
-    return Checksummer()(values, start)
-
-
 def _world_sum(sums: list[list[int]], distributed: bool) -> list[list[int]]:
     if not distributed:
         return sums

@@ -7,6 +7,7 @@ anything but tensors and containers (``weights_only=True``). Building the traina
 """
 
 import enum
+import functools
 import io
 import os
 import pickle
@@ -18,6 +19,7 @@ from typing import IO, Any, Optional, TypeVar, Union
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -230,29 +232,21 @@ def _all_but_trainable_copied(checkpoint: dict[str, Any]) -> dict[str, Any]:
     tensor after a resume (a callback's state, a scheduler's, a loop's) does not keep the file mapped, nor the pages
     of it that the resume read."""
 
+    copied = functools.partial(apply_to_collection, dtype=torch.Tensor, function=torch.Tensor.clone)
+
     def entry(value: Any) -> Any:
         if not isinstance(value, dict):
-            return _copied(value)
-        return {key: state if key == layout.OPTIMIZER_STATE else _copied(state) for key, state in value.items()}
+            return copied(value)
+        return {key: state if key == layout.OPTIMIZER_STATE else copied(state) for key, state in value.items()}
 
     return {
         key: value
         if key == layout.STATE_DICT
         else [entry(e) for e in value]
         if key == layout.OPTIMIZER_STATES and isinstance(value, list)
-        else _copied(value)
+        else copied(value)
         for key, value in checkpoint.items()
     }
-
-
-def _copied(obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {key: _copied(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copied(value) for value in obj)
-    return obj
 
 
 def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:

@@ -1,24 +1,18 @@
 """Export an adapter checkpoint as a merged Hugging Face model for serving, one tensor at a time.
 
-The model the run trained is built on the meta device from the base folder's ``config.json``, with the adapter
-injected as PEFT injects it, so it holds no memory. Its trained tensors come from the checkpoint; its frozen ones are
-read from the base folder the checkpoint references (by positioned reads, never the whole model), checksummed as they
-are read and verified against the checkpoint's fingerprint before the folder is published. Each tuner layer is merged
-on its own by PEFT's own ``merge`` (the calls of ``merge_and_unload``), with its base weights read just for it, then
-freed; every other tensor is copied through in chunks. Tensors are written as they come into safetensors shards whose
-headers are planned beforehand, so memory holds one tuner layer and a couple of chunks, not the model.
-
-Where transformers converts a base's tensors as it loads them (a MoE layer's experts, one tensor each in the folder,
-fused into one), the converted tensor is built from its folder tensors, read one at a time, by transformers' own
-converter, merged as a whole (PEFT merges the fused tensor), and written back by transformers' own reversal, under the
-keys and in the layout ``save_pretrained`` writes (one tensor per expert again); every output name goes through that
-reversal, so renamed legacy keys come back as ``save_pretrained`` writes them too.
+The adapted model is built on the meta device and holds no memory; its trained tensors come from the checkpoint, its
+frozen ones from the base folder by positioned reads, checksummed as read and verified against the fingerprint before
+the folder is published. Each tuner layer is merged by PEFT's own ``merge`` with its base weights read just for it;
+other tensors are copied through in chunks, into shards whose headers are planned beforehand. A tensor transformers
+converts at load (a MoE's fused experts) is built, merged and written back through transformers' own converter and
+reversal (``hf/merging.py``), under the keys ``save_pretrained`` writes.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -86,7 +80,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -124,20 +118,13 @@ def export_merged(
     """Write a Hugging Face model folder with the checkpoint's adapter merged into its base, for serving:
     ``AutoModel*.from_pretrained(output_dir)`` loads it without PEFT or DeepSpeed.
 
-    The folder holds safetensors shards of at most ``max_shard_size`` (with ``model.safetensors.index.json`` when
-    there are several), ``config.json`` with the weights' dtype, and every other file of the base folder (tokenizer,
-    generation config). The frozen weights are read from the base folder the checkpoint references (a hub id: its
-    snapshot in the local Hugging Face cache; ``base``: another folder, where the base moved), verified against its
-    fingerprint as they are read; each adapted layer is merged by PEFT's own per-layer ``merge`` in the base's
-    dtype, or in ``dtype`` (``"bfloat16"``, ``torch.float16``...); ``modules_to_save`` copies replace their originals
-    and fully trained params are written as trained. Tied weights stay tied unless the adapter changed one side. A
-    base stored as int8 or nf4 during training is merged into the folder's original weights.
-
-    Memory holds one adapted layer, the adapter and a few chunks of 32 MiB, not the model. The folder is written
-    whole: into a temporary folder beside ``output_dir``, renamed into place at the end, so a failure at any point
-    leaves ``output_dir`` as it was. An existing ``output_dir`` is replaced only when it holds nothing but an earlier
-    merged export. Of a run that trained several adapters at once, ``adapter`` names the one merged. Returns
-    ``output_dir``.
+    The folder holds safetensors shards of at most ``max_shard_size`` (with their index where there are several),
+    ``config.json`` with the weights' dtype (the base's, or ``dtype``: ``"bfloat16"``, ``torch.float16``...), and every
+    other file of the base folder. The frozen weights are read from the base folder the checkpoint references (a hub
+    id: its cached snapshot; ``base``: where the base moved), verified against its fingerprint as they are read.
+    Memory holds one adapted layer and the adapter, not the model. The folder is written whole, so a failure leaves
+    ``output_dir`` as it was; an existing one is replaced only when it holds an earlier merged export. Of a run that
+    trained several adapters at once, ``adapter`` names the one merged. Returns ``output_dir`` (docs/checkpoints.md).
 
     Raises:
         TypeError: ``checkpoint_path`` or ``output_dir`` is not a path.
@@ -300,8 +287,8 @@ def _adapted_model(
     stored: Mapping[str, Any],
     source: Path,
 ) -> _Adapted:
-    """The :class:`_Adapted` model of the checkpoint: of the folder's model classes, the one whose tensors are the
-    checkpoint's (its fingerprint and trained names).
+    """The :class:`_Adapted` model of the checkpoint: of the class it recorded, or else of the folder's model classes
+    the one whose tensors are the checkpoint's (its fingerprint and trained names).
 
     Raises:
         CheckpointFormatError: no model class of the folder has the checkpoint's tensors.
@@ -324,7 +311,8 @@ def _adapted_model(
         )
     peft_configs = {name: other[layout.PEFT_CONFIG] for name, other in entries.items()}
     differences = []
-    for model_class in merging.model_classes(config, entry[layout.PEFT_CONFIG].get("task_type")):
+    saved_class = entry.get(layout.ADAPTED_CLASS)  # absent from older files: the likeliest classes are tried
+    for model_class in merging.model_classes(config, entry[layout.PEFT_CONFIG].get("task_type"), saved_class):
         plain = merging.meta_model(model_class, config)
         # each tensor's names in the plain model (several where tied): PEFT's injection keeps the tensors
         names_of: dict[int, list[str]] = {}
@@ -573,13 +561,6 @@ class _Plan:
         return path, at.offset
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 def _shards(items: list[_Item], limit: int) -> list[tuple[str, list[_Tensor]]]:
     """The output tensors in shards of at most ``limit`` bytes (a larger tensor alone), named as ``save_pretrained``
     names them."""
@@ -689,7 +670,7 @@ def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[tupl
         for experts in item.experts:
             for tensor, start in (run for runs in experts.runs for run in runs):
                 path, at = plan.stored[tensor.name]
-                reads.append(slice_reads.SliceRead(path, tensor.name, 0, _numel(at.shape)))
+                reads.append(slice_reads.SliceRead(path, tensor.name, 0, math.prod(at.shape)))
                 counted.append((experts.tensor, start) if experts.tensor.record is not None else None)
         if item.experts:
             continue
@@ -700,11 +681,11 @@ def _reads(plan: _Plan) -> tuple[list[slice_reads.SliceRead], list[Optional[tupl
             if tensor.conversion is not None:
                 for key in tensor.conversion.keys:
                     path, at = plan.stored[key]
-                    reads.append(slice_reads.SliceRead(path, key, 0, _numel(at.shape)))
+                    reads.append(slice_reads.SliceRead(path, key, 0, math.prod(at.shape)))
                     counted.append(None)
                 continue
             path, at = plan.stored[tensor.folder_key]
-            numel = _numel(at.shape)
+            numel = math.prod(at.shape)
             step = numel if item.unit is not None else CHUNK_ELEMENTS
             starts = range(0, numel, step) if numel else range(1)
             reads += [slice_reads.SliceRead(path, tensor.folder_key, s, min(step, numel - s)) for s in starts]
@@ -753,7 +734,7 @@ def _write_by_expert(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor], w
     that expert added (as PEFT's merge adds the whole delta, in the converted tensor's dtype), written as read."""
     for experts in item.experts:
         delta_of = merging.expert_delta(experts.wrapper, plan.adapter) if experts.wrapper is not None else None
-        size = _numel(experts.tensor.shape[1:])
+        size = math.prod(experts.tensor.shape[1:])
         for expert, runs in enumerate(experts.runs):
             delta = None if delta_of is None else delta_of(expert).reshape(-1).to(experts.tensor.dtype)
             for tensor, start in runs:
@@ -779,7 +760,7 @@ def _converted(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor]) -> 
 def _copy_through(tensor: _Tensor, output: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
     """A tensor of the base folder, chunk by chunk (counted in the fingerprint as they were read): cast, written under
     its output name."""
-    start, numel = 0, _numel(tensor.shape)
+    start, numel = 0, math.prod(tensor.shape)
     while True:
         values = next(slices)
         writer.write(output.name, values.to(output.dtype))

@@ -50,13 +50,14 @@ def peft_entry(
     """What the checkpoint keeps to export later, in plain types (``weights_only``-loadable).
 
     ``{"prefix", "adapter_name", "config", "keys": {our name: PEFT key}, "prompt_encoder": {encoder's own name: our
-    name}, "not_in_adapter": [our names], "not_exportable": reason or None}``. ``trainable_names`` and
-    ``buffer_names`` are the checkpoint's ``state_dict`` names (of the LightningModule); ``prefix`` is the PeftModel's
-    name in it. ``adapter_name`` defaults to the active adapter. Runs no part of the model: under ZeRO-3 its weights
-    are partitioned here.
+    name}, "not_in_adapter": [our names], "not_exportable": reason or None, "adapted_class": the adapted model's class
+    as ``module.QualName``}``. ``trainable_names`` and ``buffer_names`` are the checkpoint's ``state_dict`` names (of
+    the LightningModule); ``prefix`` is the PeftModel's name in it. ``adapter_name`` defaults to the active adapter.
+    Runs no part of the model: under ZeRO-3 its weights are partitioned here.
     """
     adapter_name = adapter_name or peft_model.active_adapter
     peft_config = peft_model.peft_config[adapter_name]
+    adapted_model = peft_model.get_base_model()
     lead = f"{prefix}." if prefix else ""
     ours = [name for name in trainable_names if name.startswith(lead)]
     probe = {name[len(lead) :]: torch.empty(0) for name in [*ours, *(b for b in buffer_names if b.startswith(lead))]}
@@ -99,6 +100,7 @@ def peft_entry(
         layout.PROMPT_ENCODER: encoder,
         layout.NOT_IN_ADAPTER: sorted(set(trainable_names) - in_adapter),
         layout.NOT_EXPORTABLE: not_exportable,
+        layout.ADAPTED_CLASS: f"{type(adapted_model).__module__}.{type(adapted_model).__qualname__}",
     }
 
 

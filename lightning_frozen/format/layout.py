@@ -83,6 +83,7 @@ PEFT_KEYS = "keys"
 PROMPT_ENCODER = "prompt_encoder"
 NOT_IN_ADAPTER = "not_in_adapter"
 NOT_EXPORTABLE = "not_exportable"
+ADAPTED_CLASS = "adapted_class"  # the adapted model's class, ``module.QualName``; absent in older files
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -240,16 +241,10 @@ def hyper_parameters_of(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return dict(checkpoint.get(HYPER_PARAMETERS) or {})
 
 
-def saved_optimizer_state(checkpoint: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
-    """The first ``optimizer_states`` entry, None in a weights-only file."""
-    entries = checkpoint.get(OPTIMIZER_STATES) or []
-    return entries[0] if entries else None
-
-
 def saved_param_groups(checkpoint: Mapping[str, Any]) -> Optional[list[dict[str, Any]]]:
     """The saved optimizer's param groups (hyper-parameters and param names), None when the file has none."""
-    entry = saved_optimizer_state(checkpoint)
-    return None if entry is None else entry.get(PARAM_GROUPS)
+    entries = checkpoint.get(OPTIMIZER_STATES) or []
+    return entries[0].get(PARAM_GROUPS) if entries else None
 
 
 def check_optimizer_entry(entry: Mapping[str, Any]) -> None:

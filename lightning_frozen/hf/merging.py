@@ -58,11 +58,15 @@ def cached_snapshot(reference: str) -> Optional[Path]:
         return None
 
 
-def model_classes(config: Any, task_type: Optional[str]) -> list[Any]:
-    """The classes a module may have built from a folder of ``config``, likeliest first: the one of the adapter's task
-    type, those the folder names (``architectures``), the bare model."""
+def model_classes(config: Any, task_type: Optional[str], recorded: Optional[str] = None) -> list[Any]:
+    """The class the checkpoint ``recorded`` (``module.QualName``) where transformers has it; else the classes a
+    module may have built from a folder of ``config``, likeliest first: the one of the adapter's task type, those the
+    folder names (``architectures``), the bare model."""
     import transformers
 
+    module, _, name = (recorded or "").rpartition(".")
+    if module.startswith("transformers.") and isinstance(getattr(transformers, name, None), type):
+        return [getattr(transformers, name)]
     names = [TASK_MODEL_CLASSES[task_type]] if task_type in TASK_MODEL_CLASSES else []
     names += [name for name in getattr(config, "architectures", None) or [] if hasattr(transformers, name)]
     names.append("AutoModel")

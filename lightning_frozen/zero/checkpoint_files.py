@@ -13,7 +13,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
+from unittest import mock
 
 import torch
 
@@ -43,28 +44,17 @@ def read_model_states(files: list[str]) -> list[Any]:
     parses them from the model-state ``files``, loaded ``weights_only`` (allow :func:`pickled_classes` around it)."""
     from deepspeed.utils import zero_to_fp32
 
-    # its `torch.load(..., weights_only=False)` made weights_only: torch reads the override from the environment
-    with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
+    with _weights_only_loads():
         return zero_to_fp32.parse_model_states(files)
 
 
 @contextmanager
-def _environment(**changes: Optional[str]) -> Iterator[None]:
-    """Set (or, for None, remove) environment variables for the duration of the block, then restore them."""
-    saved = {name: os.environ.get(name) for name in changes}
-    try:
-        _set_environment(changes)
+def _weights_only_loads() -> Iterator[None]:
+    """``zero_to_fp32``'s ``torch.load(..., weights_only=False)`` made weights_only for the duration of the block:
+    torch reads the override from the environment, restored on exit."""
+    with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         yield
-    finally:
-        _set_environment(saved)
-
-
-def _set_environment(values: dict[str, Optional[str]]) -> None:
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def read_fp32_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -74,7 +64,7 @@ def read_fp32_tensors(folder: Path) -> dict[str, torch.Tensor]:
     :func:`pickled_classes` around it)."""
     from deepspeed.utils import zero_to_fp32
 
-    with _environment(TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=None):
+    with _weights_only_loads():
         return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
 
 

@@ -81,15 +81,9 @@ def initialize_engine(
 ) -> tuple[Any, Any]:
     """Partition and place the model's params as ``spec`` says, on ``where.device``, then ``deepspeed.initialize`` over
     them (a training engine when ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen
-    params stay 1/N shards afterwards (see :func:`release_frozen_persistence`), quantized when ``spec.frozen_dtype``
-    says so; ``loaded`` (what the sliced loader stored) is settled first and keeps the source values. ZeRO-3's trace
-    is reset once per outermost call of ``model``, so a step that calls ``self(x)`` prefetches
-    (:func:`forward_trace.reset_trace_at_outermost_call`). An optimizer's param groups keep their indices, empty ones
-    included (:func:`keep_empty_groups`). Each module of ``read_outside_forward`` fetches the params it reads without
-    calling the modules that hold them (PEFT's ParamWrapper), and ZeRO-3's leaf modules are settled for them and for
-    trainable params (:func:`settle_leaf_modules`). How the frozen shards compute on ``where.device`` (on the CPU,
-    defaults for ZeRO-3's gather bounds the user left unset, codes shared and computed from) is the run's
-    ``compute``'s (``zero/frozen_compute.py``).
+    params stay 1/N shards afterwards, quantized when ``spec.frozen_dtype`` says so; ``loaded`` (what the sliced loader
+    stored) is settled first. Each module of ``read_outside_forward`` (PEFT's ParamWrapper) fetches the params it
+    reads without calling the modules that hold them.
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -137,17 +131,10 @@ def settle_leaf_modules(model: nn.Module, config: dict, read_outside_forward: Se
     own choice, less those that hold trainable params, plus each module that holds a frozen param another module
     reads (``read_outside_forward``).
 
-    DeepSpeed makes some modules leaves (by default the sparse MoE blocks of Mixtral, Qwen2-MoE and Qwen3-MoE): a leaf
-    fetches all its params itself, and the gradients of its trainable ones are reduced by a full backward hook on it.
-    That hook fires once the gradients of the leaf's inputs are computed, or, when none of its inputs requires grad
-    (the first MoE block when LoRA trains only the experts), as soon as its outputs' gradients arrive: before the
-    leaf's params are gathered for the backward and before its LoRA gradients exist. It then reduces zero gradients
-    the size of the shard (empty), and the real gradient cannot accumulate onto them.
-
-    A module whose param PEFT's ParamWrapper reads (the fused experts) holds it in a parametrization during its own
-    forward and directly after; ZeRO-3 builds the prefetch trace from the params a module holds after the step, so
-    only a leaf (its params counted with its submodules', the parametrization's included) fetches the same params
-    in the trace and in the step.
+    A leaf's trainable gradients are reduced by a full backward hook on it, which fires before its LoRA gradients
+    exist when none of its inputs requires grad (the first MoE block with LoRA on the experts alone): it then reduces
+    empty ones. A module whose param a ParamWrapper reads holds it in a parametrization only during and after its
+    forward, so only as a leaf does it fetch the same params in ZeRO-3's prefetch trace and in the step.
     """
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_module, z3_leaf_module
@@ -170,13 +157,9 @@ def settle_leaf_modules(model: nn.Module, config: dict, read_outside_forward: Se
 
 
 def place_shards(model: nn.Module, device: torch.device, offload_frozen: bool, dtype: torch.dtype) -> None:
-    """Put each ZeRO-3 shard where it belongs, in the compute ``dtype``: frozen ones in CPU memory if
-    ``offload_frozen``, else on ``device``; trainable ones on ``device``.
-
-    Params built under ``deepspeed.zero.Init`` (``configure_model``) keep the placement and dtype they were built
-    with (a bf16 checkpoint stays bf16 under fp32 training), and DeepSpeed moves neither them nor the module later
-    ("zero.Init handles device placement"); its ZeRO-3 optimizer needs every trainable shard in one dtype.
-    """
+    """Put each ZeRO-3 shard where :func:`shard_device` says, in the compute ``dtype``: params built under
+    ``zero.Init`` keep the placement and dtype they were built with, which DeepSpeed never changes, and its ZeRO-3
+    optimizer needs every trainable shard in one dtype."""
     for param in model.parameters():
         if not is_partitioned(param):
             continue
@@ -195,12 +178,8 @@ def shard_device(param: nn.Parameter, device: torch.device, offload_frozen: bool
 
 
 def place_buffers(model: nn.Module, device: torch.device) -> None:
-    """Move every buffer (and torchmetrics state) of ``model`` to ``device``, leaving params alone.
-
-    DeepSpeed skips ``module.to(device)`` for a model whose params are already ZeRO-3 params, and Lightning does
-    not move it either, so without this BERT's ``position_ids``, BatchNorm statistics or rotary ``inv_freq`` would
-    stay where the model was built.
-    """
+    """Move every buffer (and torchmetrics state) of ``model`` to ``device``, leaving params alone: DeepSpeed skips
+    ``module.to(device)`` for a model whose params are ZeRO-3 params already, and Lightning does not move it either."""
     for module in model.modules():
         if _is_metric(module):
             module.to(device)  # torchmetrics keeps its states outside the buffers and moves them in `_apply`
@@ -216,12 +195,8 @@ def _is_metric(module: nn.Module) -> bool:
 
 
 def partition_frozen_and_trainable(model: nn.Module, config: dict, spec: StrategySpec) -> None:
-    """Turn the model's params into ZeRO-3 shards: frozen ones in CPU memory if ``spec.offload_frozen`` (pinned with
-    ``spec.pin_memory``).
-
-    Params already partitioned (built under ``deepspeed.zero.Init``) keep their placement. With
-    ``offload_param`` in the config DeepSpeed offloads everything itself and nothing is done here.
-    """
+    """Turn the model's params not yet partitioned into ZeRO-3 shards: frozen ones in CPU memory if
+    ``spec.offload_frozen`` (pinned with ``spec.pin_memory``). With ``offload_param`` DeepSpeed offloads them all."""
     import deepspeed
 
     if not spec.offload_frozen or spec.offload_param:
@@ -249,12 +224,9 @@ def partition_frozen_and_trainable(model: nn.Module, config: dict, spec: Strateg
 
 
 def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
-    """Keep frozen params as 1/N shards at all times.
-
-    ZeRO-3 keeps small params (below ``stage3_param_persistence_threshold``) gathered whole on every rank after
-    their first use. That speeds up small trainable params, but a frozen one would then be held in full on every
-    rank, so frozen params are taken out of the persistent set and re-partitioned.
-    """
+    """Keep frozen params as 1/N shards at all times: ZeRO-3 keeps small params (below
+    ``stage3_param_persistence_threshold``) whole on every rank after their first use, which only pays for trainable
+    ones."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     persistent = getattr(param_offload(engine), "persistent_parameters", None) if available(TRACE) else None
@@ -282,11 +254,8 @@ def destroy_engine(engine: Any, model: nn.Module, refrozen: list[nn.Parameter], 
 
 
 def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
-    """Give params that just stopped training shards of their own (in CPU memory if ``offload``).
-
-    A trainable param's shard is a view into its ZeRO optimizer's flat buffer; once frozen it must not keep that
-    buffer alive, nor stay on the accelerator when frozen shards are offloaded.
-    """
+    """Give params that just stopped training shards of their own (in CPU memory if ``offload``): a trainable shard
+    is a view into its ZeRO optimizer's flat buffer, which a frozen one must not keep alive."""
     for param in params:
         if is_partitioned(param):
             device = torch.device("cpu") if offload else param.ds_tensor.device

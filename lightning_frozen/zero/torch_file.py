@@ -19,10 +19,11 @@ import re
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import IO, Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_frozen.errors import CheckpointFormatError
 
@@ -103,27 +104,16 @@ def _untouched_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(obj, torch.Tensor, found.append)
+    return found
 
 
 def with_values(obj: Any, by_id: dict[int, torch.Tensor]) -> Any:
-    """``obj`` with each tensor whose ``id`` is a key of ``by_id`` replaced by its value there (dicts, lists and
-    tuples copied, everything else shared)."""
-    if torch.is_tensor(obj):
-        return by_id.get(id(obj), obj)
-    if isinstance(obj, dict):
-        return {key: with_values(value, by_id) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(with_values(value, by_id) for value in obj)
-    return obj
+    """``obj`` with each tensor whose ``id`` is a key of ``by_id`` replaced by its value there (containers copied,
+    everything else shared)."""
+    return apply_to_collection(obj, torch.Tensor, lambda tensor: by_id.get(id(tensor), tensor))
 
 
 def _places(saved: Any, handle: IO[bytes]) -> list[tuple[torch.Tensor, int]]:

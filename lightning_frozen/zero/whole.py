@@ -1,12 +1,8 @@
 """``unshard``: a module whose params are ZeRO-3 shards made an ordinary torch module again, with whole tensors.
 
-After a run the module keeps its ZeRO-3 shards (a next ``fit`` or ``validate`` on it uses them as they are, and the
-whole base would not fit in one rank's memory for the models the package is for). Each ZeRO-3 param holds DeepSpeed's
-state (its process group among it), so ``torch.save(module)`` fails on it as after stock Lightning DeepSpeed, and its
-``data`` is an empty placeholder. :func:`unshard` gathers each param once, decodes a quantized frozen one to its
-compute dtype, and puts a plain ``nn.Parameter`` with the whole values in its place (tied params stay tied); the
-attributes ZeRO-3 set on the modules go (those its engine's build added, recorded then, and those its hooks set in a
-forward), and their param dicts are plain ones again.
+After a run the module keeps its shards (a next ``fit`` uses them, and the whole base would not fit one rank's memory
+for the models the package is for); each still holds DeepSpeed's state, so ``torch.save(module)`` fails on it as after
+stock Lightning DeepSpeed. The attributes ZeRO-3 set on the modules are taken off by what its engine's build added.
 """
 
 from __future__ import annotations
