@@ -31,22 +31,23 @@ def _experts(kind: str) -> nn.Module:
     return AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
 
 
-def _coded_experts(experts: nn.Module, layers: coded_linear.CodedLayers) -> dict[str, torch.Tensor]:
-    """Give ``experts`` NF4-coded fused params as a 2-rank gather leaves them; return their decoded values."""
+def _coded_experts(experts: nn.Module, frozen_dtype: str, layers: coded_linear.CodedLayers) -> dict[str, torch.Tensor]:
+    """Give ``experts`` fused params coded as ``frozen_dtype``, as a 2-rank gather leaves them; return their decoded
+    values."""
     decoded = {}
     for name in coded_experts.FUSED:
         weight = getattr(experts, name).detach()
-        param = coded_weight(weight, "nf4", layers)
+        param = coded_weight(weight, frozen_dtype, layers)
         param.ds_tensor = torch.empty(1)  # a shard in CPU memory
         rows, numel, _ = layers.held_codes(param)
-        decoded[name] = codec.decode(rows, numel, "nf4")[: weight.numel()].view_as(weight)
+        decoded[name] = codec.decode(rows, numel, frozen_dtype)[: weight.numel()].view_as(weight)
         setattr(experts, name, param)
     return decoded
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(("kind", "frozen_dtype"), [("qwen3_moe", "nf4"), ("mixtral", "nf4"), ("qwen3_moe", "int8")])
 def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_weights(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, frozen_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # tiles of 3 rows: tiles straddle NF4's 64-weight blocks, the experts' matrices and the two shards
     monkeypatch.setattr(coded_linear, "TILE_ROWS", 3)
@@ -54,7 +55,7 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
     reference = _experts(kind)
     layers = coded_linear.CodedLayers()
     experts = _experts(kind)
-    decoded = _coded_experts(experts, layers)
+    decoded = _coded_experts(experts, frozen_dtype, layers)
     for name, values in decoded.items():
         setattr(reference, name, nn.Parameter(values, requires_grad=False))
     hidden = torch.randn(10, TINY_LLAMA["hidden_size"])
