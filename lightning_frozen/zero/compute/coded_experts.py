@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -37,15 +37,37 @@ LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "h
 NO_POST_NORM = "has_post_expert_norm"
 
 
+class ParamLora(Protocol):
+    """LoRA on a param itself (PEFT's ``ParamWrapper``, ``target_parameters``) as the routed experts read it: the hf
+    seam's (``hf/peft_adapters.PARAM_LORA``), handed down, since this floor reads no PEFT name."""
+
+    def target(self, module: nn.Module) -> Optional[str]:
+        """The name of the param ``module`` adds LoRA to, if it is such a wrapper."""
+
+    def wrapped(self, wrapper: nn.Module) -> nn.Module:
+        """The module ``wrapper`` wraps."""
+
+    def factorable(self, wrapper: nn.Module, kwargs: dict) -> bool:
+        """Whether a forward of ``wrapper`` called with ``kwargs`` adds at most one adapter, as its factors."""
+
+    def factors(self, wrapper: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+        """``(lhs, rhs, scaling)``: the active adapter adds ``scaling * lhs @ rhs`` to the param; None: none does."""
+
+
 def compute_experts_from_codes(
-    layers: CodedLayers, model: nn.Module, frozen_dtype_of: Callable[[nn.Parameter], Optional[str]]
+    layers: CodedLayers,
+    model: nn.Module,
+    frozen_dtype_of: Callable[[nn.Parameter], Optional[str]],
+    param_lora: Optional[ParamLora] = None,
 ) -> int:
     """Make every eligible fused-experts module of ``model`` compute only its routed experts from their gathered codes,
     with the run's ``layers``; return how many.
 
     Eligible: a module holding ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] in the layout above, both stored
-    quantized in CPU memory (``frozen_dtype_of``) and held by it alone, inside no PEFT ``ParamWrapper``. Safe to call
-    again. Where transformers' names moved (capability ``ROUTED_EXPERTS``), none: they are decoded whole.
+    quantized in CPU memory (``frozen_dtype_of``) and held by it alone, wrapped by nothing but ``param_lora``'s wrappers
+    of those two params (LoRA on the experts: the wrappers' forwards hand their LoRA factors down instead of adding a
+    delta to the whole param; without ``param_lora``, not wrapped at all). Safe to call again. Where transformers'
+    names moved (capability ``ROUTED_EXPERTS``), none: they are decoded whole.
     """
     uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
     parents = {id(child): module for module in model.modules() for child in module.children()}
@@ -56,13 +78,66 @@ def compute_experts_from_codes(
             continue
         if any(not layers.eligible(w, frozen_dtype_of(w), uses[id(w)]) for w in weights):
             continue
-        if hasattr(parents.get(id(module)), "parameter_name"):  # PEFT's ParamWrapper adds a delta to the whole param
+        wrappers = _lora_wrappers(module, parents, param_lora)
+        if wrappers is None or not available(ROUTED_EXPERTS):
             continue
-        if not available(ROUTED_EXPERTS):
-            return done
-        if layers.replace_forward(module, functools.partial(_routed_forward, layers, tuple(weights)), weights):
-            done += 1
+        pending: dict[str, dict] = {}  # the LoRA factors the wrappers hand down, for one forward
+        if not layers.replace_forward(
+            module, functools.partial(_routed_forward, layers, tuple(weights), pending), weights
+        ):
+            continue
+        for wrapper in wrappers:
+            layers.replace_forward(wrapper, functools.partial(_wrapper_forward, param_lora, wrappers, pending), [])
+        done += 1
     return done
+
+
+def _lora_wrappers(
+    module: nn.Module, parents: dict[int, nn.Module], param_lora: Optional[ParamLora]
+) -> Optional[list[nn.Module]]:
+    """The LoRA wrappers of ``param_lora`` around ``module``, outermost first (none: ``[]``), or None where one of
+    them targets another param, or where ``module`` is wrapped and there is no ``param_lora`` to read the wrapper."""
+    wrappers: list[nn.Module] = []
+    parent = parents.get(id(module))
+    while param_lora is not None and (target := param_lora.target(parent)) is not None:
+        if target not in FUSED:
+            return None
+        wrappers.insert(0, parent)
+        parent = parents.get(id(parent))
+    return None if hasattr(parent, "parameter_name") else wrappers  # a wrapper of another kind, or unread
+
+
+def _wrapper_forward(
+    param_lora: ParamLora,
+    wrappers: list[nn.Module],
+    pending: dict[str, dict],
+    self: nn.Module,
+    x: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A LoRA wrapper around routed experts: where every wrapper adds at most one adapter, as its factors, each hands
+    its factors down and calls the module it wraps (ZeRO-3's hooks so fetch what each holds); else PEFT's forward."""
+    if self is wrappers[0]:
+        if not all(param_lora.factorable(wrapper, kwargs) for wrapper in wrappers):
+            return type(self).forward(self, x, *args, **kwargs)
+        pending["factors"] = {}
+        try:
+            return _hand_down(param_lora, self, pending["factors"], x, *args, **kwargs)
+        finally:
+            pending.pop("factors", None)
+    if "factors" not in pending:
+        return type(self).forward(self, x, *args, **kwargs)
+    return _hand_down(param_lora, self, pending["factors"], x, *args, **kwargs)
+
+
+def _hand_down(
+    param_lora: ParamLora, wrapper: nn.Module, factors: dict, x: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    found = param_lora.factors(wrapper)
+    if found is not None:
+        factors[param_lora.target(wrapper)] = found
+    return param_lora.wrapped(wrapper)(x, *args, **kwargs)
 
 
 def _fused_layout(module: nn.Module, gate_up: nn.Parameter, down: nn.Parameter) -> bool:
@@ -79,12 +154,14 @@ def _fused_layout(module: nn.Module, gate_up: nn.Parameter, down: nn.Parameter) 
 def _routed_forward(
     layers: CodedLayers,
     weights: tuple[nn.Parameter, nn.Parameter],
+    pending: dict[str, dict],
     self: nn.Module,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """transformers' eager experts forward, each routed expert computed from its codes (see the module's doc)."""
+    """transformers' eager experts forward, each routed expert computed from its codes, plus the LoRA factors the
+    wrappers around it handed down (see the module's doc)."""
     gate_up, down = weights
     if (
         parametrize.is_parametrized(self)
@@ -94,6 +171,7 @@ def _routed_forward(
         for weight in weights:
             layers.decode_whole(weight)
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    factors = pending.get("factors", {})
     experts = gate_up.ds_shape[0]
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():  # the experts hit, as the eager forward finds them (index `experts` marks none)
@@ -103,8 +181,21 @@ def _routed_forward(
         if expert == experts:
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert])
-        projected = CodedMatmul.apply(hidden_states[token_idx], gate_up, layers, expert)
-        current = CodedMatmul.apply(self._apply_gate(projected), down, layers, expert)
+        current = hidden_states[token_idx]
+        projected = _expert_matmul(current, gate_up, layers, expert, factors.get(FUSED[0]))
+        current = _expert_matmul(self._apply_gate(projected), down, layers, expert, factors.get(FUSED[1]))
         current = current * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
+
+
+def _expert_matmul(
+    input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers, expert: int, factors: Optional[tuple]
+) -> torch.Tensor:
+    """``input @ (weight[expert] + scaling * lhs[expert] @ rhs[expert]).T``, the LoRA term (PEFT's factors, if any) as
+    two thin matmuls instead of a delta the size of the weight."""
+    output = CodedMatmul.apply(input, weight, layers, expert)
+    if factors is None:
+        return output
+    lhs, rhs, scaling = factors
+    return output + (input @ rhs[expert].transpose(0, 1)) @ lhs[expert].transpose(0, 1) * scaling

@@ -88,13 +88,14 @@ class CodedLayers:
         """Make ``module`` compute with ``forward`` (called as ``forward(module, *args)``) from the codes of ``weights``
         until :meth:`end_of_run`; return False where a forward of the user's own is on the instance (it may read the
         weights whole) and nothing changed. Safe to call again."""
-        if "forward" in vars(module) and not any(layer is module for layer in self._layers):
+        if any(layer is module for layer in self._layers):
+            return True
+        if "forward" in vars(module):
             return False
-        if any(weight not in self._coded for weight in weights):
-            for weight in weights:
-                self._coded[weight] = True
-            module.forward = types.MethodType(forward, module)
-            self._layers.append(module)
+        for weight in weights:
+            self._coded[weight] = True
+        module.forward = types.MethodType(forward, module)
+        self._layers.append(module)
         return True
 
     @staticmethod
