@@ -11,10 +11,12 @@ does the same for the input's gradient. The rest is transformers' eager forward 
 module's own gate (``_apply_gate``), the same weighting and sum.
 
 Only the layout transformers' ``use_experts_implementation`` calls concatenated, untransposed, without bias or a norm
-after each expert (Mixtral, Qwen2/3-MoE, DeepSeek-V3, ...), whose fused params no PEFT ``ParamWrapper`` reads (LoRA on
-the experts themselves, ``target_parameters``: it adds its delta to the whole param, so that layer is decoded whole as
-before). A forward that meets its params parametrized, gathered whole, or under CPU autocast decodes them whole and
-runs the class's own forward.
+after each expert (Mixtral, Qwen2/3-MoE, DeepSeek-V3, ...). LoRA on the experts themselves (PEFT's ``ParamWrapper``,
+``target_parameters``) adds ``scaling * lhs @ rhs`` to the whole fused param, every expert, in each forward; here each
+wrapper hands its factors down instead, and a routed expert adds ``x @ rhs[e].T @ lhs[e].T * scaling`` beside its own
+matmul (a wrapper with several active adapters, merged or disabled runs PEFT's forward, and the layer decodes whole).
+A forward that meets its params parametrized, gathered whole, or under CPU autocast decodes them whole and runs the
+class's own forward.
 """
 
 from __future__ import annotations
