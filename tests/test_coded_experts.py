@@ -135,6 +135,11 @@ def test_lora_on_the_routed_experts_computes_what_peft_computes_from_the_decoded
         # up to the order of fp32 sums: PEFT adds scaling * lhs @ rhs to the weight, ours adds two thin matmuls
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert torch.isnan(experts.gate_up_proj).all()  # never decoded whole
+    for name in coded_experts.FUSED:  # gathered whole (GatheredParameters, gather-once generate): LoRA still added
+        layers.decode_whole(getattr(experts, name))
+    with torch.no_grad():
+        whole = model.base_model.model["experts"](hidden, index, routing)
+    torch.testing.assert_close(whole, results[1][0], rtol=1e-4, atol=1e-5)
 
 
 def test_only_fused_experts_in_the_concatenated_layout_are_computed_from_codes() -> None:

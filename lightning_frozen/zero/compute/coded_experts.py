@@ -43,7 +43,7 @@ class ParamLora(Protocol):
     """LoRA on a param itself (PEFT's ``ParamWrapper``, ``target_parameters``) as the routed experts read it: the hf
     seam's (``hf/peft_adapters.PARAM_LORA``), handed down, since this floor reads no PEFT name."""
 
-    def target(self, module: nn.Module) -> Optional[str]:
+    def target(self, module: Optional[nn.Module]) -> Optional[str]:
         """The name of the param ``module`` adds LoRA to, if it is such a wrapper."""
 
     def wrapped(self, wrapper: nn.Module) -> nn.Module:
@@ -163,15 +163,16 @@ def _routed_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers' eager experts forward, each routed expert computed from its codes, plus the LoRA factors the
-    wrappers around it handed down (see the module's doc)."""
+    wrappers around it handed down (see the module's doc). Gathered whole (``GatheredParameters``, gather-once
+    ``generate``) or under autocast, the same loop over the whole weights, the factors still added; parametrized (PEFT
+    added its delta itself), the class's own forward."""
     gate_up, down = weights
-    if (
-        parametrize.is_parametrized(self)
-        or torch.is_autocast_enabled(hidden_states.device.type)
-        or any(layers.held_codes(weight) is None for weight in weights)
-    ):
+    coded = not torch.is_autocast_enabled(hidden_states.device.type)
+    coded = coded and all(layers.held_codes(weight) is not None for weight in weights)
+    if not coded or parametrize.is_parametrized(self):
         for weight in weights:
             layers.decode_whole(weight)
+    if parametrize.is_parametrized(self):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     factors = pending.get("factors", {})
     experts = gate_up.ds_shape[0]
@@ -184,19 +185,24 @@ def _routed_forward(
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert])
         current = hidden_states[token_idx]
-        projected = _expert_matmul(current, gate_up, layers, expert, factors.get(FUSED[0]))
-        current = _expert_matmul(self._apply_gate(projected), down, layers, expert, factors.get(FUSED[1]))
+        projected = _expert_matmul(current, gate_up, expert, factors.get(FUSED[0]), layers if coded else None)
+        gated = self._apply_gate(projected)
+        current = _expert_matmul(gated, down, expert, factors.get(FUSED[1]), layers if coded else None)
         current = current * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
 
 
 def _expert_matmul(
-    input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers, expert: int, factors: Optional[tuple]
+    input: torch.Tensor, weight: nn.Parameter, expert: int, factors: Optional[tuple], layers: Optional[CodedLayers]
 ) -> torch.Tensor:
-    """``input @ (weight[expert] + scaling * lhs[expert] @ rhs[expert]).T``, the LoRA term (PEFT's factors, if any) as
-    two thin matmuls instead of a delta the size of the weight."""
-    output = CodedMatmul.apply(input, weight, layers, expert)
+    """``input @ (weight[expert] + scaling * lhs[expert] @ rhs[expert]).T``, the weight from the codes ``layers`` holds
+    (None: the weight is whole), the LoRA term (PEFT's factors, if any) as two thin matmuls instead of a delta the size
+    of the weight."""
+    if layers is None:
+        output = input @ weight[expert].transpose(0, 1)
+    else:
+        output = CodedMatmul.apply(input, weight, layers, expert)
     if factors is None:
         return output
     lhs, rhs, scaling = factors
