@@ -198,7 +198,8 @@ ROUTED_EXPERTS = Capability(
     "a MoE layer's routed experts computed from their codes on the CPU",
     fallback="a MoE layer's fused experts are decoded whole at each gather (slower steps, a layer's decoded experts"
     " held while it computes)",
-    changes="the forward of each fused-experts module, on the instance (zero/compute/coded_experts.py)",
+    changes="the forward of each fused-experts module and of the PEFT ParamWrappers around it, on the instance, until"
+    " the run ends (zero/compute/coded_experts.py)",
     rows=(
         ForeignName(
             "transformers.integrations.moe:use_experts_implementation",
