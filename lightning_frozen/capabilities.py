@@ -194,6 +194,21 @@ CPU_COMPUTE = Capability(
     ),
 )
 
+ROUTED_EXPERTS = Capability(
+    "a MoE layer's routed experts computed from their codes on the CPU",
+    fallback="a MoE layer's fused experts are decoded whole at each gather (slower steps, a layer's decoded experts"
+    " held while it computes)",
+    changes="the forward of each fused-experts module and of the PEFT ParamWrappers around it, on the instance, until"
+    " the run ends (zero/compute/coded_experts.py)",
+    rows=(
+        ForeignName(
+            "transformers.integrations.moe:use_experts_implementation",
+            "zero/compute/coded_experts.py",
+            in_code=("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm", "_apply_gate"),
+        ),
+    ),
+)
+
 SLICED_LOADING = Capability(
     "sliced loading from hub folders",
     fallback="`from_pretrained` under ZeRO-3 loads as transformers does (each rank reads every tensor whole, a slower"
@@ -429,6 +444,7 @@ OPTIONAL = (
     PEFT_LAYERS,
     ZERO3_SWITCH,
     CPU_COMPUTE,
+    ROUTED_EXPERTS,
     SLICED_LOADING,
     GENERATE,
     SEVERAL_ADAPTERS,

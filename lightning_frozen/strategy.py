@@ -234,7 +234,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def setup_environment(self) -> None:
-        self._compute = compute = frozen_compute_for(self.root_device)  # this run's, with its own tables
+        # this run's, with its own tables; PEFT's LoRA on a param read for it by the hf seam
+        self._compute = compute = frozen_compute_for(self.root_device, peft_adapters.PARAM_LORA)
         if self.lightning_module is not None:  # as stock, the environment alone may be set up, with no model connected
             self._open_run(self.lightning_module, compute)
         self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")

@@ -47,7 +47,7 @@ def test_part_of_a_gathered_param_decodes_to_those_values_of_the_whole(frozen_dt
         partial_decode.decode_range(rows, numel, frozen_dtype, 2 * numel - 1, torch.empty(2))
 
 
-def _coded_weight(weight: torch.Tensor, frozen_dtype: str, layers: coded_linear.CodedLayers) -> nn.Parameter:
+def coded_weight(weight: torch.Tensor, frozen_dtype: str, layers: coded_linear.CodedLayers) -> nn.Parameter:
     """A frozen param as a 2-rank gather for its layer leaves it: codes held in ``layers``, a placeholder as its
     data."""
     param = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -66,12 +66,12 @@ def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     monkeypatch.setattr(coded_linear, "TILE_ELEMENTS", 1)
     layers = coded_linear.CodedLayers()
     weight = torch.randn(37, 100)
-    param = _coded_weight(weight, frozen_dtype, layers)
+    param = coded_weight(weight, frozen_dtype, layers)
     assert torch.isnan(param).all() and param.shape == (37, 100)  # a reader we did not foresee sees NaN
     rows, numel, _ = layers.held_codes(param)
     decoded = codec.decode(rows, numel, frozen_dtype)[: weight.numel()].view_as(weight)
     x = torch.randn(2, 5, 100, requires_grad=True)
-    output = coded_linear._CodedMatmul.apply(x, param, layers)
+    output = coded_linear.CodedMatmul.apply(x, param, layers)
     output.backward(torch.ones_like(output))
     reference_x = x.detach().clone().requires_grad_(True)
     reference = reference_x @ decoded.t()
@@ -88,7 +88,7 @@ def test_an_embedding_decodes_only_the_rows_it_looks_up(frozen_dtype: str, monke
     table = torch.randn(50, 64)
     embedding = nn.Embedding(50, 64, padding_idx=0)
     layers = coded_linear.CodedLayers()
-    embedding.weight = _coded_weight(table, frozen_dtype, layers)
+    embedding.weight = coded_weight(table, frozen_dtype, layers)
     embedding.forward = functools.partial(coded_linear._FORWARDS[nn.Embedding], layers, embedding)
     rows, numel, _ = layers.held_codes(embedding.weight)
     decoded = codec.decode(rows, numel, frozen_dtype)[: table.numel()].view_as(table)

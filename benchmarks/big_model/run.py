@@ -96,6 +96,7 @@ def config_key(
     key += f" {args.label}" if args.label else ""
     key += " mmap1m" if args.allocator == "mmap1m" else ""
     key += " exchange-codes" if args.exchange_codes else ""
+    key += " experts-whole" if args.experts_whole else ""
     key += " gpu" if args.accelerator == "gpu" else ""
     return key + (" decode-whole" if args.decode_whole else "")
 
@@ -170,6 +171,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         accelerator=args.accelerator,
         decode_whole=args.decode_whole,
         exchange_codes=args.exchange_codes,
+        experts_whole=args.experts_whole,
         lora=args.lora,
     )
     env = child_env(threads=threads, mmap_1mib=args.allocator == "mmap1m" or None)
@@ -347,6 +349,11 @@ def main() -> None:
         "--exchange-codes",
         action="store_true",
         help="the alternative to zero/compute/node_codes.py: ranks exchange frozen codes through gloo at each gather",
+    )
+    run_parser.add_argument(
+        "--experts-whole",
+        action="store_true",
+        help="the alternative to zero/compute/coded_experts.py: a MoE layer's fused experts decoded whole per gather",
     )
     run_parser.add_argument(
         "--folder",

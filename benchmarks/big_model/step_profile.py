@@ -204,18 +204,18 @@ def _count_coded(patches: Any, counts: dict[str, int], depth: Any = None) -> Non
 
     def forward(args: Any, result: Any) -> None:
         _, input, weight = args[:3]
-        out_features, in_features = weight.ds_shape
+        out_features, in_features = weight.ds_shape[-2:]
         rows = input.numel() // in_features
         counts[json.dumps(["aten::mm", [[rows, in_features], [in_features, out_features]]])] += 1
 
     def backward(args: Any, result: Any) -> None:
         ctx, grad_output = args[:2]
-        out_features, in_features = ctx.weight.ds_shape
+        out_features, in_features = ctx.weight.ds_shape[-2:]
         if result[0] is not None:
             rows = grad_output.numel() // out_features
             counts[json.dumps(["aten::mm", [[rows, out_features], [out_features, in_features]]])] += 1
 
-    coded = coded_linear._CodedMatmul
+    coded = coded_linear.CodedMatmul
     patches.enter_context(_labelled(coded, "forward", CODED, forward, static=True, depth=depth))
     patches.enter_context(_labelled(coded, "backward", CODED, backward, static=True, depth=depth))
 

@@ -210,6 +210,10 @@ def run(spec_path: Path) -> None:
         from lightning_frozen.zero.compute import node_codes
 
         node_codes.share_codes = lambda params, frozen_dtype_of: 0
+    if spec.get("experts_whole"):  # likewise: every MoE layer's fused experts decoded whole, routed or not
+        from lightning_frozen.zero.compute import coded_experts
+
+        coded_experts.compute_experts_from_codes = lambda *args: 0
     report = RankReport(spec_path.parent)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     sampler = PeakSampler(spec["sample_s"], spec_path.parent / f"running{rank}.json")

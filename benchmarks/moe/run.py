@@ -68,6 +68,18 @@ SIZES: dict[str, dict[str, int]] = {
         moe_intermediate_size=32,
         vocab_size=1000,
     ),
+    # the 1.7b shape with 6 layers and 32 experts, top-4: the same share of experts runs per token (1/8); minutes
+    "small": dict(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        vocab_size=32000,
+    ),
     "1.7b": dict(
         hidden_size=1024,
         num_hidden_layers=16,
@@ -90,7 +102,14 @@ LORAS: dict[str, dict[str, Any]] = {
     ),
 }
 PLAIN = (("plain", False), ("plain + bnb NF4", True))
-OURS = (("ours fp32", "none", 1), ("ours NF4", "nf4", 1), ("ours fp32 2r", "none", 2), ("ours NF4 2r", "nf4", 2))
+# name, frozen_dtype, ranks, and whether each MoE layer's experts are decoded whole (the path before issue 51's item 4)
+OURS = (
+    ("ours fp32", "none", 1, False),
+    ("ours NF4, experts decoded whole", "nf4", 1, True),
+    ("ours NF4", "nf4", 1, False),
+    ("ours fp32 2r", "none", 2, False),
+    ("ours NF4 2r", "nf4", 2, False),
+)
 
 
 def counts(shape: dict[str, int]) -> dict[str, int]:
@@ -139,7 +158,7 @@ def write_folder(size: str, folder: Path) -> None:
 
 
 def run_ours(
-    name: str, lora: str, frozen_dtype: str, devices: int, folder: Path, args: argparse.Namespace
+    name: str, lora: str, frozen_dtype: str, devices: int, experts_whole: bool, folder: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
     out = args.out / "moe_ours"
     results = out / "big_model.json"
@@ -151,6 +170,8 @@ def run_ours(
         *("--steps", str(args.steps), "--data-dir", str(args.data_dir), "--out", str(out)),
         *("--timeout-min", str(args.timeout * devices / 60)),
         *(() if devices > 1 else ("--no-resume",)),  # save and resume peaks on 2 ranks; 1 rank stops after the save
+        *(("--profile",) if args.profile else ()),
+        *(("--experts-whole",) if experts_whole else ()),
     ]
     print(f"\n=== {lora}: {name}", flush=True)
     # big_model's driver guards its own processes (timeout, memory) and records why it stopped one
@@ -183,6 +204,7 @@ def run_ours(
         checkpoint_bytes=summary["checkpoint_bytes"],
         resume_peak_uss=_most(summary["resume_load_peak_uss"], summary["resume_train_peak_uss"]),
         resumed_exactly=summary["resumed_exactly"],
+        profile=[{"profile": r.get("profile"), "floors": r.get("profile_floors")} for r in ranks if r.get("profile")],
     )
 
 
@@ -314,6 +336,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration (x ranks for ours)")
     parser.add_argument("--lora", nargs="+", choices=list(LORAS), default=list(LORAS))
     parser.add_argument("--only", nargs="+", help="run only these configurations (e.g. 'plain' 'ours NF4')")
+    parser.add_argument(
+        "--profile", action="store_true", help="ours: profile the last timed step (big_model/step_profile.py)"
+    )
     parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -336,9 +361,9 @@ def main() -> None:
         for name, nf4 in PLAIN:
             if not args.only or name in args.only:
                 rows.append(run_plain(name, lora, nf4, folder, args))
-        for name, frozen_dtype, devices in OURS:
+        for name, frozen_dtype, devices, experts_whole in OURS:
             if not args.only or name in args.only:
-                rows.append(run_ours(name, lora, frozen_dtype, devices, folder, args))
+                rows.append(run_ours(name, lora, frozen_dtype, devices, experts_whole, folder, args))
     result = {
         "date": now_utc(),
         "commit": git_commit(),

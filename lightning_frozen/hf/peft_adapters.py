@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -139,6 +139,39 @@ def params_read_outside_forward(module: nn.Module) -> list[tuple[nn.Module, list
         for layer in module.modules()
         if isinstance(layer, ParamWrapper)
     ]
+
+
+class ParamWrapperLora:
+    """PEFT's ``ParamWrapper`` (LoRA on a param itself, ``target_parameters``) as ``zero/compute/coded_experts.py``
+    reads it, handed down to it (that floor reads no PEFT name): a MoE layer's routed experts add each wrapper's LoRA
+    factors beside their own matmuls, where PEFT would add ``scaling * lhs @ rhs`` to the whole fused param."""
+
+    @staticmethod
+    def target(module: Optional[nn.Module]) -> Optional[str]:
+        if module is None or "peft" not in sys.modules:
+            return None
+        from peft.tuners.lora.layer import ParamWrapper
+
+        return module.parameter_name if isinstance(module, ParamWrapper) else None
+
+    @staticmethod
+    def wrapped(wrapper: nn.Module) -> nn.Module:
+        return wrapper.base_layer
+
+    @staticmethod
+    def factorable(wrapper: nn.Module, kwargs: dict) -> bool:
+        # PEFT folds a single adapter on several experts as its factors (`_activate_lora`); the rest it adds as a delta
+        if wrapper.disable_adapters or wrapper.merged or kwargs.get("adapter_names") is not None:
+            return False
+        return len([a for a in wrapper.active_adapters if a in wrapper.lora_A]) <= 1 and wrapper.num_experts > 1
+
+    @staticmethod
+    def factors(wrapper: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+        active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+        return wrapper.get_delta_factors(active[0]) if active else None
+
+
+PARAM_LORA = ParamWrapperLora()
 
 
 def lora_row_layers(module: nn.Module) -> list[nn.Module]:

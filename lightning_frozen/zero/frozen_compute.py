@@ -25,7 +25,7 @@ from torch import nn
 from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
 from lightning_frozen.format.codec import Kernels
-from lightning_frozen.zero.compute import gloo_exit, host_memory, node_codes, quantized
+from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, node_codes, quantized
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
 
 # the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
@@ -36,8 +36,9 @@ KERNELS: Kernels = native_codec.KERNELS
 class FrozenCompute:
     """Frozen shards on an accelerator: quantized at setup, gathered to the device and decoded whole there."""
 
-    def __init__(self) -> None:
+    def __init__(self, param_lora: Optional[coded_experts.ParamLora] = None) -> None:
         self.tables = quantized.RunTables()  # this run's, handed to each gather it installs
+        self.param_lora = param_lora  # LoRA on a param itself, as routed experts read it (the hf seam's)
 
     def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
         """Give the DeepSpeed ``config`` this device's defaults for ZeRO-3's gather bounds the user left unset;
@@ -78,12 +79,16 @@ class CpuFrozenCompute(FrozenCompute):
         done = super().prepare(model, frozen_dtype, before_encoding)
         node_codes.share_codes(list(model.parameters()), frozen_dtype_of)  # ranks read each other's codes, not copies
         self.tables.layers.compute_from_codes(model, frozen_dtype_of)
+        coded_experts.compute_experts_from_codes(self.tables.layers, model, frozen_dtype_of, self.param_lora)
         return done
 
 
-def frozen_compute_for(device: torch.device) -> FrozenCompute:
-    """How frozen shards compute on ``device``: the CPU's stack (its names as written for), else an accelerator's."""
-    return CpuFrozenCompute() if device.type == "cpu" and available(CPU_COMPUTE) else FrozenCompute()
+def frozen_compute_for(device: torch.device, param_lora: Optional[coded_experts.ParamLora] = None) -> FrozenCompute:
+    """How frozen shards compute on ``device``: the CPU's stack (its names as written for), else an accelerator's.
+    ``param_lora`` reads LoRA on a param itself (``hf/peft_adapters.PARAM_LORA``), for MoE experts under it."""
+    if device.type == "cpu" and available(CPU_COMPUTE):
+        return CpuFrozenCompute(param_lora)
+    return FrozenCompute(param_lora)
 
 
 def compute_from_codes(param: nn.Parameter, before_encoding: Optional[SourceValues] = None) -> None:

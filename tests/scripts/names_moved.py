@@ -55,6 +55,7 @@ PLAIN_FIT = {
     "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),
     "MERGE_CHECK": ("peft.tuners.tuners_utils:BaseTuner", "_check_merge_allowed", "delete"),
     "CONVERTED_EXPORT": ("transformers.core_model_loading", "revert_weight_conversion", "delete"),
+    "ROUTED_EXPERTS": ("transformers.integrations.moe", "use_experts_implementation", "delete"),
     "RELEASE": (f"{_OFFLOAD}:ZeROOrderedDict", "__init__", "replace"),
     "TRACE": (f"{_OFFLOAD}:DeepSpeedZeRoOffload", "setup_zero_stage3_hooks", "replace"),
     "EARLY_CKPT_CHECK": ("lightning.pytorch:Trainer", "_run", "replace"),

@@ -76,19 +76,35 @@ class CodedLayers:
             if forward is None or getattr(module, "max_norm", None) is not None:  # max_norm rescales rows in place
                 continue
             weight = module.weight
-            stored_as = frozen_dtype_of(weight)
-            if stored_as is None or uses[id(weight)] != 1 or weight.ds_tensor.device.type != "cpu":
+            if not self.eligible(weight, frozen_dtype_of(weight), uses[id(weight)]):
                 continue
-            if not _decodes_in_parts(stored_as) or _reads_weight_whole(parents.get(id(module))):
+            if _reads_weight_whole(parents.get(id(module))):
                 continue
-            if "forward" in vars(module) and not any(layer is module for layer in self._layers):
-                continue  # a forward of the user's own on the instance: it may read the weight whole
-            if weight not in self._coded:
-                self._coded[weight] = True
-                module.forward = types.MethodType(functools.partial(forward, self), module)
-                self._layers.append(module)
-            done += 1
+            if self.replace_forward(module, functools.partial(forward, self), [weight]):
+                done += 1
         return done
+
+    def replace_forward(self, module: nn.Module, forward: Any, weights: list[nn.Parameter]) -> bool:
+        """Make ``module`` compute with ``forward`` (called as ``forward(module, *args)``) from the codes of ``weights``
+        until :meth:`end_of_run`; return False where a forward of the user's own is on the instance (it may read the
+        weights whole) and nothing changed. Safe to call again."""
+        if any(layer is module for layer in self._layers):
+            return True
+        if "forward" in vars(module):
+            return False
+        for weight in weights:
+            self._coded[weight] = True
+        module.forward = types.MethodType(forward, module)
+        self._layers.append(module)
+        return True
+
+    @staticmethod
+    def eligible(weight: nn.Parameter, stored_as: Optional[str], uses: int) -> bool:
+        """Whether ``weight`` (stored as ``stored_as``, held by ``uses`` modules) can be computed from its codes: stored
+        quantized in CPU memory in a format that decodes in parts, and held by one module."""
+        if stored_as is None or uses != 1 or weight.ds_tensor.device.type != "cpu":
+            return False
+        return _decodes_in_parts(stored_as)
 
     def computes_from_codes(self, param: nn.Parameter) -> bool:
         """Whether ``param``'s layer computes from its codes, so its gather for the layer may keep them undecoded."""
@@ -135,13 +151,15 @@ class CodedLayers:
         with self._tiles_lock:
             self._tiles.clear()
 
-    def tiles_of(self, weight: nn.Parameter) -> Iterator[tuple[int, torch.Tensor]]:
-        """``(first row, tile)`` for each block of output rows of ``weight``, decoded from its held codes into one
-        buffer lent to this call (another call meanwhile gets one of its own): a tile is valid until the next."""
+    def tiles_of(self, weight: nn.Parameter, expert: Optional[int] = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first row, tile)`` for each block of output rows of ``weight`` (of its matrix ``expert`` where it stacks
+        one per expert), decoded from its held codes into one buffer lent to this call (another call meanwhile gets one
+        of its own): a tile is valid until the next."""
         held = self.held_codes(weight)
         assert held is not None, "a coded layer's weight was not gathered as codes"
         rows, numel, frozen_dtype = held
-        out_features, in_features = weight.ds_shape
+        out_features, in_features = weight.ds_shape[-2:]
+        offset = 0 if expert is None else expert * out_features * in_features
         per_tile = min(out_features, max(TILE_ROWS, TILE_ELEMENTS // in_features))
         with self._tiles_lock:
             buffer = self._tiles.pop(weight.dtype, None)
@@ -151,7 +169,7 @@ class CodedLayers:
             for first in range(0, out_features, per_tile):
                 count = min(per_tile, out_features - first)
                 tile = buffer[: count * in_features]
-                partial_decode.decode_range(rows, numel, frozen_dtype, first * in_features, tile)
+                partial_decode.decode_range(rows, numel, frozen_dtype, offset + first * in_features, tile)
                 yield first, tile.view(count, in_features)
         finally:
             with self._tiles_lock:
@@ -173,7 +191,7 @@ def _forward(layers: CodedLayers, self: nn.Linear, input: torch.Tensor) -> torch
     if layers.held_codes(self.weight) is None or torch.is_autocast_enabled(input.device.type):
         layers.decode_whole(self.weight)
         return F.linear(input, self.weight, self.bias)
-    output = _CodedMatmul.apply(input, self.weight, layers)
+    output = CodedMatmul.apply(input, self.weight, layers)
     return output if self.bias is None else output + self.bias
 
 
@@ -199,31 +217,34 @@ def _embedding_forward(layers: CodedLayers, self: nn.Embedding, input: torch.Ten
 _FORWARDS = {nn.Linear: _forward, nn.Embedding: _embedding_forward}
 
 
-class _CodedMatmul(torch.autograd.Function):
-    """``input @ weight.T`` with the weight decoded from the codes ``layers`` holds for it, a tile at a time; the
-    gradient flows to ``input`` only (the weight is frozen). Backward reads the codes ZeRO-3 gathered again for the
-    layer's backward."""
+class CodedMatmul(torch.autograd.Function):
+    """``input @ weight.T`` (``weight[expert]`` where the weight stacks one matrix per expert) with the weight decoded
+    from the codes ``layers`` holds for it, a tile at a time; the gradient flows to ``input`` only (the weight is
+    frozen). Backward reads the codes ZeRO-3 gathered again for the layer's backward."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers) -> torch.Tensor:
-        ctx.weight, ctx.layers = weight, layers
-        out_features, in_features = weight.ds_shape
+    def forward(
+        ctx: Any, input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers, expert: Optional[int] = None
+    ) -> torch.Tensor:
+        ctx.weight, ctx.layers, ctx.expert = weight, layers, expert
+        out_features, in_features = weight.ds_shape[-2:]
         flat = input.reshape(-1, in_features).contiguous()
         output = flat.new_empty(flat.shape[0], out_features)
-        for first, tile in layers.tiles_of(weight):
+        for first, tile in layers.tiles_of(weight, expert):
             torch.mm(flat, tile.t(), out=output[:, first : first + tile.shape[0]])
         return output.view(*input.shape[:-1], out_features)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        weight, layers = ctx.weight, ctx.layers
-        out_features, in_features = weight.ds_shape
+            return None, None, None, None
+        weight, layers, expert = ctx.weight, ctx.layers, ctx.expert
+        out_features, in_features = weight.ds_shape[-2:]
         grad = grad_output.reshape(-1, out_features)
         if layers.held_codes(weight) is None:  # gathered whole for backward (GatheredParameters around it)
-            return (grad @ weight).view(*grad_output.shape[:-1], in_features), None, None
+            whole = weight if expert is None else weight[expert]
+            return (grad @ whole).view(*grad_output.shape[:-1], in_features), None, None, None
         grad_input = grad.new_zeros(grad.shape[0], in_features)
-        for first, tile in layers.tiles_of(weight):
+        for first, tile in layers.tiles_of(weight, expert):
             grad_input.addmm_(grad[:, first : first + tile.shape[0]], tile)
-        return grad_input.view(*grad_output.shape[:-1], in_features), None, None
+        return grad_input.view(*grad_output.shape[:-1], in_features), None, None, None
