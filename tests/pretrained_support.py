@@ -242,7 +242,14 @@ def moe_folder(folder: Path, kind: str) -> Path:
 
 
 class MoELoRA(PretrainedLoRA):
-    """LoRA on attention and on the fused experts themselves (PEFT's ``target_parameters``)."""
+    """LoRA on attention and on the fused experts themselves (PEFT's ``target_parameters``). Records each step's batch
+    and loss and, at the end, the experts' LoRA B weights (PEFT starts them at zero)."""
+
+    def __init__(self, folder: str, lr: float = 1e-2) -> None:
+        super().__init__(folder, lr)
+        self.batches: list[torch.Tensor] = []
+        self.losses: list[float] = []
+        self.experts_lora_b: dict[str, torch.Tensor] = {}
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -251,20 +258,6 @@ class MoELoRA(PretrainedLoRA):
 
         config = LoraConfig(r=4, target_modules=self.lora_targets, target_parameters=EXPERTS)
         self.model = get_peft_model(self.load_base(), config)
-
-
-class ExpertsLoRA(MoELoRA):
-    """LoRA on the fused experts alone (no target module), as a MoE user trains it: no input of the first MoE block
-    requires grad. Records each step's batch and loss and, at the end, the experts' LoRA B weights (PEFT starts them
-    at zero)."""
-
-    lora_targets: list[str] = []
-
-    def __init__(self, folder: str, lr: float = 1e-2) -> None:
-        super().__init__(folder, lr)
-        self.batches: list[torch.Tensor] = []
-        self.losses: list[float] = []
-        self.experts_lora_b: dict[str, torch.Tensor] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -279,3 +272,10 @@ class ExpertsLoRA(MoELoRA):
             if "experts" in name and "lora_B" in name:
                 with deepspeed.zero.GatheredParameters([param]):
                     self.experts_lora_b[name] = param.detach().float().clone()
+
+
+class ExpertsLoRA(MoELoRA):
+    """LoRA on the fused experts alone (no target module), as a MoE user trains it: no input of the first MoE block
+    requires grad."""
+
+    lora_targets: list[str] = []

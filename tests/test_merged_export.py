@@ -434,9 +434,16 @@ def test_a_moe_base_trained_on_attention_and_experts_merges_as_peft_does_with_sa
         main(["export-merged", str(tmp_path / "moe.ckpt"), str(tmp_path / "merged")])
         assert f"wrote {tmp_path / 'merged'}" in capsys.readouterr().out
         out = tmp_path / "merged"
-    theirs = peft_merged(transformers.AutoModelForCausalLM, folder, tmp_path / "moe.ckpt", tmp_path)
-    assert saved_keys(out) == saved_keys(tmp_path / "peft_merged")  # save_pretrained's keys: one tensor per expert
-    base, ours, peft_written = folder_values(folder), folder_values(out), folder_values(tmp_path / "peft_merged")
+    assert_moe_merged_as_peft(folder, tmp_path / "moe.ckpt", out, tmp_path)
+
+
+def assert_moe_merged_as_peft(folder: Path, checkpoint: Path, out: Path, tmp: Path) -> Any:
+    """``out``, the merged export of ``checkpoint`` (trained on the MoE ``folder``), against PEFT's merge: the keys
+    ``save_pretrained`` writes (one tensor per expert), each tensor, the logits (fp32, 1e-4). Returns the model
+    ``out`` loads as."""
+    theirs = peft_merged(transformers.AutoModelForCausalLM, folder, checkpoint, tmp)
+    assert saved_keys(out) == saved_keys(tmp / "peft_merged")  # save_pretrained's keys: one tensor per expert
+    base, ours, peft_written = folder_values(folder), folder_values(out), folder_values(tmp / "peft_merged")
     experts = [key for key in base if key.startswith("model.layers.1.") and ".experts.3." in key]
     assert len(experts) == 3 and set(experts) <= set(ours)
     for key in experts:  # LoRA on the fused experts, split back per expert as the folder stores them
@@ -446,6 +453,7 @@ def test_a_moe_base_trained_on_attention_and_experts_merges_as_peft_does_with_sa
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert type(merged).__name__ == type(theirs).__name__
     torch.testing.assert_close(logits(merged, input_ids=TOKENS), logits(theirs, input_ids=TOKENS), rtol=0, atol=1e-4)
+    return merged
 
 
 def test_a_conversion_transformers_cannot_revert_is_refused_naming_the_model_type(
@@ -494,3 +502,89 @@ def test_a_moe_export_holds_a_few_experts_not_a_layers_experts(tmp_path: Path) -
     layer_experts_mib = 64 * 3 * 256 * 256 * 4 / 2**20
     assert json.loads(result.stdout.splitlines()[-1])["peak_rise_mib"] < layer_experts_mib / 2
     assert saved_keys(tmp_path / "measured") == saved_keys(tmp_path / "base")
+
+
+@pytest.fixture(scope="module")
+def moe_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """In one 2-rank world, for each of MOE_CONFIGS: a 3-step fit saving at step 2 and after step 3 (``straight``),
+    then a resume of step 2 to step 3 (``resumed``); ``<kind>/base`` holds the folder, ``<kind>/<run>`` the reports."""
+    from tests.distributed import chained, launch
+
+    tmp = tmp_path_factory.mktemp("moe_two_ranks")
+    runs = []
+    for kind in MOE_CONFIGS:
+        folder, run = moe_folder(tmp / kind / "base", kind), tmp / kind
+        runs += [
+            ["--folder", str(folder), "--save-at=2", f"--save={run / 'straight.ckpt'}", f"--report={run / 'straight'}"],
+            ["--folder", str(folder), f"--resume={run / 'step2.ckpt'}", f"--report={run / 'resumed'}"],
+        ]
+    codes, outputs, seconds = launch("moe_two_rank.py", *chained(*runs), timeout=300)
+    assert codes == [0], f"exited {codes} after {seconds:.0f} s:\n{outputs[0][-6000:]}"
+    return tmp
+
+
+def plain_loss(folder: Path, batch: list[list[int]]) -> float:
+    """The loss of the plain transformers model of ``folder`` (fp32) on ``batch``."""
+    tokens, plain = torch.tensor(batch), transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    with torch.no_grad():
+        return float(plain(input_ids=tokens, labels=tokens).loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_a_moe_fit_on_two_ranks_starts_at_the_plain_models_loss_each_rank_holding_half_the_experts(
+    kind: str, moe_two_ranks: Path
+) -> None:
+    from tests.distributed import read_reports
+
+    reports = read_reports(moe_two_ranks / kind / "straight")
+    assert [r["rank"] for r in reports] == [0, 1] and [r["global_step"] for r in reports] == [3, 3]
+    assert reports[0]["batches"][0] != reports[1]["batches"][0]  # each rank its own half of the data
+    for report in reports:  # LoRA B starts at zero on attention and on the experts: PEFT's model is the plain one
+        first = plain_loss(moe_two_ranks / kind / "base", report["batches"][0])
+        assert report["losses"][0] == pytest.approx(first, rel=1e-5)
+        assert report["losses"][-1] < report["losses"][0]
+        # gate_up_proj and down_proj of 2 layers, one ZeRO-3 param each: half their bytes on each rank, offloaded
+        assert report["experts"] == 4 and report["experts_device"] == "cpu"
+        assert report["experts_held_bytes"] == pytest.approx(report["experts_bytes"] / 2, rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_a_moe_resume_on_two_ranks_goes_on_as_the_straight_run(kind: str, moe_two_ranks: Path) -> None:
+    from tests.distributed import read_reports
+
+    straight, resumed = (read_reports(moe_two_ranks / kind / run) for run in ("straight", "resumed"))
+    for ours, theirs in zip(resumed, straight):  # rank by rank: step 3's batch and loss
+        assert ours["global_step"] == 3 and ours["batches"] == theirs["batches"][2:]
+        assert ours["losses"] == pytest.approx(theirs["losses"][2:], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_a_two_rank_moe_checkpoint_resumes_on_one_rank_and_merges_as_peft_does(
+    kind: str, moe_two_ranks: Path, tmp_path: Path
+) -> None:
+    folder, checkpoint = moe_two_ranks / kind / "base", moe_two_ranks / kind / "straight.ckpt"
+    resumed = MoELoRA(str(folder), lr=5e-2)
+    trainer = cpu_trainer(max_steps=4, max_epochs=-1, precision="32-true")
+    trainer.fit(resumed, token_data(), ckpt_path=checkpoint)  # the base verified against the 2-rank fingerprint
+    assert trainer.global_step == 4 and len(resumed.losses) == 1
+
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    merged = assert_moe_merged_as_peft(folder, checkpoint, out, tmp_path)
+    batch = resumed.batches[0]
+    with torch.no_grad():  # the adapter the 1-rank resume started from, on its base, is the merged model
+        assert float(merged(input_ids=batch, labels=batch).loss) == pytest.approx(resumed.losses[0], rel=1e-5)
+
+    from safetensors.torch import save_file
+
+    changed = folder_values(folder)  # one weight of one expert, as the folder stores it
+    key = next(key for key in changed if key.startswith("model.layers.1.") and ".experts.3." in key)
+    changed[key] = changed[key].clone()
+    changed[key][0, 0] += 1
+    (tmp_path / "changed").mkdir()
+    (tmp_path / "changed" / "config.json").write_text((folder / "config.json").read_text())
+    save_file(changed, str(tmp_path / "changed" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(FrozenBaseMismatchError, match=r"layers\.1\.mlp\.experts\.\S*_proj` holds different values"):
+        cpu_trainer(max_steps=4).fit(MoELoRA(str(tmp_path / "changed")), token_data(), ckpt_path=checkpoint)
