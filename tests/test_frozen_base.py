@@ -224,7 +224,7 @@ def _edge_values(count: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", ["openmp", "thread pool"])  # torch's OpenMP threads, or ours where it is missing
 def test_the_compiled_checksum_gives_the_tensor_ops_sums(
-    dtype: torch.dtype, split: str, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, split: str, monkeypatch: pytest.MonkeyPatch, two_threads: None
 ) -> None:
     """The fingerprint of every base ever saved is these sums: the one-pass kernel must give them to the bit, at any
     start (the position weights wrap every 65521 values), over any length, rounding as torch casts."""

@@ -121,7 +121,12 @@ def test_nf4_packs_two_codes_per_byte_high_nibble_first_as_bitsandbytes_does() -
 @pytest.mark.parametrize("count", [1100, 3 * 65536 + 7])  # a padded last block, and more than a thread's share
 @pytest.mark.parametrize("split", ["openmp", "thread pool"])  # torch's OpenMP threads, or ours where it is missing
 def test_compiled_kernels_give_the_tensor_ops_codes_and_values_to_the_bit(
-    frozen_dtype: str, source_dtype: torch.dtype, count: int, split: str, monkeypatch: pytest.MonkeyPatch
+    frozen_dtype: str,
+    source_dtype: torch.dtype,
+    count: int,
+    split: str,
+    monkeypatch: pytest.MonkeyPatch,
+    two_threads: None,
 ) -> None:
     lib = native_codec.kernels()
     assert lib is not None, "the CPU kernels did not build: is a C compiler installed?"
