@@ -105,11 +105,8 @@ def peft_entry(
 
 
 def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """PEFT's saved ``prompt_embeddings``: the prompt encoder's output for all its virtual tokens, in fp32.
-
-    ``config`` is the adapter config (plain dict), ``encoder_weights`` the encoder's trained tensors by its own names
-    (``embedding.weight``, ``mlp_head.0.weight``, ...). Computed on the CPU by PEFT's encoder class, as PEFT's
-    ``get_prompt_embedding_to_save`` does at save time.
+    """PEFT's saved ``prompt_embeddings``: the output for all virtual tokens, in fp32, of the prompt encoder of
+    ``config`` holding ``encoder_weights`` (by its own names), as PEFT's ``get_prompt_embedding_to_save`` computes it.
 
     Raises:
         CheckpointFormatError: the weights do not fit the encoder the config describes.

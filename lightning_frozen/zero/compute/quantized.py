@@ -56,13 +56,10 @@ class RunTables:
 def quantize_frozen_shards(
     model: nn.Module, frozen_dtype: str, tables: RunTables, before_encoding: Optional[SourceValues] = None
 ) -> int:
-    """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``; return how many it did.
-
-    Each shard is quantized in turn, on the device it lives on, and its compute-dtype copy freed: no full copy of
-    the base beyond what partitioning made. ``before_encoding`` is told each shard's values first, and again for
-    the new values of a param written later, so checkpoints can verify against the unquantized base. Params
-    quantized before (while loading, or by an earlier run) are not quantized again; their gathers, like the new
-    ones, use this run's ``tables`` from now on. Collective when ``before_encoding`` is.
+    """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``, in turn, where it lives;
+    return how many it did. ``before_encoding`` is told each shard's values first (and a param's written later);
+    params quantized before are not quantized again, and every gather uses this run's ``tables``. Collective when
+    ``before_encoding`` is.
 
     Raises:
         FrozenDtypeError: a quantized param was made trainable (its source values are gone), or a frozen param is
@@ -185,14 +182,9 @@ class _Handles:
 
 
 class _GatherHandle:
-    """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: the collectives were started
-    when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once. A param whose
-    layer computes from its codes (the run's ``tables.layers``, ``coded_linear.py``), gathered for that layer, keeps its
-    codes instead.
-
-    DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
-    handle shared by several params is waited on again after some of them were released, which must not decode or
-    mark those available again (their data is freed)."""
+    """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: ``wait`` finishes the collectives,
+    decodes each param whole (a layer computing from codes keeps them, ``coded_linear.py``) and marks it available,
+    once: DeepSpeed waits on a handle shared by several params again after some of them were released."""
 
     def __init__(
         self,
