@@ -3,17 +3,9 @@
 The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
 each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
 so the result is the same for any number of ranks. It is a checksum, not a cryptographic hash: ``sha256`` hashes
-every frozen tensor's exact bytes (one gather per tensor) for when that matters.
-
-A base is trained in one dtype and often loaded in another, so the dtype is recorded and like is compared with like:
-an fp32 tensor is checksummed on its values cast to bfloat16 (``value``) and cast to float16 (``value_fp16``), a bf16
-or fp16 one in its own cast only. A base held in bf16 or fp16 is a rounding of its fp32 original, and rounding a
-rounding gives the same result (``bf16(bf16(x)) == bf16(x)``), so each narrow dtype verifies exactly against fp32
-(or itself) in its own cast. No single canonical form can serve
-all three: fp16 keeps 3 more mantissa bits than bf16, and a value just below a bf16 rounding midpoint rounds down in
-bf16 but onto the midpoint in fp16, and one just above it rounds up in bf16 and onto the same midpoint in fp16, so any
-function equal on both roundings of every value equates neighbouring bf16 values, hence all values. A base held in
-fp16 therefore cannot be verified against the same base held in bf16: that pair is named as such, with the fix.
+every frozen tensor's exact bytes (one gather per tensor) for when that matters. An fp32 tensor is checksummed cast
+to bf16 (``value``) and to fp16 (``value_fp16``), a bf16 or fp16 one in its own cast only, so each narrow dtype
+verifies exactly against fp32 or itself; why fp16 against bf16 cannot: docs/checkpoints.md.
 """
 
 from __future__ import annotations

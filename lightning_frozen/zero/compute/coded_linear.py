@@ -1,22 +1,9 @@
 """Frozen ``nn.Linear`` and ``nn.Embedding`` layers computed from their gathered codes on the CPU, a part of the
-weight at a time.
-
-A quantized frozen weight gathered for a layer was decoded whole into the compute dtype (for fp32, 4 bytes a weight
-written to memory) and read back by the matmul: at 7B, twice a step, the base's size in fp32 went through memory
-twice more than the matmuls need. Here a linear layer's forward decodes ``TILE_ELEMENTS`` weights (a few output
-rows) into one small buffer and multiplies them while they are in cache, row block by row block; its backward does
-the same for the input's gradient. An embedding decodes only the rows its input looks up. The gather keeps the
-layer's codes instead of decoding them (``quantized.py``), and the weight's data is a placeholder of its shape
-that reads as NaN, so a reader we did not foresee fails loudly.
-
-One 4096 x 11008 layer, 64 tokens, one thread, both ranks of the 2-core machine busy (a one-off timing beside the
-fits of docs/frozen-storage.md): a bf16 weight decoded whole then multiplied took 160-166 ms forward and 134-147 ms
-backward, from its codes a few rows at a time 117 ms and 102 ms, below the 123-131 ms of the same matmul over a
-dense fp32 weight already in memory.
-
-Only a plain layer whose weight no other module shares (tied embeddings read it whole), on the CPU, is computed
-this way; a weight another component reads itself (PEFT's DoRA) is decoded whole as before, as is one gathered by
-``GatheredParameters``, and any layer under CPU autocast.
+weight at a time: a linear layer decodes ``TILE_ELEMENTS`` weights (a few output rows) into one small buffer and
+multiplies them while they are in cache, forward and backward; an embedding decodes only the rows it looks up. The
+gather keeps such a layer's codes (``quantized.py``) and its weight's data is a placeholder that reads as NaN, so a
+reader we did not foresee fails loudly. Only a plain layer whose weight no other module shares, outside CPU autocast
+and ``GatheredParameters``; why and what it saves: docs/frozen-storage.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""Host memory on DeepSpeed's CPU accelerator, where the gathered params and the activations are host memory too.
-
-- **ZeRO-3's gather bounds.** DeepSpeed's defaults (``stage3_max_live_parameters`` and
-  ``stage3_max_reuse_distance`` 1e9 elements, ``stage3_prefetch_bucket_size`` 5e7) let each rank keep most of the
-  gathered model between its uses: on a GPU that is device memory, on the CPU accelerator host memory, once per
-  rank. :func:`bound_gathers_on_cpu` sizes them to the model's largest module instead.
-- **The allocator.** glibc keeps freed heap memory for reuse, and raises its mmap threshold each time a large
-  buffer is freed (up to 32 MiB), so a process goes on holding what it once used. :func:`return_freed_memory`
-  fixes the threshold at 1 MiB, as ``MALLOC_MMAP_THRESHOLD_=1048576`` would: every larger buffer is a mapping of
-  its own, given back to the OS when freed.
-- **Fresh pages.** The price of that threshold: each buffer's pages are new to the process, and the kernel zeroes
-  every page on first touch. A gathered frozen param is decoded into a new tensor at each of its uses (twice a step),
-  so that zeroing would double the decode's time. A run's :class:`DecodeBuffers` (its compute object's, handed to the
-  gathers it installs) keeps the decoded tensors of released params, within a budget, for the next gather of the same
-  size. The buffers that are still new each time (a
-  decode with none kept, the gather's byte buffers in ``quantized.py``) are asked to be backed by 2 MiB
-  transparent huge pages (``madvise``, ``format/native_codec.py``): measured on a 2-core AMD EPYC with THP in its
-  usual ``madvise`` mode, the kernel hands out fresh memory at 1.7 GB/s in 4 KiB pages and 8.6 GB/s in huge ones
-  (14 GB/s into pages written before).
+"""Host memory on DeepSpeed's CPU accelerator, where the gathered params and the activations are host memory too:
+ZeRO-3's gather bounds sized to the model's largest module (:func:`bound_gathers_on_cpu`), glibc's mmap threshold
+fixed at 1 MiB so that freed buffers go back to the OS (:func:`return_freed_memory`), and a run's decoded tensors kept
+for the next gather of the same size (:class:`DecodeBuffers`), since fresh pages cost the kernel's zeroing.
+Measurements: docs/memory.md.
 """
 
 from __future__ import annotations
