@@ -28,10 +28,8 @@ from lightning_frozen.capabilities import PEFT_LAYERS, available
 
 @contextmanager
 def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
-    """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` (where PEFT creates and initialises
-    adapter layers) are replaced class-wide by wrappers that call ``enter()`` before the outermost of those calls and
-    ``leave()`` after it; the originals are put back on exit. Without PEFT installed nothing is wrapped, nor where
-    ``capabilities.PEFT_LAYERS``, whose rows their signatures are, is off.
+    """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` call ``enter()`` before the outermost of
+    those calls and ``leave()`` after it (class-wide; nothing without PEFT or with ``capabilities.PEFT_LAYERS`` off).
     """
     if importlib.util.find_spec("peft") is None or not available(PEFT_LAYERS):
         yield

@@ -24,11 +24,8 @@ from lightning_frozen.zero.optimizers import SUB_SCHEDULER_KEYS, scheduler_chain
 def follow_added_groups(scheduler: Any, optimizer: Optimizer, num_groups_before: int) -> None:
     """Extend each scheduler (of ``scheduler``'s chain) that holds one value per group for ``num_groups_before`` groups
     to the groups of ``optimizer`` after them, added mid-run: ``base_lrs`` gets an added group's ``initial_lr``
-    (default: its ``lr``); any other list as long as the groups were, whose entries are all one value (one lambda for
-    every group, a scalar ``max_lr`` or ``min_lr`` spread over them), gets that value. A list whose entries differ is
-    left as it is: no value for a new group can be told from it, and the scheduler then meets the new group as in plain
-    Lightning. SequentialLR and ChainedScheduler hold no per-group values of their own; the schedulers inside them do.
-    """
+    (default: its ``lr``), any other list as long as the groups were whose entries are all one value gets that value;
+    a list whose entries differ is left as it is."""
     added = optimizer.param_groups[num_groups_before:]
     if not added:
         return

@@ -59,10 +59,8 @@ def check_finetuning_callbacks(module: nn.Module) -> None:
 
 
 class StagedOptimizer:
-    """What a finetuning callback's ``finetune_function`` sees instead of the ZeRO optimizer: its groups with their
-    real params (frozen ones included, as in the user's optimizer), and ``add_param_group``. Group dicts are copies,
-    applied afterwards (:func:`stage`): new hyper-parameters to the real optimizer, or, when the trainable set
-    changed, a rebuild over :attr:`param_groups` (the current groups in order, then the added ones)."""
+    """What a finetuning callback's ``finetune_function`` sees instead of the ZeRO optimizer: copies of its groups with
+    their real params, and ``add_param_group``; :func:`stage` applies them afterwards."""
 
     def __init__(self, module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]]) -> None:
         params = dict(module.named_parameters())
@@ -167,11 +165,8 @@ def carry_state(engine: Any, module: nn.Module, names: Sequence[str]) -> Carried
 
 
 def restore_state(engine: Any, module: nn.Module, carried: CarriedState) -> int:
-    """Write carried state into a new engine and its ZeRO optimizer; returns how many params had optimizer state.
-
-    Only the sub-groups of params with carried state get their lazily made state created, so a group of newly
-    trainable params starts fresh at its first real step. Collective.
-    """
+    """Write carried state into a new engine and its ZeRO optimizer; returns how many params had optimizer state
+    (newly trainable params start theirs at their first step). Collective."""
     set_engine_counters(engine, carried.counters)
     params = dict(module.named_parameters())
     for name, weight in carried.weights.items():

@@ -22,10 +22,7 @@ from torch import nn
 from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.zero.params import full_numel
 
-# each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
-# module): prefetch up to one such module ahead, hold no more than that gathered besides what runs, and gather a
-# module again rather than keep it for a later use (measured: 245M Llama, 2 ranks, whole fit 2.7x the frozen bytes
-# with 1/1/3, 1.98x with 1/0/1; benchmarks/load_memory/run.py)
+# each bound as a multiple of the model's largest module; measured: docs/internals.md, "Tuned constants"
 GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -33,13 +30,9 @@ GLIBC_MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's DEFAULT_MMAP_THRESHOLD_MIN, wh
 
 
 def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
-    """Give the resolved DeepSpeed ``config`` CPU defaults for ZeRO-3's gather bounds; return the ones it set.
-
-    Each key of :data:`GATHER_BOUNDS` that ``config["zero_optimization"]`` lacks (under its ``stage3_`` name or its
-    bare one), i.e. that the user did not set, becomes its multiple of the most elements one module of ``model``
-    holds itself, so each rank holds about two modules gathered rather than most of the model. A key the user set is
-    left as it is: setting them all (DeepSpeed's defaults are 5e7 and 1e9) opts out.
-    """
+    """Give the resolved DeepSpeed ``config`` CPU defaults for ZeRO-3's gather bounds; return the ones it set: each
+    key of :data:`GATHER_BOUNDS` the user did not set (under either name) becomes its multiple of the largest module
+    of ``model``."""
     zero_config = config.setdefault("zero_optimization", {})
     largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=1)
     applied = {}
@@ -52,11 +45,8 @@ def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
 def return_freed_memory() -> Optional[Callable[[], None]]:
     """Make glibc's ``malloc`` give buffers of 1 MiB and more back to the OS when they are freed, for this process.
 
-    Returns what sets the threshold back to glibc's starting one (128 KiB) at the end of the run, or None where it
-    changed nothing: not off Linux, nor where the C library is not glibc, nor where the user already chose a threshold
-    (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``). Buffers allocated before keep their placement. glibc has no
-    call that turns its sliding threshold on again once ``mallopt`` set one, so after a run the threshold stays at
-    128 KiB instead of rising with the sizes freed.
+    Returns what sets the threshold back to glibc's starting one (128 KiB; its sliding threshold cannot be turned on
+    again), or None where it changed nothing: off glibc, or where the user chose a threshold.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in tunables:
@@ -73,25 +63,17 @@ def return_freed_memory() -> Optional[Callable[[], None]]:
     return functools.partial(libc.mallopt, M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_BYTES)
 
 
-# the most bytes kept, as a multiple of the largest size kept: at a transformer layer's turn from its attention to its
-# MLP, the other shape's buffers wait a layer for their next use
+# the most bytes kept, as a multiple of the largest size kept (a layer's attention and MLP shapes alternate)
 DECODE_BUDGET_MULTIPLE = 2
-# a size is kept only once this many params decoded that many values: the repeated layers of a model, not its
-# embedding and head, whose decoded tensors (the largest of a model; TinyLlama-1.1B: 250 MiB each in fp32) would
-# wait a whole step for their next use (measured, benchmarks/peer_qlora/run.py, 1.1B NF4, 1 rank: keeping them too
-# raised the peak from 1.63 to 1.92 GiB)
+# a size is kept only once this many params decoded it: the repeated layers, not the embedding and head
 PARAMS_PER_SIZE_KEPT = 3
 
 
 class DecodeBuffers:
-    """Host tensors of released frozen params, each given again to the next gather that decodes as many values.
-
-    A tensor is kept only when nothing else holds its storage (a view autograd saved, a caller's reference), when at
-    least :data:`PARAMS_PER_SIZE_KEPT` params asked for its size, and only while the kept bytes stay within
-    :data:`DECODE_BUDGET_MULTIPLE` times the largest such size; beyond it the least recently kept go back to the
-    allocator. One run's (its compute object's): :meth:`close` gives back all of them at its end, and from then on
-    it keeps nothing. Safe to share between threads.
-    """
+    """Host tensors of released frozen params, each given again to the next gather that decodes as many values: kept
+    only when nothing else holds its storage, its size was asked for by :data:`PARAMS_PER_SIZE_KEPT` params, and
+    within :data:`DECODE_BUDGET_MULTIPLE` times the largest such size (least recently kept go first). After
+    :meth:`close` it keeps nothing. Thread-safe."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # by id, least recently kept first

@@ -40,11 +40,8 @@ _NAME = process.owned_names(_PREFIX)
 
 def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parameter], Optional[str]]) -> int:
     """Move this rank's codes of ``params`` (quantized ZeRO-3 shards in CPU memory, one process group) into a
-    shared-memory file that every rank of the group maps; return how many params moved (0: the ranks do not share a
-    machine's ``/dev/shm``, or it has no room, and gathers go through the process group as before). Params already
-    shared are skipped. Collective over the params' process group: every rank passes the same params. If the process
-    group raises, the file is gone and no param reads it.
-    """
+    shared-memory file that every rank of the group maps; return how many moved (0 where the ranks cannot share one).
+    Collective over the params' process group, every rank passing the same params."""
     import deepspeed.comm as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
