@@ -1,17 +1,9 @@
-"""Changing what trains in the middle of a ZeRO-3 run: the stand-in optimizer a finetuning callback changes, the
-plan, the state carried over, and the checks.
-
-A finetuning callback calls the strategy (``FrozenAwareDeepSpeedStrategy.finetune``), which runs the callback's change
-on a :class:`StagedOptimizer` and applies it (:func:`stage`). DeepSpeed cannot add params to or remove them from an
-initialised ZeRO-3 optimizer, so for a new trainable set the strategy destroys the engine and initialises a new one
-over the same (already partitioned) module. Groups keep their frozen params, as the user's optimizer holds them, so a
-group whose params were all frozen again stays (DeepSpeed leaves it out) and the LR scheduler's groups keep their
-indices. Around that rebuild, this module works out the change (:func:`plan_change`), copies out the fp32 master
-weights and optimizer state of every param that keeps training (:func:`carry_state`) and writes them into the new
-optimizer (:func:`restore_state`). On resume,
-:func:`groups_from_checkpoint` makes trainable what was trainable when the checkpoint was saved. The strategy refuses
-Lightning's own finetuning callbacks (:func:`check_finetuning_callbacks`); what the optimizer was built for is
-``trainable_groups.py``'s record.
+"""Changing what trains in the middle of a ZeRO-3 run: the stand-in optimizer a finetuning callback changes
+(:class:`StagedOptimizer`, applied by :func:`stage`), the plan (:func:`plan_change`), the state carried over the
+rebuild of the engine (:func:`carry_state`, :func:`restore_state`), what a resumed run makes trainable
+(:func:`groups_from_checkpoint`), and the refusal of Lightning's own callbacks (:func:`check_finetuning_callbacks`).
+DeepSpeed cannot add params to an initialised ZeRO-3 optimizer, so a new trainable set rebuilds the engine over the
+same module; groups keep their frozen params, so the scheduler's groups keep their indices (docs/unfreezing.md).
 """
 
 from __future__ import annotations

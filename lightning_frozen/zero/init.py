@@ -1,16 +1,9 @@
-"""``deepspeed.zero.Init``, the context under which modules are built as ZeRO-3 shards, and importing DeepSpeed.
+"""``deepspeed.zero.Init``, the context under which modules are built as ZeRO-3 shards (:func:`sharded_creation`),
+and importing DeepSpeed.
 
-While a ``zero.Init`` is active DeepSpeed patches ``nn.Module.__init__`` and torch's tensor constructors: each param
-is partitioned as soon as its module is built, and new tensors get the config's dtype and device. Code that must
-build ordinary tensors there (PEFT's adapter initialisation, the loader's checksum buffers) steps outside it for a
-while (:func:`outside_zero_init`).
-
-Both call :func:`_keep_decorated_inits` before DeepSpeed takes its patches off: on exit DeepSpeed restores each module
-class's ``__init__`` to the one it wrapped, which for a class first imported inside the context is its ``__init__``
-from before its class decorators ran. transformers 5.25 decorates its attention classes with the ``kernels``
-package's ``use_kernelized_func``, whose ``__init__`` sets the ``_kernel_funcs`` that its ``forward`` reads: a Llama
-first imported inside ``configure_model`` lost it, and every attention layer built after the context failed with
-"'LlamaAttention' object has no attribute '_kernel_funcs'".
+Code that must build ordinary tensors inside it (PEFT's adapter initialisation, the loader's checksum buffers) steps
+outside for a while (:func:`outside_zero_init`). Both keep the ``__init__`` that class decorators gave a class first
+imported inside the context (:func:`_keep_decorated_inits`; docs/internals.md says what broke without it).
 """
 
 from __future__ import annotations
