@@ -32,9 +32,6 @@ class RunLedger:
     def __init__(self) -> None:
         self._undos: list[tuple[str, Callable[[], Any]]] = []
 
-    def __len__(self) -> int:
-        return len(self._undos)
-
     def callback(self, undo: Callable[[], Any], what: str = "") -> None:
         """Call ``undo()`` when the run ends; ``what`` names the change in a warning should the undo fail."""
         self._undos.append((what or getattr(undo, "__qualname__", repr(undo)), undo))

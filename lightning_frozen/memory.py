@@ -138,11 +138,11 @@ class MemoryEstimate:
 
 
 def format_bytes(num: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num) < 1024:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
         num /= 1024
-    raise AssertionError("unreachable")
+    return f"{num:.2f} TiB"
 
 
 def precision_bytes(precision: str) -> int:
