@@ -2,8 +2,8 @@
 ``generation_memory``, by default :data:`AUTO_FRACTION` of the free memory, agreed by every rank), else layer by layer
 as ZeRO-3 does by itself; a notice on rank 0 says which mode ran, the first time each runs. A run wraps the
 ``generate`` of each outermost transformers model inside the LightningModule through its ledger, and on several ranks
-passes ``synced_gpus=True`` unless the call sets it, since transformers believes ZeRO-3 is on only around
-``configure_model`` (docs/loops.md).
+passes ``synced_gpus=True`` unless the call sets it, since transformers believes ZeRO-3 is on only where the strategy
+says so (``hf/transformers_loading.zero3_known``; docs/loops.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``from_pretrained`` inside ``configure_model``: Hugging Face weights straight into ZeRO-3 shards, 1/N per rank.
 
-Lightning calls ``configure_model`` under ``deepspeed.zero.Init``, so params are partitioned as they are created.
-transformers loads into such placeholders only while it believes ZeRO-3 is on (an ``HfDeepSpeedConfig`` is alive);
-otherwise it sees 0-sized params and reports a size mismatch for every tensor. Its ZeRO-3 path then reads every
-tensor on rank 0 and broadcasts it, gathering each layer whole. :func:`zero3_pretrained_loading` switches that path
-on for the duration of ``configure_model`` and replaces its two loading steps where the installed transformers has
-them (5.x): every rank takes only the shapes from the checkpoint (``load_state_dict``), then copies its own flat
-range of each tensor out of the memory-mapped safetensors file into its shard (``_load_state_dict_into_zero3_model``).
-No gather, no broadcast; the node holds the base once, as the sum of its ranks' shards, plus one tensor's slice in
-flight per rank. Checkpoints this cannot slice (``.bin`` files, key conversions) go through transformers' own path.
+:func:`zero3_pretrained_loading` switches transformers' ZeRO-3 path on for ``configure_model`` and replaces its two
+loading steps where the installed transformers has them (5.x): every rank takes only the shapes from the checkpoint,
+then copies its own flat range of each tensor out of the safetensors file into its shard; no gather, no broadcast.
+Checkpoints this cannot slice (``.bin`` files, key conversions) go through transformers' own path
+(docs/large-models.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""LR schedulers and the param groups a finetuning callback adds mid-run.
-
-The strategy keeps the user's param groups as ``configure_optimizers`` built them, frozen params included (DeepSpeed
-leaves them out of its ZeRO-3 partitions, group by group), so any LR scheduler acts on the groups it was built over
-with no help. Only a group added mid-run needs some: torch 2.13 pairs each group with its scheduler's per-group values
-strictly (``zip(..., strict=True)``), so a scheduler built over fewer groups raises at its next step, in plain
-Lightning too. :func:`follow_added_groups` gives an added group what the scheduler's existing groups share, read from
-the scheduler itself, with no table of scheduler classes.
-
-:func:`register_per_group_attributes`, which code written for earlier versions calls, is now a no-op that says so.
+"""LR schedulers and the param groups a finetuning callback adds mid-run: :func:`follow_added_groups` gives an added
+group what the scheduler's existing groups share, read from the scheduler itself (torch pairs each group with its
+per-group values strictly; docs/internals.md, "Optimizer groups"). :func:`register_per_group_attributes`, which code
+written for earlier versions calls, is now a no-op that says so.
 """
 
 from __future__ import annotations

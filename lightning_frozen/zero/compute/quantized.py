@@ -2,18 +2,10 @@
 cast under fp32 compute; the codecs are in ``format/codec.py``): quantized at setup, gathered and decoded. The core
 reaches it through ``zero/frozen_compute.py``; the storage itself is ``zero/frozen_storage.py``'s.
 
-Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
-``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
-all-gathers those bytes (what crosses PCIe or the network) and dequantizes them, on the device that computes, to
-the compute dtype; releasing it frees the full tensor as for any ZeRO-3 param. Trainable params are never touched.
-
-Route: DeepSpeed's ZeRO-3 machinery (partitioning, the coordinator's prefetch/fetch/release hooks, ``partition``)
-is kept; what is ours is the storage and the gather. DeepSpeed's ZeRO++ ``zero_quantized_nontrainable_weights``
-path was not reused: its quantizer is a CUDA op that moves every shard to the GPU, and its gather paths size their
-buffers at one byte per element (no 4-bit packing) and dequantize a concatenation of params with one group size.
-Instead every quantized param carries ``ds_tensor.ds_quant_scale``, which makes the coordinator route it to its
-quantized gather, and its own ``all_gather_coalesced`` / ``all_gather`` / ``partition`` (DeepSpeed attaches these
-per param), which gather and decode the bytes described here.
+Each rank's shard of a frozen param is stored as one ``uint8`` tensor (the codes, then the scales' bytes) in place of
+its compute-dtype shard. Gathering it all-gathers those bytes and decodes them, on the device that computes; releasing
+it frees the full tensor as for any ZeRO-3 param. DeepSpeed's machinery is kept, the storage and the gather are ours
+(``ds_quant_scale`` routes the param to its own ``all_gather_coalesced``; why not ZeRO++: docs/internals.md).
 """
 
 from __future__ import annotations
