@@ -108,11 +108,8 @@ def checksum_keys(dtype: torch.dtype) -> list[str]:
 
 
 class Checksummer:
-    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime.
-
-    Its buffers and position weights (about 29 MB, made at the first sums the kernels do not take) are reused across
-    the chunks and tensors of one pass and freed with it: keep one for a pass, not for the process. ``kernels``
-    (``zero/frozen_compute.py``'s) take the same sums in one compiled pass where they can, several times faster."""
+    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime, in
+    one pass of ``kernels`` where they take the values. Its buffers (about 29 MB) live as long as it: one per pass."""
 
     def __init__(self, kernels: Optional[Kernels] = None) -> None:
         self._kernels = kernels
@@ -154,11 +151,8 @@ class Checksummer:
 
 
 class ReadSums:
-    """The fingerprint's sums of tensors that another reader than the loader reads in chunks, in order (the merged
-    export reads a base folder): a :class:`LoadedSums` for :func:`fingerprint_base`, so that verifying those tensors
-    reads nothing again. Each tensor is named by a stand-in (a meta tensor of its shape and dtype). Threads may add at
-    once (the reading thread its chunks, the merging one a tensor it built), one at a time: they share the buffers.
-    ``kernels`` as :class:`Checksummer`: without them a bf16 chunk is summed about twenty times slower than read."""
+    """The sums of tensors another reader reads in chunks, in order (the merged export), each named by a stand-in (a
+    meta tensor of its shape and dtype): a :class:`LoadedSums` for :func:`fingerprint_base`. Thread-safe."""
 
     changes = 0
 
@@ -265,10 +259,8 @@ def fingerprint_base(
 
 
 class FingerprintCache:
-    """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
-    a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
-    what ``loaded``, the strategy's record of the base, already summed); computed again when ``loaded`` changed (a
-    quantized param was written and encoded again). ``kernels`` as :class:`Checksummer`."""
+    """:func:`fingerprint_base`, computed once per set of names and mode and again when ``loaded`` changed: frozen
+    params never change during a run."""
 
     def __init__(self, loaded: Optional[LoadedSums] = None, kernels: Optional[Kernels] = None) -> None:
         self._key: Optional[tuple[Any, ...]] = None

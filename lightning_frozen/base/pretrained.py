@@ -71,13 +71,9 @@ def sharded_model_creation(
 
 @contextmanager
 def peft_adapters_outside_zero_init() -> Iterator[None]:
-    """While active, PEFT creates its adapters as ordinary tensors even inside ``deepspeed.zero.Init``.
-
-    Under ``zero.Init`` a layer's params are 0-element placeholders as soon as its ``__init__`` returns, so PEFT's
-    initialisation (``kaiming_uniform_`` of LoRA A, ``zeros_`` of LoRA B, ...) would be a no-op: LoRA B would keep
-    ``nn.Linear``'s random values and the adapted model would not start as the base. The adapters are small; the
-    strategy partitions them at setup like any param built outside ``zero.Init``.
-    """
+    """While active, PEFT creates its adapters as ordinary tensors even inside ``deepspeed.zero.Init``, whose
+    0-element placeholders would make PEFT's initialisation a no-op (LoRA B random); the strategy partitions them at
+    setup."""
     stack = ExitStack()  # entered and closed once per outermost PEFT call
     with peft_adapters.around_adapter_creation(
         enter=lambda: stack.enter_context(outside_zero_init()), leave=stack.close
@@ -87,13 +83,9 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
 
 @contextmanager
 def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> Iterator[None]:
-    """While active, ``PreTrainedModel.from_pretrained`` builds ZeRO-3 params and each rank loads its own slices.
-
-    ``config`` is the DeepSpeed config the strategy trains with; ``plan`` how slices are stored and recorded (default:
-    in the compute dtype, recorded nowhere). Without transformers installed this does nothing. A ``HfDeepSpeedConfig``
-    the caller made before is restored on exit. transformers' loading steps are replaced in
-    ``hf/transformers_loading.py``, only where they are the ones this loader was written for.
-    """
+    """While active, ``PreTrainedModel.from_pretrained`` builds ZeRO-3 params for the DeepSpeed ``config`` and each
+    rank loads its own slices, stored and recorded as ``plan`` says (default: the compute dtype, recorded nowhere).
+    Without transformers this does nothing."""
     plan = plan or LoadPlan(LoadedBase())
 
     def adopt(frozen_dtype: str) -> None:
@@ -236,10 +228,9 @@ def _file_bytes(state_dict: dict[str, torch.Tensor], keys: Iterable[str]) -> dic
 
 
 class CastBuffer:
-    """One buffer that slices are cast into before they are checksummed and encoded, reused from slice to slice.
-
-    A fresh tensor per slice wrote fresh pages, which the kernel zeroes first: the bf16 -> fp32 cast ran at 0.38 G
-    values/s and took half of a 1.1B load. Holds the largest slice cast so far until the load ends."""
+    """One buffer that slices are cast into before they are checksummed and encoded, reused from slice to slice (a
+    fresh one's pages are zeroed by the kernel first: half of a 1.1B load); holds the largest slice until the load
+    ends."""
 
     def __init__(self) -> None:
         self._buffer: Optional[torch.Tensor] = None
