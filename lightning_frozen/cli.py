@@ -395,13 +395,9 @@ def _strategy_before(argv: list[str]) -> tuple[Any, set[int]]:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``.
-
-    A step of :data:`STEPS` runs by itself; anything else goes to Lightning's CLI, and a first word that is no
-    subcommand exits with status 2 listing them all. The current directory goes first on ``sys.path``, as with
-    ``python -m``, so that a ``class_path`` naming a module of the project one runs from
-    (``examples.minilm_lora.task.LoRASentimentClassifier``) imports.
-    """
+    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``. A step of
+    :data:`STEPS` runs by itself, anything else goes to Lightning's CLI (an unknown subcommand exits with status 2);
+    the current directory goes first on ``sys.path``, as with ``python -m``, for a ``class_path`` of the project."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else list(args)

@@ -222,14 +222,8 @@ def fingerprint_base(
     loaded: Optional[LoadedSums] = None,
     kernels: Optional[Kernels] = None,
 ) -> Fingerprint:
-    """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
-
-    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
-    shard's as its source values were encoded: those tensors are not read again. ``kernels`` as :class:`Checksummer`.
-
-    Returns a :data:`Fingerprint`; in ``checksum`` mode each tensor's ``value`` is the checksum of its values cast to
-    bf16 and ``value_fp16`` cast to fp16 (an fp32 tensor gets both, a bf16 or fp16 one its own).
-    """
+    """The :data:`Fingerprint` of the named frozen tensors (full tensors or ZeRO-3 params); collective when
+    distributed. Tensors whose sums ``loaded`` (the strategy's ``LoadedBase``) holds are not read again."""
     if mode not in FINGERPRINT_MODES:
         raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
     named = sorted(named_frozen, key=lambda item: item[0])
@@ -304,11 +298,8 @@ def verify_base(
     bases: Optional[Mapping[str, str]] = None,
     if_intended: str = _IF_INTENDED,
 ) -> None:
-    """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
-
-    ``take_fingerprint`` computes the current one (the strategy passes its :class:`FingerprintCache`). ``bases``: the
-    recorded references by module path, when the module holds several bases (see :func:`find_base_references`).
-    ``if_intended``: what the message tells a user who meant the difference to do.
+    """Check the module's frozen tensors against a recorded fingerprint, the current one taken by ``take_fingerprint``;
+    collective when distributed. ``bases``: each base's reference by module path; ``if_intended``: the message's advice.
 
     Raises:
         FrozenBaseMismatchError: names, shapes or values differ; the message names the reference (of the base each

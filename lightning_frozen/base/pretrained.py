@@ -38,13 +38,10 @@ _SOURCE = "_lightning_frozen_source"
 
 @dataclass
 class LoadPlan:
-    """How one load stores and records what it reads, handed down from the strategy's spec: ``frozen_dtype`` (None,
-    ``"int8"``, ``"nf4"``) encodes each floating-point slice as it is read; ``fingerprint_mode`` is the spec's
-    ``fingerprint`` (``"sha256"`` also hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum
-    and source. A bitsandbytes ``quantization_config`` given to ``from_pretrained`` sets ``frozen_dtype``
-    (``base/qlora.py``): what the load found, with which the strategy completes its spec when ``configure_model``
-    returns; the model is marked as bitsandbytes marks its own (``bitsandbytes``), so PEFT's
-    ``prepare_model_for_kbit_training`` prepares it as a k-bit model."""
+    """How one load stores and records what it reads, handed down from the strategy's spec: ``frozen_dtype`` encodes
+    each floating-point slice as it is read (a bitsandbytes ``quantization_config`` may set it, ``base/qlora.py``, and
+    marks the model as bitsandbytes would, ``bitsandbytes``); ``fingerprint_mode`` is the spec's ``fingerprint``;
+    ``loaded`` keeps each slice's checksum and source."""
 
     loaded: LoadedBase
     frozen_dtype: Optional[str] = None

@@ -77,9 +77,7 @@ def initialize_engine(
 ) -> tuple[Any, Any]:
     """Partition and place the model's params as ``spec`` says, on ``where.device``, then ``deepspeed.initialize`` over
     them (a training engine when ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen
-    params stay 1/N shards afterwards, quantized when ``spec.frozen_dtype`` says so; ``loaded`` (what the sliced loader
-    stored) is settled first. Each module of ``read_outside_forward`` (PEFT's ParamWrapper) fetches the params it
-    reads without calling the modules that hold them.
+    params stay 1/N shards, quantized where ``spec.frozen_dtype`` says so; ``loaded`` is settled first.
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
