@@ -170,13 +170,5 @@ def _fsync_path(path: str) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with suppress(OSError):  # a filesystem that cannot open or sync a directory: the rename stands all the same
+        _fsync_path(str(folder))
