@@ -1,7 +1,7 @@
 """Shards that cost nothing until the sliced loader fills them: inside ``from_pretrained`` under ``zero.Init``, no
 param is broadcast whole from rank 0 as its module is built (:func:`not_broadcast_while_loading`), and where the
 loader stores codes (``frozen_dtype``) a shard is allocated without the copy that would write its every page. Why, and
-what it saved: docs/internals.md, "What DeepSpeed, gloo and the file system leave to us".
+what it saved: docs/internals.md, "What other packages and the file system do that the code works around".
 """
 
 from __future__ import annotations
