@@ -356,9 +356,8 @@ def group_adapters(anatomy: Anatomy, group_names: Sequence[Sequence[str]]) -> li
 
 
 def check_optimizer_groups(module: nn.Module, anatomy: Anatomy, optimizer: Optimizer) -> None:
-    """:func:`group_adapters` for a torch optimizer over ``module``'s params (of that ``anatomy``; raises as it does),
-    and the clipping values of its groups (``gradient_clip_val``): one per adapter, and only where two or more adapters
-    train.
+    """:func:`group_adapters` for a torch optimizer over ``module``'s params (of that ``anatomy``), and the clipping
+    values of its groups (``gradient_clip_val``): one per adapter, and only where two or more adapters train.
 
     Raises:
         AdapterSetupError: as :func:`group_adapters`; an adapter whose groups give different clipping values; a
@@ -374,12 +373,10 @@ def check_optimizer_groups(module: nn.Module, anatomy: Anatomy, optimizer: Optim
 def engine_built(
     zero_optimizer: Any, anatomy: Anatomy, group_names: Sequence[Sequence[str]], row_hooks: ExitStack
 ) -> None:
-    """Once the strategy built its engine over a module of that ``anatomy`` (again, after a change of what trains),
-    with two or more adapters training:
-    clip each one's gradients in ``zero_optimizer`` by its own norm (``zero/adapter_clipping.py``) and refuse a
-    training forward outside :func:`adapter_rows` (:func:`guard_rows`; ``row_hooks`` is emptied first, then holds the
-    hooks). Raises as :func:`group_adapters` does, and :class:`DependencyDriftError` where a name that training
-    several adapters at once needs moved (``capabilities.SEVERAL_ADAPTERS``)."""
+    """Once the strategy built its engine over a module of that ``anatomy``, with two or more adapters training: clip
+    each one's gradients in ``zero_optimizer`` by its own norm and refuse a training forward outside
+    :func:`adapter_rows` (:func:`guard_rows`, its hooks in ``row_hooks``, emptied first). Raises as
+    :func:`group_adapters` does, and :class:`DependencyDriftError` where ``capabilities.SEVERAL_ADAPTERS`` moved."""
     if len(anatomy.trained_adapters) >= 2:
         require(SEVERAL_ADAPTERS)
     adapter_clipping.clip_per_adapter(zero_optimizer, group_adapters(anatomy, group_names))

@@ -162,11 +162,9 @@ def config_source(config: Any, environment_variable: str) -> Optional[str]:
 
 
 def resolve_spec(config: dict, source: Optional[str], pin_memory: bool, **arguments: Any) -> StrategySpec:
-    """The strategy's :class:`StrategySpec`: ZeRO's stage, offloads, pinning and reduce bucket read from its resolved
-    DeepSpeed ``config`` (:func:`zero_settings`, refused unless the stage is 3), the rest from its ``arguments`` (the
-    spec's other fields, checked by :func:`check_strategy_arguments`). ``source``: where the user's config came from
-    (:func:`config_source`); None when the arguments built it, with ``pin_memory``, which then also pins the frozen
-    shards the package offloads. ``generation_memory`` is read by :func:`memory_budget`.
+    """The strategy's :class:`StrategySpec`: ZeRO's settings read from its resolved DeepSpeed ``config``
+    (:func:`zero_settings`), the rest from its ``arguments``; ``pin_memory`` also pins the offloaded frozen shards
+    where no user config (``source``, :func:`config_source`) was given.
 
     Raises:
         InvalidArgumentValueError: another stage, or ZeRO off; the message names where it was set and the fix.

@@ -226,13 +226,12 @@ def _cli_config_settings(path: Path) -> dict[str, Any]:
     config = yaml.safe_load(path.read_text()) or {}
     trainer = config.get("trainer") or {}
     strategy = trainer.get("strategy", "frozen_deepspeed")
-    names = {name: options for name, _, options in arguments.REGISTERED_NAMES}
-    if isinstance(strategy, str) and strategy not in names:
+    if isinstance(strategy, str) and strategy not in _OPTIONS_OF:
         raise InvalidArgumentValueError(
             f"{path}: `trainer.strategy: {strategy}` is not a lightning-frozen strategy; the estimate is for"
-            f" {', '.join(names)} or `lightning_frozen.FrozenAwareDeepSpeedStrategy`."
+            f" {', '.join(_OPTIONS_OF)} or `lightning_frozen.FrozenAwareDeepSpeedStrategy`."
         )
-    options = names[strategy] if isinstance(strategy, str) else strategy.get("init_args") or {}
+    options = _OPTIONS_OF[strategy] if isinstance(strategy, str) else strategy.get("init_args") or {}
     settings = {"model": config.get("model")}
     settings |= {name: trainer[key] for key, name in _TRAINER_SETTINGS.items() if key in trainer}
     settings |= {key: options[key] for key in ("frozen_dtype", "offload_frozen", "offload_optimizer") if key in options}
@@ -243,6 +242,7 @@ def _cli_config_settings(path: Path) -> dict[str, Any]:
     return settings
 
 
+_OPTIONS_OF = {name: options for name, _, options in arguments.REGISTERED_NAMES}  # a registered name's arguments
 _TRAINER_SETTINGS = {"precision": "precision", "devices": "num_devices", "num_nodes": "num_nodes"}
 # what the estimate assumes where neither the command line nor the config says, and whose default it is
 _DEFAULTS: dict[str, tuple[Any, str]] = {
@@ -363,11 +363,10 @@ def strategy_named_with_options(argv: list[str]) -> list[str]:
     if first is None:
         return argv
     strategy, given_at = _strategy_before(argv[:first])
-    names = {name: options for name, _, options in arguments.REGISTERED_NAMES}
-    if not isinstance(strategy, str) or strategy not in names:
+    if not isinstance(strategy, str) or strategy not in _OPTIONS_OF:
         return argv
     as_class = ["--trainer.strategy=FrozenAwareDeepSpeedStrategy"]
-    as_class += [f"--trainer.strategy.{key}={json.dumps(value)}" for key, value in names[strategy].items()]
+    as_class += [f"--trainer.strategy.{key}={json.dumps(value)}" for key, value in _OPTIONS_OF[strategy].items()]
     before = [arg for i, arg in enumerate(argv[:first]) if i not in given_at]
     return [*before, *as_class, *argv[first:]]
 
@@ -396,13 +395,9 @@ def _strategy_before(argv: list[str]) -> tuple[Any, set[int]]:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``.
-
-    A step of :data:`STEPS` runs by itself; anything else goes to Lightning's CLI, and a first word that is no
-    subcommand exits with status 2 listing them all. The current directory goes first on ``sys.path``, as with
-    ``python -m``, so that a ``class_path`` naming a module of the project one runs from
-    (``examples.minilm_lora.task.LoRASentimentClassifier``) imports.
-    """
+    """Entry point of the ``lightning-frozen`` console script; ``args`` default to ``sys.argv[1:]``. A step of
+    :data:`STEPS` runs by itself, anything else goes to Lightning's CLI (an unknown subcommand exits with status 2);
+    the current directory goes first on ``sys.path``, as with ``python -m``, for a ``class_path`` of the project."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else list(args)

@@ -1,24 +1,9 @@
 """Progressive unfreezing under ZeRO-3: ``BaseFinetuning`` and ``BackboneFinetuning`` that work with
-``frozen_deepspeed``.
+``frozen_deepspeed``, Lightning's classes with the same names and API (import them from ``lightning_frozen``).
 
-They are Lightning's classes with the same names and API; import them from ``lightning_frozen`` instead of
-``lightning.pytorch.callbacks``. Lightning's own refuse every DeepSpeed strategy in ``setup``, and their
-``unfreeze_and_add_param_group`` calls ``optimizer.add_param_group``, which a ZeRO-3 optimizer cannot honour:
-its fp32 partitions are fixed when DeepSpeed initialises. Here ``finetune_function`` receives a stand-in
-optimizer with the same ``param_groups`` and ``add_param_group``, from the strategy
-(:meth:`FrozenAwareDeepSpeedStrategy.finetune`); when it returns, the strategy applies it: changed hyper-parameters go
-to the real optimizer, and a changed trainable set rebuilds the ZeRO optimizer, carrying over the state of every param
-that keeps training. The callback calls the strategy (``freeze_once_built`` from ``setup``, ``finetune`` at each
-epoch's start); the strategy needs no marker on it.
-
-Two differences from Lightning's, both for ZeRO-3: ``freeze_before_training`` runs once ``configure_model`` has built
-the (sharded) model, where Lightning's runs in ``setup``, before it; and a param left trainable in no group (the
-BatchNorm params ``train_bn=True`` keeps trainable in a frozen backbone) is never stepped, as in plain PyTorch, with a
-notice that names it, until ``unfreeze_and_add_param_group`` adds it.
-
-A resumed run learns what was unfrozen from the checkpoint itself: its ``state_dict`` holds every param that was
-trainable when it was saved, and ``optimizer_states[0]["param_groups"]`` their groups by name; the strategy makes
-exactly those trainable again before loading the optimizer state.
+``finetune_function`` receives a stand-in optimizer from the strategy (:meth:`FrozenAwareDeepSpeedStrategy.finetune`),
+which applies its change afterwards (a ZeRO-3 optimizer cannot ``add_param_group``), and ``freeze_before_training``
+runs once ``configure_model`` has built the sharded model. docs/unfreezing.md tells the rest.
 """
 
 from __future__ import annotations

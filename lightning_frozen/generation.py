@@ -1,18 +1,9 @@
-"""``generate()`` during a run: the frozen base gathered once per call when it fits the memory budget, else layer by
-layer, once per new token, as ZeRO-3 does by itself (with its prefetch).
-
-A run wraps the ``generate`` of each outermost transformers model inside the LightningModule (an instance attribute,
-set through the run's ledger and gone after it). Each call compares the bytes the model takes gathered whole in its
-compute dtype with the budget, the strategy's ``generation_memory``: a number of bytes, or by default
-:data:`AUTO_FRACTION` of the memory free on the device that computes when the call starts (on the CPU, of the host's
-available memory shared by the ranks on it), agreed by every rank. Within it, the model's params are gathered once
-(``zero/gather_once.py``), the call runs without ZeRO-3's per-layer fetches, and they are released after. Beyond it,
-ZeRO-3 gathers each layer for each forward. A one-line notice on rank 0 says which mode ran and why, the first time
-each mode runs in a run. On several ranks each call passes ``synced_gpus=True`` unless it sets it: a rank that has
-finished its sequences keeps running forwards until every rank has, instead of leaving the others waiting in a gather
-(transformers turns it on by itself only while it believes ZeRO-3 is on; the strategy holds that belief around
-``configure_model`` and, for a model that skips layers at random, a training step, never for a whole run, so a
-``generate`` call is synced here instead).
+"""``generate()`` during a run: the frozen base gathered once per call when it fits the memory budget (the strategy's
+``generation_memory``, by default :data:`AUTO_FRACTION` of the free memory, agreed by every rank), else layer by layer
+as ZeRO-3 does by itself; a notice on rank 0 says which mode ran, the first time each runs. A run wraps the
+``generate`` of each outermost transformers model inside the LightningModule through its ledger, and on several ranks
+passes ``synced_gpus=True`` unless the call sets it, since transformers believes ZeRO-3 is on only where the strategy
+says so (``hf/transformers_loading.zero3_known``; docs/loops.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``RunLedger``: everything one run changes outside the package's own objects, each change with its undo.
 
-The strategy opens one ledger when a run sets up (``fit``, ``validate``, ``test`` or ``predict``) and closes it at
-teardown, whether the run returned, raised or stopped for preemption. Whatever a run changes in the user's modules, in
-a class or module of another package, or in the process (a warning filter, ``F.linear``, a signal handler, a callback
-on the Trainer) is entered here when it is changed, so that closing the ledger leaves them as they were. Undos run
-newest first; one that fails is reported as a warning and the others still run, so a failed undo never hides the
-error that ended the run.
+The strategy opens one ledger when a run sets up and closes it at teardown, whether the run returned, raised or
+stopped for preemption, so the user's modules, other packages' classes and the process are left as they were. Undos
+run newest first; one that fails becomes a warning and the others still run, so it never hides the run's own error.
 """
 
 from __future__ import annotations
@@ -31,9 +28,6 @@ class RunLedger:
 
     def __init__(self) -> None:
         self._undos: list[tuple[str, Callable[[], Any]]] = []
-
-    def __len__(self) -> int:
-        return len(self._undos)
 
     def callback(self, undo: Callable[[], Any], what: str = "") -> None:
         """Call ``undo()`` when the run ends; ``what`` names the change in a warning should the undo fail."""

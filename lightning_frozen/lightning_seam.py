@@ -1,21 +1,7 @@
 """The Lightning seam: every private name of Lightning the package relies on, in one module, written for Lightning 2.6
-(2.6.6 tested). When Lightning changes, this is the one place to look.
-
-- ``DeepSpeedHooks``: ``DeepSpeedStrategy`` with its private hooks (``_init_optimizers``,
-  ``_setup_model_and_optimizer``) handed to public methods a subclass overrides, and its private helpers
-  (``_init_deepspeed_distributed``, ``_init_config_if_needed``) callable under public names.
-
-- ``record_added_groups``: ``BaseFinetuning._store``, which remembers the param groups a ``finetune_function`` added.
-- ``resolved_ckpt_path``: the ``ckpt_path`` argument of ``Trainer._run``, read from the call stack. Lightning resolves
-  ``"last"``, ``"best"`` and ``"hpc"`` before ``_run`` and holds the result only there until it restores, after the
-  strategy's setup (``trainer.ckpt_path`` is still the previous run's then); no public hook before setup hands it
-  over, and a wrong path is worth refusing before a large base is loaded. Without ``_run``, nothing is read.
-- For preemption: ``_SignalConnector``, its ``register_signal_handlers`` (replaced on a run's connector, which then
-  registers nothing) and its ``_slurm_sigusr_handler_fn`` (Lightning's requeue), reached as
-  ``trainer._signal_connector``.
-
-Each of them is a row of ``capabilities.py``, checked when a strategy is built. Private names are reached through their
-modules, at call time, so that a moved one meets that check rather than failing ``import lightning_frozen``.
+(2.6.6 tested). When Lightning changes, this is the one place to look; each name is a row of ``capabilities.py``,
+reached through its module at call time, so that a moved one meets that check rather than failing the import.
+docs/internals.md lists them with why each is needed.
 """
 
 from __future__ import annotations

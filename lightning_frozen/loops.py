@@ -1,23 +1,7 @@
-"""Lightning's loops where ZeRO-3 or a resume needs more of them: evaluation data that every rank has as much of, and
-the fit loop after a resume.
-
-**Even evaluation data.** Under ZeRO-3 each forward gathers every layer's shards from every rank, so a rank with one
-more validation, test or predict batch than the others waits forever in its gather (with gloo the others' exit
-fails it with "Connection closed by peer", with NCCL it hangs until the collective timeout). Lightning's
-``DistributedSampler`` gives every rank as many batches; a user's own sampler or an ``IterableDataset`` may not. Where
-each rank knows its count up front, the ranks compare counts before the loop starts (:func:`check_even_batches`);
-where one does not (no ``len``), they agree before each batch whether every rank has one (:class:`EvenBatches`). Both
-raise :class:`UnevenBatchesError` on every rank at once, naming the counts, instead of hanging.
-
-**The fit loop after a resume**: Lightning 2.6 counts the epoch after the resumed one wrong.
-
-A checkpoint saved at the end of an epoch's last batch (``ModelCheckpoint(every_n_train_steps=...)``, a preemption's
-``last.ckpt``) resumes as "restarted mid-epoch": ``FitLoop.reset`` counts that epoch as finished (``processed``,
-``completed``) but keeps its restart stage, so ``on_advance_start`` of the *next* epoch takes it for the restarted
-one: it skips ``on_train_epoch_start`` and the epoch's ``ready``/``started`` counts. A checkpoint that run saves says no
-epoch is in progress, and a run resumed from it seeds that epoch's shuffle with the previous epoch's number
-(``DistributedSampler.set_epoch(epoch_progress.current.processed)``): it trains on other batches than a run never
-stopped (seen: 0.01 off in the weights after two resumes with 2 shuffled batches an epoch, 2.2e-8 with one).
+"""Lightning's loops where ZeRO-3 or a resume needs more of them: evaluation data that every rank has as much of
+(:func:`check_even_batches`, :class:`EvenBatches`: a rank with one more batch would hang in its gather; both raise
+:class:`UnevenBatchesError` on every rank at once, docs/loops.md), and the fit loop after a resume, whose next epoch
+Lightning 2.6 counts as the restarted one (:func:`start_next_epoch_afresh`, docs/checkpoints.md).
 """
 
 from __future__ import annotations

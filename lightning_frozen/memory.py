@@ -138,11 +138,11 @@ class MemoryEstimate:
 
 
 def format_bytes(num: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num) < 1024:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
         num /= 1024
-    raise AssertionError("unreachable")
+    return f"{num:.2f} TiB"
 
 
 def precision_bytes(precision: str) -> int:
@@ -172,13 +172,9 @@ def estimate_from_counts(
     ranks_per_node: Optional[int] = None,
     frozen_dtype: Optional[str] = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3.
-
-    ``largest_module_params`` (elements) and ``reduce_bucket_size`` size the two working buffers; 0 leaves them out.
-    ``largest_module_params`` also sizes what a rank holds in flight while loading (see ``host_load_bytes``);
-    ``ranks_per_node`` defaults to ``world_size`` (one node).
-    ``frozen_dtype`` (``"int8"``/``"nf4"``) counts the frozen shards as quantized codes plus block scales.
-    """
+    """Per-rank bytes for a model of ``trainable_params`` + ``frozen_params`` elements under ZeRO-3; the largest
+    module's elements and ``reduce_bucket_size`` size the two working buffers and what a rank loads in flight (0 leaves
+    them out); ``ranks_per_node`` defaults to ``world_size``."""
     weight_bytes = precision_bytes(precision)
     trainable_shard = _shard(trainable_params, world_size)
     frozen_shard = _shard(frozen_params, world_size)

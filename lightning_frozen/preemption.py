@@ -1,22 +1,9 @@
 """Stopping ``fit`` when the scheduler asks: SIGTERM (SLURM, Kubernetes, spot instances) or SLURM's requeue signal,
-received by any rank or by all of them.
+received by any rank or by all of them (docs/preemption.md).
 
-Lightning's own SIGTERM handler broadcasts from inside the signal handler. Under ZeRO-3 another rank may sit in an
-all-gather at that moment, and both wait forever. So Lightning never registers its handlers in a run of this strategy,
-and ours is set from the strategy's ``setup_environment`` on, for every phase of the run. It only records the signal
-and writes one line (``process.StopSignals`` owns the handler and the watchdog that bounds the stop). At the end of
-the next batch that steps the optimizer, which every rank reaches, the ranks agree with one two-flag ``all_reduce``;
-then every rank takes part in saving the adapter checkpoint (rank 0 writes it), logs one line and exits with status
-128 + the signal number, as a process the signal ended would. A SLURM requeue signal, under
-``SLURMEnvironment(auto_requeue=True)``, saves Lightning's ``hpc_ckpt_<n>.ckpt`` and requeues the job, as Lightning
-does, so the requeued job resumes by itself. Before the first training step no step boundary can be reached: the
-recorded stop is raised, without a checkpoint, at the strategy's own boundaries
-(:meth:`Preemption.stop_before_training`: after ``configure_model``, before the first training batch, after each batch
-of sanity validation, ``validate``, ``test`` and ``predict``), where no class of another package is patched, and the
-requeue, if asked, runs where the run ends (:meth:`Preemption.end_run`). The handler never raises: a stop raised there
-lands between any two bytecodes, also between a patch and the ``try:`` that puts it back. A second signal, or a
-process still running ``grace`` seconds after its first (a load that outlasts it), exits at once: the temporary file
-of a checkpoint being written is removed first, so the previous file stays whole.
+The handler only records the signal (Lightning's broadcasts inside it, which deadlocks against a ZeRO-3 all-gather);
+the ranks agree at the next step boundary, save, and exit with 128 + the signal. Before the first training step the
+stop is raised, without a checkpoint, at the strategy's own boundaries (:meth:`Preemption.stop_before_training`).
 """
 
 from __future__ import annotations
@@ -69,16 +56,10 @@ class Preemption:
         self._on = False  # this run's stop is ours: else Lightning's signal handling runs (capabilities.PREEMPTION off)
 
     def install(self, trainer: pl.Trainer, launcher: Any) -> None:
-        """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run, from the strategy's
-        ``setup_environment`` to its teardown, and keep Lightning's signal connector from registering its own
-        handlers for the run (:meth:`uninstall` undoes both). Idempotent within a run.
-
-        Handlers that were set before the run still run, after this one. A watchdog started here ends the process
-        ``grace`` seconds after a signal, or at once after a second one. Call it from the main thread (elsewhere only
-        the step-boundary callback is added: signal handlers can only be set there). Where Lightning's names that this
-        needs moved (``capabilities.PREEMPTION`` off, with one warning when the strategy was built), it does nothing:
-        Lightning's own signal handling runs.
-        """
+        """Handle SIGTERM (and the requeue signal under SLURM auto-requeue) for this run instead of Lightning's
+        signal connector, chaining the handlers set before it, with a watchdog that ends the process ``grace`` seconds
+        after a signal (:meth:`uninstall` undoes it all). Idempotent within a run; off the main thread only the
+        step-boundary callback is added; with ``capabilities.PREEMPTION`` off it does nothing."""
         if not capabilities.available(capabilities.PREEMPTION):
             return
         self._on = True
@@ -126,10 +107,8 @@ class Preemption:
             handler(signum, frame)
 
     def stop_before_training(self) -> None:
-        """At one of the strategy's boundaries before the first training step (after ``configure_model``, before the
-        first batch, after a batch of sanity validation or of ``validate``/``test``/``predict``), where nothing of
-        another package is patched: end the run on this rank if it received a stop signal. Not collective: the ranks
-        that did not receive it are ended by :meth:`end_run`.
+        """At one of the strategy's boundaries before the first training step, where nothing of another package is
+        patched: end the run on this rank if it received a stop signal (not collective: see :meth:`end_run`).
 
         Raises:
             SIGTERMException: with status 128 + the signal, when this rank received one and no step boundary was
@@ -206,14 +185,8 @@ def _handlers_before_lightning(current: Any) -> list[Callable[..., Any]]:
 
 
 class StopAtStepBoundary(Callback):
-    """At the end of each batch that steps the optimizer, and of each validation batch inside ``fit``: if any rank
-    received a stop signal, save and exit.
-
-    A stop taken in validation saves the state of the last training step, as one at that step's boundary would;
-    Lightning's resume from it finishes no validation batch (the pass is skipped) and goes on training. Every rank runs
-    the same validation batches (uneven evaluation data is refused before the first gather, ``loops.py``), so the
-    agreement there is collective like the one at a step boundary.
-    """
+    """At the end of each batch that steps the optimizer, and of each validation batch inside ``fit`` (every rank runs
+    the same ones, ``loops.py``): if any rank received a stop signal, save the last step's state and exit."""
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
@@ -308,8 +281,7 @@ def raised_on_every_rank(exception: BaseException) -> bool:
 
 def stop_watching_ranks(launcher: Any) -> list[subprocess.Popen]:
     """Take the ranks ``launcher`` (Lightning's subprocess launcher) started out of its public ``procs``, and return
-    them. Lightning's observer polls that very list every 5 s and SIGKILLs every rank, this one included, as soon as
-    one ended non-zero, which races this rank's own stop; emptied, it finds "all ended well" and returns."""
+    them: its observer SIGKILLs every rank once one ends non-zero, which races this rank's own stop."""
     procs = getattr(launcher, "procs", None)
     if not procs:
         return []

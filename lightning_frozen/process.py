@@ -2,22 +2,8 @@
 watchdog that bounds a stop, the files this process is writing when it must exit at once, and the sweeping of files
 that dead processes left.
 
-**Signals.** :class:`StopSignals` sets the handler of a run's stop signals (SIGTERM, SLURM's requeue signal) and starts
-a watchdog thread, both before any signal comes; the handler runs in the main thread and only records
-(``preemption.py`` says what, and where the run's code raises the stop: never from the handler, which lands between
-any two bytecodes, also between a class patch and the ``try:`` that puts it back). The watchdog learns of each signal
-from the wakeup fd CPython's C-level handler writes to, so it counts a signal even while the main thread is stuck in
-C code and never runs the handler: ``grace`` seconds after the first, or at once after a second, it ends the process
-(:func:`exit_now`). Nothing is started in a handler: ``Thread.start`` takes a lock of ``threading`` that the main
-thread may hold at that moment.
-
-**Files being written.** Temp files and folders this process is writing are registered (:func:`start_writing`), so
-that an exit at once removes them; once it has begun, none is renamed into place any more, so a target stays as it
-was or is whole. A terminating signal nobody handles removes the file being written before it ends the process
-(:func:`removed_if_terminated`).
-
-**Dead processes' files.** A file named by :func:`owned_name` says which process made it; :func:`remove_dead_files`
-removes those whose process is gone, or that nobody has written to for ``STALE_SECONDS``.
+Why the watchdog reads a wakeup fd and how a dead process's file is told apart: docs/internals.md, "How a process
+ends".
 """
 
 from __future__ import annotations
@@ -122,9 +108,8 @@ _installed: list[StopSignals] = []  # the run's, while set: a forked child (a Da
 
 
 def _not_in_a_forked_child() -> None:
-    """In a child forked while a run's handler is set: the handlers found before, no wakeup fd. The child is not the
-    rank: its SIGTERM (a DataLoader shutting its workers down) must end it, and must not reach the rank's watchdog
-    through the inherited pipe."""
+    """In a child forked while a run's handler is set (a DataLoader worker): the handlers found before, no wakeup fd,
+    so that its SIGTERM ends it and does not reach the rank's watchdog."""
     for watch in _installed:
         for signum, before in watch.before.items():
             signal.signal(signum, signal.SIG_DFL if before is None else before)
@@ -253,27 +238,16 @@ def remove_dead_files(folder: Path, names: re.Pattern[str]) -> list[Path]:
     them."""
     removed: list[Path] = []
     for path, _ in dead_files(folder, names):
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        except OSError:  # removed or renamed by another process meanwhile, or not this user's to remove
-            continue
-        removed.append(path)
+        with suppress(OSError):  # renamed by another process meanwhile, or not this user's to remove
+            if _remove(path):
+                removed.append(path)
     return removed
 
 
 def dead_files(folder: Path, names: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
-    """The entries of ``folder`` whose names ``names`` matches (:func:`owned_names`) and whose process is gone, each
-    with its name's match.
-
-    An entry is a dead process's when it was made in this pid space (see :func:`pid_space_tag`) by a process that no
-    longer runs, or when nothing has written to it for ``STALE_SECONDS`` (its process ran on another machine or in
-    another container sharing the folder, or its pid was reused). A live process's entry, here or elsewhere, is left
-    alone, as is every entry not named so, every link, and every entry another user owns (a job run as root on a
-    shared node never removes another user's files).
-    """
+    """The entries of ``folder`` (no links, none of another user's) whose names ``names`` matches
+    (:func:`owned_names`) and whose process is gone in this pid space or which are ``STALE_SECONDS`` old, each with its
+    name's match."""
     found: list[tuple[Path, re.Match[str]]] = []
     try:
         entries = list(os.scandir(folder))
@@ -297,11 +271,8 @@ def dead_files(folder: Path, names: re.Pattern[str]) -> list[tuple[Path, re.Matc
 
 
 def pid_space_tag() -> str:
-    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace.
-
-    A host name is not enough: containers on one machine (or on several) often share one, while each has its own pid
-    namespace, where another container's live process looks dead. Without ``/proc`` (not Linux) the host name is used.
-    """
+    """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace
+    (without ``/proc``: the host name)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"

@@ -15,13 +15,9 @@ from typing import Any, Optional, Union
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """What a ``FrozenAwareDeepSpeedStrategy`` was asked for, resolved: read from the DeepSpeed config that runs where
-    the config decides (whether the strategy's arguments built it or ``config=`` gave it), else from the arguments.
-
-    Built at construction, where every fact it holds is known: Lightning completes the config at setup with the batch
-    size and precision only. One field may be completed at setup: ``frozen_dtype``, when a bitsandbytes
-    ``quantization_config`` in ``configure_model`` chooses it (:meth:`with_frozen_dtype` gives the new spec).
-    """
+    """What a ``FrozenAwareDeepSpeedStrategy`` was asked for, resolved at construction: from the DeepSpeed config that
+    runs where the config decides, else from the arguments. Only ``frozen_dtype`` may be completed at setup, by a
+    bitsandbytes ``quantization_config`` (:meth:`with_frozen_dtype`)."""
 
     stage: int  # the ZeRO stage (always 3: the strategy refuses others)
     offload_frozen: bool  # frozen shards in CPU memory

@@ -3,17 +3,9 @@
 The default fingerprint, ``checksum``, covers every frozen tensor's name, shape and values without a gather:
 each rank sums what its ZeRO-3 shard holds, position-weighted, and the per-rank sums are added modulo a prime,
 so the result is the same for any number of ranks. It is a checksum, not a cryptographic hash: ``sha256`` hashes
-every frozen tensor's exact bytes (one gather per tensor) for when that matters.
-
-A base is trained in one dtype and often loaded in another, so the dtype is recorded and like is compared with like:
-an fp32 tensor is checksummed on its values cast to bfloat16 (``value``) and cast to float16 (``value_fp16``), a bf16
-or fp16 one in its own cast only. A base held in bf16 or fp16 is a rounding of its fp32 original, and rounding a
-rounding gives the same result (``bf16(bf16(x)) == bf16(x)``), so each narrow dtype verifies exactly against fp32
-(or itself) in its own cast. No single canonical form can serve
-all three: fp16 keeps 3 more mantissa bits than bf16, and a value just below a bf16 rounding midpoint rounds down in
-bf16 but onto the midpoint in fp16, and one just above it rounds up in bf16 and onto the same midpoint in fp16, so any
-function equal on both roundings of every value equates neighbouring bf16 values, hence all values. A base held in
-fp16 therefore cannot be verified against the same base held in bf16: that pair is named as such, with the fix.
+every frozen tensor's exact bytes (one gather per tensor) for when that matters. An fp32 tensor is checksummed cast
+to bf16 (``value``) and to fp16 (``value_fp16``), a bf16 or fp16 one in its own cast only, so each narrow dtype
+verifies exactly against fp32 or itself; why fp16 against bf16 cannot: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -116,11 +108,8 @@ def checksum_keys(dtype: torch.dtype) -> list[str]:
 
 
 class Checksummer:
-    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime.
-
-    Its buffers and position weights (about 29 MB, made at the first sums the kernels do not take) are reused across
-    the chunks and tensors of one pass and freed with it: keep one for a pass, not for the process. ``kernels``
-    (``zero/frozen_compute.py``'s) take the same sums in one compiled pass where they can, several times faster."""
+    """Plain and position-weighted sums of 16-bit patterns (of the values cast to bf16 or fp16), modulo a prime, in
+    one pass of ``kernels`` where they take the values. Its buffers (about 29 MB) live as long as it: one per pass."""
 
     def __init__(self, kernels: Optional[Kernels] = None) -> None:
         self._kernels = kernels
@@ -162,11 +151,8 @@ class Checksummer:
 
 
 class ReadSums:
-    """The fingerprint's sums of tensors that another reader than the loader reads in chunks, in order (the merged
-    export reads a base folder): a :class:`LoadedSums` for :func:`fingerprint_base`, so that verifying those tensors
-    reads nothing again. Each tensor is named by a stand-in (a meta tensor of its shape and dtype). Threads may add at
-    once (the reading thread its chunks, the merging one a tensor it built), one at a time: they share the buffers.
-    ``kernels`` as :class:`Checksummer`: without them a bf16 chunk is summed about twenty times slower than read."""
+    """The sums of tensors another reader reads in chunks, in order (the merged export), each named by a stand-in (a
+    meta tensor of its shape and dtype): a :class:`LoadedSums` for :func:`fingerprint_base`. Thread-safe."""
 
     changes = 0
 
@@ -236,14 +222,8 @@ def fingerprint_base(
     loaded: Optional[LoadedSums] = None,
     kernels: Optional[Kernels] = None,
 ) -> Fingerprint:
-    """Fingerprint the named frozen tensors (full tensors or ZeRO-3 params); collective when distributed.
-
-    ``loaded`` (the strategy's ``LoadedBase``) has each tensor's sums as the sliced loader read it, and a quantized
-    shard's as its source values were encoded: those tensors are not read again. ``kernels`` as :class:`Checksummer`.
-
-    Returns a :data:`Fingerprint`; in ``checksum`` mode each tensor's ``value`` is the checksum of its values cast to
-    bf16 and ``value_fp16`` cast to fp16 (an fp32 tensor gets both, a bf16 or fp16 one its own).
-    """
+    """The :data:`Fingerprint` of the named frozen tensors (full tensors or ZeRO-3 params); collective when
+    distributed. Tensors whose sums ``loaded`` (the strategy's ``LoadedBase``) holds are not read again."""
     if mode not in FINGERPRINT_MODES:
         raise InvalidArgumentValueError(f"fingerprint mode must be one of {FINGERPRINT_MODES}, got {mode!r}.")
     named = sorted(named_frozen, key=lambda item: item[0])
@@ -273,10 +253,8 @@ def fingerprint_base(
 
 
 class FingerprintCache:
-    """:func:`fingerprint_base`, computed once per set of names and mode: frozen params never change during a run, so
-    a resumed run verifies the base and writes its later checkpoints with one pass over the frozen shards (none for
-    what ``loaded``, the strategy's record of the base, already summed); computed again when ``loaded`` changed (a
-    quantized param was written and encoded again). ``kernels`` as :class:`Checksummer`."""
+    """:func:`fingerprint_base`, computed once per set of names and mode and again when ``loaded`` changed: frozen
+    params never change during a run."""
 
     def __init__(self, loaded: Optional[LoadedSums] = None, kernels: Optional[Kernels] = None) -> None:
         self._key: Optional[tuple[Any, ...]] = None
@@ -320,11 +298,8 @@ def verify_base(
     bases: Optional[Mapping[str, str]] = None,
     if_intended: str = _IF_INTENDED,
 ) -> None:
-    """Check the module's frozen tensors against a recorded fingerprint; collective when distributed.
-
-    ``take_fingerprint`` computes the current one (the strategy passes its :class:`FingerprintCache`). ``bases``: the
-    recorded references by module path, when the module holds several bases (see :func:`find_base_references`).
-    ``if_intended``: what the message tells a user who meant the difference to do.
+    """Check the module's frozen tensors against a recorded fingerprint, the current one taken by ``take_fingerprint``;
+    collective when distributed. ``bases``: each base's reference by module path; ``if_intended``: the message's advice.
 
     Raises:
         FrozenBaseMismatchError: names, shapes or values differ; the message names the reference (of the base each

@@ -1,16 +1,11 @@
 """What the sliced loader learnt about the frozen base as it read it, for the fingerprint and for setup.
 
-``pretrained.py`` reads each rank's flat slice of every tensor once. While the values are at hand it takes their
-checksum (and, in ``sha256`` mode, the whole tensor's hash) and, with ``frozen_dtype`` set, stores the slice's codes
-in place of the shard, so the compute-dtype base is never whole on any node and nothing passes over it again.
-A :class:`LoadedBase` (one per strategy) keeps what was learnt, keyed weakly by param; the fingerprint reads it,
-and only params that arrived another way are read again. A shard quantized later (at setup, or written and encoded
-again) hands its source values here too (:meth:`LoadedBase.source_keeper`), so it is the fingerprint's one source.
-
-At load time nobody knows yet which params will train (PEFT freezes afterwards, ``modules_to_save`` copies modules,
-a user may keep a norm trainable), so a param quantized while loading keeps its file and key. Until setup a gather
-of it reads the exact values from that file (a ``modules_to_save`` copy is exact); at setup a frozen one gets the
-quantized gather and a trainable one its exact slice back (:meth:`LoadedBase.settle`).
+A :class:`LoadedBase` (one per strategy, keyed weakly by param) keeps each slice's checksum (or hash) taken as it was
+read and, with ``frozen_dtype``, which params were stored as codes then; a shard quantized later hands its source
+values here too (:meth:`LoadedBase.source_keeper`), so it is the fingerprint's one source. Which params train is known
+only at setup, so a param stored while loading keeps its file and key: until then a gather reads its exact values
+from the file, and at setup a frozen one gets the quantized gather, a trainable one its exact slice back
+(:meth:`LoadedBase.settle`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``from_pretrained`` inside ``configure_model``: Hugging Face weights straight into ZeRO-3 shards, 1/N per rank.
 
-Lightning calls ``configure_model`` under ``deepspeed.zero.Init``, so params are partitioned as they are created.
-transformers loads into such placeholders only while it believes ZeRO-3 is on (an ``HfDeepSpeedConfig`` is alive);
-otherwise it sees 0-sized params and reports a size mismatch for every tensor. Its ZeRO-3 path then reads every
-tensor on rank 0 and broadcasts it, gathering each layer whole. :func:`zero3_pretrained_loading` switches that path
-on for the duration of ``configure_model`` and replaces its two loading steps where the installed transformers has
-them (5.x): every rank takes only the shapes from the checkpoint (``load_state_dict``), then copies its own flat
-range of each tensor out of the memory-mapped safetensors file into its shard (``_load_state_dict_into_zero3_model``).
-No gather, no broadcast; the node holds the base once, as the sum of its ranks' shards, plus one tensor's slice in
-flight per rank. Checkpoints this cannot slice (``.bin`` files, key conversions) go through transformers' own path.
+:func:`zero3_pretrained_loading` switches transformers' ZeRO-3 path on for ``configure_model`` and replaces its two
+loading steps where the installed transformers has them (5.x): every rank takes only the shapes from the checkpoint,
+then copies its own flat range of each tensor out of the safetensors file into its shard; no gather, no broadcast.
+Checkpoints this cannot slice (``.bin`` files, key conversions) go through transformers' own path
+(docs/large-models.md).
 """
 
 from __future__ import annotations
@@ -42,13 +38,10 @@ _SOURCE = "_lightning_frozen_source"
 
 @dataclass
 class LoadPlan:
-    """How one load stores and records what it reads, handed down from the strategy's spec: ``frozen_dtype`` (None,
-    ``"int8"``, ``"nf4"``) encodes each floating-point slice as it is read; ``fingerprint_mode`` is the spec's
-    ``fingerprint`` (``"sha256"`` also hashes each whole tensor from its file); ``loaded`` keeps each slice's checksum
-    and source. A bitsandbytes ``quantization_config`` given to ``from_pretrained`` sets ``frozen_dtype``
-    (``base/qlora.py``): what the load found, with which the strategy completes its spec when ``configure_model``
-    returns; the model is marked as bitsandbytes marks its own (``bitsandbytes``), so PEFT's
-    ``prepare_model_for_kbit_training`` prepares it as a k-bit model."""
+    """How one load stores and records what it reads, handed down from the strategy's spec: ``frozen_dtype`` encodes
+    each floating-point slice as it is read (a bitsandbytes ``quantization_config`` may set it, ``base/qlora.py``, and
+    marks the model as bitsandbytes would, ``bitsandbytes``); ``fingerprint_mode`` is the spec's ``fingerprint``;
+    ``loaded`` keeps each slice's checksum and source."""
 
     loaded: LoadedBase
     frozen_dtype: Optional[str] = None
@@ -75,13 +68,9 @@ def sharded_model_creation(
 
 @contextmanager
 def peft_adapters_outside_zero_init() -> Iterator[None]:
-    """While active, PEFT creates its adapters as ordinary tensors even inside ``deepspeed.zero.Init``.
-
-    Under ``zero.Init`` a layer's params are 0-element placeholders as soon as its ``__init__`` returns, so PEFT's
-    initialisation (``kaiming_uniform_`` of LoRA A, ``zeros_`` of LoRA B, ...) would be a no-op: LoRA B would keep
-    ``nn.Linear``'s random values and the adapted model would not start as the base. The adapters are small; the
-    strategy partitions them at setup like any param built outside ``zero.Init``.
-    """
+    """While active, PEFT creates its adapters as ordinary tensors even inside ``deepspeed.zero.Init``, whose
+    0-element placeholders would make PEFT's initialisation a no-op (LoRA B random); the strategy partitions them at
+    setup."""
     stack = ExitStack()  # entered and closed once per outermost PEFT call
     with peft_adapters.around_adapter_creation(
         enter=lambda: stack.enter_context(outside_zero_init()), leave=stack.close
@@ -91,13 +80,9 @@ def peft_adapters_outside_zero_init() -> Iterator[None]:
 
 @contextmanager
 def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> Iterator[None]:
-    """While active, ``PreTrainedModel.from_pretrained`` builds ZeRO-3 params and each rank loads its own slices.
-
-    ``config`` is the DeepSpeed config the strategy trains with; ``plan`` how slices are stored and recorded (default:
-    in the compute dtype, recorded nowhere). Without transformers installed this does nothing. A ``HfDeepSpeedConfig``
-    the caller made before is restored on exit. transformers' loading steps are replaced in
-    ``hf/transformers_loading.py``, only where they are the ones this loader was written for.
-    """
+    """While active, ``PreTrainedModel.from_pretrained`` builds ZeRO-3 params for the DeepSpeed ``config`` and each
+    rank loads its own slices, stored and recorded as ``plan`` says (default: the compute dtype, recorded nowhere).
+    Without transformers this does nothing."""
     plan = plan or LoadPlan(LoadedBase())
 
     def adopt(frozen_dtype: str) -> None:
@@ -240,10 +225,9 @@ def _file_bytes(state_dict: dict[str, torch.Tensor], keys: Iterable[str]) -> dic
 
 
 class CastBuffer:
-    """One buffer that slices are cast into before they are checksummed and encoded, reused from slice to slice.
-
-    A fresh tensor per slice wrote fresh pages, which the kernel zeroes first: the bf16 -> fp32 cast ran at 0.38 G
-    values/s and took half of a 1.1B load. Holds the largest slice cast so far until the load ends."""
+    """One buffer that slices are cast into before they are checksummed and encoded, reused from slice to slice (a
+    fresh one's pages are zeroed by the kernel first: half of a 1.1B load); holds the largest slice until the load
+    ends."""
 
     def __init__(self) -> None:
         self._buffer: Optional[torch.Tensor] = None

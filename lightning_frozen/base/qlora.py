@@ -1,11 +1,9 @@
 """A QLoRA user's ``BitsAndBytesConfig`` under the strategy: the frozen base stored as the strategy's own shards.
 
-``from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))``
-in ``configure_model`` loads as if no quantization_config was given (no bitsandbytes ``Linear4bit``, which ZeRO-3
-cannot shard), and the config becomes the strategy's ``frozen_dtype`` for that base: ``load_in_4bit`` with nf4 is
-``"nf4"``, ``load_in_8bit`` is ``"int8"``, encoded by the sliced loader as it reads each slice. The layers compute in
-the Trainer's precision, whatever ``bnb_4bit_compute_dtype`` says. What has no such storage is refused
-(:class:`BitsAndBytesConfigError`), as is a model bitsandbytes already quantized (built in ``__init__``).
+A bitsandbytes ``quantization_config`` given to ``from_pretrained`` in ``configure_model`` is taken off the call (ZeRO-3
+cannot shard ``Linear4bit``) and becomes the strategy's ``frozen_dtype`` (``load_in_4bit`` with nf4: ``"nf4"``,
+``load_in_8bit``: ``"int8"``); what has no such storage is refused (:class:`BitsAndBytesConfigError`), as is a model
+bitsandbytes already quantized. docs/frozen-storage.md tells the rest.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Each rank's flat slices of safetensors tensors, read by positioned reads one tensor ahead of the loader.
-
-Read through safetensors' memory map, a slice arrives as page faults on the loading thread: the disk idles while a
-slice is checksummed and encoded, and the encoder idles while the next one is read. At 13B on 2 CPU ranks the load
-ran at 264 MiB/s against a 946 MiB/s plain read of the same files. Here a thread reads the next slice with
-``os.preadv`` (which releases the GIL) straight into a tensor while the loader works on the one before, and the
-file's pages are not mapped into the process, so they do not count as its memory.
-
-The byte offsets come from the file's header, whose layout the safetensors format fixes: 8 bytes of little-endian
-header length, then a JSON object ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}``
-with offsets counted from the end of the header. safetensors' Python API does not expose them.
+"""Each rank's flat slices of safetensors tensors, read by positioned reads one tensor ahead of the loader: a thread
+reads the next slice with ``os.preadv`` (which releases the GIL) straight into a tensor while the loader checksums and
+encodes the one before, and the file's pages are never mapped into the process (docs/internals.md has the figures).
+The byte offsets come from the file's header, whose layout the safetensors format fixes; its Python API does not
+expose them.
 """
 
 from __future__ import annotations

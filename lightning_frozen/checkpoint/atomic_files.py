@@ -57,15 +57,7 @@ def write_url(url: str, write: Callable[[IO[bytes]], Any]) -> None:
 
 def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(handle)`` on a new temporary file next to ``path`` (open for writing and reading), fsync it, then
-    rename it over ``path``.
-
-    The temporary file is ``.<name>.lf-<pid space>-<pid>-<random>.tmp`` in the same folder, created exclusively (never
-    through an existing file or link). A SIGTERM or SIGHUP nobody handles removes it before it ends the process, as
-    does an exit at once (``process.exit_now``: once it has begun, nothing is renamed into place); a process killed
-    mid-write (SIGKILL, out of memory, power loss) leaves it behind: every write first removes such
-    files in its folder when they are stale (see :func:`remove_stale_temp_files`), so they do not pile up across
-    restarts.
-    """
+    rename it over ``path``; a temporary file a dead writer left is swept first (:func:`remove_stale_temp_files`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
     tmp = _temp_path(path)
@@ -87,14 +79,8 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
 @contextmanager
 def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) -> Iterator[Path]:
     """Yield a new empty temporary folder beside ``destination`` to write into; when the block returns, the folder
-    takes ``destination``'s place, so a reader sees the previous folder or the new one, never a mix of two runs.
-
-    An existing ``destination`` is replaced whole only when every entry in it is a name ``replaceable`` accepts (what
-    an earlier export wrote); one holding anything else is refused before anything is written. A block that raises
-    leaves ``destination`` as it was and removes the temporary folder; a process killed meanwhile leaves it behind, and
-    a later write into the same parent removes it once its writer is dead (:func:`remove_stale_temp_files`). A kill
-    at any point of the replacement leaves the earlier folder or the new one under ``destination`` once that write has
-    run.
+    takes ``destination``'s place (replacing one whose entries ``replaceable`` all accepts), so a reader sees the
+    previous folder or the new one, never a mix; a block that raises leaves ``destination`` as it was.
 
     Raises:
         OutputDirectoryError: ``destination`` is a file, or a folder holding entries an export does not write.
@@ -120,9 +106,7 @@ def _replace_folder(tmp: Path, destination: Path) -> None:
     if not destination.exists():
         os.replace(tmp, destination)
         return
-    # a folder cannot be renamed over a non-empty one, so the old one steps aside first, under a `.old` name that the
-    # next sweep puts back where the final name is missing (a kill between the two renames): portable, where
-    # renameat2's RENAME_EXCHANGE is Linux-only and refused by some filesystems, so it would need this fallback anyway
+    # the old folder steps aside under a `.old` name the next sweep puts back if need be (docs/internals.md)
     old = destination.parent / process.owned_name(f".{destination.name}.lf", ".old")
     os.replace(destination, old)
     try:
@@ -157,14 +141,8 @@ def check_output_folder(destination: Path, replaceable: Callable[[str], bool]) -
 
 
 def remove_stale_temp_files(folder: Path) -> list[Path]:
-    """Delete the temp files :func:`write_file_atomic` left in ``folder`` when its process died; return them. An
-    export folder that :func:`folder_written_whole` had moved aside when its process died is put back under its name
-    where that name is missing (the process died between its two renames), else deleted.
-
-    A temp file is stale when it was written in this pid space (see ``process.pid_space_tag``) by a process that no
-    longer runs, or when nothing has written to it for ``process.STALE_SECONDS`` (its writer ran on another machine or
-    in another container sharing the folder, or its pid was reused). A live writer's file, here or elsewhere, is left
-    alone, as is every file not named like ours.
+    """Delete the temp files and folders that dead writers left in ``folder`` (``process.dead_files``); return them.
+    An export folder moved aside by a writer that died between its two renames is put back where its name is missing.
     """
     for aside, match in process.dead_files(folder, _MOVED_ASIDE):
         target = folder / match["target"]
@@ -192,13 +170,5 @@ def _fsync_path(path: str) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with suppress(OSError):  # a filesystem that cannot open or sync a directory: the rename stands all the same
+        _fsync_path(str(folder))

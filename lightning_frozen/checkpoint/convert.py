@@ -66,8 +66,7 @@ def _weights_only_loads(source: Path, files: list[str]) -> Iterator[None]:
 
 def module_from_directory(source: PathLike, module_class: type[nn.Module]) -> nn.Module:
     """``module_class`` built as for training from the hyper-parameters the stock directory saved (``__init__``, then
-    ``configure_model`` as Lightning calls it): the ``module`` :func:`convert_deepspeed_checkpoint` takes, for the
-    command line, where no module can be passed.
+    ``configure_model``): the ``module`` :func:`convert_deepspeed_checkpoint` takes, for the command line.
 
     Raises:
         FileNotFoundError, CheckpointFormatError: as :func:`convert_deepspeed_checkpoint`.

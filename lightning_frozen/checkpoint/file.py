@@ -97,16 +97,12 @@ def checked_location(value: Any, parameter: str, function: str) -> Union[Path, s
     if isinstance(value, (str, os.PathLike)) and str(value):
         return os.fspath(value) if is_url(value) else Path(value)
     raise InvalidArgumentTypeError(
-        f"`{function}`: `{parameter}` must be a file system path or URL (str or os.PathLike), got {value!r}."
+        f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}."
     )
 
 
 def checked_path(value: Any, parameter: str, function: str) -> Path:
     """``value`` as a local ``Path``; a ``TypeError`` when it is no path at all, and a clear refusal for a URL."""
-    if not (isinstance(value, (str, os.PathLike)) and str(value)):
-        raise InvalidArgumentTypeError(
-            f"`{function}`: `{parameter}` must be a file system path (str or os.PathLike), got {value!r}."
-        )
     location = checked_location(value, parameter, function)
     if isinstance(location, str):
         raise UnsupportedConfigurationError(
@@ -258,9 +254,8 @@ def _open_for_reading(location: Union[Path, str]) -> Union[Path, io.BytesIO]:
 
 
 def require_file(location: Union[Path, str], given_as: str = "") -> None:
-    """Refuse a ``location`` (a local ``Path`` or a URL) that :func:`read_checkpoint` cannot open as a file.
-
-    ``given_as`` says where the path came from, for the message (``" (the `ckpt_path` of `fit`)"``).
+    """Refuse a ``location`` (a local ``Path`` or a URL) that :func:`read_checkpoint` cannot open as a file;
+    ``given_as`` says where the path came from, for the message.
 
     Raises:
         CheckpointNotFoundError: nothing at ``location`` (a ``FileNotFoundError``).
@@ -322,14 +317,8 @@ def deepspeed_shard_folder(directory: Path) -> Optional[Path]:
 
 
 def require_restore_path(trainer: pl.Trainer, checkpoint_io: CheckpointIO) -> None:
-    """Refuse, before anything is built, a ``ckpt_path`` of the Trainer's running ``fit``/``validate``/``test``/
-    ``predict`` where :func:`read_checkpoint` would find no file (see :func:`require_file`). A user's
-    ``checkpoint_io`` plugin (see :func:`user_checkpoint_io`) may read from anywhere: its paths are left to it.
-
-    Lightning has resolved ``"last"``, ``"best"`` and ``"hpc"`` by the time the strategy is set up, but holds the
-    result to the strategy only after its setup (see :func:`lightning_seam.resolved_ckpt_path`); when the path cannot
-    be read (``capabilities.EARLY_CKPT_CHECK`` is off), nothing is checked here.
-    """
+    """Refuse, before anything is built, a ``ckpt_path`` of the running Trainer where :func:`read_checkpoint` would
+    find no file (:func:`require_file`); a user's ``checkpoint_io`` plugin, or ``EARLY_CKPT_CHECK`` off, skips it."""
     if user_checkpoint_io(checkpoint_io) is not None or not available(EARLY_CKPT_CHECK):
         return
     path = lightning_seam.resolved_ckpt_path(trainer)

@@ -758,15 +758,9 @@ def _converted(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor]) -> 
 
 
 def _copy_through(tensor: _Tensor, output: _Tensor, slices: Iterator[torch.Tensor], writer: _ShardWriter) -> None:
-    """A tensor of the base folder, chunk by chunk (counted in the fingerprint as they were read): cast, written under
-    its output name."""
-    start, numel = 0, math.prod(tensor.shape)
-    while True:
-        values = next(slices)
-        writer.write(output.name, values.to(output.dtype))
-        start += values.numel()
-        if start >= numel:
-            return
+    """A tensor of the base folder, in the chunks :func:`_reads` planned: cast, written under its output name."""
+    for _ in range(max(1, math.ceil(math.prod(tensor.shape) / CHUNK_ELEMENTS))):
+        writer.write(output.name, next(slices).to(output.dtype))
 
 
 def _merge_unit(plan: _Plan, item: _Item, slices: Iterator[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,16 +1,9 @@
 """Export an adapter checkpoint to PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
-At save time :func:`peft_entry` records, in the checkpoint, which PEFT adapter key each trainable tensor becomes,
-so export needs neither the model nor its base. The mapping comes from PEFT itself: a probe state dict passed
-through ``get_peft_model_state_dict`` (adapter layers: LoRA, IA3, ...) and through each ``modules_to_save``
-wrapper's ``adapter_state_dict``.
-
-Prompt learning (prompt tuning, p-tuning, prefix tuning) is the exception: PEFT saves one tensor,
-``prompt_embeddings``, the prompt encoder's *output* for its virtual tokens, which ``PeftModel.from_pretrained``
-loads as the embedding of an encoder without its MLP (inference mode). Under ZeRO-3 the encoder's weights are
-partitioned at save time, so nothing runs it then: the checkpoint records which trainable tensors make up the
-encoder, and export computes ``prompt_embeddings`` on the CPU from their saved fp32 values with PEFT's own encoder
-class (for prompt tuning and prefix tuning without projection that is the embedding weight itself).
+At save time :func:`peft_entry` records which PEFT adapter key each trainable tensor becomes, found by PEFT itself (a
+probe state dict through ``get_peft_model_state_dict`` and each ``modules_to_save`` wrapper), so export needs neither
+the model nor its base. Prompt learning saves the prompt encoder's output (``prompt_embeddings``), which nothing can
+run under ZeRO-3 at save time: export computes it on the CPU from the encoder's saved tensors with PEFT's own class.
 """
 
 from __future__ import annotations
@@ -105,11 +98,8 @@ def peft_entry(
 
 
 def prompt_embeddings(config: Mapping[str, Any], encoder_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """PEFT's saved ``prompt_embeddings``: the prompt encoder's output for all its virtual tokens, in fp32.
-
-    ``config`` is the adapter config (plain dict), ``encoder_weights`` the encoder's trained tensors by its own names
-    (``embedding.weight``, ``mlp_head.0.weight``, ...). Computed on the CPU by PEFT's encoder class, as PEFT's
-    ``get_prompt_embedding_to_save`` does at save time.
+    """PEFT's saved ``prompt_embeddings``: the output for all virtual tokens, in fp32, of the prompt encoder of
+    ``config`` holding ``encoder_weights`` (by its own names), as PEFT's ``get_prompt_embedding_to_save`` computes it.
 
     Raises:
         CheckpointFormatError: the weights do not fit the encoder the config describes.

@@ -1,13 +1,10 @@
 """A save whose trainable tensors reach the file one at a time, through the writing rank only.
 
-Lightning builds a checkpoint's dict on every rank (``lightning_module_state_dict``, ``optimizer_state``, the hooks)
-before the strategy writes it. Under this package the dict holds, for each trainable param's whole value and each of
-its per-element optimizer states (Adam's moments), a placeholder on the meta device (:class:`DeferredTensors`): its
-shape and dtype, no values. :func:`write` then gathers them one after the other to the writing rank, every rank in the
-same order (``zero.params.gather_to_writer``: each rank sends its own shard), and the writing rank puts each value in
-the file and drops it before the next: no rank holds more than its shards and one param's value, whatever the model.
-A local file is written in two passes (``zero/torch_file.py``); to a URL or through a ``CheckpointIO`` plugin, which
-take a whole dict, the writing rank fills the dict first (it alone holds the trainable state, once).
+Lightning builds a checkpoint's dict on every rank before the strategy writes it; here each trainable param's whole
+value and each per-element optimizer state is a placeholder on the meta device (:class:`DeferredTensors`).
+:func:`write` gathers them one after the other to the writing rank (``zero.params.gather_to_writer``), which puts
+each value in the file and drops it before the next: a local file in two passes (``zero/torch_file.py``), a URL or a
+``CheckpointIO`` plugin with the dict filled first.
 """
 
 from __future__ import annotations

@@ -184,10 +184,8 @@ def encode(
 ) -> torch.Tensor:
     """Quantize a 1-D tensor block-wise; returns one ``uint8`` tensor: the codes, then the scales' bytes.
 
-    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. ``kernels``
-    (handed in through ``zero/frozen_compute.py``) make one pass over the values where they take them; else tensor ops
-    work through them in chunks, so the fp32 temporaries stay small whatever its size. Both give the same bytes:
-    deterministic on any device.
+    The values are padded with zeros to ``numel`` (default: their own count), then to whole blocks. ``kernels`` (one
+    pass) and tensor ops (in chunks) give the same bytes on any device.
 
     Raises:
         FrozenDtypeError: an unknown ``frozen_dtype``, or (``nf4``) a block whose absmax exceeds fp16's range.
@@ -285,12 +283,9 @@ def decode(
 ) -> torch.Tensor:
     """Dequantize what :func:`encode` returned: the first ``numel`` values, in ``dtype``.
 
-    ``stored`` may also be a 2-D tensor, one encoded shard per row (what an all-gather returns); then each row's
-    first ``numel`` values are kept and the rows concatenated. One pass into the result: ``kernels`` where they take
-    it, bitsandbytes' kernel for NF4 on CUDA; elsewhere tensor ops in chunks, with small fp32 temporaries.
-
-    ``out``, when given, is written instead of a new tensor: a contiguous tensor of ``dtype`` with ``numel`` values
-    per row, on ``stored``'s device. Pages written before are faster to write than fresh ones.
+    ``stored`` may also be a 2-D tensor, one encoded shard per row (an all-gather's); then each row's first ``numel``
+    values are kept and the rows concatenated. ``out``, when given, is written instead of a new tensor (``dtype``,
+    ``numel`` values per row, on ``stored``'s device).
     """
     fmt = block_format(frozen_dtype)
     rows = stored.reshape(-1, stored.shape[-1])

@@ -1,27 +1,9 @@
 """The CPU kernels of ``codec_kernels.c``: built once per CPU target with the system's C compiler, loaded with ctypes.
 :data:`KERNELS` runs the codec's passes with them (``codec.Kernels``), and the fingerprint's checksum in one pass
 (:func:`checksum16`, for ``base/fingerprint.py``); ``zero/frozen_compute.py`` hands it to the core, which otherwise
-runs tensor ops.
-
-Why not bitsandbytes on the CPU: measured with ``benchmarks/codec/run.py`` on one core, its CPU ``dequantize_4bit``
-decodes NF4 into fp32 at about half, and its ``quantize_4bit`` encodes at about a twentieth, of these kernels' rate
-(it is used on CUDA, ``codec.py``). Why not a torch extension: a plain C file builds in about a second with no torch
-headers, and ctypes releases the GIL during a call, so threads can split a tensor's blocks between them.
-
-Built with ``-fopenmp`` where the compiler takes it: the library then needs ``libgomp.so.1``, and the loader hands
-it the one torch loaded already, so the kernels' ``_all`` variants split a tensor's blocks on the very threads torch
-runs its ops on. A decode follows a matmul in every step, and torch's threads spin for a while after each op: a
-thread pool of our own competed with them (measured on 2 cores: NF4 decode after a matmul at 1.2-1.7 G weights/s with
-two pool threads, 2.9-3.4 G/s on torch's threads). Without OpenMP, a thread pool splits the blocks.
-
-The shared library is cached in the first of :func:`cache_dirs` that can be written and that no other user can write
-(a directory or library that another user could write is refused, with a warning: a library is code this process
-runs). Where none can, it is built in a private temporary directory, removed once the library is loaded. It is named
-by a hash of the source, the flags and the compiler's own account of what it builds for (its version and the ISA it
-resolves ``-march=native`` to, so nodes of several CPU generations sharing a home each load their own), written to a
-temporary name and renamed, so ranks that build at once do not see a half-written file. Where no compiler works (none
-found, or one that fails or runs past :data:`COMPILE_TIMEOUT_S`), :func:`kernels` returns None (once, with a warning)
-and the codec uses tensor ops.
+runs tensor ops. Built with OpenMP where the compiler takes it, on the threads torch already runs (a pool of our own
+competed with them after every matmul); where no compiler works, :func:`kernels` returns None with one warning. Where
+the library is cached and why not bitsandbytes on the CPU: docs/frozen-storage.md.
 """
 
 from __future__ import annotations

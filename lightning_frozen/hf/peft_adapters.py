@@ -1,14 +1,7 @@
-"""What the package uses of a PEFT model's internals, all in one place (written for PEFT 0.21).
-
-- Where PEFT creates adapters, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter``, wrapped class-wide only
-  while :func:`around_adapter_creation` is active.
-- The tuner layers: which params each adapter owns (``BaseTunerLayer.adapter_layer_names``), and LoRA's forward
-  on blocks of rows from its parts (``base_layer``, ``lora_A``, ``lora_B``, ``lora_dropout``, ``scaling``, the input
-  cast) for the layer types whose forward is exactly that (``lora.layer.Linear`` and its ``Conv1d/2d/3d``).
-- ``PeftModel`` and ``ModulesToSaveWrapper`` instances found in a module.
-
-A module can hold a PEFT model only once ``peft`` is imported, so the finders return nothing before that rather than
-import it (~20 MiB).
+"""What the package uses of a PEFT model's internals, all in one place (written for PEFT 0.21): where PEFT creates
+adapters (:func:`around_adapter_creation`), which params each adapter owns, LoRA's forward on blocks of rows from its
+parts (plain ``Linear`` and ``Conv`` layers), and the ``PeftModel`` and ``ModulesToSaveWrapper`` instances of a
+module. The finders return nothing before ``peft`` is imported rather than import it (~20 MiB).
 """
 
 from __future__ import annotations
@@ -28,10 +21,8 @@ from lightning_frozen.capabilities import PEFT_LAYERS, available
 
 @contextmanager
 def around_adapter_creation(enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[None]:
-    """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` (where PEFT creates and initialises
-    adapter layers) are replaced class-wide by wrappers that call ``enter()`` before the outermost of those calls and
-    ``leave()`` after it; the originals are put back on exit. Without PEFT installed nothing is wrapped, nor where
-    ``capabilities.PEFT_LAYERS``, whose rows their signatures are, is off.
+    """While active, ``PeftModel.__init__`` and ``BaseTuner.inject_adapter`` call ``enter()`` before the outermost of
+    those calls and ``leave()`` after it (class-wide; nothing without PEFT or with ``capabilities.PEFT_LAYERS`` off).
     """
     if importlib.util.find_spec("peft") is None or not available(PEFT_LAYERS):
         yield

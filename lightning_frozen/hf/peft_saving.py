@@ -21,11 +21,8 @@ def adapter_state_dict(peft_model: Any, state_dict: dict[str, Any], adapter_name
 
 
 def auxiliary_state_dict(peft_model: Any, adapter_name: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``get_peft_model_state_dict`` adds for ``modules_to_save`` and other auxiliary wrappers, by PEFT key.
-
-    The same loop as PEFT's own, which prompt learning cannot reach through ``get_peft_model_state_dict``: that runs
-    the prompt encoder first.
-    """
+    """What ``get_peft_model_state_dict`` adds for ``modules_to_save`` and other auxiliary wrappers, by PEFT key: its
+    loop, which prompt learning cannot reach through it (it runs the prompt encoder first)."""
     from peft.utils.other import AuxiliaryTrainingWrapper
 
     found: dict[str, Any] = {}

@@ -60,15 +60,10 @@ def zero3_loading(
     load_into_zero3: Callable[..., tuple[list[str], set[str]]],
     build_dtype: Optional[torch.dtype] = None,
 ) -> Iterator[bool]:
-    """While active, ``from_pretrained`` builds ZeRO-3 params for the DeepSpeed ``config`` (an ``HfDeepSpeedConfig``
-    is alive; the one the caller made before is restored on exit), and transformers' two loading steps are replaced:
-    ``modeling_utils.load_state_dict(checkpoint_file, ...)`` by ``load_state_dict(original, checkpoint_file, ...)``,
-    ``modeling_utils._load_state_dict_into_zero3_model(model_to_load, state_dict, load_config)`` by
-    ``load_into_zero3(original, model_to_load, state_dict, load_config)``; with them, the model is built in
-    ``build_dtype`` (:func:`built_in`).
-
-    Yields whether they were replaced: only where the names of ``capabilities.SLICED_LOADING`` are as written for.
-    Without transformers installed this does nothing and yields False.
+    """While active, ``from_pretrained`` builds ZeRO-3 params for the DeepSpeed ``config`` (:func:`zero3_known`),
+    transformers' ``load_state_dict`` and ``_load_state_dict_into_zero3_model`` are replaced by ``load_state_dict`` and
+    ``load_into_zero3`` (each given the original first), and the model is built in ``build_dtype`` (:func:`built_in`).
+    Yields whether they were replaced: only where ``capabilities.SLICED_LOADING`` is on (never without transformers).
     """
     if importlib.util.find_spec("transformers") is None:
         yield False
@@ -90,12 +85,9 @@ def zero3_loading(
 
 @contextmanager
 def zero3_known(config: dict) -> Iterator[None]:
-    """While active, transformers knows that models run under ZeRO-3 with the DeepSpeed ``config``: an
-    ``HfDeepSpeedConfig`` is alive, so ``is_deepspeed_zero3_enabled()`` is true and every ``from_pretrained`` builds
-    ZeRO-3 params. It is entered for the shortest scope that needs it: :func:`zero3_loading`, around
-    ``configure_model``, and a training step of a model that skips layers at random (``drops_layers``); a ``generate``
-    call is synced by the strategy itself. A model loaded anywhere else in a run (a scorer in ``setup()``) is built
-    whole. The ``HfDeepSpeedConfig`` the caller made before is restored on exit. Without transformers: nothing."""
+    """While active, an ``HfDeepSpeedConfig`` of ``config`` is alive, so ``is_deepspeed_zero3_enabled()`` is true and
+    every ``from_pretrained`` builds ZeRO-3 params; the caller's one is restored on exit. Without transformers:
+    nothing. Entered around ``configure_model`` and a step of a model that drops layers, nowhere else."""
     if importlib.util.find_spec("transformers") is None:
         yield
         return
@@ -124,15 +116,9 @@ def drops_layers(module: nn.Module) -> bool:
 
 @contextmanager
 def built_in(dtype: Optional[torch.dtype]) -> Iterator[None]:
-    """While active, ``from_pretrained`` builds its model with ``dtype`` as torch's default (the dtype DeepSpeed's
-    ``zero.Init`` casts every new floating-point tensor to), not the checkpoint's.
-
-    transformers builds in the checkpoint's dtype (``dtype="auto"``) and ``zero.Init`` then casts each full tensor:
-    a bf16 folder under fp32 compute wrote every page of every full weight on every rank before a byte was read
-    (1.2 s of a 1.1B load on one rank; the whole model's fp32 bytes per rank at 13B). The values are never used: the
-    loader fills the shards. Called only where :func:`zero3_loading` replaced the loader, so with the
-    ``get_init_context`` of ``capabilities.SLICED_LOADING``; None does nothing.
-    """
+    """While active, ``from_pretrained`` builds its model with ``dtype`` (the one ``zero.Init`` casts to) as torch's
+    default, not the checkpoint's, so no full tensor is cast before the loader fills the shards (docs/internals.md);
+    None does nothing."""
     from transformers import modeling_utils
 
     owner = modeling_utils.PreTrainedModel
@@ -183,12 +169,9 @@ def base_files_named() -> Iterator[None]:
 
 @contextmanager
 def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], None]) -> Iterator[bool]:
-    """While active, ``from_pretrained`` given a bitsandbytes ``quantization_config`` (a ``BitsAndBytesConfig`` or
-    its dict) calls ``on_bitsandbytes`` with its settings and then loads as if none was given: no ``Linear4bit``, no
-    quantizer; ``on_bitsandbytes`` raises to refuse. A folder whose ``config.json`` holds a ``quantization_config``
-    (pre-quantized weights) is reported with ``pre_quantized=True``, whatever its method. Other quantization configs
-    pass through. Yields whether ``modeling_utils.get_hf_quantizer`` was wrapped: only where the names of
-    ``capabilities.SLICED_LOADING`` are as written for; without transformers this does nothing and yields False.
+    """While active, ``from_pretrained`` given a bitsandbytes ``quantization_config`` (or a folder whose config holds
+    one: ``pre_quantized=True``) calls ``on_bitsandbytes`` with its settings, which may raise, and then loads as if
+    none was given. Yields whether ``get_hf_quantizer`` was wrapped: only where ``capabilities.SLICED_LOADING`` is on.
     """
     if importlib.util.find_spec("transformers") is None:
         yield False

@@ -40,11 +40,7 @@ _SCHEDULER_SCALAR_LR_KEYS = ("eta_min",)
 
 def optimizer_params(optimizer: Optimizer) -> list[nn.Parameter]:
     """Every parameter of every group, in order, each once."""
-    seen: dict[int, nn.Parameter] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            seen.setdefault(id(param), param)
-    return list(seen.values())
+    return list({id(param): param for group in optimizer.param_groups for param in group["params"]}.values())
 
 
 def check_params_belong_to(module: nn.Module, optimizer: Optimizer) -> None:
@@ -94,10 +90,7 @@ def lr_zero_group_indices(optimizer: Optimizer, scheduler: Any = None) -> list[i
 
 
 def freeze_lr_zero_groups(optimizer: Optimizer, scheduler: Any = None) -> list[nn.Parameter]:
-    """Set ``requires_grad=False`` on the trainable params of groups whose learning rate is 0 all run.
-
-    Returns the params it froze.
-    """
+    """Set ``requires_grad=False`` on the trainable params of groups whose learning rate is 0 all run; return them."""
     frozen: list[nn.Parameter] = []
     for index in lr_zero_group_indices(optimizer, scheduler):
         for param in optimizer.param_groups[index]["params"]:
@@ -143,11 +136,7 @@ def prepare_for_zero(
 
 
 def ungrouped_trainable_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
-    """Names of ``module``'s trainable params that no group of ``optimizer`` holds.
-
-    Plain torch computes their gradients and never steps them, e.g. the BatchNorm params of a frozen backbone that
-    ``BackboneFinetuning(train_bn=True)`` keeps trainable while ``configure_optimizers`` names only the head.
-    """
+    """Names of ``module``'s trainable params that no group of ``optimizer`` holds (``train_bn=True``'s BatchNorm)."""
     grouped = {id(p) for p in optimizer_params(optimizer)}
     return [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in grouped]
 
@@ -172,11 +161,7 @@ def leave_ungrouped_unstepped(
 
 
 def discard_gradients(params: Sequence[nn.Parameter]) -> list[Any]:
-    """Drop each param's gradient as soon as autograd has accumulated it; returns the hook handles.
-
-    A ZeRO-3 optimizer reduces and partitions the gradients of its own params only: one of another param would stay
-    whole, stale, on every rank (and break the optimizer's ``zero_grad`` once a finetuning callback adds the param).
-    """
+    """Drop each param's gradient as soon as autograd has accumulated it; returns the hook handles."""
     return [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
 
 
@@ -193,10 +178,8 @@ def frozen_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 def to_cpu_adam(optimizer: Optimizer, scheduler: Any = None) -> Optimizer:
-    """Swap a plain torch ``Adam``/``AdamW`` for DeepSpeed's CPU Adam with the same groups and hyper-parameters.
-
-    ZeRO-Offload steps the optimizer on the CPU, where DeepSpeed refuses torch's own Adam. The scheduler, if
-    given, is re-pointed at the new optimizer.
+    """Swap a plain torch ``Adam``/``AdamW`` for DeepSpeed's CPU Adam (ZeRO-Offload refuses torch's) with the same
+    groups and hyper-parameters; ``scheduler``, if given, is pointed at it.
 
     Raises:
         UnsupportedOffloadOptimizerError: any other optimizer class, or ``amsgrad=True``.

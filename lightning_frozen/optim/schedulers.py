@@ -1,13 +1,7 @@
-"""LR schedulers and the param groups a finetuning callback adds mid-run.
-
-The strategy keeps the user's param groups as ``configure_optimizers`` built them, frozen params included (DeepSpeed
-leaves them out of its ZeRO-3 partitions, group by group), so any LR scheduler acts on the groups it was built over
-with no help. Only a group added mid-run needs some: torch 2.13 pairs each group with its scheduler's per-group values
-strictly (``zip(..., strict=True)``), so a scheduler built over fewer groups raises at its next step, in plain
-Lightning too. :func:`follow_added_groups` gives an added group what the scheduler's existing groups share, read from
-the scheduler itself, with no table of scheduler classes.
-
-:func:`register_per_group_attributes`, which code written for earlier versions calls, is now a no-op that says so.
+"""LR schedulers and the param groups a finetuning callback adds mid-run: :func:`follow_added_groups` gives an added
+group what the scheduler's existing groups share, read from the scheduler itself (torch pairs each group with its
+per-group values strictly; docs/internals.md, "Optimizer groups"). :func:`register_per_group_attributes`, which code
+written for earlier versions calls, is now a no-op that says so.
 """
 
 from __future__ import annotations
@@ -24,11 +18,8 @@ from lightning_frozen.zero.optimizers import SUB_SCHEDULER_KEYS, scheduler_chain
 def follow_added_groups(scheduler: Any, optimizer: Optimizer, num_groups_before: int) -> None:
     """Extend each scheduler (of ``scheduler``'s chain) that holds one value per group for ``num_groups_before`` groups
     to the groups of ``optimizer`` after them, added mid-run: ``base_lrs`` gets an added group's ``initial_lr``
-    (default: its ``lr``); any other list as long as the groups were, whose entries are all one value (one lambda for
-    every group, a scalar ``max_lr`` or ``min_lr`` spread over them), gets that value. A list whose entries differ is
-    left as it is: no value for a new group can be told from it, and the scheduler then meets the new group as in plain
-    Lightning. SequentialLR and ChainedScheduler hold no per-group values of their own; the schedulers inside them do.
-    """
+    (default: its ``lr``), any other list as long as the groups were whose entries are all one value gets that value;
+    a list whose entries differ is left as it is."""
     added = optimizer.param_groups[num_groups_before:]
     if not added:
         return

@@ -1,17 +1,9 @@
-"""Changing what trains in the middle of a ZeRO-3 run: the stand-in optimizer a finetuning callback changes, the
-plan, the state carried over, and the checks.
-
-A finetuning callback calls the strategy (``FrozenAwareDeepSpeedStrategy.finetune``), which runs the callback's change
-on a :class:`StagedOptimizer` and applies it (:func:`stage`). DeepSpeed cannot add params to or remove them from an
-initialised ZeRO-3 optimizer, so for a new trainable set the strategy destroys the engine and initialises a new one
-over the same (already partitioned) module. Groups keep their frozen params, as the user's optimizer holds them, so a
-group whose params were all frozen again stays (DeepSpeed leaves it out) and the LR scheduler's groups keep their
-indices. Around that rebuild, this module works out the change (:func:`plan_change`), copies out the fp32 master
-weights and optimizer state of every param that keeps training (:func:`carry_state`) and writes them into the new
-optimizer (:func:`restore_state`). On resume,
-:func:`groups_from_checkpoint` makes trainable what was trainable when the checkpoint was saved. The strategy refuses
-Lightning's own finetuning callbacks (:func:`check_finetuning_callbacks`); what the optimizer was built for is
-``trainable_groups.py``'s record.
+"""Changing what trains in the middle of a ZeRO-3 run: the stand-in optimizer a finetuning callback changes
+(:class:`StagedOptimizer`, applied by :func:`stage`), the plan (:func:`plan_change`), the state carried over the
+rebuild of the engine (:func:`carry_state`, :func:`restore_state`), what a resumed run makes trainable
+(:func:`groups_from_checkpoint`), and the refusal of Lightning's own callbacks (:func:`check_finetuning_callbacks`).
+DeepSpeed cannot add params to an initialised ZeRO-3 optimizer, so a new trainable set rebuilds the engine over the
+same module; groups keep their frozen params, so the scheduler's groups keep their indices (docs/unfreezing.md).
 """
 
 from __future__ import annotations
@@ -59,10 +51,8 @@ def check_finetuning_callbacks(module: nn.Module) -> None:
 
 
 class StagedOptimizer:
-    """What a finetuning callback's ``finetune_function`` sees instead of the ZeRO optimizer: its groups with their
-    real params (frozen ones included, as in the user's optimizer), and ``add_param_group``. Group dicts are copies,
-    applied afterwards (:func:`stage`): new hyper-parameters to the real optimizer, or, when the trainable set
-    changed, a rebuild over :attr:`param_groups` (the current groups in order, then the added ones)."""
+    """What a finetuning callback's ``finetune_function`` sees instead of the ZeRO optimizer: copies of its groups with
+    their real params, and ``add_param_group``; :func:`stage` applies them afterwards."""
 
     def __init__(self, module: nn.Module, optimizer: Any, group_names: Sequence[Sequence[str]]) -> None:
         params = dict(module.named_parameters())
@@ -167,11 +157,8 @@ def carry_state(engine: Any, module: nn.Module, names: Sequence[str]) -> Carried
 
 
 def restore_state(engine: Any, module: nn.Module, carried: CarriedState) -> int:
-    """Write carried state into a new engine and its ZeRO optimizer; returns how many params had optimizer state.
-
-    Only the sub-groups of params with carried state get their lazily made state created, so a group of newly
-    trainable params starts fresh at its first real step. Collective.
-    """
+    """Write carried state into a new engine and its ZeRO optimizer; returns how many params had optimizer state
+    (newly trainable params start theirs at their first step). Collective."""
     set_engine_counters(engine, carried.counters)
     params = dict(module.named_parameters())
     for name, weight in carried.weights.items():

@@ -26,9 +26,8 @@ GROUP_CLIP_KEY = "gradient_clip_val"
 
 
 def check_group_clips(group_adapters: Sequence[Optional[str]], groups: Sequence[dict], trained: Sequence[str]) -> None:
-    """Check the clipping values (:data:`GROUP_CLIP_KEY`) of the torch optimizer's param ``groups``:
-    ``group_adapters[i]`` names the adapter of group ``i`` (None for a group that trains nothing; the list is empty
-    when fewer than two adapters train), ``trained`` the adapters that train.
+    """Check the clipping values (:data:`GROUP_CLIP_KEY`) of the torch optimizer's param ``groups``, group ``i``
+    training adapter ``group_adapters[i]`` (the list is empty when fewer than two adapters train).
 
     Raises:
         AdapterSetupError: a value that is not a number >= 0; an adapter whose groups give different values (it is
@@ -61,10 +60,8 @@ def check_group_clips(group_adapters: Sequence[Optional[str]], groups: Sequence[
 
 def clip_per_adapter(zero_optimizer: Any, group_adapters: Sequence[Optional[str]]) -> None:
     """Make ``zero_optimizer`` clip each adapter's gradients by that adapter's own norm, at the ``gradient_clip_val``
-    of its param groups or else DeepSpeed's ``gradient_clipping``; ``group_adapters[i]`` names the adapter of param
-    group ``i`` (None for a group that trains nothing, which has no sub-group). Does nothing without any clipping value
-    or with fewer than two adapters. The optimizer's names are those of ``capabilities.SEVERAL_ADAPTERS``, checked
-    by the caller."""
+    of its param groups or else DeepSpeed's ``gradient_clipping`` (group ``i`` trains ``group_adapters[i]``). Does
+    nothing without any clipping value or with fewer than two adapters."""
     groups = getattr(getattr(zero_optimizer, "optimizer", None), "param_groups", [])
     clips = [getattr(zero_optimizer, "clip_grad", 0)] + [group.get(GROUP_CLIP_KEY) for group in groups]
     if len(set(group_adapters) - {None}) < 2 or not any(clips):

@@ -72,12 +72,8 @@ def merge_trainable(
     world_size: int, flat_groups: list[list[torch.Tensor]], model_states: list[Any]
 ) -> dict[str, torch.Tensor]:
     """Whole per-param tensors, by name, from each rank's flat partitions (``flat_groups[rank][group]``) of the
-    trainable params: for one per-element optimizer state (Adam's moments).
-
-    Through ``zero_to_fp32``'s private ``_zero3_merge_trainable_params``: its public functions merge only the fp32
-    master weights (``parse_optim_states`` drops the inner optimizer's state), and DeepSpeed has nothing public that
-    merges the moments of a ZeRO-3 directory into memory (``ds_to_universal`` writes a directory of per-param files).
-    """
+    trainable params, for one per-element optimizer state: through ``zero_to_fp32``'s private merge, since nothing
+    public merges the moments in memory (docs/internals.md)."""
     from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params
 
     merged: dict[str, Any] = {}

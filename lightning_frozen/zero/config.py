@@ -49,11 +49,8 @@ def zero_settings(config: dict, pin_memory: bool = False) -> ZeroSettings:
 
 
 def fit_reduce_bucket(config: dict, trainable_numel: int) -> None:
-    """Size ZeRO-3's gradient reduce bucket to the trainable elements when they are fewer than the default.
-
-    ZeRO-3 allocates the bucket (``reduce_bucket_size`` elements) up front and only trainable gradients pass
-    through it: with Lightning's default of 2e8 that is 763 MiB in fp32 (381 MiB in bf16) for any adapter.
-    """
+    """Size ZeRO-3's gradient reduce bucket, allocated up front and used by trainable gradients only, to the
+    trainable elements when they are fewer than the default (Lightning's 2e8 is 763 MiB in fp32 for any adapter)."""
     zero_config = config.setdefault("zero_optimization", {})
     zero_config["reduce_bucket_size"] = fitted_reduce_bucket(trainable_numel)
 

@@ -40,12 +40,8 @@ def place_model(model: nn.Module, config: Optional[dict], device: torch.device, 
 
 
 def place_placeholders(model: nn.Module, device: torch.device) -> None:
-    """Put each ZeRO-3 param's ``param.data`` on ``device``: its empty placeholder, or its whole value while gathered.
-
-    DeepSpeed gathers a param into ``param.device``, the placeholder's device. Lightning's teardown after a CUDA run
-    calls ``module.cpu()``, which moves placeholders and kept-whole (persistent) params but not shards; without this
-    the next run over the same module (``validate`` after ``fit``) would compute with CPU weights.
-    """
+    """Put each ZeRO-3 param's ``param.data`` on ``device``: its empty placeholder, or its whole value while gathered
+    (Lightning's teardown moved them to the CPU, where DeepSpeed would gather; docs/internals.md)."""
     for param in model.parameters():
         if is_partitioned(param) and param.data.device != device:
             param.data = param.data.to(device)
@@ -81,9 +77,7 @@ def initialize_engine(
 ) -> tuple[Any, Any]:
     """Partition and place the model's params as ``spec`` says, on ``where.device``, then ``deepspeed.initialize`` over
     them (a training engine when ``model_parameters`` are given); returns the engine and its (ZeRO) optimizer. Frozen
-    params stay 1/N shards afterwards, quantized when ``spec.frozen_dtype`` says so; ``loaded`` (what the sliced loader
-    stored) is settled first. Each module of ``read_outside_forward`` (PEFT's ParamWrapper) fetches the params it
-    reads without calling the modules that hold them.
+    params stay 1/N shards, quantized where ``spec.frozen_dtype`` says so; ``loaded`` is settled first.
 
     Raises:
         FrozenDtypeError: ``spec.frozen_dtype`` does not fit ``config`` or cannot run on ``where.device``.
@@ -129,13 +123,7 @@ def initialize_engine(
 def settle_leaf_modules(model: nn.Module, config: dict, read_outside_forward: Sequence[tuple[nn.Module, list]]) -> None:
     """Write ``model``'s ZeRO-3 leaf modules into ``config`` (``zero_optimization.leaf_module``, by name): DeepSpeed's
     own choice, less those that hold trainable params, plus each module that holds a frozen param another module
-    reads (``read_outside_forward``).
-
-    A leaf's trainable gradients are reduced by a full backward hook on it, which fires before its LoRA gradients
-    exist when none of its inputs requires grad (the first MoE block with LoRA on the experts alone): it then reduces
-    empty ones. A module whose param a ParamWrapper reads holds it in a parametrization only during and after its
-    forward, so only as a leaf does it fetch the same params in ZeRO-3's prefetch trace and in the step.
-    """
+    reads (``read_outside_forward``); why: docs/internals.md."""
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_module, z3_leaf_module
     from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
@@ -263,18 +251,9 @@ def detach_frozen_shards(params: list[nn.Parameter], offload: bool) -> None:
 
 
 def release_engine(engine: Any, model: nn.Module) -> None:
-    """After a run over ``model`` (returned or raised): let the process forget ``engine`` so that the engine, its
-    ZeRO optimizer and ``model`` with its frozen shards are freed once the caller drops them.
-
-    DeepSpeed leaves references the garbage collector cannot clear: the gradient-accumulation hooks of the ZeRO-3
-    optimizer (closures held by autograd's C++ nodes, so the cycle through them is invisible to ``gc``), which
-    ``engine.destroy()`` removes with its module hooks (not the engine's own forward hooks: removed here); and
-    ``parameter_offload.FWD_MODULE_STACK``, a module-level list to which every engine adds its root module and never
-    takes it off. A run that raised mid-forward also leaves submodules there, params gathered (they go back to their
-    shards here) and every module's ``_parameters._in_forward`` set, under which reading a param would gather it
-    whole. The module keeps its shards and works under the next engine built over it, or inside
-    ``deepspeed.zero.GatheredParameters``. ``engine`` may be a plain module (no engine was built).
-    """
+    """After a run over ``model`` (returned or raised): let the process forget ``engine`` (or a plain module) so that
+    the engine, its ZeRO optimizer and ``model`` with its frozen shards are freed once the caller drops them; the
+    module keeps its shards and works under the next engine built over it. What DeepSpeed holds: docs/internals.md."""
     from deepspeed import DeepSpeedEngine
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 

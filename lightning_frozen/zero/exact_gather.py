@@ -1,11 +1,7 @@
-"""A ZeRO-3 param whose gathers are answered without a collective for a while: the gather methods of
-``zero/gathers.py``'s :data:`~lightning_frozen.zero.gathers.EXACT_FROM_FILE`, given to the param there (which keeps
-DeepSpeed's own); other params of the same call go on to DeepSpeed's own methods, and the coalesced gather returns a
-handle with ``wait``.
-
-The sliced loader uses it for params it stored quantized as it read them: until setup, a gather reads their exact
-values from the file (``base/loaded.py`` says why), and a write under ``GatheredParameters(modifier_rank=...)`` is
-handed back to the caller to encode.
+"""A ZeRO-3 param whose gathers are answered without a collective for a while (``zero/gathers.py``'s
+:data:`~lightning_frozen.zero.gathers.EXACT_FROM_FILE`): the sliced loader's params stored as codes read their exact
+values from the file until setup (``base/loaded.py`` says why), and a write under ``GatheredParameters`` is handed back
+to the caller to encode.
 """
 
 from __future__ import annotations

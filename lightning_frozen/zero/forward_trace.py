@@ -1,16 +1,9 @@
 """ZeRO-3's trace reset once per outermost call of the engine's module, so that ``self(x)`` in a step prefetches.
 
-Lightning runs ``training_step`` (and the other steps) inside the engine's call of the LightningModule: its forward
-redirection patches the module's ``forward`` to run the step. A step that calls ``self(x)`` calls the same module
-again, so DeepSpeed's start-of-forward hook (``DeepSpeedZeRoOffload.setup_zero_stage3_hooks``, which calls the
-coordinator's ``reset_step``) runs a second time in the middle of the step. On the first step that freezes the trace
-recorded so far (the root module alone) as complete; the next submodule then finds the trace too short
-(``trace_prologue``) and invalidates it. Every step goes that way, so ZeRO-3 never prefetches a param.
-
-Here DeepSpeed's hook is run only by the outermost call of the module, once per step whatever the step calls, and
-DeepSpeed's own hook is put back by :func:`restore_trace_reset`. Written for DeepSpeed 0.19: the hook's handle is the
-offload's ``fwd_pre_hook`` (removed with its ``forward_hooks`` when the engine is destroyed), the rows of
-``capabilities.TRACE``; where they moved, the engine does not call this.
+A step runs inside the engine's call of the LightningModule, so a ``self(x)`` in it runs DeepSpeed's start-of-forward
+hook (the coordinator's ``reset_step``) a second time mid-step: the trace recorded so far (the root alone) is taken
+as complete, the next submodule invalidates it, and ZeRO-3 never prefetches. Here the hook runs only for the
+outermost call; :func:`restore_trace_reset` puts DeepSpeed's back (the rows of ``capabilities.TRACE``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The one door between the core and how frozen shards are computed: :func:`frozen_compute_for` a device gives a
 :class:`FrozenCompute` with the few operations the strategy and the engine call, and :data:`KERNELS` are the compiled
-passes the codec, the frozen storage and the fingerprint take as a value (they run tensor ops without them).
-
-As Lightning keeps its accelerators behind ``Accelerator`` and DeepSpeed its ops behind ``op_builder``, the core calls
-only this; what is behind it (``zero/compute/``: the quantized gather and, on the CPU, compiled kernels, layers
-computed from their codes, codes shared in ``/dev/shm``, decode buffers, host-memory settings; a gloo group's exit)
-can be skipped by a reader who changes how a checkpoint is written or where frozen params are placed. On an
-accelerator (CUDA) shards are decoded whole where they are gathered: nothing to set in the process, nothing to undo.
-
-A run makes one compute object (the strategy, at setup) and hands it down as a value: to the engine, which prepares
-the shards through it, and to the run's ledger, which ends it at teardown. Its tables (the layers computed from codes,
-their tile buffers, the decoded tensors kept for reuse) are its own, handed to each gather it installs: two strategies
-in one process, or two runs one after the other, never share them.
+passes the codec, the frozen storage and the fingerprint take as a value (they run tensor ops without them). What is
+behind it (``zero/compute/``) a reader may skip; each run makes its own compute object and hands it down as a value
+(docs/internals.md, "The core, the seams, and the compute behind one door").
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""A module's ZeRO-3 params gathered whole for one call (``generate``), its layers computed without ZeRO-3's hooks.
-
-``model.generate()`` runs one forward per new token. Under ZeRO-3 each forward gathers every layer and releases it
-again, so a rank gathers the base as many times as it generates tokens. :func:`gathered_once` gathers the params of
-``model`` once with ``deepspeed.zero.GatheredParameters`` (quantized frozen shards decode whole through their own
-gather, ``zero/compute/quantized.py``; trainable ones hold their current values), runs the block, and partitions them
-again, as TRL's ``unwrap_model_for_generation`` and DeepSpeed's own (``runtime.zero.stage3``) do.
-
-Unlike those two, ZeRO-3's per-module hooks are not removed and registered again (that moves them behind the hooks
-registered after them, renumbers the modules through ``_register_deepspeed_module``'s shared counter, and drops the
-forward hook ``forward_trace.py`` keeps in ``forward_hooks``). They stay, and for the modules of ``model`` only, the
-param offload's ``pre_sub_module_forward_function`` and ``post_sub_module_forward_function`` (the methods the hooks
-call through the offload object) are bypassed for the block by attributes on that instance, which are deleted after
-it: the layers neither fetch nor release, and ``FWD_MODULE_STACK`` is kept balanced (the post-forward hook pops
-it). Written for DeepSpeed 0.19 (the rows of ``capabilities.GENERATE``).
+"""A module's ZeRO-3 params gathered whole for one call (``generate``), its layers computed without ZeRO-3's fetches,
+as TRL's ``unwrap_model_for_generation`` does; ZeRO-3's hooks stay in place, bypassed for the block on the offload
+instance (docs/internals.md says why). Written for DeepSpeed 0.19 (the rows of ``capabilities.GENERATE``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""``deepspeed.zero.Init``, the context under which modules are built as ZeRO-3 shards, and importing DeepSpeed.
+"""``deepspeed.zero.Init``, the context under which modules are built as ZeRO-3 shards (:func:`sharded_creation`),
+and importing DeepSpeed.
 
-While a ``zero.Init`` is active DeepSpeed patches ``nn.Module.__init__`` and torch's tensor constructors: each param
-is partitioned as soon as its module is built, and new tensors get the config's dtype and device. Code that must
-build ordinary tensors there (PEFT's adapter initialisation, the loader's checksum buffers) steps outside it for a
-while (:func:`outside_zero_init`).
-
-Both call :func:`_keep_decorated_inits` before DeepSpeed takes its patches off: on exit DeepSpeed restores each module
-class's ``__init__`` to the one it wrapped, which for a class first imported inside the context is its ``__init__``
-from before its class decorators ran. transformers 5.25 decorates its attention classes with the ``kernels``
-package's ``use_kernelized_func``, whose ``__init__`` sets the ``_kernel_funcs`` that its ``forward`` reads: a Llama
-first imported inside ``configure_model`` lost it, and every attention layer built after the context failed with
-"'LlamaAttention' object has no attribute '_kernel_funcs'".
+Code that must build ordinary tensors inside it (PEFT's adapter initialisation, the loader's checksum buffers) steps
+outside for a while (:func:`outside_zero_init`). Both keep the ``__init__`` that class decorators gave a class first
+imported inside the context (:func:`_keep_decorated_inits`; docs/internals.md says what broke without it).
 """
 
 from __future__ import annotations
@@ -128,14 +121,8 @@ def _is_partition_wrapper(function: Any) -> bool:
 
 def import_deepspeed() -> None:
     """Import DeepSpeed with its log lines on stderr and, where torch sees no accelerator, its CPU accelerator chosen.
-    Does nothing once DeepSpeed is imported.
-
-    DeepSpeed's logger keeps the stream it finds at import: stdout pointing at stderr meanwhile keeps its lines out of
-    a command's output (`lightning-frozen fit --print_config > config.yaml`). DeepSpeed picks its accelerator while it
-    is imported, and where it finds none it falls back to the CPU with a warning ("Setting accelerator to CPU. If you
-    have GPU or other accelerator, we were unable to detect it."). Its own ``DS_ACCELERATOR`` makes the same choice
-    without the warning: it is set for the import only (DeepSpeed reads it nowhere else), and a ``DS_ACCELERATOR``
-    the user set is left as it is.
+    Does nothing once DeepSpeed is imported; a ``DS_ACCELERATOR`` the user set is left as it is. Its log lines stay
+    out of a command's output (``--print_config > config.yaml``), and its CPU fallback's warning is not shown.
     """
     if "deepspeed" in sys.modules:
         return
@@ -158,12 +145,8 @@ def deepspeed_linear_copy() -> tuple[type, str]:
 
 
 def linear_restorer() -> Callable[[], None]:
-    """What puts ``torch.nn.functional.linear`` back as it is now, where a ``zero.Init`` replaced it since.
-
-    ``zero.Init`` (with the config's ``memory_efficient_linear``, on by default) replaces it process-wide with
-    DeepSpeed's ``zero3_linear_wrap`` and says it "will persist unless manually reset"; the next ``zero.Init``
-    replaces it again. A replacement by anyone else is left alone.
-    """
+    """What puts ``torch.nn.functional.linear`` back as it is now, where a ``zero.Init`` replaced it since (its
+    ``memory_efficient_linear`` does, process-wide, for good); a replacement by anyone else is left alone."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
     original = torch.nn.functional.linear

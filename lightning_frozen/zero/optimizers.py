@@ -79,13 +79,8 @@ def point_schedulers_at(scheduler: Any, optimizer: Optimizer) -> None:
 
 
 def keep_empty_groups(optimizer: Optimizer, dtype: torch.dtype) -> None:
-    """Give each param group without params one zero-element frozen param of ``dtype``.
-
-    DeepSpeed 0.19's engine drops such groups from the optimizer it is given (``_configure_optimizer``), which shifts
-    every later group under the LR scheduler; ZeRO-3 leaves the placeholder out as it does any frozen or empty param
-    (``is_optimized_parameter``), and the group keeps its index. ``dtype``: ZeRO-3 takes its own from the first param
-    of group 0.
-    """
+    """Give each param group without params one zero-element frozen param of ``dtype`` (ZeRO-3 reads its own from
+    group 0's first param), so DeepSpeed's engine keeps the group and its index (docs/internals.md)."""
     for group in optimizer.param_groups:
         if not group["params"]:
             group["params"] = [nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)]

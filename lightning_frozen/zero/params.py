@@ -120,12 +120,8 @@ def gathered(param: nn.Parameter) -> Iterator[None]:
 
 @contextmanager
 def placeholder_on_accelerator(param: nn.Parameter) -> Iterator[None]:
-    """While active, a ZeRO-3 param's empty placeholder (``param.data``) is on the accelerator.
-
-    DeepSpeed 0.19.8's ``safe_get_full_*`` all-gather into a buffer made on ``param.device``, the placeholder's device
-    (``deepspeed.runtime.zero.stage3`` line 3095). Lightning's teardown calls ``module.cpu()``, which moves the
-    placeholders (not the shards) to the CPU, so a save after ``fit`` on CUDA would hand NCCL a CPU tensor.
-    """
+    """While active, a ZeRO-3 param's empty placeholder (``param.data``) is on the accelerator: DeepSpeed's
+    ``safe_get_full_*`` gather onto its device, which Lightning's teardown moved (docs/internals.md)."""
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
@@ -182,14 +178,8 @@ def _set_full_fp32(param: nn.Parameter, value: torch.Tensor, key: Optional[str] 
 
 
 def _set_padded_partition(param: nn.Parameter, value: torch.Tensor, key: Optional[str]) -> None:
-    """Write the valid part of a whole fp32 value into this rank's partition, which ends in padding (kept as it is),
-    with DeepSpeed's ``safe_get_local_*`` and ``safe_set_local_*``.
-
-    Works around DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3.set_full_hp_param``, behind ``safe_set_full_*``
-    (``deepspeed.runtime.zero.stage3`` line 3196): it narrows the whole value at ``partition.numel() * rank`` for
-    ``partition.numel()`` elements, past its end on a rank whose partition holds padding (``RuntimeError``).
-    ``tests/test_deepspeed_bugs.py`` fails once it does not.
-    """
+    """Write the valid part of a whole fp32 value into this rank's partition, which ends in padding (kept as it is):
+    DeepSpeed's ``safe_set_full_*`` overrun it (docs/internals.md)."""
     from deepspeed import utils
 
     start, valid = shard_range(param)
@@ -258,14 +248,7 @@ WRITER_RANK = 0  # the rank that writes a checkpoint file, and the only one a sa
 def whole_on_meta(param: nn.Parameter, deepspeed_optimizer: Any = None, key: Optional[str] = None) -> torch.Tensor:
     """A tensor on the meta device of the shape and dtype :func:`gather_to_writer` returns for the same arguments:
     what a save puts in its dict until the file is written."""
-    if not is_partitioned(param):
-        dtype = param.dtype
-    elif deepspeed_optimizer is None or not param.requires_grad:
-        dtype = param.ds_tensor.dtype
-    elif key is None:
-        dtype = _fp32_flat(deepspeed_optimizer, param).dtype
-    else:
-        dtype = _inner_state(deepspeed_optimizer, param)[key].dtype
+    dtype = _partition_of(param, deepspeed_optimizer, key).dtype
     return torch.empty(full_shape(param), dtype=dtype, device="meta")
 
 
@@ -302,16 +285,8 @@ def _partition_of(param: nn.Parameter, deepspeed_optimizer: Any, key: Optional[s
 
 
 def ensure_optimizer_state(deepspeed_optimizer: Any, params: Optional[list[nn.Parameter]] = None) -> None:
-    """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume.
-
-    ZeRO-3 creates it at the first step (DeepSpeed 0.19.8's ``initialize_optimizer_states`` no longer steps); until then
-    ``safe_set_full_optimizer_state`` raises ``KeyError``, reading ``self.optimizer.state[fp32_param][key]``
-    (``deepspeed.runtime.zero.stage3`` line 3163; ``tests/test_deepspeed_bugs.py`` fails once it does not). We run one
-    step per sub-group with zero gradients at learning rate 0 and put the fp32 partitions back as they were afterwards:
-    an optimizer that ignores the group's ``lr`` (Adafactor's ``relative_step``) or decays weights would otherwise move
-    them. The state it creates is overwritten by the checkpoint's right after. With ``params``, only their sub-groups
-    are touched, so a group of newly trainable params starts its state (and step count) fresh at its first real step.
-    """
+    """Create the inner optimizer's lazily made state (Adam's moments) so it can be overwritten on resume: one step
+    per sub-group (of ``params`` only, if given) at learning rate 0, the fp32 partitions put back after it."""
     inner = deepspeed_optimizer.optimizer
     flats = deepspeed_optimizer.fp32_partitioned_groups_flat
     wanted = (
@@ -360,11 +335,8 @@ _LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hyster
 
 
 def loss_scaler_state(deepspeed_optimizer: Any) -> dict[str, Any]:
-    """The ZeRO optimizer's loss-scaler state as plain numbers (scale, iteration, last overflow, hysteresis left).
-
-    Under ``16-mixed`` it is DeepSpeed's dynamic loss scale, which a resume must continue; otherwise a constant 1.
-    Empty where ``capabilities.SCALER_RESUME`` is off.
-    """
+    """The ZeRO optimizer's loss-scaler state as plain numbers (scale, iteration, last overflow, hysteresis left);
+    empty where ``capabilities.SCALER_RESUME`` is off."""
     if not available(SCALER_RESUME):
         return {}
     return scaler_state(getattr(deepspeed_optimizer, "loss_scaler", None))

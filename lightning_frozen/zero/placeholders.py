@@ -1,20 +1,7 @@
-"""Shards that cost nothing until the sliced loader fills them.
-
-Under ``deepspeed.zero.Init`` DeepSpeed also broadcasts each param whole from rank 0 as its module is built
-(``Init._zero_init_param``), so that every rank partitions the same values. Inside ``from_pretrained`` those values
-are never used: each rank's shard is filled from the file, and a param the checkpoint lacks is initialised by
-transformers on rank 0 and broadcast then (``GatheredParameters(modifier_rank=0)``). The broadcast moved every
-weight whole, in the compute dtype, between the ranks (3.6 s of a 6.1 s 1.1B load on 2 CPU ranks), so it is
-skipped there (:func:`not_broadcast_while_loading`).
-
-Under ``deepspeed.zero.Init`` DeepSpeed partitions each param as its module is built: it allocates the rank's shard
-and copies its slice of the freshly created tensor into it (``Init._partition_param``). Inside ``from_pretrained``
-that tensor holds nothing (``no_init_weights``: every value is loaded or initialised later), yet the copy writes
-every page of every shard, so the node holds the whole base in the compute dtype before a byte is read: measured on
-a 245M Llama, 494 MiB (1.06x its bf16 bytes) resident after the model was built. When the loader will replace those
-shards by codes (``frozen_dtype``), the copy is skipped: the shard is allocated and left untouched, so its pages are
-never resident; a param the checkpoint lacks is initialised by transformers from this (unwritten) shard as it would
-be from the copy of an unwritten tensor.
+"""Shards that cost nothing until the sliced loader fills them: inside ``from_pretrained`` under ``zero.Init``, no
+param is broadcast whole from rank 0 as its module is built (:func:`not_broadcast_while_loading`), and where the
+loader stores codes (``frozen_dtype``) a shard is allocated without the copy that would write its every page. Why, and
+what it saved: docs/internals.md, "What other packages and the file system do that the code works around".
 """
 
 from __future__ import annotations

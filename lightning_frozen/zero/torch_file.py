@@ -40,10 +40,9 @@ Put = Callable[[torch.Tensor, torch.Tensor], None]
 def save_in_two_passes(
     obj: Any, handle: IO[bytes], later: Collection[torch.Tensor], fill: Callable[[Put], None]
 ) -> None:
-    """``torch.save(obj, handle)``, where the tensors of ``later`` (on the meta device, each somewhere in ``obj``) are
-    written when ``fill(put)`` calls ``put(tensor, value)`` with their values, in any order; ``fill`` is called once.
-
-    ``handle`` must be open for reading and writing. A tensor of ``later`` that ``obj`` does not hold is skipped.
+    """``torch.save(obj, handle)`` (open for reading and writing), where the tensors of ``later`` (on the meta device)
+    are written when ``fill(put)`` calls ``put(tensor, value)`` with their values, in any order; ``fill`` runs once.
+    A tensor of ``later`` that ``obj`` does not hold is skipped.
 
     Raises:
         CheckpointFormatError: ``obj`` holds another tensor on the meta device (it has no bytes to write), or

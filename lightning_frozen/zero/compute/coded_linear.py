@@ -1,22 +1,9 @@
 """Frozen ``nn.Linear`` and ``nn.Embedding`` layers computed from their gathered codes on the CPU, a part of the
-weight at a time.
-
-A quantized frozen weight gathered for a layer was decoded whole into the compute dtype (for fp32, 4 bytes a weight
-written to memory) and read back by the matmul: at 7B, twice a step, the base's size in fp32 went through memory
-twice more than the matmuls need. Here a linear layer's forward decodes ``TILE_ELEMENTS`` weights (a few output
-rows) into one small buffer and multiplies them while they are in cache, row block by row block; its backward does
-the same for the input's gradient. An embedding decodes only the rows its input looks up. The gather keeps the
-layer's codes instead of decoding them (``quantized.py``), and the weight's data is a placeholder of its shape
-that reads as NaN, so a reader we did not foresee fails loudly.
-
-One 4096 x 11008 layer, 64 tokens, one thread, both ranks of the 2-core machine busy (a one-off timing beside the
-fits of docs/frozen-storage.md): a bf16 weight decoded whole then multiplied took 160-166 ms forward and 134-147 ms
-backward, from its codes a few rows at a time 117 ms and 102 ms, below the 123-131 ms of the same matmul over a
-dense fp32 weight already in memory.
-
-Only a plain layer whose weight no other module shares (tied embeddings read it whole), on the CPU, is computed
-this way; a weight another component reads itself (PEFT's DoRA) is decoded whole as before, as is one gathered by
-``GatheredParameters``, and any layer under CPU autocast.
+weight at a time: a linear layer decodes ``TILE_ELEMENTS`` weights (a few output rows) into one small buffer and
+multiplies them while they are in cache, forward and backward; an embedding decodes only the rows it looks up. The
+gather keeps such a layer's codes (``quantized.py``) and its weight's data is a placeholder that reads as NaN, so a
+reader we did not foresee fails loudly. Only a plain layer whose weight no other module shares, outside CPU autocast
+and ``GatheredParameters``; why and what it saves: docs/frozen-storage.md.
 """
 
 from __future__ import annotations
@@ -35,21 +22,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_frozen.format import codec, native_codec, partial_decode
 
-# Weights decoded at a time (2 MiB in fp32), but at least TILE_ROWS rows: each matmul packs its input again, so a
-# long row wants a few rows a tile. Chosen by measurement on the project's 2-core AMD EPYC (1 thread a rank, 64
-# tokens): 2 MiB tiles stepped a 1.1B bf16 base on 2 ranks in 7.57 and 7.99 s against 8.90 and 8.60 s for 4 MiB
-# tiles of at least 256 rows (runs alternated). The backward, which adds every tile's product into one input
-# gradient, lost most with the larger tiles.
+# weights decoded at a time (2 MiB in fp32), but at least TILE_ROWS rows; measured: docs/internals.md, "Tuned constants"
 TILE_ELEMENTS = 1 << 19
 TILE_ROWS = 64
 
 
 class CodedLayers:
     """One run's layers computed from their codes: which weights (and, while one is gathered, its codes), the layers
-    whose ``forward`` the run replaced, and the buffers their tiles are decoded into. The run's compute object owns
-    one (``zero/frozen_compute.py``) and hands it to the gathers it installs; two runs never share one, and after
-    :meth:`end_of_run` it computes nothing from codes. The package's notes on the user's weights are kept here, not
-    on them."""
+    whose ``forward`` the run replaced, and their tile buffers; after :meth:`end_of_run` it computes nothing from
+    codes."""
 
     def __init__(self) -> None:
         self._coded: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -60,14 +41,9 @@ class CodedLayers:
         self._tiles_lock = threading.Lock()  # a forward and a backward on autograd's threads may want one together
 
     def compute_from_codes(self, model: nn.Module, frozen_dtype_of: Any) -> int:
-        """Make every eligible frozen ``nn.Linear`` and ``nn.Embedding`` of ``model`` compute from its gathered codes;
-        return how many.
-
-        ``frozen_dtype_of(param)`` names the format a weight is stored in (None: not quantized). Eligible: a plain
-        ``nn.Linear`` or ``nn.Embedding`` (without ``max_norm``) whose weight is stored quantized in CPU memory, used
-        by no other module, and not read whole by the module around it (PEFT's DoRA scales by the weight's norm). Safe
-        to call again.
-        """
+        """Make every eligible frozen ``nn.Linear`` and ``nn.Embedding`` (no ``max_norm``) of ``model`` compute from its
+        gathered codes, return how many: its weight stored quantized in CPU memory (``frozen_dtype_of``), used by no
+        other module and not read whole around it (PEFT's DoRA). Safe to call again."""
         uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
         parents = {id(child): module for module in model.modules() for child in module.children()}
         done = 0

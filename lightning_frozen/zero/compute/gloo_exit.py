@@ -32,15 +32,8 @@ _FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
 
 def end_gloo_work(timeout: float = 10.0) -> None:
     """Destroy a gloo default group (through ``deepspeed.comm`` when it is initialized, so that DeepSpeed lets go of
-    its group handles too) and wait, at most ``timeout`` seconds, until gloo's workers are idle.
-
-    A gloo worker that frees a finished collective's tensors after their Python objects died must take the GIL to
-    release them. During interpreter finalization, CPython (before 3.14) ends a thread that takes the GIL with
-    ``pthread_exit``, whose unwinding meets a ``noexcept`` frame in torch: "terminate called without an active
-    exception", SIGABRT, after a run that succeeded (pytorch/pytorch#190489). Destroying the group does not stop the
-    workers while anything else holds the group (every ZeRO-3 param keeps its ``ds_process_group``), so the workers
-    must be idle before finalization starts (CPython 3.14 blocks such a thread for good instead, and the group's
-    destructor would then wait on it). A group the user destroyed, or an NCCL one, is not destroyed here.
+    its group handles too) and wait, at most ``timeout`` seconds, until gloo's workers are idle, so that none takes
+    the GIL during finalization (docs/internals.md). A group the user destroyed, or an NCCL one, is left alone.
     """
     try:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
@@ -54,15 +47,9 @@ def end_gloo_work(timeout: float = 10.0) -> None:
 
 
 def wait_for_idle_gloo_workers(timeout: float = 10.0, poll: float = 0.002, polls_in_a_row: int = 5) -> bool:
-    """Wait until every gloo worker thread of this process has been idle for ``polls_in_a_row`` polls ``poll`` seconds
-    apart, or ``timeout`` seconds passed; whether they became idle.
-
-    An idle worker waits on its work queue: in a futex without a timeout. A worker inside a collective waits for its
-    peers in a futex too, but with the group's timeout, and so does a thread waiting for the GIL (CPython polls every
-    5 ms); several polls in a row cover a worker passing through a lock. The waits are sleeps, which release the GIL,
-    so a worker that needs it to free tensors takes it meanwhile. Linux on x86_64 and aarch64 only; elsewhere, or
-    where ``/proc`` cannot be read, it returns False at once.
-    """
+    """Wait until every gloo worker thread of this process has been idle (in a futex without a timeout) for
+    ``polls_in_a_row`` polls ``poll`` seconds apart, or ``timeout`` seconds passed; whether they became idle. Linux
+    on x86_64 and aarch64 only: elsewhere, or without ``/proc``, False at once."""
     futex = _FUTEX_SYSCALL.get(platform.machine())
     deadline = time.monotonic() + timeout
     idle_polls = 0

@@ -1,22 +1,8 @@
-"""Host memory on DeepSpeed's CPU accelerator, where the gathered params and the activations are host memory too.
-
-- **ZeRO-3's gather bounds.** DeepSpeed's defaults (``stage3_max_live_parameters`` and
-  ``stage3_max_reuse_distance`` 1e9 elements, ``stage3_prefetch_bucket_size`` 5e7) let each rank keep most of the
-  gathered model between its uses: on a GPU that is device memory, on the CPU accelerator host memory, once per
-  rank. :func:`bound_gathers_on_cpu` sizes them to the model's largest module instead.
-- **The allocator.** glibc keeps freed heap memory for reuse, and raises its mmap threshold each time a large
-  buffer is freed (up to 32 MiB), so a process goes on holding what it once used. :func:`return_freed_memory`
-  fixes the threshold at 1 MiB, as ``MALLOC_MMAP_THRESHOLD_=1048576`` would: every larger buffer is a mapping of
-  its own, given back to the OS when freed.
-- **Fresh pages.** The price of that threshold: each buffer's pages are new to the process, and the kernel zeroes
-  every page on first touch. A gathered frozen param is decoded into a new tensor at each of its uses (twice a step),
-  so that zeroing would double the decode's time. A run's :class:`DecodeBuffers` (its compute object's, handed to the
-  gathers it installs) keeps the decoded tensors of released params, within a budget, for the next gather of the same
-  size. The buffers that are still new each time (a
-  decode with none kept, the gather's byte buffers in ``quantized.py``) are asked to be backed by 2 MiB
-  transparent huge pages (``madvise``, ``format/native_codec.py``): measured on a 2-core AMD EPYC with THP in its
-  usual ``madvise`` mode, the kernel hands out fresh memory at 1.7 GB/s in 4 KiB pages and 8.6 GB/s in huge ones
-  (14 GB/s into pages written before).
+"""Host memory on DeepSpeed's CPU accelerator, where the gathered params and the activations are host memory too:
+ZeRO-3's gather bounds sized to the model's largest module (:func:`bound_gathers_on_cpu`), glibc's mmap threshold
+fixed at 1 MiB so that freed buffers go back to the OS (:func:`return_freed_memory`), and a run's decoded tensors kept
+for the next gather of the same size (:class:`DecodeBuffers`), since fresh pages cost the kernel's zeroing.
+Measurements: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -36,10 +22,7 @@ from torch import nn
 from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.zero.params import full_numel
 
-# each bound, in elements, as a multiple of the model's largest module (the most ZeRO-3 gathers at once for one
-# module): prefetch up to one such module ahead, hold no more than that gathered besides what runs, and gather a
-# module again rather than keep it for a later use (measured: 245M Llama, 2 ranks, whole fit 2.7x the frozen bytes
-# with 1/1/3, 1.98x with 1/0/1; benchmarks/load_memory/run.py)
+# each bound as a multiple of the model's largest module; measured: docs/internals.md, "Tuned constants"
 GATHER_BOUNDS = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -47,13 +30,9 @@ GLIBC_MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's DEFAULT_MMAP_THRESHOLD_MIN, wh
 
 
 def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
-    """Give the resolved DeepSpeed ``config`` CPU defaults for ZeRO-3's gather bounds; return the ones it set.
-
-    Each key of :data:`GATHER_BOUNDS` that ``config["zero_optimization"]`` lacks (under its ``stage3_`` name or its
-    bare one), i.e. that the user did not set, becomes its multiple of the most elements one module of ``model``
-    holds itself, so each rank holds about two modules gathered rather than most of the model. A key the user set is
-    left as it is: setting them all (DeepSpeed's defaults are 5e7 and 1e9) opts out.
-    """
+    """Give the resolved DeepSpeed ``config`` CPU defaults for ZeRO-3's gather bounds; return the ones it set: each
+    key of :data:`GATHER_BOUNDS` the user did not set (under either name) becomes its multiple of the largest module
+    of ``model``."""
     zero_config = config.setdefault("zero_optimization", {})
     largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=1)
     applied = {}
@@ -66,11 +45,8 @@ def bound_gathers_on_cpu(config: dict, model: nn.Module) -> dict[str, int]:
 def return_freed_memory() -> Optional[Callable[[], None]]:
     """Make glibc's ``malloc`` give buffers of 1 MiB and more back to the OS when they are freed, for this process.
 
-    Returns what sets the threshold back to glibc's starting one (128 KiB) at the end of the run, or None where it
-    changed nothing: not off Linux, nor where the C library is not glibc, nor where the user already chose a threshold
-    (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``). Buffers allocated before keep their placement. glibc has no
-    call that turns its sliding threshold on again once ``mallopt`` set one, so after a run the threshold stays at
-    128 KiB instead of rising with the sizes freed.
+    Returns what sets the threshold back to glibc's starting one (128 KiB; its sliding threshold cannot be turned on
+    again), or None where it changed nothing: off glibc, or where the user chose a threshold.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in tunables:
@@ -87,25 +63,17 @@ def return_freed_memory() -> Optional[Callable[[], None]]:
     return functools.partial(libc.mallopt, M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_BYTES)
 
 
-# the most bytes kept, as a multiple of the largest size kept: at a transformer layer's turn from its attention to its
-# MLP, the other shape's buffers wait a layer for their next use
+# the most bytes kept, as a multiple of the largest size kept (a layer's attention and MLP shapes alternate)
 DECODE_BUDGET_MULTIPLE = 2
-# a size is kept only once this many params decoded that many values: the repeated layers of a model, not its
-# embedding and head, whose decoded tensors (the largest of a model; TinyLlama-1.1B: 250 MiB each in fp32) would
-# wait a whole step for their next use (measured, benchmarks/peer_qlora/run.py, 1.1B NF4, 1 rank: keeping them too
-# raised the peak from 1.63 to 1.92 GiB)
+# a size is kept only once this many params decoded it: the repeated layers, not the embedding and head
 PARAMS_PER_SIZE_KEPT = 3
 
 
 class DecodeBuffers:
-    """Host tensors of released frozen params, each given again to the next gather that decodes as many values.
-
-    A tensor is kept only when nothing else holds its storage (a view autograd saved, a caller's reference), when at
-    least :data:`PARAMS_PER_SIZE_KEPT` params asked for its size, and only while the kept bytes stay within
-    :data:`DECODE_BUDGET_MULTIPLE` times the largest such size; beyond it the least recently kept go back to the
-    allocator. One run's (its compute object's): :meth:`close` gives back all of them at its end, and from then on
-    it keeps nothing. Safe to share between threads.
-    """
+    """Host tensors of released frozen params, each given again to the next gather that decodes as many values: kept
+    only when nothing else holds its storage, its size was asked for by :data:`PARAMS_PER_SIZE_KEPT` params, and
+    within :data:`DECODE_BUDGET_MULTIPLE` times the largest such size (least recently kept go first). After
+    :meth:`close` it keeps nothing. Thread-safe."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # by id, least recently kept first

@@ -1,28 +1,8 @@
 """Frozen codes shared by the ranks of one machine: every rank's encoded shards in one shared-memory file that all of
-them map, so that a gather reads the other ranks' codes where they lie instead of copying them through the process
-group.
-
-A frozen base never changes while it trains, so ranks on one machine need not exchange it: ZeRO-3 still splits it
-1/N per rank (each rank encodes and writes only its own shard of every param), but the shards sit side by side in
-one file in ``/dev/shm``, laid out per param as the all-gather would have returned them (``world_size`` rows of one
-shard's bytes). A gather hands that view to the decoder at once: nothing is sent, received, allocated or waited for.
-The machine holds each shard once, as before.
-
-On the project's 2-core machine, gloo all-gathered 200 MiB between two processes at 0.3 GB/s, spending 0.5 s of CPU
-per rank (a broadcast of the same bytes ran at 2.4 GB/s); at 7B stored as bf16 each rank receives 13 GB a step.
-What this saves is measured in ``benchmarks/big_model``.
-
-Only on the CPU, when every rank of the params' process group can open the file rank 0 made (one machine, one
-``/dev/shm``) and it has room; otherwise the gather exchanges codes through the process group as before, and rank 0
-says why once. Room is reserved when the file is made (``posix_fallocate``): a write into a sparse file on a full
-tmpfs would kill the writing rank with SIGBUS, and a free-space check beforehand races other jobs. The ranks agree in
-one collective: no rank uses the file unless every rank mapped it.
-
-The file is unlinked as soon as every rank has mapped it, or given it up, or the handshake raised: the memory goes
-back when the last rank drops its params. A job killed between making the file and unlinking it leaves it behind, so
-the file's name says which process made it (``lightning-frozen-<pid space>-<pid>-<random>``,
-``process.owned_name``), and rank 0 removes those whose process is gone before it makes one, with the sweeper the
-package's temp files use (``process.remove_dead_files``).
+them map, laid out as an all-gather would return them, so that a gather reads the other ranks' codes where they lie
+instead of copying them through the process group. Only on the CPU, where every rank can map rank 0's file and it has
+room; else the codes are exchanged as before, and rank 0 says why once. Why, what it saves, and how the file is
+reserved, unlinked and swept: docs/frozen-storage.md, "Ranks on one machine share the codes".
 """
 
 from __future__ import annotations
@@ -60,11 +40,8 @@ _NAME = process.owned_names(_PREFIX)
 
 def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parameter], Optional[str]]) -> int:
     """Move this rank's codes of ``params`` (quantized ZeRO-3 shards in CPU memory, one process group) into a
-    shared-memory file that every rank of the group maps; return how many params moved (0: the ranks do not share a
-    machine's ``/dev/shm``, or it has no room, and gathers go through the process group as before). Params already
-    shared are skipped. Collective over the params' process group: every rank passes the same params. If the process
-    group raises, the file is gone and no param reads it.
-    """
+    shared-memory file that every rank of the group maps; return how many moved (0 where the ranks cannot share one).
+    Collective over the params' process group, every rank passing the same params."""
     import deepspeed.comm as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 

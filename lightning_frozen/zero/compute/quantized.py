@@ -2,18 +2,10 @@
 cast under fp32 compute; the codecs are in ``format/codec.py``): quantized at setup, gathered and decoded. The core
 reaches it through ``zero/frozen_compute.py``; the storage itself is ``zero/frozen_storage.py``'s.
 
-Each rank's shard of a frozen param is quantized in blocks, each block with its own scale, and stored as one
-``uint8`` tensor (the codes, then the scales' bytes) in place of the bf16 shard. Gathering a quantized param
-all-gathers those bytes (what crosses PCIe or the network) and dequantizes them, on the device that computes, to
-the compute dtype; releasing it frees the full tensor as for any ZeRO-3 param. Trainable params are never touched.
-
-Route: DeepSpeed's ZeRO-3 machinery (partitioning, the coordinator's prefetch/fetch/release hooks, ``partition``)
-is kept; what is ours is the storage and the gather. DeepSpeed's ZeRO++ ``zero_quantized_nontrainable_weights``
-path was not reused: its quantizer is a CUDA op that moves every shard to the GPU, and its gather paths size their
-buffers at one byte per element (no 4-bit packing) and dequantize a concatenation of params with one group size.
-Instead every quantized param carries ``ds_tensor.ds_quant_scale``, which makes the coordinator route it to its
-quantized gather, and its own ``all_gather_coalesced`` / ``all_gather`` / ``partition`` (DeepSpeed attaches these
-per param), which gather and decode the bytes described here.
+Each rank's shard of a frozen param is stored as one ``uint8`` tensor (the codes, then the scales' bytes) in place of
+its compute-dtype shard. Gathering it all-gathers those bytes and decodes them, on the device that computes; releasing
+it frees the full tensor as for any ZeRO-3 param. DeepSpeed's machinery is kept, the storage and the gather are ours
+(``ds_quant_scale`` routes the param to its own ``all_gather_coalesced``; why not ZeRO++: docs/internals.md).
 """
 
 from __future__ import annotations
@@ -56,13 +48,10 @@ class RunTables:
 def quantize_frozen_shards(
     model: nn.Module, frozen_dtype: str, tables: RunTables, before_encoding: Optional[SourceValues] = None
 ) -> int:
-    """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``; return how many it did.
-
-    Each shard is quantized in turn, on the device it lives on, and its compute-dtype copy freed: no full copy of
-    the base beyond what partitioning made. ``before_encoding`` is told each shard's values first, and again for
-    the new values of a param written later, so checkpoints can verify against the unquantized base. Params
-    quantized before (while loading, or by an earlier run) are not quantized again; their gathers, like the new
-    ones, use this run's ``tables`` from now on. Collective when ``before_encoding`` is.
+    """Store every frozen ZeRO-3 param's shard of ``model`` quantized in ``frozen_dtype``, in turn, where it lives;
+    return how many it did. ``before_encoding`` is told each shard's values first (and a param's written later);
+    params quantized before are not quantized again, and every gather uses this run's ``tables``. Collective when
+    ``before_encoding`` is.
 
     Raises:
         FrozenDtypeError: a quantized param was made trainable (its source values are gone), or a frozen param is
@@ -185,14 +174,9 @@ class _Handles:
 
 
 class _GatherHandle:
-    """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: the collectives were started
-    when it was made; ``wait`` finishes them, decodes each param whole and marks it available, once. A param whose
-    layer computes from its codes (the run's ``tables.layers``, ``coded_linear.py``), gathered for that layer, keeps its
-    codes instead.
-
-    DeepSpeed's coordinator keeps one handle per prefetched param and waits on it when that param is needed: a
-    handle shared by several params is waited on again after some of them were released, which must not decode or
-    mark those available again (their data is freed)."""
+    """A quantized gather in flight, as DeepSpeed's ``AllGatherCoalescedHandle`` is: ``wait`` finishes the collectives,
+    decodes each param whole (a layer computing from codes keeps them, ``coded_linear.py``) and marks it available,
+    once: DeepSpeed waits on a handle shared by several params again after some of them were released."""
 
     def __init__(
         self,
