@@ -147,11 +147,12 @@ def _thp_mode() -> str:
     return modes.split("[")[1].split("]")[0]
 
 
-def _huge_kib(tensor: torch.Tensor) -> int:
-    """KiB of transparent huge pages in the mappings that overlap ``tensor``'s bytes (``/proc/self/smaps``; advice
-    splits a mapping at the 2 MiB boundaries it names)."""
+def _huge_kib(tensor: torch.Tensor) -> tuple[int, bool]:
+    """KiB of transparent huge pages in the mappings that overlap ``tensor``'s bytes, and whether one of them is
+    advised to use them (``/proc/self/smaps``: ``hg`` in its ``VmFlags``; advice splits a mapping at the 2 MiB
+    boundaries it names)."""
     first, last = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    total, overlaps = 0, False
+    total, advised, overlaps = 0, False, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
@@ -159,7 +160,17 @@ def _huge_kib(tensor: torch.Tensor) -> int:
             overlaps = start < last and first < end
         elif overlaps and head == "AnonHugePages:":
             total += int(line.split()[1])
-    return total
+        elif overlaps and head == "VmFlags:":
+            advised |= "hg" in line.split()[1:]
+    return total, advised
+
+
+def _huge_page_fallbacks() -> int:
+    """How often this machine's kernel found no free 2 MiB page for a fault that asked for one (``/proc/vmstat``)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off or absent")
@@ -169,14 +180,19 @@ def test_a_gathers_fresh_buffers_are_backed_by_huge_pages() -> None:
     if native_codec.kernels() is None:
         pytest.skip("the advice is given by the compiled kernels, which need a C compiler")
     size = 32 << 20
+    fallbacks = _huge_page_fallbacks()
     advised = [native_codec.empty_output((size,), torch.uint8), native_codec.empty_output((size // 4,), torch.float32)]
     plain = torch.empty(size, dtype=torch.uint8)
     for buffer in (*advised, plain):
         buffer.fill_(1)  # first touch: pages are chosen now
-    for buffer in advised:
-        assert _huge_kib(buffer) >= size // 1024 // 2, _huge_kib(buffer)  # most of it; the unaligned ends are not
+    assert [_huge_kib(buffer)[1] for buffer in (*advised, plain)] == [True, True, False]
+    # the advice is a request: on a machine whose free memory is fragmented (other jobs' large models) the kernel
+    # falls back to 4 KiB pages, and counts it; it did in one of this suite's runs
+    if _huge_page_fallbacks() == fallbacks:
+        for buffer in advised:
+            assert _huge_kib(buffer)[0] >= size // 1024 // 2, _huge_kib(buffer)  # most; the unaligned ends are not
     if _thp_mode() == "madvise":  # only advised memory gets huge pages: the advice made the difference
-        assert _huge_kib(plain) == 0
+        assert _huge_kib(plain)[0] == 0
 
 
 def test_decode_buffers_keep_an_unshared_tensor_of_a_repeated_size_for_the_next_of_that_size_within_budget() -> None:
