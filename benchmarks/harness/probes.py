@@ -281,8 +281,8 @@ class MachineCanary:
     core's hyperthreads) that the vCPUs' idle and steal time do not show.
 
     ``kind`` (:data:`CANARY_KINDS`): ``small`` (the default) copies 4 MiB and multiplies 512^3, 8 times each, so that
-    it moves 12 MiB, not what the next step reads; ``large``, a 64 MiB copy and a 1024^3 matmul once, is the canary
-    that was suspected of slowing the step after it (docs/internals.md, "Steadiness of a step")."""
+    it moves 12 MiB; ``large``, a 64 MiB copy and a 1024^3 matmul once, was suspected of slowing the step after it, and
+    side by side neither changed the next step by more than 1% (docs/internals.md, "Steadiness of a step")."""
 
     QUIET_S = 0.05
 
