@@ -46,7 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 from benchmarks.harness import launch, plain_loop, steadiness  # noqa: E402
-from benchmarks.harness.probes import add_canary_option, load_average, machine  # noqa: E402
+from benchmarks.harness.probes import add_canary_option, cpu_model, load_average, machine  # noqa: E402
 from benchmarks.harness.records import now_utc, read_json, write_json  # noqa: E402
 
 BIG_MODEL = HERE.parent / "big_model" / "run.py"
@@ -191,7 +191,7 @@ def main() -> None:
         "date": now_utc(),
         "load_before": load_before,
         "load_after": load_average()[0],
-        "machine": machine(),
+        "machine": f"{cpu_model()}, {machine()}",
         "rows": rounds[0],
         "rounds": rounds,
     }
