@@ -47,8 +47,8 @@ from typing import Any
 
 STARTED = time.monotonic()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.harness import launch  # noqa: E402
-from benchmarks.harness.probes import load_average, proc_status_bytes, reset_peak_rss  # noqa: E402
+from benchmarks.harness import launch, plain_loop, steadiness  # noqa: E402
+from benchmarks.harness.probes import cpu_model, load_average, proc_status_bytes, reset_peak_rss  # noqa: E402
 from benchmarks.harness.records import RankReport, now_utc, read_rank_reports, write_json  # noqa: E402
 
 SKIPPED_STEPS = 2
@@ -57,6 +57,7 @@ TOKENS = 64  # per sequence of the causal task, as peer_qlora's
 TIMEOUT_MIN = 60  # per K
 BIG_MODEL = Path(__file__).resolve().parents[1] / "big_model" / "run.py"
 CAUSAL_SIZE = "1.1b"
+PEER_LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)  # as peer_qlora's
 TITLES = {
     "minilm": "MiniLM sweep task",
     "causal": f"LoRA q/v on a TinyLlama-{CAUSAL_SIZE.upper()}-shaped causal LM, {TOKENS} tokens per sequence",
@@ -79,7 +80,7 @@ def worker(k: int, args: argparse.Namespace, run_dir: Path) -> None:
     from benchmarks.harness.callbacks import StepMeter
     from lightning_frozen import FrozenAwareDeepSpeedStrategy
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     L.seed_everything(0)
     measure, peaks = StepMeter(), _training_peak_callback()()
     if args.task == "causal":
@@ -117,10 +118,45 @@ def worker(k: int, args: argparse.Namespace, run_dir: Path) -> None:
         world_size=trainer.world_size,
         wall_seconds=time.monotonic() - STARTED,
         step_seconds_median=statistics.median(measure.step_seconds[SKIPPED_STEPS:]),
+        steps_s=measure.step_seconds,
         gathered_bytes_per_step=statistics.median(measure.step_bytes[SKIPPED_STEPS:]),
         host_peak_bytes=max(peaks.before_training, proc_status_bytes("VmHWM")),
         train_peak_bytes=proc_status_bytes("VmHWM"),
     )
+
+
+def steadiness_rounds(ks: list[int], runs: dict[int, list[dict[str, Any]]], args: argparse.Namespace) -> list:
+    """One round per K: rank 0's every step of the K-adapter run; with ``--peers``, for K > 1, beside it the dense
+    floor and the QLoRA peer (``harness/plain_loop.py``, one LoRA r=8 on q/v) on K sequences a step, the same
+    tokens per step, warm-up and threads."""
+    rounds = []
+    for k in ks:
+        rank0 = next(run for run in runs[k] if run["rank"] == 0)
+        units = BATCH_SIZE[args.task] * k * rank0["world_size"] * (TOKENS if args.task == "causal" else 1)
+        ours = {"name": f"ours K={k}", "status": "ok", "steps_s": rank0["steps_s"], "units_per_step": units}
+        rows = [dict(ours, timed=args.steps - SKIPPED_STEPS)]
+        if args.peers and k > 1:
+            for name, nf4 in (("peer dense", False), ("peer QLoRA", True)):
+                spec = dict(folder=str(args.folder), lora=PEER_LORA, nf4=nf4, sequence=TOKENS, batch=k * args.devices)
+                spec.update(warmup=SKIPPED_STEPS, steps=args.steps - SKIPPED_STEPS, threads=args.threads * args.devices)
+                rows.append(dict(plain_loop.run(name, spec, TIMEOUT_MIN * 60), timed=args.steps - SKIPPED_STEPS))
+        rounds.append(rows)
+    return rounds
+
+
+def _steadiness_lines(rounds: list, args: argparse.Namespace, machine: dict[str, Any]) -> list[str]:
+    unit = "token" if args.task == "causal" else "row"
+    return [
+        "## Every step (issue 53's steadiness check)",
+        "",
+        f"{machine['cpu']}; load average {machine['load_before'][0]} before the sweep,"
+        f" {machine['load_after'][0]} after it, {machine['load_after_peers'][0]} after the peers. One round per K:"
+        f" ours with K adapters, {args.threads} torch thread(s) per rank; for K > 1 (`--peers`) the dense floor and"
+        " the QLoRA peer in a plain loop on K sequences a step (one LoRA r=8 on q/v), on as many threads in all. The"
+        f" first {SKIPPED_STEPS} steps are warm-up.",
+        "",
+        *steadiness.round_lines(rounds, "peer dense", "peer QLoRA", unit),
+    ]
 
 
 def _training_peak_callback() -> type:
@@ -242,12 +278,18 @@ def main() -> None:
     parser.add_argument("--frozen-dtype", choices=["none", "bf16", "int8", "nf4"], default="nf4", help="causal task")
     parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"), help="causal task: its folder")
     parser.add_argument("--checkpointing", action="store_true", help="causal task: gradient checkpointing on")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (and per peer)")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="causal task: for each K > 1, the dense floor and the QLoRA peer on K sequences a step, and every step",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.folder = args.data_dir / f"llama-{CAUSAL_SIZE}"  # what big_model's ``write`` makes (or reuses)
-    if args.checkpointing and args.task != "causal":
-        parser.error("--checkpointing is for --task causal")
+    if (args.checkpointing or args.peers) and args.task != "causal":
+        parser.error("--checkpointing and --peers are for --task causal")
     stem = "adapter_sweep" if args.task == "minilm" else f"adapter_sweep_{args.task}"
     stem += "_checkpointed" if args.checkpointing else ""
     raw = args.out / f"{stem}_runs"
@@ -257,12 +299,13 @@ def main() -> None:
     if args.task == "causal":
         write = [sys.executable, str(BIG_MODEL), "write", "--size", CAUSAL_SIZE, "--data-dir", str(args.data_dir)]
         subprocess.run(write, check=True)
-    machine = {"date": now_utc(), "load_before": load_average()}
+    machine = {"date": now_utc(), "load_before": load_average(), "cpu": cpu_model()}
     ks = sorted(set(args.ks) | {1})
     runs = {}
     for k in ks:
         command = [sys.executable, __file__, "--worker", str(k), "--devices", str(args.devices), "--task", args.task]
         command += ["--steps", str(args.steps), "--out", str(args.out), "--frozen-dtype", args.frozen_dtype]
+        command += ["--threads", str(args.threads)]
         command += ["--data-dir", str(args.data_dir), *(["--checkpointing"] if args.checkpointing else [])]
         shutil.rmtree(raw / f"k{k}", ignore_errors=True)
         log = raw / f"k{k}" / "worker.log"
@@ -278,9 +321,12 @@ def main() -> None:
         "node_host_peak_bytes": sum(run["host_peak_bytes"] for run in alone),
     }
     rows = [_row(k, runs[k], alone_summary, BATCH_SIZE[args.task]) for k in ks]
-    write_json(args.out / f"{stem}.json", {"machine": machine, "rows": rows, "runs": runs})
-    (args.out / f"{stem}.md").write_text(_markdown(rows, args, machine))
-    print(_markdown(rows, args, machine))
+    rounds = steadiness_rounds(ks, runs, args)
+    machine["load_after_peers"] = load_average()
+    markdown = _markdown(rows, args, machine) + "\n".join(["", *_steadiness_lines(rounds, args, machine)])
+    write_json(args.out / f"{stem}.json", {"machine": machine, "rows": rows, "runs": runs, "rounds": rounds})
+    (args.out / f"{stem}.md").write_text(markdown)
+    print(markdown)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from benchmarks.big_model.checkpoint import (  # noqa: E402
     write_checkpoint,
 )
 from benchmarks.harness.launch import child_env, guarded_run  # noqa: E402
-from benchmarks.harness.probes import load_average, machine, prepare_cache  # noqa: E402
+from benchmarks.harness.probes import add_canary_option, load_average, machine, prepare_cache  # noqa: E402
 from benchmarks.harness.records import git_commit, now_utc, read_rank_reports  # noqa: E402
 
 DATA_DIR = Path("/work/bench-data")
@@ -98,6 +98,7 @@ def config_key(
     key += " exchange-codes" if args.exchange_codes else ""
     key += " experts-whole" if args.experts_whole else ""
     key += " gpu" if args.accelerator == "gpu" else ""
+    key += f" canary-{'-'.join(args.canary)}" if args.canary != ["small"] else ""
     return key + (" decode-whole" if args.decode_whole else "")
 
 
@@ -173,6 +174,7 @@ def run_config(size: str, frozen_dtype: str, precision: str, devices: int, args:
         exchange_codes=args.exchange_codes,
         experts_whole=args.experts_whole,
         lora=args.lora,
+        canary=args.canary,
     )
     env = child_env(threads=threads, mmap_1mib=args.allocator == "mmap1m" or None)
     files_of_run = dict(
@@ -365,6 +367,7 @@ def main() -> None:
         type=json.loads,
         help="LoraConfig arguments as JSON (default: r=8 on q_proj/v_proj), e.g. '{\"r\": 4, ...}'",
     )
+    add_canary_option(run_parser)
     run_parser.add_argument("--label", help="a word added to the configuration's key (e.g. which LoRA it trains)")
     run_parser.add_argument("--skip-done", action="store_true", help="skip configurations with a successful record")
     run_parser.add_argument("--dry-run", action="store_true", help="list the configurations and the arithmetic")

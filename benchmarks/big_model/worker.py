@@ -9,7 +9,10 @@ Phases and what each records (times in seconds from rank 0's ``trainer.fit`` cal
 - **floor**: this process's memory after every import, before the model is built;
 - **load**: ``configure_model`` (``from_pretrained`` + ``get_peft_model``), DeepSpeed's engine setup and the
   fingerprint of the frozen base (timed around ``strategy.frozen_base_fingerprint``), to ``on_train_start``;
-- **train**: warm-up and timed steps (wall time of each, ``on_train_batch_start`` to ``on_train_batch_end``);
+- **train**: warm-up and timed steps (wall time of each, ``on_train_batch_start`` to ``on_train_batch_end``; inside
+  it, when the forward, the backward and the optimizer's step ended or began: ``step_phases``), each followed by a
+  canary (``--canary``) outside its time; after the last step, the seconds to the epoch's end, the training's end and
+  ``fit``'s return (``after_last_step``);
 - **save**: ``trainer.save_checkpoint`` (time and bytes);
 - **resume**: a new module and ``Trainer`` fitting one more step from the checkpoint; the global step it starts
   from and whether its adapter weights at ``on_train_start`` equal those saved.
@@ -22,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.big_model.step_profile import PairedFloor, StepProfile, floors
-from benchmarks.harness.probes import MachineCanary, PeakSampler, memory_now, snapshot, thread_cpu_s, tree_bytes
+from benchmarks.harness.probes import CanaryCycle, PeakSampler, memory_now, snapshot, thread_cpu_s, tree_bytes
 from benchmarks.harness.records import RankReport
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.memory import measured_frozen_shard_bytes, stored_as
@@ -94,7 +98,14 @@ class LoRACausalLM(L.LightningModule):
 class Probe(Callback):
     """Phase boundaries, step times and the frozen shards held; on a resume, the adapter weights at the start."""
 
-    def __init__(self, prefix: str, sampler: PeakSampler, report: RankReport, clock: dict[str, float]) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        sampler: PeakSampler,
+        report: RankReport,
+        clock: dict[str, float],
+        canary: Sequence[str] = ("small",),
+    ) -> None:
         self.prefix, self.sampler, self.report, self.clock = prefix, sampler, report, clock
         self.snapshot_names: Optional[list[str]] = None
         self.start_snapshot: dict[str, torch.Tensor] = {}
@@ -102,9 +113,12 @@ class Probe(Callback):
         self.step_s: list[float] = []
         self.step_began: list[float] = []  # wall-clock starts, to line steps up with samples taken outside the process
         self.step_threads: list[dict[str, float]] = []  # CPU seconds of each thread that used >= 10 ms in the step
-        self.canary: list[float] = []  # the machine's canary after each step (MachineCanary)
-        self._canary = MachineCanary()
-        self._started, self._threads_before = 0.0, {}
+        self.canary: list[dict[str, Any]] = []  # the machine's canary after each step (CanaryCycle)
+        self._canary = CanaryCycle(canary)
+        # seconds from each step's start to the hooks inside it, and from the last step's end to the hooks after it
+        self.step_phases: list[dict[str, float]] = []
+        self.after_last_step: dict[str, float] = {}
+        self._started, self._threads_before, self._ended = 0.0, {}, 0.0
 
     def _at(self) -> float:
         return round(time.perf_counter() - self.clock["fit"], 3)
@@ -129,14 +143,28 @@ class Probe(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._started = time.perf_counter()
+        self.step_phases.append({})
         self.step_began.append(round(time.time(), 3))
         self._threads_before = thread_cpu_s()
         if self.first_global_step is None:
             self.first_global_step = trainer.global_step
             self.report.update(**{f"{self.prefix}first_step_at": self._at()})
 
+    def _phase(self, name: str) -> None:
+        self.step_phases[-1][name] = round(time.perf_counter() - self._started, 3)
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._phase("forward_done")
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._phase("backward_done")
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._phase("optimizer_step_begins")
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        self.step_s.append(round(time.perf_counter() - self._started, 3))
+        self._ended = time.perf_counter()
+        self.step_s.append(round(self._ended - self._started, 3))
         used = {n: round(s - self._threads_before.get(n, 0.0), 2) for n, s in thread_cpu_s().items()}
         self.step_threads.append({n: s for n, s in used.items() if s >= 0.01})
         self.canary.append(self._canary.sample())
@@ -146,11 +174,22 @@ class Probe(Callback):
                 f"{self.prefix}step_began": self.step_began,
                 f"{self.prefix}step_threads": self.step_threads,
                 f"{self.prefix}canary": self.canary,
+                f"{self.prefix}step_phases": self.step_phases,
                 f"{self.prefix}losses": module.losses,
             }
         )
+        self._ended = time.perf_counter()  # what follows the last step is timed from here, the canary left out
+
+    def after_last(self, name: str) -> None:
+        """Seconds from the last step's end (its canary and record done) to ``name``."""
+        self.after_last_step[name] = round(time.perf_counter() - self._ended, 3)
+        self.report.update(**{f"{self.prefix}after_last_step": self.after_last_step})
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.after_last("train_epoch_end")
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.after_last("train_end")
         self.report.update(**{f"{self.prefix}train_peaks": self.sampler.end_phase()})
 
 
@@ -229,7 +268,7 @@ def run(spec_path: Path) -> None:
     except Exception:  # e.g. a frozen_dtype this branch refuses: recorded, the next configuration goes on
         report.error(f"{prefix}strategy")
         return
-    probe = Probe(prefix, sampler, report, clock)
+    probe = Probe(prefix, sampler, report, clock, spec.get("canary") or ["small"])
     module = LoRACausalLM(spec["folder"], spec.get("lora") or LORA, times, clock)
     checkpoint, adapter = Path(spec["checkpoint"]), Path(spec["trained_adapter"])
     if resume:
@@ -249,6 +288,7 @@ def run(spec_path: Path) -> None:
         )
         report.error(f"{prefix}fit")
         return
+    probe.after_last("fit_returned")
     report.update(
         **{
             f"{prefix}times": times,

@@ -34,7 +34,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness import launch, steadiness  # noqa: E402
 from benchmarks.harness.probes import cpu_model, load_average, machine  # noqa: E402
 from benchmarks.harness.records import git_commit, now_utc, versions, write_json  # noqa: E402
 from benchmarks.harness.tables import gib, num, ratio, table  # noqa: E402
@@ -89,16 +89,48 @@ def with_adapter(folder: str) -> Any:
     return get_peft_model(base, LoraConfig(**LORA))
 
 
-def timed_generate(model: Any, input_ids: Any, new_tokens: int) -> tuple[float, list]:
-    """A 1-token warm-up, then ``new_tokens`` greedy new tokens: the second call's seconds and ids."""
+class TokenClock:
+    """A stopping criterion that stops nothing: it notes the time each new token (one decoding step for all prompts)
+    is ready, so the steadiness check sees every step of a ``generate`` call."""
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.ready: list[float] = []
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        self.ready.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def __deepcopy__(self, memo: dict) -> TokenClock:
+        return self  # transformers copies the criteria it is given; the times must land here
+
+    def steps_s(self) -> list[float]:
+        """Seconds of each decoding step, the first (the prompt's forward, and a gather once per call) first."""
+        marks = [self.began, *self.ready]
+        return [round(b - a, 4) for a, b in zip(marks, marks[1:])]
+
+
+def timed_generate(model: Any, input_ids: Any, new_tokens: int) -> tuple[float, list, list[float]]:
+    """A 1-token warm-up, then ``new_tokens`` greedy new tokens: the second call's seconds, ids and every decoding
+    step's seconds."""
     import torch
+    from transformers import StoppingCriteriaList
 
     options = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(input_ids=input_ids, max_new_tokens=1, min_new_tokens=1, **options)
         started = time.perf_counter()
-        ids = model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options)
-    return time.perf_counter() - started, ids.tolist()
+        clock = TokenClock()
+        ids = model.generate(
+            input_ids=input_ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **options,
+        )
+    return time.perf_counter() - started, ids.tolist(), clock.steps_s()
 
 
 def ranks_worker(args: argparse.Namespace) -> None:
@@ -115,8 +147,9 @@ def ranks_worker(args: argparse.Namespace) -> None:
                 self.model = with_adapter(args.folder)
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            seconds, ids = timed_generate(self.model, batch[0], args.new_tokens)
+            seconds, ids, steps = timed_generate(self.model, batch[0], args.new_tokens)
             report = {"seconds": seconds, "ids": ids, "prompts": batch[0].tolist(), "threads": torch.get_num_threads()}
+            report["steps_s"] = steps
             Path(args.report, f"rank{self.global_rank}.json").write_text(json.dumps(report))
 
     frozen_dtype = None if args.frozen_dtype == "none" else args.frozen_dtype
@@ -140,8 +173,8 @@ def plain_worker(args: argparse.Namespace) -> None:
     import torch
 
     model = with_adapter(args.folder).eval()
-    seconds, ids = timed_generate(model, prompts(SIZES[args.size]["vocab_size"]), args.new_tokens)
-    report = {"seconds": seconds, "ids": ids, "threads": torch.get_num_threads()}
+    seconds, ids, steps = timed_generate(model, prompts(SIZES[args.size]["vocab_size"]), args.new_tokens)
+    report = {"seconds": seconds, "ids": ids, "threads": torch.get_num_threads(), "steps_s": steps}
     Path(args.report, "plain.json").write_text(json.dumps(report))
 
 
@@ -200,6 +233,7 @@ def main() -> None:
         records[name] = {
             "seconds": max(r["seconds"] for r in ranks),
             "rank_seconds": [r["seconds"] for r in ranks],
+            "rank_steps_s": [r["steps_s"] for r in ranks],
             "threads_per_rank": ranks[0]["threads"],
             "notice": notice,
             "ids": [r["ids"] for r in ranks],
@@ -213,11 +247,22 @@ def main() -> None:
     records["plain"] = {
         "seconds": plain["seconds"],
         "threads": plain["threads"],
+        "steps_s": plain["steps_s"],
         "run_s": time.perf_counter() - started,
     }
     records["plain"]["node_peak_anon_shmem"] = outcome["node_peak_anon_shmem"]
     print(f"plain: {plain['seconds']:.1f} s", flush=True)
     write_results(args, records, load_before)
+
+
+def steadiness_rows(records: dict[str, Any], new_tokens: int) -> list[dict[str, Any]]:
+    """The three modes as the steadiness check's rows: every decoding step, per token of all prompts."""
+    rows = []
+    for name in ("per layer", "once per call", "plain"):
+        record = records[name]
+        steps = [max(each) for each in zip(*record["rank_steps_s"])] if "rank_steps_s" in record else record["steps_s"]
+        rows.append(dict(name=name, status="ok", steps_s=steps, timed=new_tokens - 1, units_per_step=PROMPTS))
+    return rows
 
 
 def write_results(args: argparse.Namespace, records: dict[str, Any], load_before: Any) -> None:
@@ -261,6 +306,12 @@ def write_results(args: argparse.Namespace, records: dict[str, Any], load_before
         f"Per layer / once per call: {num(ratio(records['per layer']['seconds'], once))}x."
         f" Ids equal in both modes: {same_ids}.",
         "",
+        "## Every decoding step (issue 53's steadiness check)",
+        "",
+        "A step: one new token for every prompt (the ranks: the slower rank's); the first (the prompts' forward, and"
+        " the gather once per call) is left out of the spread. The floor is `plain` (dense fp32, one process).",
+        "",
+        *steadiness.round_lines([steadiness_rows(records, args.new_tokens)], "plain", None),
         "Notices:",
         *[f"- {line}" for name in ("per layer", "once per call") for line in records[name]["notice"]],
         "",

@@ -4,7 +4,9 @@
 
 :func:`run` starts one such run in a fresh process under ``launch.guarded_run`` and returns its figures. The spec:
 ``folder`` (a Hugging Face folder), ``lora`` (``LoraConfig`` arguments), ``nf4`` (load the base through bitsandbytes,
-``BitsAndBytesConfig(load_in_4bit=True, nf4)``, else in fp32), ``sequence`` tokens per step, ``warmup`` and ``steps``.
+``BitsAndBytesConfig(load_in_4bit=True, nf4)``, else in fp32), ``sequence`` tokens per sequence, ``batch`` sequences
+per step (1 unless given), ``warmup`` and ``steps``, ``threads`` (torch's default unless given), ``canary`` (the
+kinds after each step, in turn: ``CanaryCycle``).
 The run loads the base, wraps it in LoRA, and trains warm-up and timed steps (forward, backward, AdamW step) on
 random tokens, fp32 compute, on all the machine's cores; a thread samples its USS every 0.05 s (peaks of the
 load and of the training apart). It also records what
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import launch
-from benchmarks.harness.probes import MachineCanary, PeakSampler
+from benchmarks.harness.probes import CanaryCycle, PeakSampler
 from benchmarks.harness.records import read_json
 
 
@@ -68,10 +70,10 @@ def train(spec: dict[str, Any]) -> None:
     tokens = torch.randint(
         0,
         model.config.vocab_size,
-        (spec["warmup"] + spec["steps"], 1, spec["sequence"]),
+        (spec["warmup"] + spec["steps"], spec.get("batch", 1), spec["sequence"]),
         generator=torch.Generator().manual_seed(0),
     )
-    steps, canary, meter = [], [], MachineCanary()
+    steps, canary, meter = [], [], CanaryCycle(spec.get("canary") or ["small"])
     for input_ids in tokens:
         begin = time.perf_counter()
         loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -79,7 +81,7 @@ def train(spec: dict[str, Any]) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append(time.perf_counter() - begin)
-        canary.append(meter.sample())  # outside the step's time (MachineCanary)
+        canary.append(meter.sample())  # outside the step's time (probes.MachineCanary)
     sampler.stop()
     Path(spec["out"]).write_text(
         json.dumps(
@@ -105,7 +107,7 @@ def run(name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         out, log = Path(scratch) / "plain_loop.json", Path(scratch) / "plain_loop.log"
         print(f"\n=== {name}", flush=True)
         command = [sys.executable, "-m", "benchmarks.harness.plain_loop", json.dumps(dict(spec, out=str(out)))]
-        outcome = launch.guarded_run(command, launch.child_env(), log, timeout_s / 60)
+        outcome = launch.guarded_run(command, launch.child_env(spec.get("threads")), log, timeout_s / 60)
         if launch.exit_status(outcome) != 0 or not out.exists():
             tail = log.read_text()[-3000:]
             print(tail, flush=True)
@@ -115,7 +117,8 @@ def run(name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         "name": name,
         "status": "ok",
         "ranks": 1,
-        "tokens_per_step": spec["sequence"],
+        "tokens_per_step": spec["sequence"] * spec.get("batch", 1),
+        "units_per_step": spec["sequence"] * spec.get("batch", 1),
         "step_s": statistics.median(figures["steps_s"][spec["warmup"] :]),
         "peak_uss": max(figures["load_peak_uss"], figures["train_peak_uss"]),
         "load_peak_uss": figures["load_peak_uss"],

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -270,46 +271,85 @@ def thread_cpu_s() -> dict[str, float]:
     return used
 
 
+CANARY_KINDS = {"small": (4, 512, 8), "large": (64, 1024, 1)}  # copy MiB, matmul side, repeats of each
+
+
 class MachineCanary:
     """Fixed work timed between steps, with the process otherwise quiet (OpenMP's threads given time to stop
-    spinning): a 64 MiB single-thread copy, and a 1024^3 fp32 matmul on one thread and on all of torch's. A step that
-    is slow while the canary is not points at the process; both slow, at the machine (a neighbour's memory traffic,
-    two vCPUs on one core's hyperthreads) that the vCPUs' idle and steal time do not show."""
+    spinning): a single-thread copy, and an fp32 matmul on one thread and on all of torch's. A step that is slow while
+    the canary is not points at the process; both slow, at the machine (a neighbour's memory traffic, two vCPUs on one
+    core's hyperthreads) that the vCPUs' idle and steal time do not show.
+
+    ``kind`` (:data:`CANARY_KINDS`): ``small`` (the default) copies 4 MiB and multiplies 512^3, 8 times each, so that
+    it moves 12 MiB; ``large``, a 64 MiB copy and a 1024^3 matmul once, was suspected of slowing the step after it, and
+    side by side neither changed the next step by more than 1% (docs/internals.md, "Steadiness of a step")."""
 
     QUIET_S = 0.05
-    SIDE = 1024
 
-    def __init__(self, mib: int = 64) -> None:
+    def __init__(self, kind: str = "small") -> None:
         import numpy
         import torch
 
+        mib, self.side, self.repeats = CANARY_KINDS[kind]
+        self.kind = kind
         self.source = numpy.ones(mib << 18, dtype=numpy.float32)
         self.target = numpy.empty_like(self.source)
         numpy.copyto(self.target, self.source)  # its pages faulted in here, not in the first sample
-        self.a, self.b = torch.ones(self.SIDE, self.SIDE), torch.ones(self.SIDE, self.SIDE)
+        self.a, self.b = torch.ones(self.side, self.side), torch.ones(self.side, self.side)
 
-    def sample(self) -> dict[str, float]:
-        """``copy_gib_s``; ``mm_1t_gflops`` and ``mm_gflops`` (all threads); ``threads_worth``: how many single
-        threads the all-thread matmul was worth (2 cores that are cores: near 2)."""
+    def sample(self) -> dict[str, Any]:
+        """``kind``; ``copy_gib_s``; ``mm_1t_gflops`` and ``mm_gflops`` (all threads); ``threads_worth``: how many
+        single threads the all-thread matmul was worth (2 cores that are cores: near 2). Each rate is over all the
+        repeats."""
         import numpy
         import torch
 
         time.sleep(self.QUIET_S)
         began = time.perf_counter()
-        numpy.copyto(self.target, self.source)
-        copy = 2 * self.source.nbytes / (time.perf_counter() - began) / 2**30
+        for _ in range(self.repeats):
+            numpy.copyto(self.target, self.source)
+        copy = 2 * self.source.nbytes * self.repeats / (time.perf_counter() - began) / 2**30
         threads = torch.get_num_threads()
         rates = []
         for use in (1, threads):
             torch.set_num_threads(use)
             torch.mm(self.a, self.b)  # the team of this size started
             began = time.perf_counter()
-            torch.mm(self.a, self.b)
-            rates.append(2 * self.SIDE**3 / (time.perf_counter() - began) / 1e9)
+            for _ in range(self.repeats):
+                torch.mm(self.a, self.b)
+            rates.append(2 * self.side**3 * self.repeats / (time.perf_counter() - began) / 1e9)
         torch.set_num_threads(threads)
         return dict(
+            kind=self.kind,
             copy_gib_s=round(copy, 2),
             mm_1t_gflops=round(rates[0], 1),
             mm_gflops=round(rates[1], 1),
             threads_worth=round(rates[1] / rates[0], 2),
         )
+
+
+def add_canary_option(parser: Any) -> None:
+    """``--canary KIND...`` on an ``argparse`` parser: the kinds a :class:`CanaryCycle` runs after successive steps."""
+    parser.add_argument(
+        "--canary",
+        nargs="+",
+        choices=(*CANARY_KINDS, "none"),
+        default=["small"],
+        help="the canary after each step, in turn (e.g. none small large: its cost to the next step, side by side)",
+    )
+
+
+class CanaryCycle:
+    """The canaries run after successive steps, in turn: ``kinds`` of :data:`CANARY_KINDS`, or ``none`` (no canary:
+    a step after it shows what the canary costs the next step, side by side in one process)."""
+
+    def __init__(self, kinds: Sequence[str] = ("small",)) -> None:
+        self.kinds = list(kinds)
+        self.canaries = {kind: MachineCanary(kind) for kind in set(self.kinds) - {"none"}}
+        self.ran = 0
+
+    def sample(self) -> dict[str, Any]:
+        """The next canary's figures (``{"kind": "none"}`` where the cycle says none)."""
+        kind = self.kinds[self.ran % len(self.kinds)]
+        self.ran += 1
+        return self.canaries[kind].sample() if kind != "none" else {"kind": "none"}

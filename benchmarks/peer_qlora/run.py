@@ -21,13 +21,16 @@ sampled every 0.05 s for the peers and 0.1 s for ours (big_model's default), as 
 allocator variables). Writes ``<out>/peer_qlora.json`` and ``<out>/peer_qlora.md``; the ``big_model/run.py`` records
 of our runs go to ``<out>/peer_qlora_ours.json``.
 
-Steadiness (issue 53): ``--rounds N`` runs the configurations N times over, and the report's second table gives every
-timed step of every round, the spread (slowest ÷ fastest), and the median ÷ the same round's dense floor and QLoRA
-peer. Each step is followed, outside its time, by fixed work (``MachineCanary``: a 64 MiB copy, a matmul on one thread
-and on both): a step slow while the canary is not points at the process, both slow at the machine; its
-``threads_worth`` (the two-thread matmul ÷ the one-thread one) near 1 instead of 2 says the two vCPUs share one core.
-Ours also records each thread's CPU seconds in every step (``peer_qlora_ours.json``). Goals: spread ≤ 1.15; ours'
-median ≤ 1.05x the floor and ≤ the peer.
+Steadiness (issue 53): ``--rounds N`` runs the configurations N times over, and the report's second table
+(``harness/steadiness.py``) gives every timed step of every round, the spread (slowest ÷ fastest), and the median ÷
+the same round's dense floor and QLoRA peer. Each step is followed, outside its time, by fixed work (``MachineCanary``:
+a 4 MiB copy and a 512^3 matmul on one thread and on both, 8 times each): a step slow while the canary is not points
+at the process, both slow at the machine; its ``threads_worth`` (the two-thread matmul ÷ the one-thread one) near 1
+instead of 2 says the two vCPUs share one core. ``--canary none small large`` runs the kinds after successive steps in
+turn, and the report adds each run's median step after each kind: what a canary costs the step after it, side by side
+in one process. Ours also records each thread's CPU seconds in every step, when its forward, backward and optimizer
+step ended, and the seconds from the last step's end to ``fit``'s return (``peer_qlora_ours.json``). Goals: spread ≤
+1.15; ours' median ≤ 1.05x the floor and ≤ the peer.
 
 The big-model study is run through its command line (``run`` and ``write``), not imported.
 """
@@ -42,8 +45,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from benchmarks.harness import launch, plain_loop  # noqa: E402
-from benchmarks.harness.probes import load_average, machine  # noqa: E402
+from benchmarks.harness import launch, plain_loop, steadiness  # noqa: E402
+from benchmarks.harness.probes import add_canary_option, cpu_model, load_average, machine  # noqa: E402
 from benchmarks.harness.records import now_utc, read_json, write_json  # noqa: E402
 
 BIG_MODEL = HERE.parent / "big_model" / "run.py"
@@ -55,11 +58,11 @@ OURS = (("ours NF4 1r", "nf4", 1), ("ours NF4 2r", "nf4", 2), ("ours bf16 1r", "
 PEERS = (("peer dense", False), ("peer QLoRA", True))
 # issue 24's goals: our step per token no slower than the QLoRA peer's; our peak memory <= 0.5x the peer's
 GOAL_STEP, GOAL_MEMORY = 1.0, 0.5
-GOAL_SPREAD, GOAL_FLOOR = 1.15, 1.05  # issue 53's
 
 
 def run_peer(name: str, nf4: bool, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = dict(folder=str(folder), lora=LORA, nf4=nf4, sequence=SEQUENCE, warmup=args.warmup, steps=args.steps)
+    spec["canary"] = args.canary
     return plain_loop.run(name, spec, args.timeout)
 
 
@@ -88,6 +91,8 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
         str(args.data_dir),
         "--out",
         str(args.out / "peer_qlora_ours"),
+        "--canary",
+        *args.canary,
     ]
     print(f"\n=== {name}", flush=True)
     # big_model's driver guards its own processes (timeout, memory) and records why it stopped one
@@ -104,6 +109,7 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
         "status": "ok",
         "ranks": devices,
         "tokens_per_step": SEQUENCE * devices,
+        "units_per_step": SEQUENCE * devices,
         "step_s": summary["step_s"],
         "peak_uss": summary["train_peak_uss"],
         "load_s": summary.get("first_step_at_s"),
@@ -111,6 +117,8 @@ def run_ours(name: str, frozen_dtype: str, devices: int, args: argparse.Namespac
         "steps_s": rank0.get("step_s", []),
         "step_threads": rank0.get("step_threads", []),
         "canary": rank0.get("canary", []),
+        "step_phases": rank0.get("step_phases", []),
+        "after_last_step": rank0.get("after_last_step", {}),
     }
 
 
@@ -151,41 +159,8 @@ def report(result: dict[str, Any]) -> str:
             f" {'' if ratio_m is None else f'{ratio_m:.2f}'} |"
         )
     lines += ["", f"Goals (issue 24): ours per token ≤ {GOAL_STEP}x the QLoRA peer; peak memory ≤ {GOAL_MEMORY}x.", ""]
-    return "\n".join(lines + steadiness(result["rounds"])) + "\n"
-
-
-def steadiness(rounds: list[list[dict[str, Any]]]) -> list[str]:
-    """Every timed step of every round, with the canary after it, the spread, and the ratios to the round's floor
-    (peer dense) and peer (peer QLoRA), per token."""
-    lines = [
-        "## Every step, round by round",
-        "",
-        "| round | run | timed steps (s) | canary: copy GiB/s / threads worth | median s | spread | ÷ floor | ÷ peer |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for number, rows in enumerate(rounds, 1):
-        by_name = {r["name"]: r for r in rows if r["status"] == "ok"}
-        per_token = {name: r["step_s"] / r["tokens_per_step"] for name, r in by_name.items()}
-        floor, peer = per_token.get("peer dense"), per_token.get("peer QLoRA")
-        for row in rows:
-            if row["status"] != "ok":
-                lines.append(f"| {number} | {row['name']} | {row['status']} {row.get('reason') or ''} | | | | | |")
-                continue
-            warmup = len(row["steps_s"]) - row["timed"]
-            timed = row["steps_s"][warmup:]
-            canary = ", ".join("{copy_gib_s:.1f} / {threads_worth:.2f}".format(**c) for c in row["canary"][warmup:])
-            mine = per_token[row["name"]]
-            lines.append(
-                f"| {number} | {row['name']} | {', '.join(f'{s:.2f}' for s in timed)} | {canary} |"
-                f" {row['step_s']:.2f} | {max(timed) / min(timed):.2f} |"
-                f" {'' if floor is None else f'{mine / floor:.2f}'} | {'' if peer is None else f'{mine / peer:.2f}'} |"
-            )
-    lines += [
-        "",
-        f"Goals (issue 53): spread ≤ {GOAL_SPREAD}; ours' median ≤ {GOAL_FLOOR}x the floor and ≤ the peer.",
-        "",
-    ]
-    return lines
+    lines += ["## Every step, round by round", ""]
+    return "\n".join(lines + steadiness.round_lines(result["rounds"], "peer dense", "peer QLoRA")) + "\n"
 
 
 def main() -> None:
@@ -195,6 +170,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="run the configurations this many times over")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     parser.add_argument("--only", nargs="+", help="run only these names (e.g. 'peer QLoRA' 'ours NF4 1r')")
+    add_canary_option(parser)
     parser.add_argument("--data-dir", type=Path, default=Path("/work/bench-data"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -215,7 +191,7 @@ def main() -> None:
         "date": now_utc(),
         "load_before": load_before,
         "load_after": load_average()[0],
-        "machine": machine(),
+        "machine": f"{cpu_model()}, {machine()}",
         "rows": rounds[0],
         "rounds": rounds,
     }
