@@ -16,7 +16,7 @@ The repository is not changed.
   --out DIR    where the copy, the venv and the logs go (default: a new folder under ${TMPDIR:-/tmp})
   --venv DIR   the venv to set up or bring up to date (default: $DRIFT_VENV, else DIR/venv)
   --clean      at the end, remove the copy and a venv under DIR; the logs stay
-  -- ARGS      pytest's arguments (default: -q -n 2, the README's without -x, so every failure shows)
+  -- ARGS      pytest's arguments (default: -q -n 3, the README's without -x, so every failure shows)
 
 Exit status: 0 nothing moved and every test passed; 1 a private name moved or a test failed; 2 the set-up failed.
 DeepSpeed's ops are built in DIR/torch_extensions (TORCH_EXTENSIONS_DIR, if set, wins), not in the cache other venvs
@@ -27,7 +27,7 @@ EOF
 OUT=""
 VENV_DIR="${DRIFT_VENV:-}"
 CLEAN=0
-PYTEST_ARGS=(-q -n 2)
+PYTEST_ARGS=(-q -n 3)
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT="$2"; shift 2 ;;
