@@ -225,3 +225,35 @@ def test_a_moe_fit_on_routed_experts_trains_as_with_experts_decoded_whole(
             trained += "experts" in name
             torch.testing.assert_close(full_param(param), full_param(expected), rtol=1e-5, atol=1e-6, msg=name)
     assert trained == 8  # LoRA A and B of both fused params in both layers
+
+
+class _Failing(_Recorded):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.losses:  # after a step on the routed experts
+            raise RuntimeError("the user's second step failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_a_moe_fit_on_routed_experts_leaves_every_forward_as_it_was(tmp_path: Path, ends: str) -> None:
+    # the experts modules and PEFT's wrappers around them get a forward of the run's own, taken off when it ends
+    from peft.tuners.lora.layer import ParamWrapper
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    folder = moe_folder(tmp_path / "base", "qwen3_moe")
+    classes = {cls: cls.forward for cls in (Qwen3MoeExperts, ParamWrapper)}
+    module = (_Recorded if ends == "returns" else _Failing)(str(folder))
+    seen: list[int] = []
+    compute = coded_experts.compute_experts_from_codes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coded_experts, "compute_experts_from_codes", lambda *a: seen.append(compute(*a)) or seen[-1])
+        strategy = lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4")
+        trainer = cpu_trainer(strategy, max_steps=2, precision="32-true")
+        if ends == "raises":
+            with pytest.raises(RuntimeError, match="second step failed"):
+                trainer.fit(module, token_data())
+        else:
+            trainer.fit(module, token_data())
+    assert seen == [2] and len(module.losses) == (2 if ends == "returns" else 1)
+    assert [name for name, m in module.named_modules() if "forward" in vars(m)] == []
+    assert {cls: cls.forward for cls in classes} == classes
