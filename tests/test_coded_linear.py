@@ -57,6 +57,30 @@ def coded_weight(weight: torch.Tensor, frozen_dtype: str, layers: coded_linear.C
     return param
 
 
+@pytest.mark.parametrize("frozen_dtype", codec.FROZEN_DTYPES)
+def test_a_range_decoder_decodes_what_decode_range_does_a_block_aligned_range_in_one_kernel_call(
+    frozen_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = random.Random(1)
+    rows, numel = _rows(torch.randn(64 * 37 + 5), frozen_dtype, ranks=2)  # each shard's last block padded
+    whole = codec.decode(rows, numel, frozen_dtype)
+    block = codec.block_format(frozen_dtype).block_size
+    decode = partial_decode.range_decoder(rows, numel, frozen_dtype)
+    slow = []
+    decode_range = partial_decode.decode_range
+    monkeypatch.setattr(partial_decode, "decode_range", lambda *a: slow.append(a[3]) or decode_range(*a))
+    aligned = [(0, numel), (block, numel - block), (numel, numel), (numel + block, numel - 2 * block), (0, 0)]
+    anywhere = [(s, generator.randrange(2 * numel - s + 1)) for s in map(generator.randrange, [2 * numel] * 100)]
+    for start, count in aligned + anywhere:
+        for dtype in (torch.float32, torch.bfloat16):
+            out = decode(start, torch.full((count,), float("nan"), dtype=dtype))
+            assert torch.equal(out, whole[start : start + count].to(dtype)), (start, count, dtype)
+    fast = codec.block_format(frozen_dtype).cast_dtype is None
+    # within a shard and from a block's first weight: one kernel call, decode_range never
+    assert not (set(slow) & {start for start, _ in aligned}) if fast else len(slow) == 2 * len(aligned + anywhere)
+    assert set(slow) <= {start for start, _ in aligned + anywhere}
+
+
 @pytest.mark.parametrize("frozen_dtype", ["nf4", "bf16"])
 def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     frozen_dtype: str, monkeypatch: pytest.MonkeyPatch
