@@ -84,9 +84,15 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert set(decoded_rows) == {0, 2}  # forward and backward decoded only the routed experts
     assert torch.isnan(experts.gate_up_proj).all()  # the fused params were never decoded whole
-    # gathered whole meanwhile (GatheredParameters): the same sort, expert by expert on the whole weights
+    # gathered whole between forward and backward (GatheredParameters around the backward): the whole weights read
+    inputs = [hidden.clone().requires_grad_(True), index, routing.clone().requires_grad_(True)]
+    output = coded_experts._routed_forward(layers, (experts.gate_up_proj, experts.down_proj), {}, experts, *inputs)
     for name in coded_experts.FUSED:
         layers.decode_whole(getattr(experts, name))
+    output.backward(torch.linspace(-1, 1, output.numel()).view_as(output))
+    for ours, theirs in zip((inputs[0].grad, inputs[2].grad), grads[1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # gathered whole before the forward too: the same sort, expert by expert on the whole weights
     inputs = [hidden.clone().requires_grad_(True), index, routing.clone().requires_grad_(True)]
     output = coded_experts._routed_forward(layers, (experts.gate_up_proj, experts.down_proj), {}, experts, *inputs)
     output.backward(torch.linspace(-1, 1, output.numel()).view_as(output))

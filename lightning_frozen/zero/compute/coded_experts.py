@@ -264,11 +264,14 @@ class CodedExpertsMatmul(torch.autograd.Function):
         grad_input = grad_output.new_empty(grad_output.shape[0], weight.ds_shape[-1]) if wants_input else None
         grad_lhs = torch.zeros_like(lhs) if wants_lhs else None
         grad_rhs = torch.zeros_like(rhs) if wants_rhs else None
+        whole = layers.held_codes(weight) is None  # gathered whole for backward (GatheredParameters around it)
         start = 0
         for expert, grad, target in _segments(counts, grad_output, grad_input):
             rows = None if input is None else input[start : start + len(grad)]
             start += len(grad)
-            if target is not None:
+            if target is not None and whole:
+                torch.mm(grad, weight[expert], out=target)
+            elif target is not None:
                 _coded_rows_backward(layers, weight, expert, grad, target)
             if lhs is None:
                 continue
