@@ -113,6 +113,35 @@ def _labelled(
         setattr(owner, attribute, restored)
 
 
+@contextmanager
+def _labelled_range_decoders(count: Any) -> Iterator[None]:
+    """While active, each function ``partial_decode.range_decoder`` returns (a gathered weight's tiles decoded one
+    kernel call each, bypassing ``decode_range``) runs its calls inside ``record_function(DECODE_ROWS)``, each counted
+    as :func:`_labelled` counts (a range it hands to ``decode_range`` is counted there too: rare, a shard's edge)."""
+    import torch
+
+    from lightning_frozen.format import partial_decode
+
+    original = partial_decode.range_decoder
+
+    def range_decoder(*args: Any) -> Any:
+        decode = original(*args)
+
+        def labelled(start: int, out: Any) -> Any:
+            with torch.profiler.record_function(DECODE_ROWS):
+                result = decode(start, out)
+            count((start, out), result)
+            return result
+
+        return labelled
+
+    partial_decode.range_decoder = range_decoder
+    try:
+        yield
+    finally:
+        partial_decode.range_decoder = original
+
+
 class StepProfile(_callback_base()):  # type: ignore[misc]
     """Profiles the step ``profile_step`` (0-based, of this fit) and keeps its breakdown in ``self.result``."""
 
@@ -153,6 +182,7 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         _count_coded(self._patches, self.coded_shapes)
         self._patches.enter_context(_labelled(quantized, "decode", DECODE, self._count_decoded))
         self._patches.enter_context(_labelled(partial_decode, "decode_range", DECODE_ROWS, self._count_decoded))
+        self._patches.enter_context(_labelled_range_decoders(self._count_decoded))
         for owner in (deepspeed.comm, deepspeed.comm.comm):  # DeepSpeed's own gathers call the latter
             self._patches.enter_context(
                 _labelled(owner, "all_gather_into_tensor", "lf.all_gather", self._count_gathered)
