@@ -283,24 +283,32 @@ class ExpertsLoRA(MoELoRA):
 
 class HeldMoE(MoELoRA):
     """:class:`MoELoRA` that keeps, at the start of training, what this rank holds of each frozen param
-    (:func:`held_moe`); with ``train_expert``, LoRA on attention only and layer 0's experts' ``down_proj`` trained
-    whole (its exact values are read back from the folder at setup)."""
+    (:func:`held_moe`), and layer 0's fused ``gate_up_proj`` as a gather in ``configure_model`` gave it (before setup:
+    exact, also where it was stored as codes as it was read); with ``train_expert``, LoRA on attention only and layer
+    0's experts' ``down_proj`` trained whole (its exact values are read back from the folder at setup)."""
 
     def __init__(self, folder: str, lr: float = 1e-2, train_expert: bool = False) -> None:
         super().__init__(folder, lr)
         self.train_expert = train_expert
         self.held: dict[str, Any] = {}
+        self.gathered_before_setup: Optional[torch.Tensor] = None
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return
         if not self.train_expert:
             super().configure_model()
-            return
-        from peft import LoraConfig, get_peft_model
+        else:
+            from peft import LoraConfig, get_peft_model
 
-        self.model = get_peft_model(self.load_base(), LoraConfig(r=4, target_modules=self.lora_targets))
-        self.model.base_model.model.model.layers[0].mlp.experts.down_proj.requires_grad_(True)
+            self.model = get_peft_model(self.load_base(), LoraConfig(r=4, target_modules=self.lora_targets))
+            self.model.base_model.model.model.layers[0].mlp.experts.down_proj.requires_grad_(True)
+        import deepspeed
+
+        wanted = "model.layers.0.mlp.experts.gate_up_proj"
+        (param,) = [p for name, p in self.model.named_parameters(prefix="model") if plain_name(name) == wanted]
+        with deepspeed.zero.GatheredParameters([param]):
+            self.gathered_before_setup = param.detach().clone()
 
     def on_train_start(self) -> None:
         self.held = held_moe(self)

@@ -393,6 +393,8 @@ def _assert_held_as_transformers_loads(folder: Path, module: Any, frozen_dtype: 
         assert torch.equal(shard, codec.encode(value.reshape(-1)[start : start + count], frozen_dtype, numel)), name
     if frozen_dtype is not None:
         assert all(held["shards"][name][0].dtype == torch.uint8 for name in frozen_experts)
+    # a gather before setup reads the exact values where they lie in the folder, whatever the shard holds
+    assert torch.equal(module.gathered_before_setup, expected["model.layers.0.mlp.experts.gate_up_proj"])
     batch = module.batches[0]
     with torch.no_grad():
         first = float(plain(input_ids=batch, labels=batch).loss)

@@ -157,7 +157,11 @@ class _Reader:
     def read(self, wanted: Wanted) -> torch.Tensor:
         parts = [wanted] if isinstance(wanted, SliceRead) else list(wanted)
         first = parts[0]
-        values = torch.empty(sum(part.count for part in parts), dtype=self._open(first.path)[1][first.key].dtype)
+        dtype = self._open(first.path)[1][first.key].dtype
+        # allocated as bytes: inside `zero.Init` (a gather in `configure_model`) a floating-point tensor constructor
+        # casts to its dtype
+        count = sum(part.count for part in parts)
+        values = torch.empty(count * dtype.itemsize, dtype=torch.uint8).view(dtype)
         done = 0
         for part in parts:
             self._read_into(part, values[done : done + part.count])
