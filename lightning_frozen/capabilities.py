@@ -38,6 +38,7 @@ _OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 _COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator"
 _MODELING = "transformers.modeling_utils"
 _LOADING = "hf/transformers_loading.py"
+_CONVERSIONS = "hf/conversions.py"
 
 CORE = Capability(
     "the core",
@@ -209,6 +210,21 @@ ROUTED_EXPERTS = Capability(
     ),
 )
 
+# transformers' converter of a folder's tensors, run as its loader runs it (hf/conversions.py)
+_CONVERTER_ROWS = (
+    ForeignName("transformers.core_model_loading:dot_natural_key", _CONVERSIONS, ("s",)),
+    ForeignName(
+        "transformers.core_model_loading:WeightTransform.add_tensor",
+        _CONVERSIONS,
+        ("self", "target_key", "source_key", "source_pattern", "future"),
+    ),
+    ForeignName(
+        "transformers.core_model_loading:WeightConverter.convert",
+        _CONVERSIONS,
+        ("self", "layer_name", "model", "config"),
+    ),
+)
+
 SLICED_LOADING = Capability(
     "sliced loading from hub folders",
     fallback="`from_pretrained` under ZeRO-3 loads as transformers does (each rank reads every tensor whole, a slower"
@@ -244,7 +260,7 @@ SLICED_LOADING = Capability(
         ForeignName("transformers.initialization:uniform_", _LOADING, in_code=("_is_hf_initialized",)),
         ForeignName(
             "transformers.core_model_loading:rename_source_key",
-            _LOADING,
+            _CONVERSIONS,
             ("source_key", "weight_renamings", "weight_converters", "base_model_prefix", "meta_state_dict"),
         ),
         ForeignName(
@@ -365,6 +381,21 @@ CONVERT = Capability(
     ),
 )
 
+CONVERTED_LOADING = Capability(
+    "sliced loading of folders whose tensors transformers converts at load (MoE experts fused into one per layer)",
+    fallback="such a folder loads through transformers' own ZeRO-3 loader: rank 0 reads each tensor and broadcasts it,"
+    " and a `frozen_dtype` stores the base only at setup",
+    rows=(
+        *_CONVERTER_ROWS,
+        ForeignName(
+            "transformers.core_model_loading:revert_weight_conversion",
+            _CONVERSIONS,
+            ("model", "state_dict"),
+            in_code=("_weight_conversions",),
+        ),
+    ),
+)
+
 MERGE_CHECK = Capability(
     "PEFT's own refusal to merge, asked by `export_merged`",
     fallback="an adapter PEFT refuses to merge (a GPTQ base, replicated layers) fails in PEFT's own layer merge",
@@ -381,16 +412,7 @@ CONVERTED_EXPORT = Capability(
             ("model", "state_dict"),
             in_code=("_weight_conversions",),
         ),
-        ForeignName(
-            "transformers.core_model_loading:WeightTransform.add_tensor",
-            "hf/merging.py",
-            ("self", "target_key", "source_key", "source_pattern", "future"),
-        ),
-        ForeignName(
-            "transformers.core_model_loading:WeightConverter.convert",
-            "hf/merging.py",
-            ("self", "layer_name", "model", "config"),
-        ),
+        *_CONVERTER_ROWS,
     ),
 )
 
@@ -446,6 +468,7 @@ OPTIONAL = (
     CPU_COMPUTE,
     ROUTED_EXPERTS,
     SLICED_LOADING,
+    CONVERTED_LOADING,
     GENERATE,
     SEVERAL_ADAPTERS,
     UNFREEZING,

@@ -241,6 +241,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._ledger.enter(accelerator.deepspeed_accelerator_matching(self.accelerator), "DeepSpeed's accelerator")
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
+        # torch's OpenMP threads spin long while they wait: on a shared CPU, a step many times slower (issue 53)
+        self._ledger.callback(compute.wait_briefly() or (lambda: None), "OpenMP's sleeping team")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's refuses the CPU, whose DeepSpeed accelerator works
 

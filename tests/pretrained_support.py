@@ -231,13 +231,13 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def moe_folder(folder: Path, kind: str) -> Path:
-    """A tiny ``kind`` MoE (``MOE_CONFIGS``) with random weights, written with ``save_pretrained``."""
+def moe_folder(folder: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny ``kind`` MoE (``MOE_CONFIGS``) with random weights, written in ``dtype`` with ``save_pretrained``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(kind, **TINY_LLAMA, **MOE_CONFIGS[kind])
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(str(folder))
     return folder
 
 
@@ -279,3 +279,75 @@ class ExpertsLoRA(MoELoRA):
     requires grad."""
 
     lora_targets: list[str] = []
+
+
+class HeldMoE(MoELoRA):
+    """:class:`MoELoRA` that keeps, at the start of training, what this rank holds of each frozen param
+    (:func:`held_moe`), and layer 0's fused ``gate_up_proj`` as a gather in ``configure_model`` gave it (before setup:
+    exact, also where it was stored as codes as it was read); with ``train_expert``, LoRA on attention only and layer
+    0's experts' ``down_proj`` trained whole (its exact values are read back from the folder at setup)."""
+
+    def __init__(self, folder: str, lr: float = 1e-2, train_expert: bool = False) -> None:
+        super().__init__(folder, lr)
+        self.train_expert = train_expert
+        self.held: dict[str, Any] = {}
+        self.gathered_before_setup: Optional[torch.Tensor] = None
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        if not self.train_expert:
+            super().configure_model()
+        else:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.load_base(), LoraConfig(r=4, target_modules=self.lora_targets))
+            self.model.base_model.model.model.layers[0].mlp.experts.down_proj.requires_grad_(True)
+        import deepspeed
+
+        wanted = "model.layers.0.mlp.experts.gate_up_proj"
+        (param,) = [p for name, p in self.model.named_parameters(prefix="model") if plain_name(name) == wanted]
+        with deepspeed.zero.GatheredParameters([param]):
+            self.gathered_before_setup = param.detach().clone()
+
+    def on_train_start(self) -> None:
+        self.held = held_moe(self)
+
+
+def plain_name(name: str) -> str:
+    """A param's name in the plain transformers model: without PEFT's prefix and wrappers."""
+    return name.removeprefix("model.base_model.model.").replace(".base_layer", "")
+
+
+def held_moe(module: L.LightningModule) -> dict[str, Any]:
+    """What this rank holds of ``module``'s base: each param gathered whole (``values``) and each frozen one's shard as
+    stored, codes or values (``shards``: the shard, its range and padded size), by its name in the plain model; the
+    fingerprint, and that of a pass over the shards without the loader's record (``None`` when they hold codes); the
+    frozen params whose checksum the loader recorded as it read them."""
+    import deepspeed
+
+    from lightning_frozen.base import fingerprint
+    from lightning_frozen.zero.params import shard_numel, shard_range
+
+    strategy = module.trainer.strategy
+    values, shards, recorded = {}, {}, []
+    for name, param in module.named_parameters():
+        if "lora_" in name:
+            continue
+        with deepspeed.zero.GatheredParameters([param]):
+            values[plain_name(name)] = param.detach().clone()
+        if not param.requires_grad:
+            shards[plain_name(name)] = (param.ds_tensor.detach().clone(), shard_range(param), shard_numel(param))
+            if strategy._loaded_base.checksum(param) is not None:
+                recorded.append(plain_name(name))
+    named = fingerprint.named_frozen(module)
+    return {
+        "values": values,
+        "shards": shards,
+        "recorded": recorded,
+        "fingerprint": strategy.frozen_base_fingerprint()["digest"],
+        "fingerprint_by_a_pass": None
+        if strategy.frozen_dtype
+        else fingerprint.fingerprint_base(named, strategy.fingerprint)["digest"],
+        "quantized_at_load": strategy._loaded_base.quantized_at_load,
+    }

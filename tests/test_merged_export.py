@@ -551,6 +551,24 @@ def test_a_moe_fit_on_two_ranks_starts_at_the_plain_models_loss_each_rank_holdin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_each_of_two_ranks_reads_only_its_own_range_of_the_folders_experts(kind: str, moe_two_ranks: Path) -> None:
+    from tests.distributed import read_reports
+
+    reports = read_reports(moe_two_ranks / kind / "straight")
+    assert [r["zero3_loads"] for r in reports] == [0, 0]  # transformers' own loader (rank 0 reads all) never ran
+    folder = folder_values(moe_two_ranks / kind / "base")
+    experts = [key for key in folder if ".experts." in key]
+    assert len(experts) == 2 * 4 * 3  # 2 layers of 4 experts of 3 tensors, as the folder stores them
+    for key in folder:  # the two ranks' ranges of each tensor: every element read once, by one of them
+        ranges = sorted((start, count) for r in reports for start, count in r["reads"].get(key, []) if count)
+        assert [start for start, _ in ranges] == [0, *(start + count for start, count in ranges[:-1])], key
+        assert sum(count for _, count in ranges) == folder[key].numel(), key
+    elements = [sum(count for key in experts for _, count in r["reads"].get(key, [])) for r in reports]
+    assert elements[0] == elements[1] == sum(folder[key].numel() for key in experts) / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
 def test_a_moe_resume_on_two_ranks_goes_on_as_the_straight_run(kind: str, moe_two_ranks: Path) -> None:
     from tests.distributed import read_reports
 

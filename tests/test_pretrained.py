@@ -8,6 +8,7 @@ import json
 import math
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +24,10 @@ from lightning_frozen.zero.init import outside_zero_init
 from tests.distributed import read_reports, run_in_this_process, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
 from tests.pretrained_support import (
+    MOE_CONFIGS,
     TINY_LLAMA,
     ExpertsLoRA,
+    HeldMoE,
     PretrainedLoRA,
     folder_tensors,
     moe_folder,
@@ -339,3 +342,115 @@ def test_lora_on_the_fused_experts_alone_trains_from_the_first_moe_block(
     assert len(module.experts_lora_b) == 4  # gate_up_proj and down_proj in each layer
     for name, lora_b in module.experts_lora_b.items():
         assert lora_b.abs().sum() > 0, name
+
+
+@pytest.fixture
+def zero3_loader_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The classes of the models transformers' own ZeRO-3 loader (``_load_state_dict_into_zero3_model``) loads during
+    the test."""
+    import functools
+
+    from transformers import modeling_utils
+
+    calls: list[str] = []
+    original = modeling_utils._load_state_dict_into_zero3_model
+
+    @functools.wraps(original)
+    def recording(model_to_load: nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(type(model_to_load).__name__)
+        return original(model_to_load, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "_load_state_dict_into_zero3_model", recording)
+    return calls
+
+
+def _fit_held_moe(folder: Path, frozen_dtype: str | None = None, fingerprint: str = "checksum", **kwargs: Any) -> Any:
+    module = HeldMoE(str(folder), lr=5e-2, **kwargs)
+    strategy = lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype, fingerprint=fingerprint)
+    cpu_trainer(strategy=strategy, max_steps=1, precision="32-true").fit(module, token_data())
+    return module
+
+
+def _assert_held_as_transformers_loads(folder: Path, module: Any, frozen_dtype: str | None) -> None:
+    """``module`` (a fit of :class:`HeldMoE` on ``folder``) against transformers' plain load of it (fp32): every param
+    equal (stored as ``frozen_dtype``, the codes of encoding the plain load's values), the first loss the plain
+    model's."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_frozen.format import codec
+
+    plain = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    expected = plain.state_dict()
+    held = module.held
+    assert sorted(held["values"]) == sorted(expected)
+    frozen_experts = {name for name in held["shards"] if ".experts." in name}
+    assert frozen_experts and frozen_experts <= set(held["recorded"])  # checksummed as they were read
+    for name, value in expected.items():
+        shard, (start, count), numel = held["shards"].get(name, (value, (0, 0), 0))
+        if frozen_dtype is None or shard.dtype != torch.uint8:  # unquantized, or trained: the exact values
+            assert torch.equal(held["values"][name], value), name
+            continue
+        assert torch.equal(shard, codec.encode(value.reshape(-1)[start : start + count], frozen_dtype, numel)), name
+    if frozen_dtype is not None:
+        assert all(held["shards"][name][0].dtype == torch.uint8 for name in frozen_experts)
+    # a gather before setup reads the exact values where they lie in the folder, whatever the shard holds
+    assert torch.equal(module.gathered_before_setup, expected["model.layers.0.mlp.experts.gate_up_proj"])
+    batch = module.batches[0]
+    with torch.no_grad():
+        first = float(plain(input_ids=batch, labels=batch).loss)
+    assert module.losses[0] == pytest.approx(first, rel=1e-5 if frozen_dtype is None else 2e-2)
+
+
+@pytest.mark.parametrize("folder_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_a_moe_folder_loads_in_slices_as_transformers_own_load_holds_it(
+    kind: str, folder_dtype: torch.dtype, tmp_path: Path, zero3_loader_calls: list, lightning_log: Any
+) -> None:
+    # the folder stores each expert's tensors; transformers fuses them into mlp.experts.gate_up_proj / down_proj
+    folder = moe_folder(tmp_path / "base", kind, folder_dtype)
+    assert any(".experts.1." in key for key in folder_tensors(folder))
+    mode = "sha256" if folder_dtype == torch.bfloat16 else "checksum"
+    plain = _fit_held_moe(folder, fingerprint=mode)
+    assert zero3_loader_calls == [] and "needs transformers' own ZeRO-3 loader" not in lightning_log.text
+    assert f"loaded {folder} into ZeRO-3 shards" in lightning_log.text
+    _assert_held_as_transformers_loads(folder, plain, None)
+    # the record taken as the slices were read is what a pass over the shards finds
+    assert plain.held["fingerprint"] == plain.held["fingerprint_by_a_pass"]
+    if folder_dtype == torch.bfloat16:  # stored as NF4 as it is read, the fingerprint still that of the source values
+        quantized = _fit_held_moe(folder, "nf4", fingerprint=mode)
+        assert zero3_loader_calls == [] and quantized.held["quantized_at_load"] > 0
+        _assert_held_as_transformers_loads(folder, quantized, "nf4")
+        assert quantized.held["fingerprint"] == plain.held["fingerprint"]
+
+
+def test_experts_whose_layout_is_no_runs_are_built_whole_one_layer_at_a_time(
+    tmp_path: Path, zero3_loader_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced here: transformers stacks Qwen3-MoE's experts, but where a converter lays them out otherwise (transposed,
+    interleaved) ``expert_runs`` finds no runs, and each fused tensor is built whole from its folder tensors by
+    transformers' converter, then sliced."""
+    from lightning_frozen.hf import conversions
+
+    built: list[str] = []
+    converted = conversions.converted
+
+    def recording(model: nn.Module, conversion: Any, tensors: Any) -> dict[str, torch.Tensor]:
+        tensors = list(tensors)
+        if not tensors[0].is_meta:
+            built.append(conversion.target)
+        return converted(model, conversion, tensors)
+
+    monkeypatch.setattr(conversions, "expert_runs", lambda *args: None)
+    monkeypatch.setattr(conversions, "converted", recording)
+    folder = moe_folder(tmp_path / "base", "qwen3_moe", torch.bfloat16)
+    plain = _fit_held_moe(folder)
+    assert zero3_loader_calls == []
+    experts = [f"model.layers.{layer}.mlp.experts.{name}" for layer in (0, 1) for name in ("gate_up_proj", "down_proj")]
+    assert sorted(built) == sorted(experts)  # each built once, from its own layer's experts
+    _assert_held_as_transformers_loads(folder, plain, None)
+    assert plain.held["fingerprint"] == plain.held["fingerprint_by_a_pass"]
+    # stored as NF4 as it is read; layer 0's trained down_proj gets its exact values back, built again, at setup
+    quantized = _fit_held_moe(folder, "nf4", train_expert=True)
+    assert zero3_loader_calls == [] and quantized.held["quantized_at_load"] > 0
+    assert "model.layers.0.mlp.experts.down_proj" not in quantized.held["shards"]
+    _assert_held_as_transformers_loads(folder, quantized, "nf4")

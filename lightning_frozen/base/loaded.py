@@ -37,7 +37,7 @@ class _Entry:
     dtype: torch.dtype  # the values were checksummed as the param holds them, in this dtype
     checksum: list[int]  # this rank's sums (see `frozen_base.Checksummer`)
     sha256: Optional[str] = None
-    source: Optional[tuple[str, str]] = None  # (file, key): the exact values of a param quantized while loading
+    source: Optional[slice_reads.TensorSource] = None  # where the exact values of a param quantized while loading lie
     shard: Optional[tuple[int, int]] = None  # (data_ptr, version) of an unquantized shard as it was read
     exact_gathers: bool = False  # stored quantized while loading: gathers read `source` until setup
     settled: bool = False
@@ -70,9 +70,9 @@ class LoadedBase:
         self._entries[id(param)] = (weakref.ref(param), entry)
         return entry
 
-    def quantized(self, param: nn.Parameter, source: tuple[str, str]) -> None:
-        """``param``'s shard now holds codes (``store_codes``); ``source`` is the (file, key) of its exact
-        values. Until setup its gathers read them (see the module docstring)."""
+    def quantized(self, param: nn.Parameter, source: slice_reads.TensorSource) -> None:
+        """``param``'s shard now holds codes (``store_codes``); ``source`` says where its exact values lie in the
+        folder's files. Until setup its gathers read them (see the module docstring)."""
         entry = self.entry(param)
         assert entry is not None
         entry.source, entry.shard, entry.exact_gathers = source, None, True
@@ -176,7 +176,7 @@ class LoadedBase:
                         " written, so its exact values are gone. Keep it frozen, or pass `frozen_dtype=None`."
                     )
                 gathers.use_deepspeed(param)
-                restore_values(param, _read_slice(param, *entry.source))
+                restore_values(param, _read_slice(param, entry.source))
                 del self._entries[id(param)]
             elif not entry.settled:
                 self.settle_one(param, entry)
@@ -208,25 +208,25 @@ def open_safetensors(path: str) -> Iterator[Any]:
 
 def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
     assert entry.source is not None
-    path, key = entry.source
-    with open_safetensors(path) as handle:
-        return handle.get_tensor(key).to(param.dtype).reshape(full_shape(param))
+    return entry.source.read(0, math.prod(entry.source.shape)).to(param.dtype).reshape(full_shape(param))
 
 
-def _read_slice(param: nn.Parameter, path: str, key: str) -> torch.Tensor:
-    return slice_reads.read_slice(slice_reads.SliceRead(path, key, *shard_range(param))).to(param.dtype)
+def _read_slice(param: nn.Parameter, source: slice_reads.TensorSource) -> torch.Tensor:
+    return source.read(*shard_range(param)).to(param.dtype)
 
 
-def file_tensor_sha256(piece: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    """The sha256 of a whole safetensors tensor's bytes as a param of ``dtype`` holds them (``frozen_base``'s
-    ``sha256`` mode), read a few MiB at a time."""
+def source_sha256(source: slice_reads.TensorSource, dtype: torch.dtype) -> str:
+    """The sha256 of the whole tensor ``source`` gives, in ``dtype`` (``frozen_base``'s ``sha256`` mode): its runs read
+    a few MiB at a time, in the order they lie in it; one it builds is built whole."""
+    if source.build is not None:
+        return tensor_sha256(source.read(0, math.prod(source.shape)).to(dtype))
     digest = hashlib.sha256()
-    numel = math.prod(shape)
-    row = math.prod(shape[1:]) if shape else 1
-    rows = max(1, _HASH_ELEMENTS // max(row, 1))
-    if not shape:
-        digest.update(piece[:].to(dtype).reshape(-1).view(torch.uint8).numpy().tobytes())
-    for first in range(0, shape[0] if shape and numel else 0, rows):
-        values = piece[first : first + rows].to(dtype).contiguous().reshape(-1)
-        digest.update(values.view(torch.uint8).numpy().tobytes())
+    reads = [
+        slice_reads.SliceRead(run.path, run.key, first, min(_HASH_ELEMENTS, run.count - first))
+        for run in sorted(source.runs, key=lambda run: run.start)
+        for first in range(0, run.count, _HASH_ELEMENTS)
+    ]
+    with slice_reads.read_ahead(reads) as pieces:
+        for values in pieces:
+            digest.update(values.to(dtype).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -2,9 +2,11 @@
 
 :func:`zero3_pretrained_loading` switches transformers' ZeRO-3 path on for ``configure_model`` and replaces its two
 loading steps where the installed transformers has them (5.x): every rank takes only the shapes from the checkpoint,
-then copies its own flat range of each tensor out of the safetensors file into its shard; no gather, no broadcast.
-Checkpoints this cannot slice (``.bin`` files, key conversions) go through transformers' own path
-(docs/large-models.md).
+then copies its own flat range of each tensor out of the safetensors file into its shard; no gather, no broadcast. A
+tensor that transformers builds at load from several of the folder's (a MoE layer's experts, fused into one) is read
+from the parts of those that the rank's range covers, where transformers stacks them; else its folder tensors are read
+whole and built by transformers' converter, one such tensor at a time. Checkpoints this cannot slice (``.bin`` files,
+a conversion that splits a tensor across params) go through transformers' own path (docs/large-models.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -23,14 +26,22 @@ from torch import nn
 
 from lightning_frozen.base import qlora, slice_reads
 from lightning_frozen.base.fingerprint import Checksummer
-from lightning_frozen.base.loaded import LoadedBase, file_tensor_sha256, open_safetensors
-from lightning_frozen.hf import peft_adapters, transformers_loading
+from lightning_frozen.base.loaded import LoadedBase, open_safetensors, source_sha256
+from lightning_frozen.capabilities import CONVERTED_LOADING, available
+from lightning_frozen.hf import conversions, peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero import placeholders
 from lightning_frozen.zero.frozen_compute import KERNELS
 from lightning_frozen.zero.frozen_storage import store_codes
 from lightning_frozen.zero.init import outside_zero_init, sharded_creation
-from lightning_frozen.zero.params import compute_dtype, full_shape, is_partitioned, local_shard, shard_range
+from lightning_frozen.zero.params import (
+    compute_dtype,
+    full_numel,
+    full_shape,
+    is_partitioned,
+    local_shard,
+    shard_range,
+)
 
 # the checkpoint file a shapes-only tensor stands for, set by `_shapes_only` and read by `_load_own_slices`
 _SOURCE = "_lightning_frozen_source"
@@ -129,99 +140,159 @@ def _load_own_slices(
     state_dict: dict[str, torch.Tensor],
     load_config: Any = None,
 ) -> tuple[list[str], set[str]]:
-    """Copy (or encode, see :class:`LoadPlan`) each tensor's slice that this rank holds from its file; transformers'
-    own path where that cannot work."""
+    """Copy (or encode, see :class:`LoadPlan`) each tensor's slice that this rank holds from its file, a tensor that
+    transformers converts at load (a MoE layer's fused experts) from the parts of the folder's tensors it is built of;
+    transformers' own path where that cannot work."""
     if plan.bitsandbytes and plan.frozen_dtype is not None:
         transformers_loading.mark_loaded_in_kbit(model_to_load, 4 if plan.frozen_dtype == "nf4" else 8)
     targets = model_to_load.state_dict(keep_vars=True)
-    keyed = transformers_loading.model_keys(model_to_load, targets, list(state_dict), load_config)
-    if keyed is None or not all(hasattr(t, _SOURCE) for t in state_dict.values()):
-        rank_zero_info(
-            "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions or a"
-            " non-safetensors file): rank 0 reads each tensor and broadcasts it"
-            + (
-                f", and the frozen shards are stored as {plan.frozen_dtype} only at setup, so each node holds the base"
-                " in the compute dtype until then."
-                if plan.frozen_dtype
-                else "."
-            )
+    folder = None
+    if all(hasattr(t, _SOURCE) for t in state_dict.values()):
+        folder = conversions.loading_layout(model_to_load, list(state_dict), load_config)
+    if folder is not None and folder.conversions and not available(CONVERTED_LOADING):
+        folder = None
+    errors: list[str] = []
+    with outside_zero_init():  # its tensor constructors would make the checksum's, codec's and converter's tensors bf16
+        items = None if folder is None else _items(model_to_load, folder, targets, state_dict, errors)
+        if folder is not None and items is not None:
+            if folder.conversions:  # as transformers' loader records them: `save_pretrained` reverts them
+                conversions.record_conversions(model_to_load, folder.used)
+            missing = set(targets) - set(folder.keys) - set(folder.conversions)  # as transformers counts them
+            return _load_slices(plan, targets, items, state_dict, errors, missing)
+    rank_zero_info(
+        "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions it cannot slice"
+        " or a non-safetensors file): rank 0 reads each tensor and broadcasts it"
+        + (
+            f", and the frozen shards are stored as {plan.frozen_dtype} only at setup, so each node holds the base"
+            " in the compute dtype until then."
+            if plan.frozen_dtype
+            else "."
         )
-        return original(model_to_load, _materialize_on_rank_zero(state_dict), load_config)
-    with outside_zero_init():  # its tensor constructors would make the checksum's and codec's tensors bf16
-        return _load_slices(plan, targets, keyed, state_dict)
+    )
+    return original(model_to_load, _materialize_on_rank_zero(state_dict), load_config)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One model tensor to load: where its values lie (``source``), the folder keys they come from, and whether this
+    rank takes its slice (a ZeRO-3 param) or the whole tensor."""
+
+    name: str
+    source: slice_reads.TensorSource
+    keys: tuple[str, ...]
+    sliced: bool
+
+
+def _items(
+    model: nn.Module,
+    folder: conversions.FolderLayout,
+    targets: dict[str, torch.Tensor],
+    state_dict: dict[str, torch.Tensor],
+    errors: list[str],
+) -> Optional[list[_Item]]:
+    """The tensors to load from the folder, in the order they lie in its files; a shape that differs from the model's
+    is put in ``errors`` instead. None where a conversion is one this loader cannot slice: it builds other tensors than
+    its one target (split across params), or transformers' converter fails on the folder's shapes."""
+    path = {key: getattr(tensor, _SOURCE) for key, tensor in state_dict.items()}
+    found: list[tuple[str, slice_reads.TensorSource, tuple[str, ...]]] = []
+    for name, key in folder.keys.items():
+        found.append((name, slice_reads.TensorSource.plain(path[key], key, tuple(state_dict[key].shape)), (key,)))
+    for name, conversion in folder.conversions.items():
+        inputs = [
+            torch.empty(state_dict[key].shape, dtype=state_dict[key].dtype, device="meta") for key in conversion.keys
+        ]
+        try:
+            built = conversions.converted(model, conversion, inputs)
+        except Exception:  # whatever the converter raises: transformers' own loader then, as before
+            return None
+        if list(built) != [name]:
+            return None
+        shapes = {key: tuple(state_dict[key].shape) for key in conversion.keys}
+        found.append(
+            (name, _converted_source(model, conversion, tuple(built[name].shape), shapes, path), conversion.keys)
+        )
+    headers: dict[str, dict[str, slice_reads.StoredTensor]] = {}
+    found.sort(key=lambda each: slice_reads.file_order(each[1].runs[0].path, each[1].runs[0].key, headers))
+    items = []
+    for name, source, keys in found:
+        target = targets[name]
+        if source.shape != tuple(full_shape(target)):
+            errors.append(
+                f"size mismatch for {name}: copying a param with shape {source.shape} from checkpoint, the shape in"
+                f" current model is {tuple(full_shape(target))}."
+            )
+            continue
+        items.append(_Item(name, source, keys, is_partitioned(target)))
+    return items
+
+
+def _converted_source(
+    model: nn.Module,
+    conversion: conversions.Conversion,
+    shape: tuple[int, ...],
+    shapes: dict[str, tuple[int, ...]],
+    path: dict[str, str],
+) -> slice_reads.TensorSource:
+    """Where the tensor ``conversion`` builds lies in the folder's files: each expert's tensors as runs of it, where
+    transformers stacks the experts (:func:`conversions.expert_runs`); else its folder tensors, built whole by
+    transformers' converter."""
+    runs = conversions.expert_runs(model, conversion, shapes)
+    if runs is not None:
+        found = [(key, start) for expert in runs for key, start in expert]
+        return slice_reads.TensorSource(
+            shape, tuple(slice_reads.Run(path[k], k, start, math.prod(shapes[k]), shapes[k]) for k, start in found)
+        )
+    parts, first = [], 0
+    for key in conversion.keys:
+        parts.append(slice_reads.Run(path[key], key, first, math.prod(shapes[key]), shapes[key]))
+        first += math.prod(shapes[key])
+
+    held = weakref.ref(model)  # the record of the base keeps this source, not the model
+
+    def build(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return conversions.converted(held(), conversion, tensors)[conversion.target]
+
+    return slice_reads.TensorSource(shape, tuple(parts), build)
 
 
 def _load_slices(
-    plan: LoadPlan, targets: dict[str, torch.Tensor], keyed: dict[str, str], state_dict: dict[str, torch.Tensor]
+    plan: LoadPlan,
+    targets: dict[str, torch.Tensor],
+    items: list[_Item],
+    state_dict: dict[str, torch.Tensor],
+    errors: list[str],
+    missing: set[str],
 ) -> tuple[list[str], set[str]]:
-    missing = set(targets) - set(keyed)
-    errors: list[str] = []
     # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower);
     # counted in the files' bytes, not the model's dtype (a bf16 file loaded under 32-true is half the fp32 bytes)
-    file_bytes = _file_bytes(state_dict, keyed.values())
+    stored = _stored(state_dict)
+    file_bytes = {item.name: sum(stored[key].nbytes for key in item.keys) for item in items}
     progress = Progress(sum(file_bytes.values()))
     checksum, casts = Checksummer(KERNELS), CastBuffer()
-    source = {key: getattr(state_dict[key], _SOURCE) for key in keyed.values()}
-    headers: dict[str, dict[str, slice_reads.StoredTensor]] = {}
-    order = sorted(keyed.items(), key=lambda item: slice_reads.file_order(source[item[1]], item[1], headers))
-    sliced = {name for name, key in order if _sliced(targets[name], state_dict[key])}
-    reads = [
-        slice_reads.SliceRead(source[key], key, *shard_range(targets[name])) for name, key in order if name in sliced
-    ]
+    ranges = [shard_range(targets[item.name]) if item.sliced else (0, full_numel(targets[item.name])) for item in items]
+    reads = [item.source.reads(*at) for item, at in zip(items, ranges)]
     with slice_reads.read_ahead(reads) as slices:
-        for name, key in order:
-            target = targets[name]
-            if name in sliced:
-                store_slice(next(slices), target, plan, checksum, source[key], key, casts)
-            elif tuple(state_dict[key].shape) != tuple(full_shape(target)):
-                errors.append(
-                    f"size mismatch for {name}: copying a param with shape {tuple(state_dict[key].shape)} from"
-                    f" checkpoint, the shape in current model is {tuple(full_shape(target))}."
-                )
-                continue
+        for item, at in zip(items, ranges):
+            target, values = targets[item.name], item.source.values(next(slices), *at)
+            if item.sliced:
+                store_slice(values, target, plan, checksum, item.source, casts)
             else:
-                with open_safetensors(source[key]) as handle, torch.no_grad():
-                    target.copy_(handle.get_tensor(key).reshape(target.shape))
+                with torch.no_grad():
+                    target.copy_(values.reshape(target.shape))
             transformers_loading.mark_initialized(target)
-            missing.discard(name)
-            if progress.advance(file_bytes[key]):
+            if progress.advance(file_bytes[item.name]):
                 rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
     rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
     return errors, missing
 
 
-def _sliced(target: torch.Tensor, stored: torch.Tensor) -> bool:
-    """Whether ``target`` takes a slice of ``stored`` (a shapes-only tensor): a ZeRO-3 param of its shape."""
-    return is_partitioned(target) and tuple(stored.shape) == tuple(full_shape(target))
-
-
-# bytes per element of each safetensors dtype name
-_SAFETENSORS_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-}
-
-
-def _file_bytes(state_dict: dict[str, torch.Tensor], keys: Iterable[str]) -> dict[str, int]:
-    """The bytes each of ``keys`` takes in its safetensors file (1 per element for 8-bit and boolean dtypes)."""
-    by_file: dict[str, list[str]] = {}
-    for key in keys:
-        by_file.setdefault(getattr(state_dict[key], _SOURCE), []).append(key)
-    sizes = {}
-    for path, file_keys in by_file.items():
-        with open_safetensors(path) as handle:
-            for key in file_keys:
-                piece = handle.get_slice(key)
-                sizes[key] = math.prod(piece.get_shape()) * _SAFETENSORS_BYTES.get(piece.get_dtype(), 1)
-    return sizes
+def _stored(state_dict: dict[str, torch.Tensor]) -> dict[str, slice_reads.StoredTensor]:
+    """Where each of the checkpoint's tensors lies in its safetensors file (its bytes, for the progress)."""
+    found = {}
+    for path in {getattr(tensor, _SOURCE) for tensor in state_dict.values()}:
+        header = slice_reads.read_header(path)
+        found.update({key: header[key] for key, tensor in state_dict.items() if getattr(tensor, _SOURCE) == path})
+    return found
 
 
 class CastBuffer:
@@ -247,11 +318,10 @@ def store_slice(
     target: torch.Tensor,
     plan: Optional[LoadPlan] = None,
     checksum: Optional[Checksummer] = None,
-    path: str = "",
-    key: str = "",
+    source: Optional[slice_reads.TensorSource] = None,
     casts: Optional[CastBuffer] = None,
 ) -> None:
-    """Put ``values`` (this rank's flat slice of tensor ``key`` of the safetensors file at ``path``, in the file's
+    """Put ``values`` (this rank's flat slice of the tensor whose values lie where ``source`` says, in the files'
     dtype) into ``target``'s ZeRO-3 shard: recorded in ``plan.loaded`` (with ``checksum``) and, with
     ``plan.frozen_dtype``, stored as codes (cast to the param's dtype in ``casts`` first)."""
     start, count = shard_range(target)
@@ -267,17 +337,16 @@ def store_slice(
             return
         sha256 = None
         if plan.fingerprint_mode == "sha256":
-            with open_safetensors(path) as handle:
-                piece = handle.get_slice(key)
-                sha256 = file_tensor_sha256(piece, tuple(piece.get_shape()), target.dtype)
+            assert source is not None
+            sha256 = source_sha256(source, target.dtype)
         plan.loaded.record(target, values, start, checksum or Checksummer(KERNELS), sha256)
         if quantize:
-            assert plan.frozen_dtype is not None
+            assert plan.frozen_dtype is not None and source is not None
             # bf16 read into an fp32 shard: the cast is exact, so the codes of the values read are those of the
             # cast ones, from half the bytes (for `frozen_dtype="bf16"` a copy instead of a rounding cast back)
             exact = read.dtype == torch.bfloat16 and values.dtype == torch.float32
             store_codes(target, read if exact else values, plan.frozen_dtype, KERNELS)
-            plan.loaded.quantized(target, (path, key))
+            plan.loaded.quantized(target, source)
 
 
 def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

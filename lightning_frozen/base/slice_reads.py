@@ -8,13 +8,14 @@ expose them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -87,28 +88,103 @@ class SliceRead:
     count: int
 
 
+# one slice, or several read end to end into one tensor (of the first one's dtype)
+Wanted = Union[SliceRead, Sequence[SliceRead]]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A tensor of the safetensors file at ``path`` that a model tensor holds whole, from its flat index ``start``."""
+
+    path: str
+    key: str
+    start: int
+    count: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where the values of a model tensor of ``shape`` lie in safetensors files: ``runs`` of file tensors laid end to
+    end in its flat values (a plain tensor is one run; a MoE layer's fused experts are one run per expert tensor), or,
+    with ``build``, file tensors read whole, in the order of ``runs``, that ``build`` turns into it (transformers'
+    converter, where the layout is no runs)."""
+
+    shape: tuple[int, ...]
+    runs: tuple[Run, ...]
+    build: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None
+
+    @classmethod
+    def plain(cls, path: str, key: str, shape: tuple[int, ...]) -> TensorSource:
+        """The tensor ``key`` of the file at ``path``, as it is."""
+        return cls(shape, (Run(path, key, 0, math.prod(shape), shape),))
+
+    def reads(self, start: int, count: int) -> list[SliceRead]:
+        """What to read, end to end, for the flat elements ``[start, start + count)``: the parts of the runs they
+        overlap; with ``build``, every file tensor whole."""
+        if self.build is not None:
+            return [SliceRead(run.path, run.key, 0, run.count) for run in self.runs]
+        parts = []
+        for run in self.runs:
+            first, end = max(start, run.start), min(start + count, run.start + run.count)
+            if first < end:
+                parts.append(SliceRead(run.path, run.key, first - run.start, end - first))
+        return parts or [SliceRead(self.runs[0].path, self.runs[0].key, 0, 0)]
+
+    def values(self, read: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """The flat elements ``[start, start + count)``, from ``read``: what :meth:`reads` gave, read end to end."""
+        if self.build is None:
+            return read
+        parts = read.split([run.count for run in self.runs])
+        built = self.build([part.view(run.shape) for part, run in zip(parts, self.runs)])
+        return built.reshape(-1)[start : start + count]
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        """The flat elements ``[start, start + count)``, read now, in the files' dtype.
+
+        Raises:
+            FrozenBaseFileError: a file is cut short or its header malformed.
+        """
+        return self.values(read_slice(self.reads(start, count)), start, count)
+
+
 class _Reader:
     """Positioned reads of slices, with one open descriptor and one parsed header per file."""
 
     def __init__(self) -> None:
         self._files: dict[str, tuple[int, dict[str, StoredTensor]]] = {}
 
-    def read(self, wanted: SliceRead) -> torch.Tensor:
+    def read(self, wanted: Wanted) -> torch.Tensor:
+        parts = [wanted] if isinstance(wanted, SliceRead) else list(wanted)
+        first = parts[0]
+        dtype = self._open(first.path)[1][first.key].dtype
+        # allocated as bytes: inside `zero.Init` (a gather in `configure_model`) a floating-point tensor constructor
+        # casts to its dtype
+        count = sum(part.count for part in parts)
+        values = torch.empty(count * dtype.itemsize, dtype=torch.uint8).view(dtype)
+        done = 0
+        for part in parts:
+            self._read_into(part, values[done : done + part.count])
+            done += part.count
+        return values
+
+    def _read_into(self, wanted: SliceRead, out: torch.Tensor) -> None:
         descriptor, header = self._open(wanted.path)
         stored = header[wanted.key]
-        values = torch.empty(wanted.count, dtype=stored.dtype)
+        if stored.dtype != out.dtype:  # a part of another dtype than the first: read, then cast
+            out.copy_(self.read(wanted))
+            return
         if wanted.count == 0:
-            return values
-        item = values.element_size()
+            return
+        item = out.element_size()
         assert wanted.start >= 0 and (wanted.start + wanted.count) * item <= stored.nbytes, wanted
-        buffer = memoryview(values.view(torch.uint8).numpy())
+        buffer = memoryview(out.view(torch.uint8).numpy())
         position, done = stored.offset + wanted.start * item, 0
         while done < len(buffer):
             got = os.preadv(descriptor, [buffer[done:]], position + done)
             if got == 0:
                 raise FrozenBaseFileError(wanted.path, f"it ended while tensor `{wanted.key}` was being read")
             done += got
-        return values
 
     def _open(self, path: str) -> tuple[int, dict[str, StoredTensor]]:
         if path not in self._files:
@@ -125,8 +201,8 @@ class _Reader:
         self._files.clear()
 
 
-def read_slice(wanted: SliceRead) -> torch.Tensor:
-    """One slice, read now, as a tensor of the file's dtype.
+def read_slice(wanted: Wanted) -> torch.Tensor:
+    """One slice (or several, end to end), read now, as a tensor of the file's dtype.
 
     Raises:
         FrozenBaseFileError: the file is cut short or its header malformed.
@@ -140,12 +216,13 @@ def read_slice(wanted: SliceRead) -> torch.Tensor:
 
 @contextmanager
 def read_ahead(
-    reads: Sequence[SliceRead], seen: Optional[Callable[[int, torch.Tensor], None]] = None
+    reads: Sequence[Wanted], seen: Optional[Callable[[int, torch.Tensor], None]] = None
 ) -> Iterator[Iterator[torch.Tensor]]:
-    """The slices of ``reads`` in their order, each a tensor of the file's dtype; while the caller works on one, a
-    thread reads the next, and calls ``seen(index, values)`` on it there (work that can run beside the caller's, such
-    as a checksum), in order. Errors of a read (:class:`FrozenBaseFileError`) or of ``seen`` are raised where its slice
-    is taken. Leaving the block early closes the files after the read in flight ends."""
+    """The slices of ``reads`` in their order (a list of slices is read end to end into one), each a tensor of the
+    file's dtype; while the caller works on one, a thread reads the next, and calls ``seen(index, values)`` on it there
+    (work that can run beside the caller's, such as a checksum), in order. Errors of a read
+    (:class:`FrozenBaseFileError`) or of ``seen`` are raised where its slice is taken. Leaving the block early closes
+    the files after the read in flight ends."""
     reader, pool = _Reader(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-frozen-read")
 
     def read(index: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 from lightning_frozen.format import layout
-from lightning_frozen.hf import merging
+from lightning_frozen.hf import conversions, merging
 from lightning_frozen.progress import Progress
 from lightning_frozen.zero.frozen_compute import KERNELS, frozen_compute_for
 
@@ -76,7 +76,7 @@ class _Tensor:
     folder_key: Optional[str] = None
     value: Optional[torch.Tensor] = None  # a trained tensor, from the checkpoint
     record: Optional[torch.Tensor] = None
-    conversion: Optional[merging.Conversion] = None  # built by transformers from these folder tensors
+    conversion: Optional[conversions.Conversion] = None  # built by transformers from these folder tensors
 
     @property
     def nbytes(self) -> int:
@@ -277,7 +277,7 @@ class _Adapted:
     model: Any
     config: Any
     names_of: dict[int, list[str]]
-    layout: merging.FolderLayout
+    layout: conversions.FolderLayout
 
 
 def _adapted_model(
@@ -318,7 +318,7 @@ def _adapted_model(
         names_of: dict[int, list[str]] = {}
         for name, tensor in [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()]:
             names_of.setdefault(id(tensor), []).append(name)
-        folder = merging.folder_layout(plain, list(stored))
+        folder = conversions.folder_layout(plain, list(stored))
         try:
             model = merging.adapted(plain, peft_configs, entry[layout.ADAPTER_NAME])
         except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
@@ -421,7 +421,7 @@ class _Plan:
             if item.experts:
                 item.outputs = [t for experts in item.experts for runs in experts.runs for t, _ in runs]
 
-    def _conversion_of(self, tensor: torch.Tensor) -> Optional[merging.Conversion]:
+    def _conversion_of(self, tensor: torch.Tensor) -> Optional[conversions.Conversion]:
         names = self.names_of.get(id(tensor), [])
         return next((self.conversions[n] for n in names if n in self.conversions), None)
 
@@ -447,7 +447,7 @@ class _Plan:
         for conversion in self.conversions.values():
             inputs = [torch.empty(self.stored[key][1].shape, device="meta") for key in conversion.keys]
             try:
-                built = merging.converted(self.inner, conversion, inputs)
+                built = conversions.converted(self.inner, conversion, inputs)
             except Exception as error:  # whatever the converter raises: named in the refusal, before any write
                 raise self._refused(
                     f"its converter for `{conversion.target}` fails on the folder's tensors"
@@ -524,7 +524,7 @@ class _Plan:
         found = []
         for module, attr, tensor in reads:
             shapes = {k: self.stored[k][1].shape for k in tensor.conversion.keys} if tensor.conversion else {}
-            runs = tensor.conversion and merging.expert_runs(self.inner, tensor.conversion, shapes)
+            runs = tensor.conversion and conversions.expert_runs(self.inner, tensor.conversion, shapes)
             units = item.unit.modules() if item.unit is not None else []
             wrappers = [m for m in units if getattr(m, "parameter_name", None) == attr and m.get_base_layer() is module]
             if not runs or (item.unit is not None and not wrappers):
@@ -751,7 +751,7 @@ def _converted(plan: _Plan, tensor: _Tensor, slices: Iterator[torch.Tensor]) -> 
     assert tensor.conversion is not None
     # handed over one by one and held by the converter alone, which frees each list once it has stacked it
     parts = (next(slices).reshape(plan.stored[key][1].shape) for key in tensor.conversion.keys)
-    built = merging.converted(plan.inner, tensor.conversion, parts)[tensor.conversion.target]
+    built = conversions.converted(plan.inner, tensor.conversion, parts)[tensor.conversion.target]
     if tensor.record is not None:
         plan.sums.add(tensor.record, built.to(tensor.record.dtype), 0)
     return built.to(tensor.dtype)

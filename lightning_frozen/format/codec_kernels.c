@@ -439,6 +439,41 @@ int lf_checksum16_all(const void *values, int in_dtype, int64_t n, int64_t start
                       int64_t *out) {
     LF_OVER_CHUNKS(units, min_units, lf_checksum16(values, in_dtype, n, start, first, last, out + 4 * first));
 }
+
+/* A team of OpenMP threads asleep for a run: lf_openmp_hold, then lf_openmp_park on a thread of its own (it returns when
+ * lf_openmp_release is called). While the team lives, libgomp manages more threads than the CPUs it may use, and a
+ * thread waiting for the others in any parallel region spins GOMP_SPINCOUNT's throttled count (100) before it
+ * sleeps, not 300,000 (libgomp's manual, GOMP_SPINCOUNT): docs/internals.md, "Steadiness of a step". */
+#include <pthread.h>
+static pthread_mutex_t parked_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t parked_wake = PTHREAD_COND_INITIALIZER;
+static int parked_held = 0;
+
+void lf_openmp_hold(void) {
+    pthread_mutex_lock(&parked_lock);
+    parked_held = 1;
+    pthread_mutex_unlock(&parked_lock);
+}
+
+int lf_openmp_park(int threads) {
+    int joined = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp atomic
+        ++joined;
+        pthread_mutex_lock(&parked_lock);
+        while (parked_held) pthread_cond_wait(&parked_wake, &parked_lock);
+        pthread_mutex_unlock(&parked_lock);
+    }
+    return joined;
+}
+
+void lf_openmp_release(void) {
+    pthread_mutex_lock(&parked_lock);
+    parked_held = 0;
+    pthread_cond_broadcast(&parked_wake);
+    pthread_mutex_unlock(&parked_lock);
+}
 #else
 int lf_openmp(void) { return 0; }
 #endif

@@ -56,6 +56,10 @@ _WHOLE_SIGNATURES = {
     "lf_int8_decode_all": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
     "lf_int8_encode_all": [_ptr, _int, _i64, _i64, _i64, _ptr, _ptr],
     "lf_checksum16_all": [_ptr, _int, _i64, _i64, _i64, _i64, _ptr],
+    # a sleeping team that makes libgomp's waiting threads spin briefly (zero/compute/waiting_threads.py)
+    "lf_openmp_hold": [],
+    "lf_openmp_park": [_int],
+    "lf_openmp_release": [],
 }
 
 

@@ -6,7 +6,7 @@
   ``capabilities.SLICED_LOADING`` are the ones written for; else transformers' own ZeRO-3 loader runs. With them, the
   model is built in the dtype DeepSpeed stores it in (``PreTrainedModel.get_init_context``'s ``dtype``), where
   transformers would build it in the checkpoint's.
-- The key renamings its loader applies (``core_model_loading``): :func:`model_keys`.
+- The key renamings and conversions its loader applies: ``hf/conversions.py``.
 - Its safetensors reader, ``modeling_utils.safe_open``, wrapped while it loads a base (:func:`base_files_named`), so
   that a truncated or corrupt shard raises :class:`~lightning_frozen.errors.FrozenBaseFileError` naming the file.
 - A ``quantization_config`` of bitsandbytes taken off ``from_pretrained`` (:func:`bitsandbytes_taken_off`): its
@@ -253,33 +253,3 @@ def loaded_from(module: nn.Module) -> Optional[str]:
     ``module`` has no config or it names none."""
     reference = getattr(getattr(module, "config", None), "name_or_path", None)
     return reference if isinstance(reference, str) and reference else None
-
-
-def model_keys(
-    model: nn.Module, targets: dict[str, torch.Tensor], keys: list[str], load_config: Any
-) -> Optional[dict[str, str]]:
-    """``{model key: checkpoint key}`` for the checkpoint ``keys`` that name one of ``targets`` (the model's state
-    dict) after the renamings of ``load_config.weight_mapping`` (legacy names, base-model prefix), or None when a
-    tensor needs one of transformers' conversions (merging or splitting tensors), which only its own loader applies.
-    """
-    try:
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return None
-    weight_mapping = getattr(load_config, "weight_mapping", None) or []
-    renamings = [entry for entry in weight_mapping if isinstance(entry, WeightRenaming)]
-    converters = [entry for entry in weight_mapping if isinstance(entry, WeightConverter)]
-    if len(renamings) + len(converters) != len(weight_mapping):
-        return None
-    meta = {key: torch.empty(0, device="meta") for key in targets}
-    prefix = getattr(model, "base_model_prefix", None)
-    keyed: dict[str, str] = {}
-    for key in keys:
-        renamed, converter = rename_source_key(
-            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta
-        )
-        if converter is not None:
-            return None
-        if renamed in meta:
-            keyed[renamed] = key
-    return keyed

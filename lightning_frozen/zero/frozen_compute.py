@@ -16,7 +16,7 @@ from torch import nn
 from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
 from lightning_frozen.format.codec import Kernels
-from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, node_codes, quantized
+from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, node_codes, quantized, waiting_threads
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
 
 # the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
@@ -40,6 +40,11 @@ class FrozenCompute:
         """Set how the process gives memory back for the run; return what sets it back, or None."""
         return None
 
+    def wait_briefly(self) -> Optional[Callable[[], None]]:
+        """Make the process's waiting compute threads sleep soon rather than spin, for the run; return what ends
+        that, or None."""
+        return None
+
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         """After the engine is built: store each frozen shard of ``model`` as ``frozen_dtype`` codes, gathered and
         decoded from then on; ``before_encoding`` is told each shard's values first. Return how many were stored.
@@ -58,13 +63,17 @@ class FrozenCompute:
 
 class CpuFrozenCompute(FrozenCompute):
     """Frozen shards on DeepSpeed's CPU accelerator, where gathered params are host memory: gather bounds and glibc's
-    mmap threshold set, each machine's codes shared by its ranks, layers computed from their codes, compiled kernels."""
+    mmap threshold set, each machine's codes shared by its ranks, layers computed from their codes, compiled kernels,
+    OpenMP threads that sleep soon when they wait."""
 
     def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
         return host_memory.bound_gathers_on_cpu(config, model)
 
     def set_process_memory(self) -> Optional[Callable[[], None]]:
         return host_memory.return_freed_memory()
+
+    def wait_briefly(self) -> Optional[Callable[[], None]]:
+        return waiting_threads.spin_briefly()
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         done = super().prepare(model, frozen_dtype, before_encoding)

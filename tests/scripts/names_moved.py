@@ -54,6 +54,7 @@ PLAIN_FIT = {
     "UNFREEZING": ("lightning.pytorch.callbacks.finetuning:BaseFinetuning", "_store", "delete"),
     "CONVERT": ("deepspeed.utils.zero_to_fp32", "_zero3_merge_trainable_params", "delete"),
     "MERGE_CHECK": ("peft.tuners.tuners_utils:BaseTuner", "_check_merge_allowed", "delete"),
+    "CONVERTED_LOADING": ("transformers.core_model_loading", "dot_natural_key", "delete"),
     "CONVERTED_EXPORT": ("transformers.core_model_loading", "revert_weight_conversion", "delete"),
     "ROUTED_EXPERTS": ("transformers.integrations.moe", "use_experts_implementation", "delete"),
     "RELEASE": (f"{_OFFLOAD}:ZeROOrderedDict", "__init__", "replace"),

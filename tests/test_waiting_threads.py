@@ -1,0 +1,99 @@
+"""OpenMP threads that sleep soon when they wait, for a run on the CPU (issue 53): torch's team spins up to 300,000
+times at each wait by default, which on a shared CPU holds a core the thread it waits for needs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero.compute import waiting_threads
+from tests.models import AdapterModel, cpu_trainer, regression_data
+
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+pytestmark = pytest.mark.skipif(CPUS < 2, reason="an OpenMP team needs two CPUs")
+
+
+@pytest.fixture
+def threads_as_cpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch on as many threads as the process may use CPUs (the suite runs one), no wait policy of the user's."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPUS)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _others_cpu_s() -> float:
+    """CPU seconds (nanosecond clock, /proc's schedstat) used so far by this process's threads other than this one."""
+    own, total = threading.get_native_id(), 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != own:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except (OSError, ValueError):
+                continue
+    return total / 1e9
+
+
+def _waiting_cpu_s(cycles: int = 30, gap_s: float = 0.02) -> float:
+    """CPU seconds the other threads use over ``cycles`` of a parallel op of torch's followed by a pause of this
+    thread: the op's own share is a fraction of a millisecond; the rest is torch's team waiting for the next op."""
+    values = torch.ones(1 << 21)
+    torch.add(values, 1)  # the team exists before the count starts
+    before = _others_cpu_s()
+    for _ in range(cycles):
+        torch.add(values, 1)
+        time.sleep(gap_s)
+    return _others_cpu_s() - before
+
+
+def test_while_it_lasts_the_team_waits_asleep_and_after_it_spins_as_before(threads_as_cpus: None) -> None:
+    spinning = _waiting_cpu_s()
+    if spinning < 0.02:  # under 0.7 ms a wait: this libgomp or CPU spins too briefly to tell the difference
+        pytest.skip(f"torch's team spun only {spinning * 1e3:.1f} ms over 30 waits")
+    release = waiting_threads.spin_briefly()
+    assert release is not None
+    try:
+        brief = _waiting_cpu_s()
+    finally:
+        release()
+    after = _waiting_cpu_s()
+    assert brief < 0.4 * spinning, (brief, spinning)
+    assert after > 0.5 * spinning, (after, spinning)  # libgomp counts the team's threads again: back to its default
+    assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
+
+
+def test_the_users_wait_policy_and_a_single_thread_are_left_alone(
+    threads_as_cpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        with monkeypatch.context() as env:
+            env.setenv(name, "active" if name == "OMP_WAIT_POLICY" else "300000")
+            assert waiting_threads.spin_briefly() is None
+    torch.set_num_threads(1)
+    assert waiting_threads.spin_briefly() is None
+
+
+class _SeesTheTeam(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.seen.append(any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate()))
+
+
+def test_a_cpu_fit_keeps_the_sleeping_team_for_the_run_only(threads_as_cpus: None) -> None:
+    sees = _SeesTheTeam()
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), max_steps=2, callbacks=[sees])
+    trainer.fit(AdapterModel(width=16), regression_data(width=16))
+    assert sees.seen == [True, True]
+    assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
