@@ -176,17 +176,22 @@ def _fit(
 ) -> tuple[AdapterModel, dict, coded_linear.CodedLayers]:
     """A 3-step fit; the model, what was decoded how, and the run's coded layers (its compute object's)."""
     seen: dict[str, Any] = {"whole decodes": 0, "tile decodes": 0, "nan weights": 0}
-    decode, decode_range = codec.decode, partial_decode.decode_range
+    decode, range_decoder = codec.decode, partial_decode.range_decoder
 
     def counting_decode(stored: torch.Tensor, numel: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         seen["whole decodes"] += int(stored.reshape(-1, stored.shape[-1]).shape[0] * numel >= WIDTH * WIDTH)
         return decode(stored, numel, *args, **kwargs)
 
-    def counting_range(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen["tile decodes"] += 1
-        return decode_range(*args, **kwargs)
+    def counting_decoder(*args: Any) -> Any:  # a layer's tiles, each decoded by its gather's range decoder
+        decoder = range_decoder(*args)
 
-    monkeypatch.setattr(partial_decode, "decode_range", counting_range)
+        def counted(start: int, out: torch.Tensor) -> torch.Tensor:
+            seen["tile decodes"] += 1
+            return decoder(start, out)
+
+        return counted
+
+    monkeypatch.setattr(partial_decode, "range_decoder", counting_decoder)
     monkeypatch.setattr("lightning_frozen.zero.compute.quantized.decode", counting_decode)
     if not coded:
         monkeypatch.setattr(coded_linear.CodedLayers, "compute_from_codes", lambda self, model, stored_as: 0)
