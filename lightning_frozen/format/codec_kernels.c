@@ -111,6 +111,7 @@ static inline void store8(void *out, int out_dtype, int64_t i, __m256 v) {
 #endif
 
 #ifdef LF_AVX512
+/* store8 for 16 lanes: the same roundings, another register width */
 static inline void store16(void *out, int out_dtype, int64_t i, __m512 v) {
     if (out_dtype == OUT_F32) {
         _mm512_storeu_ps((float *)out + i, v);

@@ -36,7 +36,7 @@ OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # a build takes about half a second; ranks building at once on a loaded node take longer, a hung compiler forever
 COMPILE_TIMEOUT_S = 120.0
 MIN_BLOCKS_PER_THREAD = 4096  # at least 256K NF4 weights, 1M int8 weights per thread: below that a thread costs more
-# a range of a layer's tile follows a matmul, whose threads still spin: split it finer (measured: docs/internals.md)
+# a layer's tile is one range, decoded between two matmuls on the same threads: split it finer (docs/internals.md)
 RANGE_MIN_BLOCKS_PER_THREAD = 1024
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
