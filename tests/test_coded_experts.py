@@ -54,6 +54,7 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
     # tiles of 3 rows: tiles straddle NF4's 64-weight blocks, the experts' matrices and the two shards
     monkeypatch.setattr(coded_linear, "TILE_ROWS", 3)
     monkeypatch.setattr(coded_linear, "TILE_ELEMENTS", 1)
+    monkeypatch.setattr(coded_experts, "EXPERT_TILE_ELEMENTS", 1)
     reference = _experts(kind)
     layers = coded_linear.CodedLayers()
     experts = _experts(kind)
@@ -65,7 +66,7 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
     routing = torch.rand(10, 2)
     decoded_rows = []
     tiles_of = layers.tiles_of
-    monkeypatch.setattr(layers, "tiles_of", lambda w, e=None: decoded_rows.append(e) or tiles_of(w, e))
+    monkeypatch.setattr(layers, "tiles_of", lambda w, e=None, n=None: decoded_rows.append(e) or tiles_of(w, e, n))
 
     outputs, grads = [], []
     for module, forward in (
@@ -83,6 +84,48 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert set(decoded_rows) == {0, 2}  # forward and backward decoded only the routed experts
     assert torch.isnan(experts.gate_up_proj).all()  # the fused params were never decoded whole
+    # gathered whole between forward and backward (GatheredParameters around the backward): the whole weights read
+    inputs = [hidden.clone().requires_grad_(True), index, routing.clone().requires_grad_(True)]
+    output = coded_experts._routed_forward(layers, (experts.gate_up_proj, experts.down_proj), {}, experts, *inputs)
+    for name in coded_experts.FUSED:
+        layers.decode_whole(getattr(experts, name))
+    output.backward(torch.linspace(-1, 1, output.numel()).view_as(output))
+    for ours, theirs in zip((inputs[0].grad, inputs[2].grad), grads[1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # gathered whole before the forward too: the same sort, expert by expert on the whole weights
+    inputs = [hidden.clone().requires_grad_(True), index, routing.clone().requires_grad_(True)]
+    output = coded_experts._routed_forward(layers, (experts.gate_up_proj, experts.down_proj), {}, experts, *inputs)
+    output.backward(torch.linspace(-1, 1, output.numel()).view_as(output))
+    for ours, theirs in zip((output, inputs[0].grad, inputs[2].grad), (outputs[1], *grads[1])):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_of_routed_experts_is_one_autograd_node_a_projection_however_many_experts_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layers = coded_linear.CodedLayers()
+    experts = _experts("qwen3_moe")
+    _coded_experts(experts, "nf4", layers)
+    count = experts.gate_up_proj.ds_shape[0]
+    index = torch.stack([torch.arange(16) % count, (torch.arange(16) + 1) % count], dim=1)  # every expert runs
+    hidden = torch.randn(16, TINY_LLAMA["hidden_size"], requires_grad=True)
+    weights = (experts.gate_up_proj, experts.down_proj)
+    output = coded_experts._routed_forward(layers, weights, {}, experts, hidden, index, torch.rand(16, 2))
+    nodes, pending = [], [output.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is not None and node not in nodes:
+            nodes.append(node)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+    assert [type(n).__name__ for n in nodes].count("CodedExpertsMatmulBackward") == 2  # gate_up and down
+    assert len(nodes) < 20  # not a few nodes an expert
+
+
+def test_pairs_sorted_by_expert_leave_out_an_index_that_marks_no_expert() -> None:
+    # expert parallelism marks another rank's experts with the index `experts`: transformers skips those pairs
+    counts, order = coded_experts._sorted_by_expert(torch.tensor([[2, 4], [0, 2], [4, 1]]), experts=4)
+    assert counts == [1, 1, 2, 0]
+    assert order.tolist() == [2, 5, 0, 3]  # flat (token, slot) indices: expert 0's, 1's, then 2's in token order
 
 
 def _lora_experts(kind: str) -> tuple[nn.Module, nn.Module]:
@@ -107,6 +150,7 @@ def test_lora_on_the_routed_experts_computes_what_peft_computes_from_the_decoded
 ) -> None:
     monkeypatch.setattr(coded_linear, "TILE_ROWS", 3)
     monkeypatch.setattr(coded_linear, "TILE_ELEMENTS", 1)
+    monkeypatch.setattr(coded_experts, "EXPERT_TILE_ELEMENTS", 1)
     layers = coded_linear.CodedLayers()
     model, experts = _lora_experts(kind)
     reference_model, reference = _lora_experts(kind)
@@ -196,13 +240,14 @@ class _Recorded(PretrainedLoRA):
 
 def _fit(folder: Path, routed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[_Recorded, int, int]:
     """A 2-step fit, the routed experts on or off; the module, how many experts modules computed from codes, and how
-    many routed expert matmuls added their LoRA factors."""
+    many routed experts' matmuls from codes added their LoRA factors."""
     installed, with_lora = [], []
-    compute, matmul = coded_experts.compute_experts_from_codes, coded_experts._expert_matmul
+    compute, matmul = coded_experts.compute_experts_from_codes, coded_experts._experts_matmul
     monkeypatch.setattr(
         coded_experts, "compute_experts_from_codes", lambda *a: installed.append(compute(*a) if routed else 0)
     )
-    monkeypatch.setattr(coded_experts, "_expert_matmul", lambda *a: with_lora.append(a[-1] is not None) or matmul(*a))
+    # a[3]: the LoRA factors handed down, a[4]: the run's coded layers (None: the weights whole)
+    monkeypatch.setattr(coded_experts, "_experts_matmul", lambda *a: with_lora.append(None not in a[3:]) or matmul(*a))
     module = _Recorded(str(folder))
     strategy = lightning_frozen.FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4")
     cpu_trainer(strategy=strategy, max_steps=2, precision="32-true").fit(module, token_data())

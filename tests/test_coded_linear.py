@@ -57,6 +57,30 @@ def coded_weight(weight: torch.Tensor, frozen_dtype: str, layers: coded_linear.C
     return param
 
 
+@pytest.mark.parametrize("frozen_dtype", codec.FROZEN_DTYPES)
+def test_a_range_decoder_decodes_what_decode_range_does_a_block_aligned_range_in_one_kernel_call(
+    frozen_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = random.Random(1)
+    rows, numel = _rows(torch.randn(64 * 37 + 5), frozen_dtype, ranks=2)  # each shard's last block padded
+    whole = codec.decode(rows, numel, frozen_dtype)
+    block = codec.block_format(frozen_dtype).block_size
+    decode = partial_decode.range_decoder(rows, numel, frozen_dtype)
+    slow = []
+    decode_range = partial_decode.decode_range
+    monkeypatch.setattr(partial_decode, "decode_range", lambda *a: slow.append(a[3]) or decode_range(*a))
+    aligned = [(0, numel), (block, numel - block), (numel, numel), (numel + block, numel - 2 * block), (0, 0)]
+    anywhere = [(s, generator.randrange(2 * numel - s + 1)) for s in map(generator.randrange, [2 * numel] * 100)]
+    for start, count in aligned + anywhere:
+        for dtype in (torch.float32, torch.bfloat16):
+            out = decode(start, torch.full((count,), float("nan"), dtype=dtype))
+            assert torch.equal(out, whole[start : start + count].to(dtype)), (start, count, dtype)
+    fast = codec.block_format(frozen_dtype).cast_dtype is None
+    # within a shard and from a block's first weight: one kernel call, decode_range never
+    assert not (set(slow) & {start for start, _ in aligned}) if fast else len(slow) == 2 * len(aligned + anywhere)
+    assert set(slow) <= {start for start, _ in aligned + anywhere}
+
+
 @pytest.mark.parametrize("frozen_dtype", ["nf4", "bf16"])
 def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     frozen_dtype: str, monkeypatch: pytest.MonkeyPatch
@@ -152,17 +176,22 @@ def _fit(
 ) -> tuple[AdapterModel, dict, coded_linear.CodedLayers]:
     """A 3-step fit; the model, what was decoded how, and the run's coded layers (its compute object's)."""
     seen: dict[str, Any] = {"whole decodes": 0, "tile decodes": 0, "nan weights": 0}
-    decode, decode_range = codec.decode, partial_decode.decode_range
+    decode, range_decoder = codec.decode, partial_decode.range_decoder
 
     def counting_decode(stored: torch.Tensor, numel: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         seen["whole decodes"] += int(stored.reshape(-1, stored.shape[-1]).shape[0] * numel >= WIDTH * WIDTH)
         return decode(stored, numel, *args, **kwargs)
 
-    def counting_range(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen["tile decodes"] += 1
-        return decode_range(*args, **kwargs)
+    def counting_decoder(*args: Any) -> Any:  # a layer's tiles, each decoded by its gather's range decoder
+        decoder = range_decoder(*args)
 
-    monkeypatch.setattr(partial_decode, "decode_range", counting_range)
+        def counted(start: int, out: torch.Tensor) -> torch.Tensor:
+            seen["tile decodes"] += 1
+            return decoder(start, out)
+
+        return counted
+
+    monkeypatch.setattr(partial_decode, "range_decoder", counting_decoder)
     monkeypatch.setattr("lightning_frozen.zero.compute.quantized.decode", counting_decode)
     if not coded:
         monkeypatch.setattr(coded_linear.CodedLayers, "compute_from_codes", lambda self, model, stored_as: 0)

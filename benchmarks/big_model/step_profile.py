@@ -13,7 +13,8 @@ time into:
   ``on_after_backward``, to the step's end (the optimizer step, ZeRO's reduce and the rest);
 - **matmuls** in forward and in backward (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``; attention's fused kernel);
 - **decode**: the frozen shards' dequantization (``codec.decode`` inside the quantized gather, and
-  ``partial_decode.decode_range``: a linear layer's weight decoded a few rows at a time beside its matmuls);
+  ``partial_decode.decode_range`` or a ``range_decoder``'s calls: a linear layer's or an expert's weight decoded a few
+  rows at a time beside its matmuls);
 - **gather wait**: the quantized gather's wait less its decode (the collective, 2 ranks);
 - **ZeRO-3 hooks**: DeepSpeed's ``fetch_sub_module`` / ``release_sub_module`` less the gather and decode in them;
 - **other**: the rest (Python, autograd, elementwise ops, allocation).
@@ -23,7 +24,9 @@ shapes on dense fp32 tensors already in memory; a linear layer computed from its
 ``zero/compute/coded_linear.py``, counts as the one whole matmul a dense model runs for it, its weight read from memory:
 timing its row tiles again would time them in cache, a floor no dense model reaches; that figure is kept beside it),
 the **decode** at the codec's own rate (``codec.decode`` of the same format on 16M weights into a buffer written
-before, as a gather decodes into a released param's; before 2026-12-02 05:00 UTC into fresh buffers), and the
+before, as a gather decodes into a released param's; before 2026-12-02 05:00 UTC into fresh buffers; before
+2026-12-06 09:00 UTC with the tensor-op codec, not the compiled kernels a run uses) and its bytes (codes read, fp32
+values written) at a copy's rate, the decode's physical limit, and the
 **gather** at a copy's rate (the bytes gathered at ``torch.Tensor.copy_`` speed). Figures go into each rank's report
 (``profile``) and ``results/step_profile.md``.
 
@@ -72,6 +75,7 @@ DECODE, GATHER, HOOKS = "lf.decode", "lf.gather_wait", "lf.zero_hooks"
 DECODE_ROWS = "lf.decode_rows"  # in a layer's forward or backward, outside the gather
 CODED = "lf.coded_matmul"  # a linear layer's matmul computed from its codes, row tile by row tile
 DENSE, DECODE_FLOOR, GATHER_FLOOR = "dense matmuls", "decode at the codec's rate", "gather at a copy's rate"
+DECODE_AT_COPY = "decode's bytes at a copy's rate"  # codes read + fp32 values written: the decode's physical limit
 FLOOR_TIMINGS = 5  # a shape's floor is the median of this many calls (three calls' mean before 2026-12-03 15:15 UTC)
 TILES_IN_CACHE = "dense matmuls of the row tiles, in cache"  # the floor as measured before 2026-12-03 14:20 UTC
 
@@ -111,6 +115,38 @@ def _labelled(
         yield
     finally:
         setattr(owner, attribute, restored)
+
+
+@contextmanager
+def _labelled_range_decoders(count: Any) -> Iterator[None]:
+    """While active, each function ``partial_decode.range_decoder`` returns (a gathered weight's tiles decoded one
+    kernel call each, bypassing ``decode_range``) runs its calls inside ``record_function(DECODE_ROWS)``, each counted
+    as :func:`_labelled` counts (a range it hands to ``decode_range`` is counted there too: rare, a shard's edge)."""
+    import torch
+
+    from lightning_frozen.format import partial_decode
+
+    original = getattr(partial_decode, "range_decoder", None)
+    if original is None:  # a package from before 2026-12-06: every tile went through decode_range
+        yield
+        return
+
+    def range_decoder(*args: Any) -> Any:
+        decode = original(*args)
+
+        def labelled(start: int, out: Any) -> Any:
+            with torch.profiler.record_function(DECODE_ROWS):
+                result = decode(start, out)
+            count((start, out), result)
+            return result
+
+        return labelled
+
+    partial_decode.range_decoder = range_decoder
+    try:
+        yield
+    finally:
+        partial_decode.range_decoder = original
 
 
 class StepProfile(_callback_base()):  # type: ignore[misc]
@@ -153,6 +189,7 @@ class StepProfile(_callback_base()):  # type: ignore[misc]
         _count_coded(self._patches, self.coded_shapes)
         self._patches.enter_context(_labelled(quantized, "decode", DECODE, self._count_decoded))
         self._patches.enter_context(_labelled(partial_decode, "decode_range", DECODE_ROWS, self._count_decoded))
+        self._patches.enter_context(_labelled_range_decoders(self._count_decoded))
         for owner in (deepspeed.comm, deepspeed.comm.comm):  # DeepSpeed's own gathers call the latter
             self._patches.enter_context(
                 _labelled(owner, "all_gather_into_tensor", "lf.all_gather", self._count_gathered)
@@ -387,24 +424,40 @@ def floors(result: dict[str, Any], frozen_dtype: str, decoded_weights: int, gath
     out = {DENSE: plain + _dense_matmuls(result.get("coded_shapes", {}))}
     if result.get("tile_shapes"):
         out[TILES_IN_CACHE] = plain + _dense_matmuls(result["tile_shapes"])
+    copy_rate = _copy_rate() if gathered_bytes or decoded_weights else 0.0
     if frozen_dtype not in ("none", None) and decoded_weights:
-        sample = codec.encode(torch.randn(1 << 24) * 0.02, frozen_dtype)
-        written = codec.decode(sample, 1 << 24, frozen_dtype, torch.float32)
+        # the compiled kernels where they built, as a run decodes (before 2026-12-06 09:00 UTC: the tensor-op codec)
+        kernels = native_codec.KERNELS if native_codec.kernels() is not None else None
+        sample = codec.encode(torch.randn(1 << 24) * 0.02, frozen_dtype, kernels=kernels)
+        written = codec.decode(sample, 1 << 24, frozen_dtype, torch.float32, kernels=kernels)
         started = time.perf_counter()
         for _ in range(3):
-            codec.decode(sample, 1 << 24, frozen_dtype, torch.float32, out=written)
+            codec.decode(sample, 1 << 24, frozen_dtype, torch.float32, out=written, kernels=kernels)
         rate = 3 * (1 << 24) / (time.perf_counter() - started)
         out[DECODE_FLOOR] = decoded_weights / rate
         out["codec M/s"] = rate / 1e6
-        out["kernels"] = native_codec.kernels() is not None
+        out["kernels"] = kernels is not None
+        # its physical limit: the codes read and the fp32 values written, at a copy's rate
+        moved = decoded_weights * (codec.block_format(frozen_dtype).stored_bytes(1 << 24) / (1 << 24) + 4)
+        out[DECODE_AT_COPY] = moved / copy_rate
+        out["decoded weights"] = decoded_weights
+        out["copy GB/s"] = copy_rate / 1e9
     if gathered_bytes:
-        source, target = torch.empty(1 << 26, dtype=torch.uint8), torch.empty(1 << 26, dtype=torch.uint8)
-        target.copy_(source)
-        started = time.perf_counter()
-        for _ in range(3):
-            target.copy_(source)
-        out[GATHER_FLOOR] = gathered_bytes / (3 * (1 << 26) / (time.perf_counter() - started))
+        out[GATHER_FLOOR] = gathered_bytes / copy_rate
     return out
+
+
+def _copy_rate() -> float:
+    """Bytes a second of ``torch.Tensor.copy_`` between two 64 MiB buffers written before (each byte read once and
+    written once), in this process."""
+    import torch
+
+    source, target = torch.empty(1 << 26, dtype=torch.uint8), torch.empty(1 << 26, dtype=torch.uint8)
+    target.copy_(source)
+    started = time.perf_counter()
+    for _ in range(3):
+        target.copy_(source)
+    return 3 * (1 << 26) / (time.perf_counter() - started)
 
 
 # ------------------------------------------------------------------------------------------------ driver and report

@@ -3,6 +3,7 @@
     python benchmarks/moe/run.py [--size 1.7b] [--steps 4] [--warmup 1] [--data-dir /work/bench-data] [--out DIR]
     python benchmarks/moe/run.py --size tiny --out /tmp/moe_trial      # every configuration on a tiny model
     python benchmarks/moe/run.py write --size 1.7b                     # only write (or reuse) the folder
+    python benchmarks/moe/run.py --size small --threads 1              # 1 torch thread a process: a shared machine
 
 The base is written once, offline, with random weights (``Qwen3MoeForCausalLM`` built from a ``Qwen3MoeConfig`` and
 ``save_pretrained`` in bf16 safetensors: each expert's tensors apart, as transformers stores them; it fuses them into
@@ -172,6 +173,7 @@ def run_ours(
         *(() if devices > 1 else ("--no-resume",)),  # save and resume peaks on 2 ranks; 1 rank stops after the save
         *(("--profile",) if args.profile else ()),
         *(("--experts-whole",) if experts_whole else ()),
+        *(("--threads", str(args.threads)) if args.threads else ()),
     ]
     print(f"\n=== {lora}: {name}", flush=True)
     # big_model's driver guards its own processes (timeout, memory) and records why it stopped one
@@ -210,6 +212,8 @@ def run_ours(
 
 def run_plain(name: str, lora: str, nf4: bool, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = dict(folder=str(folder), lora=LORAS[lora], nf4=nf4, sequence=SEQUENCE, warmup=args.warmup, steps=args.steps)
+    if args.threads:
+        spec["threads"] = args.threads
     row = plain_loop.run(f"{lora}: {name}", spec, args.timeout)
     if row["status"] == "ok":
         row.update(frozen_bytes=row["frozen"]["bytes"], stored_as=_stored(row["frozen"]["by_dtype"]))
@@ -245,7 +249,8 @@ def report(result: dict[str, Any]) -> str:
         f"Written by `benchmarks/moe/run.py` on {result['date']}, commit {result['commit']}, on {result['cpu']}"
         f" ({result['machine']}; load average {result['load_before']} before, {result['load_after']} after)."
         f" {SEQUENCE} random tokens per sequence, one sequence per rank and step, fp32 compute, LoRA r=8, AdamW;"
-        f" {result['warmup']} warm-up and {result['steps']} timed steps.",
+        f" {result['warmup']} warm-up and {result['steps']} timed steps"
+        + (f", {result['threads']} torch thread(s) per process." if result.get("threads") else "."),
         "",
         f"Model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, {shape['num_experts']} experts of"
         f" intermediate size {shape['moe_intermediate_size']}, top-{shape['num_experts_per_tok']}, vocabulary"
@@ -332,6 +337,12 @@ def main() -> None:
     parser.add_argument("command", nargs="?", choices=("run", "write"), default="run")
     parser.add_argument("--size", choices=list(SIZES), default="1.7b")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads per process (default: torch's, ours: cores / ranks); 1 on a shared"
+        " machine, so that a step's time is its own thread's",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration (x ranks for ours)")
     parser.add_argument("--lora", nargs="+", choices=list(LORAS), default=list(LORAS))
@@ -377,6 +388,7 @@ def main() -> None:
         "counts": count,
         "warmup": args.warmup,
         "steps": args.steps,
+        "threads": args.threads,
         "rows": rows,
     }
     write_json(args.out / "moe.json", result)

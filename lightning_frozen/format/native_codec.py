@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from lightning_frozen.format.codec import BlockFormat, nf4_bounds, nf4_table
+from lightning_frozen.format.codec import BlockFormat, nf4_bounds, nf4_table, split
 
 SOURCE = Path(__file__).with_name("codec_kernels.c")
 # -ffp-contract=off: no fused multiply-adds, so the values are the tensor-op codec's to the bit
@@ -36,6 +36,8 @@ OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # a build takes about half a second; ranks building at once on a loaded node take longer, a hung compiler forever
 COMPILE_TIMEOUT_S = 120.0
 MIN_BLOCKS_PER_THREAD = 4096  # at least 256K NF4 weights, 1M int8 weights per thread: below that a thread costs more
+# a layer's tile is one range, decoded between two matmuls on the same threads: split it finer (docs/internals.md)
+RANGE_MIN_BLOCKS_PER_THREAD = 1024
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -331,6 +333,43 @@ def decode_blocks(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: Bl
         lambda m: lib.lf_nf4_decode_all(source, scale_ptr, table.data_ptr(), blocks, m, numel, target, dtype_code),
     )
     return True
+
+
+def range_decoder(rows: torch.Tensor, numel: int, fmt: BlockFormat) -> Optional[Callable[[int, torch.Tensor], bool]]:
+    """For the many small ranges decoded from one gather (``rows``: one int8 or NF4 shard of ``numel`` values a row),
+    its codes split once: a function that decodes ``out.numel()`` values from flat index ``start`` into ``out``
+    (contiguous, on the CPU, in one of :data:`OUT_DTYPES`) and returns True, or returns False having written nothing
+    where the range does not start on a block or runs past its row. None without the kernels or OpenMP."""
+    lib = kernels()
+    if lib is None or not lib.lf_openmp() or rows.device.type != "cpu" or fmt.cast_dtype is not None:
+        return None
+    # the tensors beside their addresses: the scales may be a copy that nothing else holds
+    shards = [
+        (codes, scales, codes.data_ptr(), scales.data_ptr())
+        for codes, scales in map(split, rows, [fmt.name] * len(rows))
+    ]
+    code_bytes, scale_bytes, size = fmt.code_bytes_per_block, fmt.scale_bytes, fmt.block_size
+    table = nf4_table(torch.device("cpu"))
+    nf4 = fmt.name == "nf4"
+
+    def decode(start: int, out: torch.Tensor) -> bool:
+        row, first = divmod(start, numel)
+        count = out.numel()
+        if first % size or first + count > numel or out.dtype not in OUT_DTYPES or not out.is_contiguous():
+            return False
+        block = first // size
+        _, _, codes, scales = shards[row]
+        codes, scales, blocks = codes + block * code_bytes, scales + block * scale_bytes, -(-count // size)
+        dtype_code, target = OUT_DTYPES[out.dtype], out.data_ptr()
+        if nf4:
+            lib.lf_nf4_decode_all(
+                codes, scales, table.data_ptr(), blocks, RANGE_MIN_BLOCKS_PER_THREAD, count, target, dtype_code
+            )
+        else:
+            lib.lf_int8_decode_all(codes, scales, blocks, RANGE_MIN_BLOCKS_PER_THREAD, count, target, dtype_code)
+        return True
+
+    return decode
 
 
 # the compiled passes as the core takes them (``codec.Kernels``, ``fingerprint.Checksummer``)

@@ -8,6 +8,8 @@ cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_frozen.errors import InvalidArgumentValueError
@@ -44,6 +46,21 @@ def decode_range(stored: torch.Tensor, numel: int, frozen_dtype: str, start: int
             _decode_native_range(rows[row], numel, fmt, first, piece)
         done += take
     return out
+
+
+def range_decoder(stored: torch.Tensor, numel: int, frozen_dtype: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """:func:`decode_range` for ``stored``, ``numel`` and ``frozen_dtype`` as a function of ``start`` and ``out``, for
+    the many ranges decoded from one gather (a layer's tiles): with the compiled kernels a range that starts on a block
+    and stays in one shard is one kernel call, the codes split once here; any other range as :func:`decode_range`."""
+    fmt = block_format(frozen_dtype)
+    fast = native_codec.range_decoder(stored.reshape(-1, stored.shape[-1]), numel, fmt)
+
+    def decode(start: int, out: torch.Tensor) -> torch.Tensor:
+        if fast is not None and out.device.type == "cpu" and start >= 0 and fast(start, out):
+            return out
+        return decode_range(stored, numel, frozen_dtype, start, out)
+
+    return decode
 
 
 def _decode_native_range(stored: torch.Tensor, numel: int, fmt: BlockFormat, first: int, out: torch.Tensor) -> None:

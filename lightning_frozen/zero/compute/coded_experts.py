@@ -5,25 +5,26 @@ transformers 5 fuses a MoE layer's experts into two params (``gate_up_proj`` [E,
 ZeRO-3 param each. Decoded whole at each gather, a step decoded every expert of every layer into the compute dtype
 twice (forward and backward) and held the layer's decoded experts (E x 3HI values: 0.2 GB in fp32 for 32 experts of
 1024 x 512) while it computed, although each token runs top-k of them. Here the gather keeps the codes
-(``coded_linear.py``), and the experts' forward runs each expert the router picked for some token through
-:class:`~lightning_frozen.zero.compute.coded_linear.CodedMatmul`, its two matrices decoded a tile at a time; backward
-does the same for the input's gradient. The rest is transformers' eager forward as it is: the same routing, the
-module's own gate (``_apply_gate``), the same weighting and sum.
+(``coded_linear.py``), and the experts' forward sorts the (token, expert) pairs by expert once, as transformers'
+grouped forward does, and runs each projection as one autograd node over every expert the router picked
+(:class:`CodedExpertsMatmul`): each expert's matrix decoded a tile that stays in cache at a time and multiplied by its
+rows; backward does the same for the input's gradient. The rest is transformers' as it is: the same routing, the
+module's own gate (``_apply_gate``), called once for all the rows, the same weighting and sum.
 
 Only the layout transformers' ``use_experts_implementation`` calls concatenated, untransposed, without bias or a norm
 after each expert (Mixtral, Qwen2/3-MoE, DeepSeek-V3, ...). LoRA on the experts themselves (PEFT's ``ParamWrapper``,
 ``target_parameters``) adds ``scaling * lhs @ rhs`` to the whole fused param, every expert, in each forward; here each
 wrapper hands its factors down instead, and a routed expert adds ``x @ rhs[e].T @ lhs[e].T * scaling`` beside its own
 matmul (a wrapper with several active adapters, merged or disabled runs PEFT's forward, and the layer decodes whole).
-A forward that meets its params parametrized, gathered whole, or under CPU autocast decodes them whole and runs the
-class's own forward.
+A forward that meets its params gathered whole or under CPU autocast decodes them whole and runs the same, expert by
+expert on the whole weights; one that meets them parametrized (PEFT added its delta itself), the class's own forward.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Protocol
 
 import torch
@@ -31,12 +32,15 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_frozen.capabilities import ROUTED_EXPERTS, available
-from lightning_frozen.zero.compute.coded_linear import CodedLayers, CodedMatmul
+from lightning_frozen.zero.compute.coded_linear import CodedLayers
 
 FUSED = ("gate_up_proj", "down_proj")
 # what transformers' `use_experts_implementation` sets on the module: the one layout computed here
 LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
 NO_POST_NORM = "has_post_expert_norm"
+# an expert's weights decoded at a time (1 MiB in fp32): a few tokens an expert make each tile's matmul short, so the
+# tile should stay in L2 while it is read; measured: docs/internals.md, "Tuned constants"
+EXPERT_TILE_ELEMENTS = 1 << 18
 
 
 class ParamLora(Protocol):
@@ -162,10 +166,12 @@ def _routed_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """transformers' eager experts forward, each routed expert computed from its codes, plus the LoRA factors the
-    wrappers around it handed down (see the module's doc). Gathered whole (``GatheredParameters``, gather-once
-    ``generate``) or under autocast, the same loop over the whole weights, the factors still added; parametrized (PEFT
-    added its delta itself), the class's own forward."""
+    """transformers' experts forward, each routed expert computed from its codes, plus the LoRA factors the wrappers
+    around it handed down (see the module's doc): the (token, expert) pairs sorted by expert once, as transformers'
+    grouped forward sorts them, so that each projection is one autograd node over every expert, the module's own gate
+    one call, and the weighted sum one ``index_add_``. Gathered whole (``GatheredParameters``, gather-once
+    ``generate``) or under autocast, the same over the whole weights, the factors still added; parametrized (PEFT added
+    its delta itself), the class's own forward."""
     gate_up, down = weights
     coded = not torch.is_autocast_enabled(hidden_states.device.type)
     coded = coded and all(layers.held_codes(weight) is not None for weight in weights)
@@ -175,35 +181,134 @@ def _routed_forward(
     if parametrize.is_parametrized(self):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     factors = pending.get("factors", {})
-    experts = gate_up.ds_shape[0]
-    final_hidden_states = torch.zeros_like(hidden_states)
-    with torch.no_grad():  # the experts hit, as the eager forward finds them (index `experts` marks none)
-        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)
-        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
-    for expert in hit:
-        if expert == experts:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert])
-        current = hidden_states[token_idx]
-        projected = _expert_matmul(current, gate_up, expert, factors.get(FUSED[0]), layers if coded else None)
-        gated = self._apply_gate(projected)
-        current = _expert_matmul(gated, down, expert, factors.get(FUSED[1]), layers if coded else None)
-        current = current * top_k_weights[token_idx, top_k_pos, None]
-        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
-    return final_hidden_states
+    counts, order = _sorted_by_expert(top_k_index, gate_up.ds_shape[0])
+    token = order // top_k_index.shape[-1]
+    current = hidden_states[token]
+    current = _experts_matmul(current, gate_up, counts, factors.get(FUSED[0]), layers if coded else None)
+    current = self._apply_gate(current)
+    current = _experts_matmul(current, down, counts, factors.get(FUSED[1]), layers if coded else None)
+    current = current * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, token, current.to(hidden_states.dtype))
 
 
-def _expert_matmul(
-    input: torch.Tensor, weight: nn.Parameter, expert: int, factors: Optional[tuple], layers: Optional[CodedLayers]
+def _sorted_by_expert(top_k_index: torch.Tensor, experts: int) -> tuple[list[int], torch.Tensor]:
+    """How many (token, expert) pairs each of the ``experts`` gets, and the flat indices into ``top_k_index`` of those
+    pairs sorted by expert (an index ``experts`` or above marks none, as expert parallelism marks another rank's)."""
+    with torch.no_grad():
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat.clamp(max=experts), minlength=experts + 1)[:experts].tolist()
+    return counts, order[: sum(counts)]
+
+
+def _experts_matmul(
+    input: torch.Tensor,
+    weight: nn.Parameter,
+    counts: list[int],
+    factors: Optional[tuple],
+    layers: Optional[CodedLayers],
 ) -> torch.Tensor:
-    """``input @ (weight[expert] + scaling * lhs[expert] @ rhs[expert]).T``, the weight from the codes ``layers`` holds
-    (None: the weight is whole), the LoRA term (PEFT's factors, if any) as two thin matmuls instead of a delta the size
-    of the weight."""
-    if layers is None:
-        output = input @ weight[expert].transpose(0, 1)
-    else:
-        output = CodedMatmul.apply(input, weight, layers, expert)
-    if factors is None:
+    """``input``'s rows, ``counts[e]`` of them in turn for each expert ``e``, times ``(weight[e] + scaling * lhs[e] @
+    rhs[e]).T``: from the codes ``layers`` holds, in one autograd node (:class:`CodedExpertsMatmul`); where the weight
+    is whole (``layers`` None), expert by expert, the LoRA term (PEFT's factors, if any) as two thin matmuls instead
+    of a delta the size of the weight."""
+    if layers is not None:
+        lhs, rhs, scaling = factors if factors is not None else (None, None, 0.0)
+        return CodedExpertsMatmul.apply(input, weight, layers, counts, lhs, rhs, scaling)
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        rows = input[start : start + count]
+        start += count
+        if not count:
+            continue
+        output = rows @ weight[expert].transpose(0, 1)
+        if factors is not None:
+            lhs, rhs, scaling = factors
+            output = output + (rows @ rhs[expert].transpose(0, 1)) @ lhs[expert].transpose(0, 1) * scaling
+        outputs.append(output)
+    return torch.cat(outputs) if outputs else input.new_empty(0, weight.shape[-2])
+
+
+class CodedExpertsMatmul(torch.autograd.Function):
+    """:func:`_experts_matmul` from the codes: each routed expert's matrix decoded from the codes ``layers`` holds, a
+    tile at a time (:meth:`CodedLayers.tiles_of`), and multiplied while in cache; backward decodes it again for the
+    input's gradient (the weight is frozen), and computes the LoRA factors' gradients itself."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: nn.Parameter,
+        layers: CodedLayers,
+        counts: list[int],
+        lhs: Optional[torch.Tensor],
+        rhs: Optional[torch.Tensor],
+        scaling: float,
+    ) -> torch.Tensor:
+        ctx.weight, ctx.layers, ctx.counts, ctx.scaling = weight, layers, counts, scaling
+        ctx.save_for_backward(input if lhs is not None else None, lhs, rhs)
+        input = input.contiguous()
+        output = input.new_empty(input.shape[0], weight.ds_shape[-2])
+        for expert, rows, target in _segments(counts, input, output):
+            _coded_rows(layers, weight, expert, rows, target)
+            if lhs is not None:
+                target.addmm_(rows @ rhs[expert].transpose(0, 1), lhs[expert].transpose(0, 1), alpha=scaling)
         return output
-    lhs, rhs, scaling = factors
-    return output + (input @ rhs[expert].transpose(0, 1)) @ lhs[expert].transpose(0, 1) * scaling
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        input, lhs, rhs = ctx.saved_tensors
+        weight, layers, counts, scaling = ctx.weight, ctx.layers, ctx.counts, ctx.scaling
+        wants_input, _, _, _, wants_lhs, wants_rhs, _ = ctx.needs_input_grad
+        grad_output = grad_output.contiguous()
+        grad_input = grad_output.new_empty(grad_output.shape[0], weight.ds_shape[-1]) if wants_input else None
+        grad_lhs = torch.zeros_like(lhs) if wants_lhs else None
+        grad_rhs = torch.zeros_like(rhs) if wants_rhs else None
+        whole = layers.held_codes(weight) is None  # gathered whole for backward (GatheredParameters around it)
+        start = 0
+        for expert, grad, target in _segments(counts, grad_output, grad_input):
+            rows = None if input is None else input[start : start + len(grad)]
+            start += len(grad)
+            if target is not None and whole:
+                torch.mm(grad, weight[expert], out=target)
+            elif target is not None:
+                _coded_rows_backward(layers, weight, expert, grad, target)
+            if lhs is None:
+                continue
+            through_lhs = grad @ lhs[expert]  # [rows, rank]
+            if target is not None:
+                target.addmm_(through_lhs, rhs[expert], alpha=scaling)
+            if grad_lhs is not None:
+                grad_lhs[expert] = grad.transpose(0, 1) @ (rows @ rhs[expert].transpose(0, 1)) * scaling
+            if grad_rhs is not None:
+                grad_rhs[expert] = through_lhs.transpose(0, 1) @ rows * scaling
+        return grad_input, None, None, None, grad_lhs, grad_rhs, None
+
+
+def _segments(
+    counts: list[int], input: torch.Tensor, output: Optional[torch.Tensor]
+) -> Iterator[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:
+    """``(expert, its rows of input, the same rows of output)`` for each expert with rows."""
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            yield expert, input[start:end], None if output is None else output[start:end]
+            start = end
+
+
+def _coded_rows(layers: CodedLayers, weight: nn.Parameter, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = rows @ weight[expert].T``, the matrix decoded from its codes a tile of output columns at a time."""
+    for first, tile in layers.tiles_of(weight, expert, EXPERT_TILE_ELEMENTS):
+        torch.mm(rows, tile.t(), out=out[:, first : first + tile.shape[0]])
+
+
+def _coded_rows_backward(
+    layers: CodedLayers, weight: nn.Parameter, expert: int, grad: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out = grad @ weight[expert]``, the matrix decoded from its codes a tile of rows at a time."""
+    for first, tile in layers.tiles_of(weight, expert, EXPERT_TILE_ELEMENTS):
+        if first == 0:
+            torch.mm(grad[:, : tile.shape[0]], tile, out=out)
+        else:
+            out.addmm_(grad[:, first : first + tile.shape[0]], tile)

@@ -35,6 +35,7 @@ class CodedLayers:
     def __init__(self) -> None:
         self._coded: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._gathered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a gathered weight's (rows, numel, frozen dtype)
+        self._decoders: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a gathered weight's range decoder, once asked
         self._layers: list[nn.Module] = []
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._tiles: dict[torch.dtype, torch.Tensor] = {}  # one tile buffer per dtype, lent to one matmul at a time
@@ -91,6 +92,7 @@ class CodedLayers:
         the placeholder that stands as its data meanwhile: its shape and dtype, every element NaN, no memory of its
         own."""
         self._gathered[param] = (rows, numel, frozen_dtype)
+        self._decoders.pop(param, None)
         base = self._placeholders.get(param.dtype)
         if base is None:
             base = self._placeholders[param.dtype] = torch.full((1,), float("nan"), dtype=param.dtype)
@@ -102,6 +104,7 @@ class CodedLayers:
 
     def drop_codes(self, param: nn.Parameter) -> bool:
         """Let go of the codes held for ``param`` (it is being released); return whether there were any."""
+        self._decoders.pop(param, None)
         return self._gathered.pop(param, None) is not None
 
     def decode_whole(self, weight: nn.Parameter) -> None:
@@ -124,19 +127,25 @@ class CodedLayers:
         self._layers.clear()
         self._coded.clear()
         self._gathered.clear()
+        self._decoders.clear()
         with self._tiles_lock:
             self._tiles.clear()
 
-    def tiles_of(self, weight: nn.Parameter, expert: Optional[int] = None) -> Iterator[tuple[int, torch.Tensor]]:
+    def tiles_of(
+        self, weight: nn.Parameter, expert: Optional[int] = None, elements: Optional[int] = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first row, tile)`` for each block of output rows of ``weight`` (of its matrix ``expert`` where it stacks
-        one per expert), decoded from its held codes into one buffer lent to this call (another call meanwhile gets one
-        of its own): a tile is valid until the next."""
+        one per expert), ``elements`` weights a tile (default :data:`TILE_ELEMENTS`) but at least :data:`TILE_ROWS`
+        rows, decoded from its held codes into one buffer lent to this call (another call meanwhile gets one of its
+        own): a tile is valid until the next."""
         held = self.held_codes(weight)
         assert held is not None, "a coded layer's weight was not gathered as codes"
-        rows, numel, frozen_dtype = held
+        decode = self._decoders.get(weight)
+        if decode is None:
+            decode = self._decoders[weight] = partial_decode.range_decoder(*held)
         out_features, in_features = weight.ds_shape[-2:]
         offset = 0 if expert is None else expert * out_features * in_features
-        per_tile = min(out_features, max(TILE_ROWS, TILE_ELEMENTS // in_features))
+        per_tile = min(out_features, max(TILE_ROWS, (elements or TILE_ELEMENTS) // in_features))
         with self._tiles_lock:
             buffer = self._tiles.pop(weight.dtype, None)
         if buffer is None or buffer.numel() < per_tile * in_features:
@@ -145,7 +154,7 @@ class CodedLayers:
             for first in range(0, out_features, per_tile):
                 count = min(per_tile, out_features - first)
                 tile = buffer[: count * in_features]
-                partial_decode.decode_range(rows, numel, frozen_dtype, offset + first * in_features, tile)
+                decode(offset + first * in_features, tile)
                 yield first, tile.view(count, in_features)
         finally:
             with self._tiles_lock:
