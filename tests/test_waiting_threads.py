@@ -1,9 +1,11 @@
-"""OpenMP threads that sleep soon when they wait, for a run on the CPU (issue 53): torch's team spins up to 300,000
-times at each wait by default, which on a shared CPU holds a core the thread it waits for needs."""
+"""torch's OpenMP threads spin while they wait, and sleep soon while other threads take the process's cores (issue
+53): libgomp's default spin of up to 300,000 times holds a core that the thread it waits for needs."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +33,16 @@ def threads_as_cpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def busy_cores() -> Iterator[None]:
+    """A busy process on every CPU, beside the test's threads."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(CPUS)]
+    yield
+    for process in busy:
+        process.kill()
+        process.wait()
+
+
 def _others_cpu_s() -> float:
     """CPU seconds (nanosecond clock, /proc's schedstat) used so far by this process's threads other than this one."""
     own, total = threading.get_native_id(), 0
@@ -56,20 +68,46 @@ def _waiting_cpu_s(cycles: int = 30, gap_s: float = 0.02) -> float:
     return _others_cpu_s() - before
 
 
-def test_while_it_lasts_the_team_waits_asleep_and_after_it_spins_as_before(threads_as_cpus: None) -> None:
+def _parallel_work(seconds: float) -> None:
+    values, end = torch.ones(1 << 20), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.add(values, 1)
+
+
+def test_brief_waits_cost_a_fraction_of_the_spinning_and_libgomps_own_come_back(
+    threads_as_cpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits = waiting_threads.for_this_process()
+    assert waits is not None
     spinning = _waiting_cpu_s()
     if spinning < 0.02:  # under 0.7 ms a wait: this libgomp or CPU spins too briefly to tell the difference
         pytest.skip(f"torch's team spun only {spinning * 1e3:.1f} ms over 30 waits")
-    release = waiting_threads.spin_briefly()
-    assert release is not None
+    monkeypatch.setattr(waiting_threads, "MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(waiting_threads, "CONTENDED_WAIT", -1)  # any wait reads as other threads on the cores
+    waits.check()
     try:
+        assert waits.brief and any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
         brief = _waiting_cpu_s()
+        monkeypatch.setattr(waiting_threads, "CONTENDED_WAIT", 10**9)  # and now as cores of its own
+        waits.check()
+        assert not waits.brief and waits.switched == 2
     finally:
-        release()
+        waits.close()
     after = _waiting_cpu_s()
     assert brief < 0.4 * spinning, (brief, spinning)
     assert after > 0.5 * spinning, (after, spinning)  # libgomp counts the team's threads again: back to its default
     assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
+
+
+def test_busy_processes_on_the_cores_make_the_waits_brief(threads_as_cpus: None, busy_cores: None) -> None:
+    waits = waiting_threads.for_this_process()
+    assert waits is not None
+    try:
+        _parallel_work(waiting_threads.MIN_WINDOW_S + 0.3)
+        waits.check()
+        assert waits.brief, "threads waiting for a CPU beside busy processes should read as contended"
+    finally:
+        waits.close()
 
 
 def test_the_users_wait_policy_and_a_single_thread_are_left_alone(
@@ -78,20 +116,24 @@ def test_the_users_wait_policy_and_a_single_thread_are_left_alone(
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         with monkeypatch.context() as env:
             env.setenv(name, "active" if name == "OMP_WAIT_POLICY" else "300000")
-            assert waiting_threads.spin_briefly() is None
+            assert waiting_threads.for_this_process() is None
     torch.set_num_threads(1)
-    assert waiting_threads.spin_briefly() is None
+    assert waiting_threads.for_this_process() is None
 
 
 class _SeesTheTeam(L.Callback):
     def __init__(self) -> None:
         self.seen: list[bool] = []
 
-    def on_train_batch_start(self, *args: object) -> None:
+    def on_train_batch_end(self, *args: object) -> None:
         self.seen.append(any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate()))
 
 
-def test_a_cpu_fit_keeps_the_sleeping_team_for_the_run_only(threads_as_cpus: None) -> None:
+def test_a_cpu_fit_checks_the_waits_at_each_step_and_ends_them_with_the_run(
+    threads_as_cpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(waiting_threads, "MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(waiting_threads, "CONTENDED_WAIT", -1)  # every step reads as one beside other threads
     sees = _SeesTheTeam()
     trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), max_steps=2, callbacks=[sees])
     trainer.fit(AdapterModel(width=16), regression_data(width=16))

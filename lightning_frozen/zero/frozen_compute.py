@@ -17,6 +17,7 @@ from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
 from lightning_frozen.format.codec import Kernels
 from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, node_codes, quantized, waiting_threads
+from lightning_frozen.zero.compute.waiting_threads import WaitingThreads
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
 
 # the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
@@ -40,9 +41,9 @@ class FrozenCompute:
         """Set how the process gives memory back for the run; return what sets it back, or None."""
         return None
 
-    def wait_briefly(self) -> Optional[Callable[[], None]]:
-        """Make the process's waiting compute threads sleep soon rather than spin, for the run; return what ends
-        that, or None."""
+    def waiting_threads(self) -> Optional[WaitingThreads]:
+        """What makes the process's waiting compute threads sleep soon while others share its cores, checked at each
+        step and closed at the run's end; None where the device has none."""
         return None
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
@@ -64,7 +65,7 @@ class FrozenCompute:
 class CpuFrozenCompute(FrozenCompute):
     """Frozen shards on DeepSpeed's CPU accelerator, where gathered params are host memory: gather bounds and glibc's
     mmap threshold set, each machine's codes shared by its ranks, layers computed from their codes, compiled kernels,
-    OpenMP threads that sleep soon when they wait."""
+    OpenMP threads that sleep soon when they wait while others share the cores."""
 
     def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
         return host_memory.bound_gathers_on_cpu(config, model)
@@ -72,8 +73,8 @@ class CpuFrozenCompute(FrozenCompute):
     def set_process_memory(self) -> Optional[Callable[[], None]]:
         return host_memory.return_freed_memory()
 
-    def wait_briefly(self) -> Optional[Callable[[], None]]:
-        return waiting_threads.spin_briefly()
+    def waiting_threads(self) -> Optional[WaitingThreads]:
+        return waiting_threads.for_this_process()
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         done = super().prepare(model, frozen_dtype, before_encoding)

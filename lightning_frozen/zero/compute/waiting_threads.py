@@ -1,33 +1,85 @@
-"""OpenMP threads that wait without spinning long, for a run on the CPU.
+"""torch's OpenMP threads spin while they wait, except while other threads take the process's cores.
 
 Torch runs its ops, and the codec its kernels, on one team of OpenMP threads (libgomp's, which torch brings). A thread
-of that team that waits for the others, at the end of a parallel region or for the next one, spins up to 300,000
-times before it sleeps (libgomp's default, ``GOMP_SPINCOUNT``). On a machine whose cores all run one thread of the
-team that costs nothing; where another thread takes a core (another process, a neighbour's vCPU on the same core),
-the spinner holds its core while the thread it waits for cannot run, and a step of the 1.1B NF4 benchmark took 39-98 s
-instead of 5 s beside one busy process (docs/internals.md, "Steadiness of a step"). libgomp spins only 100 times when
-it manages more threads than the CPUs it may use; :func:`spin_briefly` keeps one more thread for the run, asleep,
-so that it does. A user who set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` keeps their choice.
+of that team that waits, for the others at the end of a parallel region or for the next one, spins up to 300,000
+times before it sleeps (libgomp's default, ``GOMP_SPINCOUNT``). On cores of its own that is the fastest way to wait:
+a sleeping thread costs a wake-up at every parallel region, and a step of thousands of them ran 1.3x as long with
+every wait brief. Where another thread takes one of the cores (another process, a neighbour's vCPU on the same
+core), the spinner holds its core while the thread it waits for cannot run, and the same step ran 4-10x as long
+(docs/internals.md, "Steadiness of a step").
+
+:class:`WaitingThreads` tells the two apart at each step by the time the process's threads were ready to run and
+waited for a CPU (the kernel's schedstat): about 1% of the wall time on cores of their own, 45-99% of it, summed over
+the threads, beside busy processes. While they wait that much, it keeps one more OpenMP thread asleep: libgomp then
+manages more threads than the CPUs the process may use, and spins 100 times, not 300,000, before a waiting thread
+sleeps (libgomp's manual, ``GOMP_SPINCOUNT``). A user who set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` keeps their
+choice.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import torch
 
 from lightning_frozen.format import native_codec
 
 THREAD_NAME = "lightning-frozen OpenMP waits"
+# seconds the process's threads waited for a CPU, per second, above which other threads share its cores; measured:
+# 0.004-0.012 alone, 0.45-0.99 beside one or two busy processes, brief waits or not (docs/internals.md)
+CONTENDED_WAIT = 0.1
+MIN_WINDOW_S = 0.5  # steps shorter than this are read together
 
 
-def spin_briefly() -> Optional[Callable[[], None]]:
-    """Until the returned function is called, libgomp's waiting threads spin briefly, then sleep. None where that
-    changes nothing or is not ours to change: one torch thread, fewer torch threads than CPUs (a core stays free), the
-    user's own wait policy, an OpenMP runtime other than torch's libgomp, or no compiled kernels."""
+class WaitingThreads:
+    """For a run on the CPU: at each :meth:`check` (a step's start), brief waits while the process's threads waited
+    for a CPU much since the last check, libgomp's own spinning otherwise; :meth:`close` at the run's end."""
+
+    def __init__(self, kernels: Any) -> None:
+        self._kernels = kernels
+        self._parked: Optional[threading.Thread] = None
+        self._since, self._waited = time.perf_counter(), cpu_wait_s()
+        self.switched = 0  # how often the waits changed, for the docs' measurements and the tests
+
+    @property
+    def brief(self) -> bool:
+        """Whether the waits are brief now."""
+        return self._parked is not None
+
+    def check(self) -> None:
+        """Make the waits brief if the process's threads waited for a CPU more than :data:`CONTENDED_WAIT` seconds a
+        second since the last check of at least :data:`MIN_WINDOW_S`, libgomp's own if not."""
+        now = time.perf_counter()
+        if now - self._since < MIN_WINDOW_S:
+            return
+        waited = cpu_wait_s()
+        contended = (waited - self._waited) / (now - self._since) > CONTENDED_WAIT
+        self._since, self._waited = now, waited
+        if contended != self.brief:
+            self._park() if contended else self.close()
+            self.switched += 1
+
+    def close(self) -> None:
+        """libgomp's own waits again."""
+        if self._parked is not None:
+            self._kernels.lf_openmp_release()
+            self._parked.join(timeout=10)
+            self._parked = None
+
+    def _park(self) -> None:
+        self._kernels.lf_openmp_hold()
+        # a team of two adds one thread to those libgomp manages: torch's team of as many threads as CPUs, plus it
+        self._parked = threading.Thread(target=self._kernels.lf_openmp_park, args=(2,), name=THREAD_NAME, daemon=True)
+        self._parked.start()
+
+
+def for_this_process() -> Optional[WaitingThreads]:
+    """A :class:`WaitingThreads` for a run, or None where its waits are not this package's to change or changing them
+    does nothing: one torch thread, fewer torch threads than CPUs (a core stays free), the user's own wait policy, an
+    OpenMP runtime other than torch's libgomp, or no compiled kernels."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return None
     if not hasattr(os, "sched_getaffinity") or torch.get_num_threads() < max(2, len(os.sched_getaffinity(0))):
@@ -37,16 +89,21 @@ def spin_briefly() -> Optional[Callable[[], None]]:
     kernels = native_codec.kernels()
     if kernels is None or not kernels.lf_openmp():
         return None
-    kernels.lf_openmp_hold()
-    # a team of two adds one thread to the ones libgomp manages: torch's team of as many threads as CPUs, plus it
-    parked = threading.Thread(target=kernels.lf_openmp_park, args=(2,), name=THREAD_NAME, daemon=True)
-    parked.start()
+    return WaitingThreads(kernels)
 
-    def release() -> None:
-        kernels.lf_openmp_release()
-        parked.join(timeout=10)
 
-    return release
+def cpu_wait_s() -> float:
+    """Seconds this process's threads have so far been ready to run and waited for a CPU (the second field of each
+    thread's ``/proc/self/task/<tid>/schedstat``; threads that ended are not counted, so the sum may fall, which reads
+    as no wait)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                total += int(stat.read().split()[1])
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile, or no schedstat in this kernel
+            continue
+    return total / 1e9
 
 
 def _torch_runs_libgomp() -> bool:
