@@ -8,9 +8,9 @@ every wait brief. Where another thread takes one of the cores (another process, 
 core), the spinner holds its core while the thread it waits for cannot run, and the same step ran 4-10x as long
 (docs/internals.md, "Steadiness of a step").
 
-:class:`WaitingThreads` tells the two apart at each step by the time the process's threads were ready to run and
-waited for a CPU (the kernel's schedstat): about 1% of the wall time on cores of their own, 45-99% of it, summed over
-the threads, beside busy processes. While they wait that much, it keeps one more OpenMP thread asleep: libgomp then
+:class:`WaitingThreads` tells the two apart at each step by the time the thread that runs the step was ready to run
+and waited for a CPU (the kernel's schedstat): under 1% of the wall time on cores of its own, 44-48% of it beside a
+busy process, brief waits or not. While it waits that much, it keeps one more OpenMP thread asleep: libgomp then
 manages more threads than the CPUs the process may use, and spins 100 times, not 300,000, before a waiting thread
 sleeps (libgomp's manual, ``GOMP_SPINCOUNT``). A user who set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` keeps their
 choice.
@@ -28,20 +28,25 @@ import torch
 from lightning_frozen.format import native_codec
 
 THREAD_NAME = "lightning-frozen OpenMP waits"
-# seconds the process's threads waited for a CPU, per second, above which other threads share its cores; measured:
-# 0.004-0.012 alone, 0.45-0.99 beside one or two busy processes, brief waits or not (docs/internals.md)
+# seconds the step's thread waited for a CPU, per second, above which other threads share the cores; measured: under
+# 0.01 alone, 0.44-0.48 beside a busy process, brief waits or not (docs/internals.md)
 CONTENDED_WAIT = 0.1
 MIN_WINDOW_S = 0.5  # steps shorter than this are read together
 
 
 class WaitingThreads:
-    """For a run on the CPU: at each :meth:`check` (a step's start), brief waits while the process's threads waited
-    for a CPU much since the last check, libgomp's own spinning otherwise; :meth:`close` at the run's end."""
+    """For a run on the CPU: at each :meth:`check` (a step's start, on the thread that runs the steps), brief waits
+    while that thread waited for a CPU much since the last check, libgomp's own spinning otherwise; :meth:`close` at
+    the run's end. The waits start brief: the first check only starts the count (what came before, the load, runs
+    threads of its own), so the first step is run before anything is known, and a first step spinning beside a busy
+    process took 64.6 s where one with brief waits takes 1.28x a spinning one on cores of its own."""
 
     def __init__(self, kernels: Any) -> None:
         self._kernels = kernels
         self._parked: Optional[threading.Thread] = None
-        self._since, self._waited = time.perf_counter(), cpu_wait_s()
+        self._since: Optional[float] = None
+        self._waited = 0.0
+        self._park()
         self.switched = 0  # how often the waits changed, for the docs' measurements and the tests
 
     @property
@@ -50,12 +55,14 @@ class WaitingThreads:
         return self._parked is not None
 
     def check(self) -> None:
-        """Make the waits brief if the process's threads waited for a CPU more than :data:`CONTENDED_WAIT` seconds a
-        second since the last check of at least :data:`MIN_WINDOW_S`, libgomp's own if not."""
-        now = time.perf_counter()
+        """Make the waits brief if this thread waited for a CPU more than :data:`CONTENDED_WAIT` seconds a second since
+        the last check of at least :data:`MIN_WINDOW_S`, libgomp's own if not."""
+        now, waited = time.perf_counter(), cpu_wait_s()
+        if self._since is None:
+            self._since, self._waited = now, waited
+            return
         if now - self._since < MIN_WINDOW_S:
             return
-        waited = cpu_wait_s()
         contended = (waited - self._waited) / (now - self._since) > CONTENDED_WAIT
         self._since, self._waited = now, waited
         if contended != self.brief:
@@ -93,17 +100,13 @@ def for_this_process() -> Optional[WaitingThreads]:
 
 
 def cpu_wait_s() -> float:
-    """Seconds this process's threads have so far been ready to run and waited for a CPU (the second field of each
-    thread's ``/proc/self/task/<tid>/schedstat``; threads that ended are not counted, so the sum may fall, which reads
-    as no wait)."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as stat:
-                total += int(stat.read().split()[1])
-        except (OSError, ValueError, IndexError):  # the thread ended meanwhile, or no schedstat in this kernel
-            continue
-    return total / 1e9
+    """Seconds the calling thread has so far been ready to run and waited for a CPU (the second field of its
+    ``/proc/thread-self/schedstat``); 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _torch_runs_libgomp() -> bool:
