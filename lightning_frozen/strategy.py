@@ -48,13 +48,7 @@ from lightning_frozen.spec import StrategySpec, spec_fields
 from lightning_frozen.zero import accelerator, optimizers
 from lightning_frozen.zero.config import inference_config
 from lightning_frozen.zero.engine import Placement, destroy_engine, initialize_engine, release_engine
-from lightning_frozen.zero.frozen_compute import (
-    KERNELS,
-    FrozenCompute,
-    WaitingThreads,
-    exit_cleanly,
-    frozen_compute_for,
-)
+from lightning_frozen.zero.frozen_compute import KERNELS, FrozenCompute, exit_cleanly, frozen_compute_for
 from lightning_frozen.zero.params import check_has_trainable
 from lightning_frozen.zero.whole import still_sharded_notice
 
@@ -195,7 +189,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._connected: Optional[weakref.ref[Module]] = None  # the module of the last run
         self._ledger = RunLedger()  # what a run changes outside its own objects, undone at its teardown
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
-        self._waits: Optional[WaitingThreads] = None  # brief OpenMP waits while others share the cores (CPU runs)
         self._drops_layers = False  # the module skips layers at random in training (LayerDrop): found at each fit
         self.run_from_command_line = False  # the `lightning-frozen` command sets it: its advice after a run differs
 
@@ -249,16 +242,13 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         if self.return_freed_memory:  # on the CPU, gathers live in host memory
             self._ledger.callback(compute.set_process_memory() or (lambda: None), "the process's memory settings")
         # torch's OpenMP threads spin long while they wait: with other threads on the cores, a step many times slower
-        self._waits = compute.waiting_threads()
-        if self._waits is not None:
-            self._ledger.callback(self._waits.close, "OpenMP's sleeping team")
+        self._ledger.callback(compute.watch_waits() or (lambda: None), "OpenMP's sleeping team")
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's refuses the CPU, whose DeepSpeed accelerator works
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._waits is not None:  # brief waits while other threads took the cores since the last step
-            self._waits.check()
+        self._compute.step_starts()  # e.g. brief OpenMP waits while other threads took the cores since the last step
         super().on_train_batch_start(batch, batch_idx)
 
     def _open_run(self, module: pl.LightningModule, compute: FrozenCompute) -> None:

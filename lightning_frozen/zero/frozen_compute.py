@@ -17,7 +17,6 @@ from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
 from lightning_frozen.format.codec import Kernels
 from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, node_codes, quantized, waiting_threads
-from lightning_frozen.zero.compute.waiting_threads import WaitingThreads
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
 
 # the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
@@ -31,6 +30,7 @@ class FrozenCompute:
     def __init__(self, param_lora: Optional[coded_experts.ParamLora] = None) -> None:
         self.tables = quantized.RunTables()  # this run's, handed to each gather it installs
         self.param_lora = param_lora  # LoRA on a param itself, as routed experts read it (the hf seam's)
+        self.waits: Optional[waiting_threads.WaitingThreads] = None  # brief OpenMP waits, on the CPU
 
     def bound_gathers(self, config: dict, model: nn.Module) -> dict[str, int]:
         """Give the DeepSpeed ``config`` this device's defaults for ZeRO-3's gather bounds the user left unset;
@@ -41,10 +41,13 @@ class FrozenCompute:
         """Set how the process gives memory back for the run; return what sets it back, or None."""
         return None
 
-    def waiting_threads(self) -> Optional[WaitingThreads]:
-        """What makes the process's waiting compute threads sleep soon while others share its cores, checked at each
-        step and closed at the run's end; None where the device has none."""
+    def watch_waits(self) -> Optional[Callable[[], None]]:
+        """For the run: the process's waiting compute threads sleep soon while other threads share its cores, as
+        checked at each :meth:`step_starts`; return what ends that, or None."""
         return None
+
+    def step_starts(self) -> None:
+        """A training step starts, on the thread that runs the steps."""
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         """After the engine is built: store each frozen shard of ``model`` as ``frozen_dtype`` codes, gathered and
@@ -73,8 +76,13 @@ class CpuFrozenCompute(FrozenCompute):
     def set_process_memory(self) -> Optional[Callable[[], None]]:
         return host_memory.return_freed_memory()
 
-    def waiting_threads(self) -> Optional[WaitingThreads]:
-        return waiting_threads.for_this_process()
+    def watch_waits(self) -> Optional[Callable[[], None]]:
+        self.waits = waiting_threads.for_this_process()
+        return None if self.waits is None else self.waits.close
+
+    def step_starts(self) -> None:
+        if self.waits is not None:
+            self.waits.check()
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         done = super().prepare(model, frozen_dtype, before_encoding)
