@@ -246,11 +246,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         arguments.check_config_for_accelerator(self.config, self.accelerator)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's refuses the CPU, whose DeepSpeed accelerator works
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._compute.step_starts()  # e.g. brief OpenMP waits while other threads took the cores since the last step
-        super().on_train_batch_start(batch, batch_idx)
-
     def _open_run(self, module: pl.LightningModule, compute: FrozenCompute) -> None:
         """The run's part of the set-up: its ledger opened, preemption handled, ``module`` and its Trainer checked."""
         open_run(self._ledger, module, self._preemption, compute)
@@ -350,10 +345,26 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._compute.step_starts()  # e.g. brief OpenMP waits while other threads took the cores since the last step
         self._optimized.check_unchanged()
         # LayerDrop runs every layer on every rank only where transformers believes ZeRO-3 is on: for the step alone
         with transformers_loading.zero3_known(self.config) if self._drops_layers else nullcontext():
             return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._compute.step_starts()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._compute.step_starts()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._compute.step_starts()
+        return super().predict_step(*args, **kwargs)
 
     @override
     def on_train_start(self) -> None:

@@ -145,3 +145,21 @@ def test_a_cpu_fit_checks_the_waits_at_each_step_and_ends_them_with_the_run(
     trainer.fit(AdapterModel(width=16), regression_data(width=16))
     assert sees.seen == seen  # brief from the start; the first step's check starts the count
     assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
+
+
+class _SeesTheTeamInValidation(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_validation_batch_end(self, *args: object) -> None:
+        self.seen.append(any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate()))
+
+
+def test_validation_alone_checks_the_waits_too(threads_as_cpus: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(waiting_threads, "MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(waiting_threads, "CONTENDED_WAIT", 10**9)  # every step read as on cores of its own
+    sees = _SeesTheTeamInValidation()
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), callbacks=[sees])
+    trainer.validate(AdapterModel(width=16), regression_data(width=16, samples=24))
+    assert sees.seen == [True, False, False]  # not brief for a whole run that never trains
+    assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())

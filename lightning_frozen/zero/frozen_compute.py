@@ -47,7 +47,7 @@ class FrozenCompute:
         return None
 
     def step_starts(self) -> None:
-        """A training step starts, on the thread that runs the steps."""
+        """A training, validation, test or predict step starts, on the thread that runs the steps."""
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         """After the engine is built: store each frozen shard of ``model`` as ``frozen_dtype`` codes, gathered and

@@ -35,7 +35,7 @@ MIN_WINDOW_S = 0.5  # steps shorter than this are read together
 
 
 class WaitingThreads:
-    """For a run on the CPU: at each :meth:`check` (a step's start, on the thread that runs the steps), brief waits
+    """For a run on the CPU: at each :meth:`check` (any step's start, on the thread that runs the steps), brief waits
     while that thread waited for a CPU much since the last check, libgomp's own spinning otherwise; :meth:`close` at
     the run's end. The waits start brief: the first check only starts the count (what came before, the load, runs
     threads of its own), so the first step is run before anything is known, and a first step spinning beside a busy
