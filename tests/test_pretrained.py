@@ -76,6 +76,22 @@ def test_configure_model_loads_the_folder_bit_for_bit_into_shards(
     assert f"of {file_mib:,.1f} MiB (100%)" in lightning_log.text
 
 
+def test_a_plain_folder_loads_in_slices_whatever_became_of_transformers_converter(
+    llama_folder: Path, lightning_log: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the converter's names are capability CONVERTED_LOADING's, for folders whose tensors transformers converts: a
+    # release that moved one must not reach a Llama folder's load
+    import peft.utils.transformers_weight_conversion  # noqa: F401 - PEFT imports it itself, once
+    from transformers import core_model_loading
+
+    monkeypatch.delattr(core_model_loading, "dot_natural_key")
+    model = PretrainedLoRA(str(llama_folder))
+    cpu_trainer(max_steps=1).fit(model, token_data())
+    assert all(model.seen_at_start["frozen_equal"].values())
+    assert "loaded " + str(llama_folder) + " into ZeRO-3 shards: 21 tensors" in lightning_log.text
+    assert "rank 0 reads each tensor" not in lightning_log.text
+
+
 def test_the_base_is_loaded_in_slices_when_configure_model_first_imports_transformers_and_peft(
     llama_folder: Path, tmp_path: Path
 ) -> None:

@@ -163,3 +163,19 @@ def test_validation_alone_checks_the_waits_too(threads_as_cpus: None, monkeypatc
     trainer.validate(AdapterModel(width=16), regression_data(width=16, samples=24))
     assert sees.seen == [True, False, False]  # not brief for a whole run that never trains
     assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
+
+
+class _Raises(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 2:
+            assert any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
+            raise RuntimeError("the user's own failure")
+
+
+def test_a_fit_that_raises_lets_the_sleeping_thread_go(threads_as_cpus: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(waiting_threads, "CONTENDED_WAIT", -1)  # brief throughout: the thread is there when it raises
+    monkeypatch.setattr(waiting_threads, "MIN_WINDOW_S", 0.0)
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), max_steps=4, callbacks=[_Raises()])
+    with pytest.raises(RuntimeError, match="the user's own failure"):
+        trainer.fit(AdapterModel(width=16), regression_data(width=16))
+    assert not any(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())

@@ -51,17 +51,24 @@ def folder_layout(model: nn.Module, keys: Sequence[str], mapping: Optional[Seque
     ZeRO-3), grouped as transformers' loader groups them (``core_model_loading.convert_and_load_state_dict_in_model``):
     its conversion ``mapping`` (default: the model's), each key renamed and handed to at most one converter, keys in
     its natural order."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    mapping = get_model_conversion_mapping(model) if mapping is None else list(mapping)
+    if mapping is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        mapping = get_model_conversion_mapping(model)
+    mapping = list(mapping)
     renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
     converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    if converters:  # the converters' names are CONVERTED_LOADING's: a model without any reaches none of them
+        from transformers.core_model_loading import dot_natural_key
+
+        keys = sorted(keys, key=dot_natural_key)
     meta = {key: torch.empty(0, device="meta") for key in model.state_dict(keep_vars=True)}
     prefix = getattr(model, "base_model_prefix", None)
     plain: dict[str, str] = {}
     groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
-    for key in sorted(keys, key=dot_natural_key):
+    for key in keys:
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if renamed not in meta and key in meta:  # the loader's own fallback: the key as it is, prefixed if need be
             renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
