@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
-from lightning_frozen.format import codec, partial_decode
+from lightning_frozen.format import codec, native_codec, partial_decode
 from lightning_frozen.zero.compute import coded_linear
 from lightning_frozen.zero.params import full_param
 from tests.models import AdapterModel, cpu_trainer, regression_data
@@ -107,6 +107,44 @@ def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     assert not torch.equal(decoded, weight)  # what was compared is the codes' values, not the source's
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("frozen_dtype", ["nf4", "int8"])
+def test_a_matmul_from_codes_on_each_threads_own_tiles_is_the_decoded_weights(
+    frozen_dtype: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native_codec.blas_sgemm() is None:
+        pytest.skip("torch exports no MKL sgemm here")
+    # tiles of 3 rows, 1 block wide (int8's blocks are 256 weights): rows split over several tiles of columns, 2 shards
+    # whose boundary falls inside a row, and the last tile of rows short
+    monkeypatch.setattr(native_codec, "MATMUL_TILE", (3, 1))
+    experts, out_features, in_features = 3, 23, 512
+    weight = torch.randn(experts, out_features, in_features)
+    rows, numel = _rows(weight, frozen_dtype, ranks=2)
+    assert (numel // in_features) * in_features != numel  # the shards' boundary is inside a row
+    decoded = codec.decode(rows, numel, frozen_dtype)[: weight.numel()].view_as(weight)
+    matmuls = native_codec.CodedMatmuls.of(rows, numel, codec.block_format(frozen_dtype))
+    x, grad = torch.randn(7, in_features), torch.randn(7, out_features)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for expert in range(experts):
+            offset = expert * out_features * in_features
+            assert matmuls.fits(offset, (out_features, in_features), x)
+            out = matmuls.forward(offset, (out_features, in_features), x)
+            grad_input = matmuls.backward(offset, (out_features, in_features), grad)
+            torch.testing.assert_close(out, x @ decoded[expert].t(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_input, grad @ decoded[expert], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+    assert not torch.equal(decoded, weight)  # what was compared is the codes' values, not the source's
+    # what the kernel cannot take goes to the row tiles: other dtypes, rows off the blocks, past the shards
+    assert not matmuls.fits(0, (out_features, in_features), x.bfloat16())
+    assert not matmuls.fits(0, (out_features, 100), torch.randn(7, 100))
+    assert not matmuls.fits(32, (out_features, in_features), x)
+    assert not matmuls.fits(0, (experts * out_features + 1, in_features), x)
+    assert native_codec.CodedMatmuls.of(rows, numel, codec.block_format("bf16")) is None
+
+
 @pytest.mark.parametrize("frozen_dtype", ["nf4", "int8"])
 def test_an_embedding_decodes_only_the_rows_it_looks_up(frozen_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     table = torch.randn(50, 64)
@@ -175,8 +213,16 @@ def _fit(
     coded: bool, monkeypatch: pytest.MonkeyPatch, frozen_dtype: str = "nf4"
 ) -> tuple[AdapterModel, dict, coded_linear.CodedLayers]:
     """A 3-step fit; the model, what was decoded how, and the run's coded layers (its compute object's)."""
-    seen: dict[str, Any] = {"whole decodes": 0, "tile decodes": 0, "nan weights": 0}
+    seen: dict[str, Any] = {"whole decodes": 0, "tile decodes": 0, "nan weights": 0, "matmuls from codes": 0}
     decode, range_decoder = codec.decode, partial_decode.range_decoder
+    forward, backward = native_codec.CodedMatmuls.forward, native_codec.CodedMatmuls.backward
+
+    def counting(matmul: Any) -> Any:  # a layer's matmul, each thread decoding its own tiles in the kernel
+        def counted(*args: Any) -> torch.Tensor:
+            seen["matmuls from codes"] += 1
+            return matmul(*args)
+
+        return counted
 
     def counting_decode(stored: torch.Tensor, numel: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         seen["whole decodes"] += int(stored.reshape(-1, stored.shape[-1]).shape[0] * numel >= WIDTH * WIDTH)
@@ -192,6 +238,8 @@ def _fit(
         return counted
 
     monkeypatch.setattr(partial_decode, "range_decoder", counting_decoder)
+    monkeypatch.setattr(native_codec.CodedMatmuls, "forward", counting(forward))
+    monkeypatch.setattr(native_codec.CodedMatmuls, "backward", counting(backward))
     monkeypatch.setattr("lightning_frozen.zero.compute.quantized.decode", counting_decode)
     if not coded:
         monkeypatch.setattr(coded_linear.CodedLayers, "compute_from_codes", lambda self, model, stored_as: 0)
@@ -207,17 +255,23 @@ def _fit(
     return model, seen, trainer.strategy._compute.tables.layers
 
 
+@pytest.mark.parametrize("blas", [True, False], ids=["matmuls-from-codes", "row-tiles"])
 def test_a_fit_computes_the_frozen_layers_from_codes_and_trains_as_with_whole_weights(
-    monkeypatch: pytest.MonkeyPatch,
+    blas: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if blas and native_codec.blas_sgemm() is None:
+        pytest.skip("torch exports no MKL sgemm here")
+    if not blas:  # a torch without MKL: each layer decodes row tiles and multiplies them with torch ops
+        monkeypatch.setattr(native_codec.CodedMatmuls, "of", classmethod(lambda cls, *args: None))
     model, seen, layers = _fit(True, monkeypatch)
     # after the run the layers compute as their class says again (the tile counts below show they did not in it)
     assert not any(layers.computes_from_codes(layer.base.weight) for layer in model.layers)
     assert not any("forward" in vars(layer.base) for layer in model.layers)
     assert seen["whole decodes"] == 0  # no frozen weight was decoded whole ...
-    # ... but in one tile each (64 x 64 weights), 3 steps x (3 forwards + 2 backwards: the first layer's input
-    # needs no gradient)
-    assert seen["tile decodes"] == 3 * (3 + 2)
+    # ... but from its codes: 3 steps x (3 forwards + 2 backwards: the first layer's input needs no gradient), each
+    # a kernel's matmul (its threads decoding their own tiles) or, without MKL, one tile (64 x 64 weights)
+    assert seen["matmuls from codes" if blas else "tile decodes"] == 3 * (3 + 2)
+    assert seen["tile decodes" if blas else "matmuls from codes"] == 0
     assert seen["nan weights"] == 3  # the layer's data was the placeholder while it computed
     assert not layers._tiles  # the row buffer was given back after the run
     assert all(layers.held_codes(layer.base.weight) is None for layer in model.layers)  # and the codes

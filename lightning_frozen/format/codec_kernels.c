@@ -475,6 +475,101 @@ void lf_openmp_release(void) {
     pthread_cond_broadcast(&parked_wake);
     pthread_mutex_unlock(&parked_lock);
 }
+/* A frozen linear layer's matmul from its codes (zero/compute/coded_linear.py): each thread takes every threads-th
+ * block of tile_rows output rows, decodes tile_cols input columns of them at a time into a buffer of its own and
+ * multiplies them with torch's own BLAS (`sgemm`, single-threaded inside this region) while they are in its cache.
+ * The weight is N x K, row-major, from flat index `offset` of a gathered param held as `shards` encoded shards of
+ * `shard_numel` values (codes and scales per shard); K, shard_numel, offset and tile_cols whole blocks. fp32 only. */
+typedef void (*lf_sgemm_t)(const char *, const char *, const int *, const int *, const int *, const float *,
+                           const float *, const int *, const float *, const int *, const float *, float *, const int *);
+
+static void coded_range(int nf4, const void *const *codes, const void *const *scales, const float *table,
+                        int64_t shard_numel, int64_t start, int64_t count, float *out) {
+    while (count > 0) {
+        const int64_t shard = start / shard_numel, first = start % shard_numel;
+        const int64_t take = count < shard_numel - first ? count : shard_numel - first;
+        if (nf4)
+            lf_nf4_decode((const uint8_t *)codes[shard] + first / 2, (const uint16_t *)scales[shard] + first / NF4_BLOCK,
+                          table, 0, (take + NF4_BLOCK - 1) / NF4_BLOCK, take, out, 0);
+        else
+            lf_int8_decode((const int8_t *)codes[shard] + first, (const float *)scales[shard] + first / INT8_BLOCK, 0,
+                           (take + INT8_BLOCK - 1) / INT8_BLOCK, take, out, 0);
+        start += take, count -= take, out += take;
+    }
+}
+
+/* rows r0.. (`rows` of them), columns c0.. (`cols`) of the weight into buf, `cols` values a row */
+static void coded_tile(int nf4, const void *const *codes, const void *const *scales, const float *table,
+                       int64_t shard_numel, int64_t offset, int64_t K, int64_t r0, int64_t rows, int64_t c0,
+                       int64_t cols, float *buf) {
+    if (cols == K) {
+        coded_range(nf4, codes, scales, table, shard_numel, offset + r0 * K, rows * K, buf);
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        coded_range(nf4, codes, scales, table, shard_numel, offset + (r0 + r) * K + c0, cols, buf + r * cols);
+}
+
+/* out (M x N) = x (M x K) @ weight.T; buffers: threads * tile_rows * tile_cols floats */
+int lf_coded_matmul(void *sgemm, int nf4, const void *const *codes, const void *const *scales, const float *table,
+                    int64_t shard_numel, int64_t offset, int64_t M, int64_t N, int64_t K, const float *x, float *out,
+                    int64_t tile_rows, int64_t tile_cols, float *buffers, int threads) {
+    const lf_sgemm_t gemm = (lf_sgemm_t)sgemm;
+    const int64_t tiles = (N + tile_rows - 1) / tile_rows;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        float *buf = buffers + thread * tile_rows * tile_cols;
+        const float one = 1.0f, zero = 0.0f;
+        const int m = (int)M, k = (int)K, n = (int)N;
+        for (int64_t tile = thread; tile < tiles; tile += team) {
+            const int64_t r0 = tile * tile_rows, rows = N - r0 < tile_rows ? N - r0 : tile_rows;
+            for (int64_t c0 = 0; c0 < K; c0 += tile_cols) {
+                const int64_t cols = K - c0 < tile_cols ? K - c0 : tile_cols;
+                coded_tile(nf4, codes, scales, table, shard_numel, offset, K, r0, rows, c0, cols, buf);
+                const int r = (int)rows, c = (int)cols;
+                /* column-major: out.T[r0:, :] (rows x M) = buf.T (rows x cols, stored cols x rows) @ x.T[c0:, :] */
+                gemm("T", "N", &r, &m, &c, &one, buf, &c, x + c0, &k, c0 ? &one : &zero, out + r0, &n);
+            }
+        }
+    }
+    return 0;
+}
+
+/* grad_input (M x K) = grad (M x N) @ weight; partials: (threads - 1) * M * K floats, one sum per other thread */
+int lf_coded_matmul_grad(void *sgemm, int nf4, const void *const *codes, const void *const *scales,
+                         const float *table, int64_t shard_numel, int64_t offset, int64_t M, int64_t N, int64_t K,
+                         const float *grad, float *grad_input, int64_t tile_rows, int64_t tile_cols, float *buffers,
+                         float *partials, int threads) {
+    const lf_sgemm_t gemm = (lf_sgemm_t)sgemm;
+    const int64_t tiles = (N + tile_rows - 1) / tile_rows;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        float *buf = buffers + thread * tile_rows * tile_cols;
+        float *sum = thread == 0 ? grad_input : partials + (thread - 1) * M * K;
+        memset(sum, 0, sizeof(float) * M * K);
+        const float one = 1.0f;
+        const int m = (int)M, k = (int)K, n = (int)N;
+        for (int64_t tile = thread; tile < tiles; tile += team) {
+            const int64_t r0 = tile * tile_rows, rows = N - r0 < tile_rows ? N - r0 : tile_rows;
+            for (int64_t c0 = 0; c0 < K; c0 += tile_cols) {
+                const int64_t cols = K - c0 < tile_cols ? K - c0 : tile_cols;
+                coded_tile(nf4, codes, scales, table, shard_numel, offset, K, r0, rows, c0, cols, buf);
+                const int r = (int)rows, c = (int)cols;
+                /* column-major: sum.T[c0:, :] (cols x M) += buf (cols x rows) @ grad.T[r0:, :] (rows x M) */
+                gemm("N", "N", &c, &m, &r, &one, buf, &c, grad + r0, &n, &one, sum + c0, &k);
+            }
+        }
+#pragma omp barrier
+        const int64_t low = M * K * thread / team, high = M * K * (thread + 1) / team;
+        for (int64_t other = 1; other < team; ++other) {
+            const float *part = partials + (other - 1) * M * K;
+            for (int64_t i = low; i < high; ++i) grad_input[i] += part[i];
+        }
+    }
+    return 0;
+}
 #else
 int lf_openmp(void) { return 0; }
 #endif

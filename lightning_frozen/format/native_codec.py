@@ -38,6 +38,8 @@ COMPILE_TIMEOUT_S = 120.0
 MIN_BLOCKS_PER_THREAD = 4096  # at least 256K NF4 weights, 1M int8 weights per thread: below that a thread costs more
 # a layer's tile is one range, decoded between two matmuls on the same threads: split it finer (docs/internals.md)
 RANGE_MIN_BLOCKS_PER_THREAD = 1024
+# a thread's tile in a matmul from codes (rows, columns: 512 KiB of fp32); docs/internals.md, "Tuned constants"
+MATMUL_TILE = (128, 1024)
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -60,6 +62,11 @@ _WHOLE_SIGNATURES = {
     "lf_openmp_hold": [],
     "lf_openmp_park": [_int],
     "lf_openmp_release": [],
+    # a frozen linear layer's matmul from its codes, forward and backward (zero/compute/coded_linear.py)
+    "lf_coded_matmul": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int],
+    "lf_coded_matmul_grad": [
+        *(_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int)
+    ],
 }
 
 
@@ -370,6 +377,89 @@ def range_decoder(rows: torch.Tensor, numel: int, fmt: BlockFormat) -> Optional[
         return True
 
     return decode
+
+
+@functools.cache
+def blas_sgemm() -> Optional[int]:
+    """The address of torch's own fp32 BLAS matmul (``sgemm_`` of MKL, linked into ``libtorch_cpu``), which runs on
+    one thread inside an OpenMP region; None where torch was built without MKL or does not export it."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(library.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+class CodedMatmuls:
+    """A frozen ``out_features x in_features`` weight's matmuls straight from its gathered codes (``rows``: one int8 or
+    NF4 shard of ``numel`` values each), its codes split once: each OpenMP thread decodes a tile of the weight
+    (:data:`MATMUL_TILE`) into a buffer of its own and multiplies it with torch's BLAS on that thread while it is in
+    the thread's cache. Build with :meth:`of`, which says where it cannot."""
+
+    def __init__(self, lib: ctypes.CDLL, sgemm: int, rows: torch.Tensor, numel: int, fmt: BlockFormat) -> None:
+        self._lib, self._sgemm, self._nf4 = lib, sgemm, int(fmt.name == "nf4")
+        self._block, self._numel = fmt.block_size, numel
+        self._shards = [split(row, fmt.name) for row in rows]  # the tensors beside their addresses below
+        self._codes = (ctypes.c_void_p * len(rows))(*(codes.data_ptr() for codes, _ in self._shards))
+        self._scales = (ctypes.c_void_p * len(rows))(*(scales.data_ptr() for _, scales in self._shards))
+        self._table = nf4_table(torch.device("cpu"))
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, numel: int, fmt: BlockFormat) -> Optional[CodedMatmuls]:
+        """The matmuls of ``rows`` (see the class), or None: no kernels, OpenMP or BLAS, a cast format, or shards that
+        do not end on a block."""
+        lib = kernels()
+        sgemm = blas_sgemm() if lib is not None and lib.lf_openmp() else None
+        if sgemm is None or fmt.cast_dtype is not None or rows.device.type != "cpu" or numel % fmt.block_size:
+            return None
+        return cls(lib, sgemm, rows, numel, fmt)
+
+    def fits(self, offset: int, shape: tuple[int, int], values: torch.Tensor) -> bool:
+        """Whether the weight of ``shape`` at flat index ``offset`` can multiply fp32 ``values``: its rows and offset
+        on whole blocks, within the shards."""
+        out_features, in_features = shape
+        return (
+            values.dtype == torch.float32
+            and values.device.type == "cpu"
+            and in_features % self._block == 0
+            and offset % self._block == 0
+            and offset + out_features * in_features <= self._numel * len(self._shards)
+            and 0 < values.shape[0] < 2**31
+            and out_features * in_features < 2**31
+        )
+
+    def _tile(self, in_features: int) -> tuple[int, int, torch.Tensor, int]:
+        threads = torch.get_num_threads()
+        rows, columns = MATMUL_TILE
+        columns = min(in_features, max(self._block, columns // self._block * self._block))
+        return rows, columns, torch.empty(threads * rows * columns, dtype=torch.float32), threads
+
+    def forward(self, offset: int, shape: tuple[int, int], values: torch.Tensor) -> torch.Tensor:
+        """``values @ weight.T`` (``values``: 2-D, contiguous, fp32, :meth:`fits`)."""
+        out_features, in_features = shape
+        out = values.new_empty(values.shape[0], out_features)
+        rows, columns, buffers, threads = self._tile(in_features)
+        self._lib.lf_coded_matmul(
+            *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
+            *(values.shape[0], out_features, in_features, values.data_ptr(), out.data_ptr()),
+            *(rows, columns, buffers.data_ptr(), threads),
+        )
+        return out
+
+    def backward(self, offset: int, shape: tuple[int, int], grad: torch.Tensor) -> torch.Tensor:
+        """``grad @ weight`` (``grad``: 2-D, contiguous, fp32, :meth:`fits`)."""
+        out_features, in_features = shape
+        grad_input = grad.new_empty(grad.shape[0], in_features)
+        rows, columns, buffers, threads = self._tile(in_features)
+        partials = torch.empty(max(threads - 1, 1) * grad.shape[0] * in_features, dtype=torch.float32)
+        self._lib.lf_coded_matmul_grad(
+            *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
+            *(grad.shape[0], out_features, in_features, grad.data_ptr(), grad_input.data_ptr()),
+            *(rows, columns, buffers.data_ptr(), partials.data_ptr(), threads),
+        )
+        return grad_input
 
 
 # the compiled passes as the core takes them (``codec.Kernels``, ``fingerprint.Checksummer``)

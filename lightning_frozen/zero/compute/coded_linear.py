@@ -36,6 +36,7 @@ class CodedLayers:
         self._coded: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._gathered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a gathered weight's (rows, numel, frozen dtype)
         self._decoders: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a gathered weight's range decoder, once asked
+        self._matmuls: WeakIdKeyDictionary = WeakIdKeyDictionary()  # its matmuls from codes (or None), once asked
         self._layers: list[nn.Module] = []
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._tiles: dict[torch.dtype, torch.Tensor] = {}  # one tile buffer per dtype, lent to one matmul at a time
@@ -93,6 +94,7 @@ class CodedLayers:
         own."""
         self._gathered[param] = (rows, numel, frozen_dtype)
         self._decoders.pop(param, None)
+        self._matmuls.pop(param, None)
         base = self._placeholders.get(param.dtype)
         if base is None:
             base = self._placeholders[param.dtype] = torch.full((1,), float("nan"), dtype=param.dtype)
@@ -105,6 +107,7 @@ class CodedLayers:
     def drop_codes(self, param: nn.Parameter) -> bool:
         """Let go of the codes held for ``param`` (it is being released); return whether there were any."""
         self._decoders.pop(param, None)
+        self._matmuls.pop(param, None)
         return self._gathered.pop(param, None) is not None
 
     def decode_whole(self, weight: nn.Parameter) -> None:
@@ -128,8 +131,18 @@ class CodedLayers:
         self._coded.clear()
         self._gathered.clear()
         self._decoders.clear()
+        self._matmuls.clear()
         with self._tiles_lock:
             self._tiles.clear()
+
+    def matmuls_of(self, weight: nn.Parameter) -> Optional[native_codec.CodedMatmuls]:
+        """The matmuls straight from ``weight``'s held codes, each thread on tiles of its own, where the compiled
+        kernels and torch's BLAS can run them; else None (:meth:`tiles_of` then)."""
+        if weight not in self._matmuls:
+            rows, numel, frozen_dtype = self.held_codes(weight)
+            stored = rows.reshape(-1, rows.shape[-1])
+            self._matmuls[weight] = native_codec.CodedMatmuls.of(stored, numel, codec.block_format(frozen_dtype))
+        return self._matmuls[weight]
 
     def tiles_of(
         self, weight: nn.Parameter, expert: Optional[int] = None, elements: Optional[int] = None
@@ -212,8 +225,12 @@ class CodedMatmul(torch.autograd.Function):
         ctx: Any, input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers, expert: Optional[int] = None
     ) -> torch.Tensor:
         ctx.weight, ctx.layers, ctx.expert = weight, layers, expert
-        out_features, in_features = weight.ds_shape[-2:]
+        out_features, in_features = shape = weight.ds_shape[-2:]
         flat = input.reshape(-1, in_features).contiguous()
+        offset = 0 if expert is None else expert * out_features * in_features
+        matmuls = layers.matmuls_of(weight)
+        if matmuls is not None and matmuls.fits(offset, shape, flat):
+            return matmuls.forward(offset, shape, flat).view(*input.shape[:-1], out_features)
         output = flat.new_empty(flat.shape[0], out_features)
         for first, tile in layers.tiles_of(weight, expert):
             torch.mm(flat, tile.t(), out=output[:, first : first + tile.shape[0]])
@@ -229,6 +246,11 @@ class CodedMatmul(torch.autograd.Function):
         if layers.held_codes(weight) is None:  # gathered whole for backward (GatheredParameters around it)
             whole = weight if expert is None else weight[expert]
             return (grad @ whole).view(*grad_output.shape[:-1], in_features), None, None, None
+        offset = 0 if expert is None else expert * out_features * in_features
+        matmuls = layers.matmuls_of(weight)
+        if matmuls is not None and matmuls.fits(offset, (out_features, in_features), grad):
+            grad_input = matmuls.backward(offset, (out_features, in_features), grad.contiguous())
+            return grad_input.view(*grad_output.shape[:-1], in_features), None, None, None
         grad_input = grad.new_zeros(grad.shape[0], in_features)
         for first, tile in layers.tiles_of(weight, expert):
             grad_input.addmm_(grad[:, first : first + tile.shape[0]], tile)
