@@ -452,6 +452,23 @@ TRACE = Capability(
     ),
 )
 
+HOOKS_WHERE_PARAMS = Capability(
+    "ZeRO-3's module hooks only on modules that hold params",
+    fallback="ZeRO-3's hooks also run around every module that holds no param, fetching and releasing nothing (a"
+    " slower step: 0.1-0.3 s at 1.1B on a 2-core CPU)",
+    changes="DeepSpeed's hooks taken off the engine's modules that hold no param (zero/engine.hook_only_param_holders)",
+    rows=(
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
+            "zero/engine.py",
+            in_code=("forward_hooks", "backward_hooks", "z3_leaf_module"),
+        ),
+        ForeignName(f"{_COORDINATOR.split(':')[0]}:iter_params", "zero/engine.py", ("module", "recurse")),
+        ForeignName("torch.nn.modules.module:Module.__init__", "zero/engine.py", in_code=("_forward_pre_hooks",)),
+        ForeignName("torch.utils.hooks:RemovableHandle.__init__", "zero/engine.py", in_code=("hooks_dict_ref",)),
+    ),
+)
+
 EARLY_CKPT_CHECK = Capability(
     "refusing a wrong `ckpt_path` before the model is built",
     fallback="a `ckpt_path` that names no checkpoint is refused only once the model is built and DeepSpeed started",
@@ -477,6 +494,7 @@ OPTIONAL = (
     CONVERTED_EXPORT,
     RELEASE,
     TRACE,
+    HOOKS_WHERE_PARAMS,
     EARLY_CKPT_CHECK,
 )
 ROWS = tuple(row for capability in (CORE, *OPTIONAL) for row in capability.rows)

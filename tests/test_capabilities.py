@@ -29,6 +29,7 @@ REACHED_BY_A_PLAIN_FIT = {
     "CPU_COMPUTE",
     "RELEASE",
     "TRACE",
+    "HOOKS_WHERE_PARAMS",
     "EARLY_CKPT_CHECK",
 }
 

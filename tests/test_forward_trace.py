@@ -16,9 +16,11 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
-from lightning_frozen.zero import forward_trace
+from lightning_frozen.zero import engine, forward_trace
+from lightning_frozen.zero.params import full_param
 from tests.distributed import read_reports, run_script
 from tests.models import AdapterModel, cpu_trainer, regression_data
+from tests.peft_models import PeftModule, batches
 
 
 class Reentrant(nn.Module):
@@ -132,3 +134,51 @@ def test_prefetching_trains_exactly_as_fetching_on_demand(self_call_fits: Path) 
     assert len(shipped) == len(stock) == 2
     for prefetched, fetched in zip(shipped, stock):
         assert prefetched["trainable"] == fetched["trainable"]
+
+
+class _HooksSeen(Callback):
+    """At the first step: which of the module's submodules carry ZeRO-3's hooks, by name."""
+
+    def __init__(self) -> None:
+        self.hooked: dict[str, bool] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx:
+            return
+        offload = engine.param_offload(trainer.strategy.model)
+        dicts = [handle.hooks_dict_ref() for handle in (*offload.forward_hooks, *offload.backward_hooks)]
+        live = {
+            id(hooks)
+            for handle, hooks in zip((*offload.forward_hooks, *offload.backward_hooks), dicts)
+            if hooks is not None and handle.id in hooks
+        }
+        self.hooked = {name: id(module._forward_pre_hooks) in live for name, module in pl_module.named_modules()}
+
+
+def _fit_seen(monkeypatch: pytest.MonkeyPatch, trim: bool) -> tuple[PeftModule, _HooksSeen]:
+    if not trim:
+        monkeypatch.setattr(engine, "hook_only_param_holders", lambda engine, model: 0)
+    seen = _HooksSeen()
+    module = PeftModule("lora_modules_to_save")
+    cpu_trainer(max_steps=3, callbacks=[seen]).fit(module, batches("lora_modules_to_save"))
+    monkeypatch.undo()
+    return module, seen
+
+
+def test_zero3_hooks_run_only_around_modules_that_hold_params_and_train_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module, seen = _fit_seen(monkeypatch, trim=True)
+    holders = {name for name, m in module.named_modules() if next(m.parameters(recurse=False), None) is not None}
+    idle = set(seen.hooked) - holders - {""}
+    assert holders and len(idle) > len(holders)  # a PEFT model: dicts, dropouts, wrappers, attention around layers
+    assert {name for name in holders if not seen.hooked[name]} == set()
+    assert {name for name in idle if seen.hooked[name]} == set()
+    assert seen.hooked[""]  # the engine's module keeps its own, which start and end DeepSpeed's forward
+    reference, everywhere = _fit_seen(monkeypatch, trim=False)
+    assert all(everywhere.hooked.values())
+    trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    for (name, param), expected in zip(trained, (p for p in reference.parameters() if p.requires_grad)):
+        torch.testing.assert_close(full_param(param), full_param(expected), rtol=1e-5, atol=1e-6, msg=name)
+    initial = dict(PeftModule("lora_modules_to_save").named_parameters())
+    assert any(not torch.equal(full_param(param), initial[name]) for name, param in trained)  # it trained

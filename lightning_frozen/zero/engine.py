@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
-from lightning_frozen.capabilities import RELEASE, TRACE, available
+from lightning_frozen.capabilities import HOOKS_WHERE_PARAMS, RELEASE, TRACE, available
 from lightning_frozen.foreign_names import reaching
 from lightning_frozen.spec import StrategySpec
 from lightning_frozen.zero import forward_trace, frozen_storage
@@ -112,6 +112,8 @@ def initialize_engine(
             dist_init_required=False,
         )
     release_frozen_persistence(engine, model)
+    if available(HOOKS_WHERE_PARAMS):
+        hook_only_param_holders(engine, model)
     if available(TRACE):
         forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
     if spec.frozen_dtype:
@@ -226,6 +228,29 @@ def release_frozen_persistence(engine: Any, model: nn.Module) -> None:
         param.ds_persist = False
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             param.partition()
+
+
+def hook_only_param_holders(engine: Any, model: nn.Module) -> int:
+    """Take ZeRO-3's module hooks off ``model``'s modules (the engine's root aside) that hold no param: none of their
+    own, none under them where they are a leaf, none registered as external; return how many. Around such a module
+    the hooks fetch and release nothing, yet each forward runs four of them and wraps the module's outputs in two
+    autograd nodes for its backward: at 1.1B with LoRA, three of four modules (a LoRA layer's dicts, dropouts, the
+    layer and attention wrappers) and 0.1-0.3 s a step on a 2-core CPU (docs/internals.md, "Steadiness of a step")."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    offload = param_offload(engine)
+    idle = {}
+    for module in model.modules():
+        if module is not model and next(iter(iter_params(module, recurse=z3_leaf_module(module))), None) is None:
+            idle[id(module._forward_pre_hooks)] = idle[id(module._forward_hooks)] = module
+    taken = set()
+    for handle in (*offload.forward_hooks, *offload.backward_hooks):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and id(hooks) in idle:
+            handle.remove()
+            taken.add(id(idle[id(hooks)]))
+    return len(taken)
 
 
 def param_offload(engine: Any) -> Any:

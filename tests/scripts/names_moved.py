@@ -59,6 +59,7 @@ PLAIN_FIT = {
     "ROUTED_EXPERTS": ("transformers.integrations.moe", "use_experts_implementation", "delete"),
     "RELEASE": (f"{_OFFLOAD}:ZeROOrderedDict", "__init__", "replace"),
     "TRACE": (f"{_OFFLOAD}:DeepSpeedZeRoOffload", "setup_zero_stage3_hooks", "replace"),
+    "HOOKS_WHERE_PARAMS": (f"{_OFFLOAD}:DeepSpeedZeRoOffload", "_register_deepspeed_module", "replace"),
     "EARLY_CKPT_CHECK": ("lightning.pytorch:Trainer", "_run", "replace"),
 }
 
