@@ -464,7 +464,11 @@ HOOKS_WHERE_PARAMS = Capability(
             in_code=("forward_hooks", "backward_hooks", "z3_leaf_module"),
         ),
         ForeignName(f"{_COORDINATOR.split(':')[0]}:iter_params", "zero/engine.py", ("module", "recurse")),
-        ForeignName("torch.nn.modules.module:Module.__init__", "zero/engine.py", in_code=("_forward_pre_hooks",)),
+        ForeignName(
+            "torch.nn.modules.module:Module.__init__",
+            "zero/engine.py",
+            in_code=("_forward_pre_hooks", "_forward_hooks"),
+        ),
         ForeignName("torch.utils.hooks:RemovableHandle.__init__", "zero/engine.py", in_code=("hooks_dict_ref",)),
     ),
 )
