@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import lightning_frozen
-from lightning_frozen.format import codec
+from lightning_frozen.format import codec, native_codec
 from lightning_frozen.hf import peft_adapters
 from lightning_frozen.zero.compute import coded_experts, coded_linear
 from lightning_frozen.zero.params import full_param
@@ -67,6 +67,13 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
     decoded_rows = []
     tiles_of = layers.tiles_of
     monkeypatch.setattr(layers, "tiles_of", lambda w, e=None, n=None: decoded_rows.append(e) or tiles_of(w, e, n))
+    kernel_offsets = []  # where the compiled kernels multiplied straight from the codes (rows on whole blocks)
+    kernel_forward = native_codec.CodedMatmuls.forward
+    monkeypatch.setattr(
+        native_codec.CodedMatmuls,
+        "forward",
+        lambda self, offset, *a: kernel_offsets.append(offset) or kernel_forward(self, offset, *a),
+    )
 
     outputs, grads = [], []
     for module, forward in (
@@ -83,6 +90,11 @@ def test_the_routed_experts_compute_what_transformers_computes_from_the_decoded_
     for ours, theirs in zip(*grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert set(decoded_rows) == {0, 2}  # forward and backward decoded only the routed experts
+    if frozen_dtype == "nf4" and native_codec.blas_sgemm() is not None:  # gate_up_proj's 64-wide rows: the kernels
+        matrix = experts.gate_up_proj.ds_shape[-2] * experts.gate_up_proj.ds_shape[-1]
+        assert {offset // matrix for offset in kernel_offsets} == {0, 2}
+    else:  # int8's blocks are 256 wide: row tiles only
+        assert kernel_offsets == []
     assert torch.isnan(experts.gate_up_proj).all()  # the fused params were never decoded whole
     # gathered whole between forward and backward (GatheredParameters around the backward): the whole weights read
     inputs = [hidden.clone().requires_grad_(True), index, routing.clone().requires_grad_(True)]

@@ -436,10 +436,13 @@ class CodedMatmuls:
         columns = min(in_features, max(self._block, columns // self._block * self._block))
         return rows, columns, torch.empty(threads * rows * columns, dtype=torch.float32), threads
 
-    def forward(self, offset: int, shape: tuple[int, int], values: torch.Tensor) -> torch.Tensor:
-        """``values @ weight.T`` (``values``: 2-D, contiguous, fp32, :meth:`fits`)."""
+    def forward(
+        self, offset: int, shape: tuple[int, int], values: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``values @ weight.T`` (``values``: 2-D, contiguous, fp32, :meth:`fits`), into ``out`` where given
+        (contiguous)."""
         out_features, in_features = shape
-        out = values.new_empty(values.shape[0], out_features)
+        out = values.new_empty(values.shape[0], out_features) if out is None else out
         rows, columns, buffers, threads = self._tile(in_features)
         self._lib.lf_coded_matmul(
             *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
@@ -448,10 +451,12 @@ class CodedMatmuls:
         )
         return out
 
-    def backward(self, offset: int, shape: tuple[int, int], grad: torch.Tensor) -> torch.Tensor:
-        """``grad @ weight`` (``grad``: 2-D, contiguous, fp32, :meth:`fits`)."""
+    def backward(
+        self, offset: int, shape: tuple[int, int], grad: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``grad @ weight`` (``grad``: 2-D, contiguous, fp32, :meth:`fits`), into ``out`` where given (contiguous)."""
         out_features, in_features = shape
-        grad_input = grad.new_empty(grad.shape[0], in_features)
+        grad_input = grad.new_empty(grad.shape[0], in_features) if out is None else out
         rows, columns, buffers, threads = self._tile(in_features)
         partials = torch.empty(max(threads - 1, 1) * grad.shape[0] * in_features, dtype=torch.float32)
         self._lib.lf_coded_matmul_grad(

@@ -298,7 +298,10 @@ def _segments(
 
 
 def _coded_rows(layers: CodedLayers, weight: nn.Parameter, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = rows @ weight[expert].T``, the matrix decoded from its codes a tile of output columns at a time."""
+    """``out = rows @ weight[expert].T``, the matrix decoded from its codes a tile of output columns at a time (each
+    thread its own tiles, where the compiled kernels can: ``CodedLayers.matmuls_of``)."""
+    if _from_codes(layers, weight, expert, rows, out, forward=True):
+        return
     for first, tile in layers.tiles_of(weight, expert, EXPERT_TILE_ELEMENTS):
         torch.mm(rows, tile.t(), out=out[:, first : first + tile.shape[0]])
 
@@ -306,9 +309,26 @@ def _coded_rows(layers: CodedLayers, weight: nn.Parameter, expert: int, rows: to
 def _coded_rows_backward(
     layers: CodedLayers, weight: nn.Parameter, expert: int, grad: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """``out = grad @ weight[expert]``, the matrix decoded from its codes a tile of rows at a time."""
+    """``out = grad @ weight[expert]``, the matrix decoded from its codes a tile of rows at a time (as
+    :func:`_coded_rows`)."""
+    if _from_codes(layers, weight, expert, grad, out, forward=False):
+        return
     for first, tile in layers.tiles_of(weight, expert, EXPERT_TILE_ELEMENTS):
         if first == 0:
             torch.mm(grad[:, : tile.shape[0]], tile, out=out)
         else:
             out.addmm_(grad[:, first : first + tile.shape[0]], tile)
+
+
+def _from_codes(
+    layers: CodedLayers, weight: nn.Parameter, expert: int, values: torch.Tensor, out: torch.Tensor, forward: bool
+) -> bool:
+    """``out = values @ weight[expert].T`` (``forward``) or ``values @ weight[expert]`` in one call of the compiled
+    kernels; False where they cannot take it."""
+    matmuls = layers.matmuls_of(weight)
+    shape = tuple(weight.ds_shape[-2:])
+    offset = expert * shape[0] * shape[1]
+    if matmuls is None or not out.is_contiguous() or not matmuls.fits(offset, shape, values.contiguous()):
+        return False
+    (matmuls.forward if forward else matmuls.backward)(offset, shape, values.contiguous(), out)
+    return True
