@@ -1,6 +1,8 @@
 """Frozen ``nn.Linear`` and ``nn.Embedding`` layers computed from their gathered codes on the CPU, a part of the
-weight at a time: a linear layer decodes ``TILE_ELEMENTS`` weights (a few output rows) into one small buffer and
-multiplies them while they are in cache, forward and backward; an embedding decodes only the rows it looks up. The
+weight at a time: in fp32 with torch's MKL a linear layer's matmul is one call of the compiled kernels, each thread
+decoding tiles of its own and multiplying them in its cache (``native_codec.CodedMatmuls``); else it decodes
+``TILE_ELEMENTS`` weights (a few output rows) into one small buffer and multiplies them while they are in cache,
+forward and backward. An embedding decodes only the rows it looks up. The
 gather keeps such a layer's codes (``quantized.py``) and its weight's data is a placeholder that reads as NaN, so a
 reader we did not foresee fails loudly. Only a plain layer whose weight no other module shares, outside CPU autocast
 and ``GatheredParameters``; why and what it saves: docs/frozen-storage.md.
