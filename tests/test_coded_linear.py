@@ -107,7 +107,7 @@ def test_a_layer_computes_from_codes_what_it_computes_from_the_decoded_weight(
     assert not torch.equal(decoded, weight)  # what was compared is the codes' values, not the source's
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("frozen_dtype", ["nf4", "int8"])
 def test_a_matmul_from_codes_on_each_threads_own_tiles_is_the_decoded_weights(
     frozen_dtype: str, threads: int, monkeypatch: pytest.MonkeyPatch

@@ -536,36 +536,29 @@ int lf_coded_matmul(void *sgemm, int nf4, const void *const *codes, const void *
     return 0;
 }
 
-/* grad_input (M x K) = grad (M x N) @ weight; partials: (threads - 1) * M * K floats, one sum per other thread */
+/* grad_input (M x K) = grad (M x N) @ weight: each thread takes every threads-th block of tile_cols input columns and
+ * runs down the weight's rows for it, so each part of grad_input is summed by one thread and nothing is reduced */
 int lf_coded_matmul_grad(void *sgemm, int nf4, const void *const *codes, const void *const *scales,
                          const float *table, int64_t shard_numel, int64_t offset, int64_t M, int64_t N, int64_t K,
                          const float *grad, float *grad_input, int64_t tile_rows, int64_t tile_cols, float *buffers,
-                         float *partials, int threads) {
+                         int threads) {
     const lf_sgemm_t gemm = (lf_sgemm_t)sgemm;
-    const int64_t tiles = (N + tile_rows - 1) / tile_rows;
+    const int64_t tiles = (K + tile_cols - 1) / tile_cols;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         float *buf = buffers + thread * tile_rows * tile_cols;
-        float *sum = thread == 0 ? grad_input : partials + (thread - 1) * M * K;
-        memset(sum, 0, sizeof(float) * M * K);
-        const float one = 1.0f;
+        const float one = 1.0f, zero = 0.0f;
         const int m = (int)M, k = (int)K, n = (int)N;
         for (int64_t tile = thread; tile < tiles; tile += team) {
-            const int64_t r0 = tile * tile_rows, rows = N - r0 < tile_rows ? N - r0 : tile_rows;
-            for (int64_t c0 = 0; c0 < K; c0 += tile_cols) {
-                const int64_t cols = K - c0 < tile_cols ? K - c0 : tile_cols;
+            const int64_t c0 = tile * tile_cols, cols = K - c0 < tile_cols ? K - c0 : tile_cols;
+            for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
+                const int64_t rows = N - r0 < tile_rows ? N - r0 : tile_rows;
                 coded_tile(nf4, codes, scales, table, shard_numel, offset, K, r0, rows, c0, cols, buf);
                 const int r = (int)rows, c = (int)cols;
-                /* column-major: sum.T[c0:, :] (cols x M) += buf (cols x rows) @ grad.T[r0:, :] (rows x M) */
-                gemm("N", "N", &c, &m, &r, &one, buf, &c, grad + r0, &n, &one, sum + c0, &k);
+                /* column-major: grad_input.T[c0:, :] (cols x M) (+)= buf (cols x rows) @ grad.T[r0:, :] (rows x M) */
+                gemm("N", "N", &c, &m, &r, &one, buf, &c, grad + r0, &n, r0 ? &one : &zero, grad_input + c0, &k);
             }
-        }
-#pragma omp barrier
-        const int64_t low = M * K * thread / team, high = M * K * (thread + 1) / team;
-        for (int64_t other = 1; other < team; ++other) {
-            const float *part = partials + (other - 1) * M * K;
-            for (int64_t i = low; i < high; ++i) grad_input[i] += part[i];
         }
     }
     return 0;

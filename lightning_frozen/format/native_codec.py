@@ -65,7 +65,22 @@ _WHOLE_SIGNATURES = {
     # a frozen linear layer's matmul from its codes, forward and backward (zero/compute/coded_linear.py)
     "lf_coded_matmul": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int],
     "lf_coded_matmul_grad": [
-        *(_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int)
+        _ptr,
+        _int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _int,
     ],
 }
 
@@ -430,10 +445,17 @@ class CodedMatmuls:
             and out_features * in_features < 2**31
         )
 
-    def _tile(self, in_features: int) -> tuple[int, int, torch.Tensor, int]:
+    def _tile(self, shape: tuple[int, int], split_rows: bool) -> tuple[int, int, torch.Tensor, int]:
+        """A thread's tile (rows, columns) and every thread's buffer: :data:`MATMUL_TILE`, smaller in the dimension the
+        threads split (the weight's rows forward, its columns backward) where it would leave a thread idle."""
         threads = torch.get_num_threads()
         rows, columns = MATMUL_TILE
-        columns = min(in_features, max(self._block, columns // self._block * self._block))
+        if split_rows:
+            rows = min(rows, max(16, -(-shape[0] // threads)))
+        else:
+            share = -(-shape[1] // threads)
+            columns = min(columns, -(-share // self._block) * self._block)
+        columns = min(shape[1], max(self._block, columns // self._block * self._block))
         return rows, columns, torch.empty(threads * rows * columns, dtype=torch.float32), threads
 
     def forward(
@@ -443,7 +465,7 @@ class CodedMatmuls:
         (contiguous)."""
         out_features, in_features = shape
         out = values.new_empty(values.shape[0], out_features) if out is None else out
-        rows, columns, buffers, threads = self._tile(in_features)
+        rows, columns, buffers, threads = self._tile(shape, split_rows=True)
         self._lib.lf_coded_matmul(
             *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
             *(values.shape[0], out_features, in_features, values.data_ptr(), out.data_ptr()),
@@ -457,12 +479,11 @@ class CodedMatmuls:
         """``grad @ weight`` (``grad``: 2-D, contiguous, fp32, :meth:`fits`), into ``out`` where given (contiguous)."""
         out_features, in_features = shape
         grad_input = grad.new_empty(grad.shape[0], in_features) if out is None else out
-        rows, columns, buffers, threads = self._tile(in_features)
-        partials = torch.empty(max(threads - 1, 1) * grad.shape[0] * in_features, dtype=torch.float32)
+        rows, columns, buffers, threads = self._tile(shape, split_rows=False)
         self._lib.lf_coded_matmul_grad(
             *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
             *(grad.shape[0], out_features, in_features, grad.data_ptr(), grad_input.data_ptr()),
-            *(rows, columns, buffers.data_ptr(), partials.data_ptr(), threads),
+            *(rows, columns, buffers.data_ptr(), threads),
         )
         return grad_input
 
