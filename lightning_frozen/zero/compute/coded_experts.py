@@ -328,7 +328,7 @@ def _from_codes(
     matmuls = layers.matmuls_of(weight)
     shape = tuple(weight.ds_shape[-2:])
     offset = expert * shape[0] * shape[1]
-    if matmuls is None or not out.is_contiguous() or not matmuls.fits(offset, shape, values.contiguous()):
+    if matmuls is None or not out.is_contiguous() or not matmuls.fits(offset, shape, values):
         return False
     (matmuls.forward if forward else matmuls.backward)(offset, shape, values.contiguous(), out)
     return True
