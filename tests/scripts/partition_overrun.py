@@ -17,6 +17,7 @@ from deepspeed.utils import (  # noqa: E402
     safe_get_local_fp32_param,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
 )
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
@@ -60,10 +61,17 @@ def main() -> None:
     report["fp32_overran"] = overran(lambda: safe_set_full_fp32_param(param, weight))
     report["exp_avg_overran"] = overran(lambda: safe_set_full_optimizer_state(param, moment, "exp_avg"))
 
+    # DeepSpeed allocates a partition's padding with torch.empty and never writes it, so it holds whatever bits were
+    # there (1.6e-42 and 2.2e-15 seen here; in CI torch.equal once found it changed, which only a NaN explains): kept
+    # as it is by the package. It is set to NaN first and compared as bits, so every run tests the same thing.
+    local = safe_get_local_fp32_param(param).clone()
+    local[valid:] = float("nan")
+    safe_set_local_fp32_param(param, local)
     padding = safe_get_local_fp32_param(param)[valid:].clone()
     set_full_param(param, weight, optimizer)
     set_optimizer_state(optimizer, param, {"exp_avg": moment})
-    report["padding_kept"] = torch.equal(safe_get_local_fp32_param(param)[valid:], padding)
+    after = safe_get_local_fp32_param(param)[valid:]
+    report["padding_kept"] = torch.equal(after.view(torch.int32), padding.view(torch.int32))
     report["weight_read_back"] = torch.equal(full_param(param, optimizer), weight)
     report["exp_avg_read_back"] = torch.equal(optimizer_state_of(optimizer, param)["exp_avg"], moment)
     gathered = gather_to_writer(param, optimizer), gather_to_writer(param, optimizer, "exp_avg")
