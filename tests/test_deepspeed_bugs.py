@@ -63,7 +63,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_the_package_writes_a_padded_partition_whole_and_exact(two_ranks: list[dict[str, Any]]) -> None:
     for report in two_ranks:
-        assert report["padding_kept"] and report["weight_read_back"] and report["exp_avg_read_back"], report
+        failed = [key for key in ("padding_kept", "weight_read_back", "exp_avg_read_back") if not report[key]]
+        assert not failed, f"rank {report['rank']}: {', '.join(failed)} false"  # named: pytest cuts a long dict short
     assert two_ranks[0]["gathered_to_writer"]
 
 
