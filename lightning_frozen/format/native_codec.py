@@ -51,6 +51,9 @@ _SIGNATURES = {
     "lf_checksum16": [_ptr, _int, _i64, _i64, _i64, _i64, _ptr],
     "lf_openmp": [],
 }
+# a matmul from codes: sgemm, nf4, codes, scales, table, shard numel, offset, M, N, K, input, output, tile rows and
+# columns, buffers, threads
+_MATMUL_SIGNATURE = [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int]
 # the same over the whole tensor, split on the OpenMP threads torch runs its ops on (a build with OpenMP only)
 _WHOLE_SIGNATURES = {
     "lf_nf4_decode_all": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
@@ -63,25 +66,8 @@ _WHOLE_SIGNATURES = {
     "lf_openmp_park": [_int],
     "lf_openmp_release": [],
     # a frozen linear layer's matmul from its codes, forward and backward (zero/compute/coded_linear.py)
-    "lf_coded_matmul": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int],
-    "lf_coded_matmul_grad": [
-        _ptr,
-        _int,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _int,
-    ],
+    "lf_coded_matmul": _MATMUL_SIGNATURE,
+    "lf_coded_matmul_grad": _MATMUL_SIGNATURE,
 }
 
 
@@ -463,29 +449,31 @@ class CodedMatmuls:
     ) -> torch.Tensor:
         """``values @ weight.T`` (``values``: 2-D, contiguous, fp32, :meth:`fits`), into ``out`` where given
         (contiguous)."""
-        out_features, in_features = shape
-        out = values.new_empty(values.shape[0], out_features) if out is None else out
-        rows, columns, buffers, threads = self._tile(shape, split_rows=True)
-        self._lib.lf_coded_matmul(
-            *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
-            *(values.shape[0], out_features, in_features, values.data_ptr(), out.data_ptr()),
-            *(rows, columns, buffers.data_ptr(), threads),
-        )
-        return out
+        out = values.new_empty(values.shape[0], shape[0]) if out is None else out
+        return self._run(self._lib.lf_coded_matmul, offset, shape, values, out, split_rows=True)
 
     def backward(
         self, offset: int, shape: tuple[int, int], grad: torch.Tensor, out: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """``grad @ weight`` (``grad``: 2-D, contiguous, fp32, :meth:`fits`), into ``out`` where given (contiguous)."""
-        out_features, in_features = shape
-        grad_input = grad.new_empty(grad.shape[0], in_features) if out is None else out
-        rows, columns, buffers, threads = self._tile(shape, split_rows=False)
-        self._lib.lf_coded_matmul_grad(
+        out = grad.new_empty(grad.shape[0], shape[1]) if out is None else out
+        return self._run(self._lib.lf_coded_matmul_grad, offset, shape, grad, out, split_rows=False)
+
+    def _run(
+        self,
+        kernel: Callable[..., int],
+        offset: int,
+        shape: tuple[int, int],
+        values: torch.Tensor,
+        out: torch.Tensor,
+        split_rows: bool,
+    ) -> torch.Tensor:
+        rows, columns, buffers, threads = self._tile(shape, split_rows)
+        kernel(
             *(self._sgemm, self._nf4, self._codes, self._scales, self._table.data_ptr(), self._numel, offset),
-            *(grad.shape[0], out_features, in_features, grad.data_ptr(), grad_input.data_ptr()),
-            *(rows, columns, buffers.data_ptr(), threads),
+            *(values.shape[0], *shape, values.data_ptr(), out.data_ptr(), rows, columns, buffers.data_ptr(), threads),
         )
-        return grad_input
+        return out
 
 
 # the compiled passes as the core takes them (``codec.Kernels``, ``fingerprint.Checksummer``)

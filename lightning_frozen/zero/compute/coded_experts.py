@@ -299,8 +299,8 @@ def _segments(
 
 def _coded_rows(layers: CodedLayers, weight: nn.Parameter, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out = rows @ weight[expert].T``, the matrix decoded from its codes a tile of output columns at a time (each
-    thread its own tiles, where the compiled kernels can: ``CodedLayers.matmuls_of``)."""
-    if _from_codes(layers, weight, expert, rows, out, forward=True):
+    thread its own tiles, where the compiled kernels can: ``CodedLayers.matmul_from_codes``)."""
+    if layers.matmul_from_codes(weight, expert, rows, True, out) is not None:  # the compiled kernels took it
         return
     for first, tile in layers.tiles_of(weight, expert, EXPERT_TILE_ELEMENTS):
         torch.mm(rows, tile.t(), out=out[:, first : first + tile.shape[0]])
@@ -311,24 +311,10 @@ def _coded_rows_backward(
 ) -> None:
     """``out = grad @ weight[expert]``, the matrix decoded from its codes a tile of rows at a time (as
     :func:`_coded_rows`)."""
-    if _from_codes(layers, weight, expert, grad, out, forward=False):
+    if layers.matmul_from_codes(weight, expert, grad, False, out) is not None:
         return
     for first, tile in layers.tiles_of(weight, expert, EXPERT_TILE_ELEMENTS):
         if first == 0:
             torch.mm(grad[:, : tile.shape[0]], tile, out=out)
         else:
             out.addmm_(grad[:, first : first + tile.shape[0]], tile)
-
-
-def _from_codes(
-    layers: CodedLayers, weight: nn.Parameter, expert: int, values: torch.Tensor, out: torch.Tensor, forward: bool
-) -> bool:
-    """``out = values @ weight[expert].T`` (``forward``) or ``values @ weight[expert]`` in one call of the compiled
-    kernels; False where they cannot take it."""
-    matmuls = layers.matmuls_of(weight)
-    shape = tuple(weight.ds_shape[-2:])
-    offset = expert * shape[0] * shape[1]
-    if matmuls is None or not out.is_contiguous() or not matmuls.fits(offset, shape, values):
-        return False
-    (matmuls.forward if forward else matmuls.backward)(offset, shape, values.contiguous(), out)
-    return True

@@ -146,6 +146,24 @@ class CodedLayers:
             self._matmuls[weight] = native_codec.CodedMatmuls.of(stored, numel, codec.block_format(frozen_dtype))
         return self._matmuls[weight]
 
+    def matmul_from_codes(
+        self,
+        weight: nn.Parameter,
+        expert: Optional[int],
+        values: torch.Tensor,
+        forward: bool,
+        out: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """``values @ weight.T`` (``forward``) or ``values @ weight`` (2-D ``values``; of ``weight``'s matrix
+        ``expert`` where it stacks one per expert), into ``out`` where given, in one call of the compiled kernels
+        (:meth:`matmuls_of`); None where they cannot take it (:meth:`tiles_of` then)."""
+        matmuls = self.matmuls_of(weight)
+        shape = tuple(weight.ds_shape[-2:])
+        offset = 0 if expert is None else expert * shape[0] * shape[1]
+        if matmuls is None or not matmuls.fits(offset, shape, values) or not (out is None or out.is_contiguous()):
+            return None
+        return (matmuls.forward if forward else matmuls.backward)(offset, shape, values.contiguous(), out)
+
     def tiles_of(
         self, weight: nn.Parameter, expert: Optional[int] = None, elements: Optional[int] = None
     ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -227,12 +245,11 @@ class CodedMatmul(torch.autograd.Function):
         ctx: Any, input: torch.Tensor, weight: nn.Parameter, layers: CodedLayers, expert: Optional[int] = None
     ) -> torch.Tensor:
         ctx.weight, ctx.layers, ctx.expert = weight, layers, expert
-        out_features, in_features = shape = weight.ds_shape[-2:]
+        out_features, in_features = weight.ds_shape[-2:]
         flat = input.reshape(-1, in_features).contiguous()
-        offset = 0 if expert is None else expert * out_features * in_features
-        matmuls = layers.matmuls_of(weight)
-        if matmuls is not None and matmuls.fits(offset, shape, flat):
-            return matmuls.forward(offset, shape, flat).view(*input.shape[:-1], out_features)
+        output = layers.matmul_from_codes(weight, expert, flat, forward=True)
+        if output is not None:
+            return output.view(*input.shape[:-1], out_features)
         output = flat.new_empty(flat.shape[0], out_features)
         for first, tile in layers.tiles_of(weight, expert):
             torch.mm(flat, tile.t(), out=output[:, first : first + tile.shape[0]])
@@ -248,10 +265,8 @@ class CodedMatmul(torch.autograd.Function):
         if layers.held_codes(weight) is None:  # gathered whole for backward (GatheredParameters around it)
             whole = weight if expert is None else weight[expert]
             return (grad @ whole).view(*grad_output.shape[:-1], in_features), None, None, None
-        offset = 0 if expert is None else expert * out_features * in_features
-        matmuls = layers.matmuls_of(weight)
-        if matmuls is not None and matmuls.fits(offset, (out_features, in_features), grad):
-            grad_input = matmuls.backward(offset, (out_features, in_features), grad.contiguous())
+        grad_input = layers.matmul_from_codes(weight, expert, grad, forward=False)
+        if grad_input is not None:
             return grad_input.view(*grad_output.shape[:-1], in_features), None, None, None
         grad_input = grad.new_zeros(grad.shape[0], in_features)
         for first, tile in layers.tiles_of(weight, expert):
