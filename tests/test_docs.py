@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -348,3 +349,17 @@ def test_the_outside_and_machine_checks_name_what_they_find() -> None:
         "README.md:2: 'Seen here': say which machine, beside its figure",
         "README.md:2: 'this machine': say which machine, beside its figure",
     ]
+
+
+def test_the_repository_tracks_no_checkpoint_and_ignores_the_ones_runs_write() -> None:
+    """A run's checkpoint stays out of the repository: a stopped benchmark once left a 13.7 MB ``last.ckpt`` in the
+    working directory, holding a machine's path as its base reference, and it was committed."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "*.ckpt"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert tracked.stdout.split() == []
+    written = ["last.ckpt", "lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt", ".last.ckpt.lf-1-2-ab.tmp"]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert ignored.stdout.split() == written

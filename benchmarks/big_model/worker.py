@@ -218,6 +218,8 @@ def make_trainer(spec: dict[str, Any], strategy: Any, max_steps: int, probe: Pro
         precision=spec["precision"],
         max_steps=max_steps,
         max_epochs=-1,
+        # a SIGTERM stop saves `last.ckpt` in `default_root_dir`: the run's folder, not the working directory
+        default_root_dir=Path(spec["checkpoint"]).parent,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
