@@ -391,19 +391,22 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def teardown(self) -> None:
-        """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone."""
+        """After a run, returned or raised: its engine released (``zero/engine.release_engine``), its changes undone,
+        even where the release raises (that error then goes on to the caller)."""
         module = self.lightning_module
-        if module is not None:
-            release_engine(self.model, module)
-            callback = module.trainer.checkpoint_callback
-            saved = getattr(callback, "best_model_path", None) or getattr(callback, "last_model_path", None)
-            notice = still_sharded_notice(module, self.run_from_command_line, saved)
-            # RUNNING: the run returned (Lightning marks a raised one INTERRUPTED before its teardown)
-            if notice and module.trainer.state.status == TrainerStatus.RUNNING:
-                rank_zero_info(notice)
-        self._ledger.close()  # the module outlives the run: outside it, it and the process are the user's own
-        self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
-        super().teardown()
+        try:
+            if module is not None:
+                release_engine(self.model, module)
+                callback = module.trainer.checkpoint_callback
+                saved = getattr(callback, "best_model_path", None) or getattr(callback, "last_model_path", None)
+                notice = still_sharded_notice(module, self.run_from_command_line, saved)
+                # RUNNING: the run returned (Lightning marks a raised one INTERRUPTED before its teardown)
+                if notice and module.trainer.state.status == TrainerStatus.RUNNING:
+                    rank_zero_info(notice)
+        finally:
+            self._ledger.close()  # the module outlives the run: outside it, it and the process are the user's own
+            self._anatomy = None  # it holds the PEFT model: the next run, or a save after this one, finds it again
+            super().teardown()
 
     def freeze_once_built(self, freeze: Callable[[Module], None]) -> None:
         """Run ``freeze(module)`` in this run once ``configure_model`` built the module (a finetuning callback's)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +27,7 @@ from torch import nn
 
 import lightning_frozen
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
+from lightning_frozen.zero.compute import waiting_threads
 from tests.adapter_models import CausalAdapters, token_batches
 from tests.models import AdapterModel, cpu_trainer, regression_data
 from tests.peft_models import save_tiny_llama
@@ -272,3 +275,46 @@ def test_two_strategies_in_one_process_keep_their_own_compute_tables() -> None:
     (first_tables, first_layers), (second_tables, second_layers) = held[True], held[False]
     assert first_tables is not second_tables and first_tables.buffers is not second_tables.buffers
     assert first_layers == second_layers > 0  # each run computed its own frozen layers from their codes
+
+
+def _parked_threads() -> int:
+    return sum(t.name == waiting_threads.THREAD_NAME for t in threading.enumerate())
+
+
+def test_a_release_that_raises_still_undoes_the_runs_changes(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Teardown's engine release raising still closes the run's ledger: the module, the libraries, the process's
+    OpenMP team, its signal handlers and warning filters are as before, and the release's error reaches the caller."""
+    parked: list[int] = []
+
+    class Watched(AdapterModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            parked.append(_parked_threads())
+            return super().training_step(batch, batch_idx)
+
+    release = lightning_frozen.strategy.release_engine
+
+    def release_that_raises(engine: Any, model: nn.Module) -> None:
+        release(engine, model)  # what it undoes itself undone; then its last step fails
+        raise RuntimeError("the release failed")
+
+    monkeypatch.setattr(lightning_frozen.strategy, "release_engine", release_that_raises)
+    # OpenMP's team given its parked thread for the whole run (tests/test_waiting_threads.py's way)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(waiting_threads, "CONTENDED_WAIT", -1)
+    monkeypatch.setattr(waiting_threads, "MIN_WINDOW_S", 0.0)
+    torch_threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(torch_threads))
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    module, threads = Watched(), _parked_threads()
+    before = Snapshot.take(module)
+    filters, handler = list(warnings.filters), signal.getsignal(signal.SIGTERM)
+    trainer = cpu_trainer(strategy=_strategy("nf4"), max_steps=2)
+    with pytest.raises(RuntimeError, match="the release failed"):
+        trainer.fit(module, regression_data())
+    _unchanged(before, module, trainer=trainer)
+    assert parked == [threads + 1] * 2 and _parked_threads() == threads  # parked while it ran, gone after
+    assert signal.getsignal(signal.SIGTERM) == handler and warnings.filters == filters
+    assert torch.nn.functional.linear is before_linear
