@@ -75,8 +75,10 @@ class FrozenBaseFileError(FrozenTrainingError, OSError):
         return type(self), (self.path, self.reason)
 
 
-class CheckpointNotFoundError(FrozenTrainingError, FileNotFoundError):
-    """Nothing at the checkpoint path given."""
+class CheckpointNotFoundError(CheckpointFormatError, FileNotFoundError):
+    """No checkpoint file at the path given: nothing there, a folder that holds none, or a path inside a stock
+    DeepSpeed checkpoint. A ``FileNotFoundError`` as stock ``DeepSpeedStrategy.load_checkpoint`` raises, and a
+    ``CheckpointFormatError`` as the package raised for a folder before."""
 
 
 class BaseFolderError(FrozenTrainingError, FileNotFoundError):

@@ -25,6 +25,7 @@ from lightning_frozen.zero.engine import shard_device
 from tests.models import AdapterModel, LoRALinear, cpu_trainer, regression_data
 
 ENV = DeepSpeedStrategy.DEEPSPEED_ENV_VAR
+STOCK_WORDS = "The provided path is not a valid DeepSpeed checkpoint"  # `_validate_checkpoint_directory`'s
 
 
 def _parameters(cls: type) -> list[inspect.Parameter]:
@@ -122,14 +123,27 @@ def test_load_checkpoint_on_a_folder_says_what_it_is(stock_checkpoint: Path) -> 
     parent = re.escape(str(stock_checkpoint))
     with pytest.raises(CheckpointFormatError, match=rf"^{parent} is a directory: a checkpoint written by .* convert"):
         strategy.load_checkpoint(stock_checkpoint)
+    # no checkpoint at these paths: a FileNotFoundError, as stock raises, in stock's words and naming the fix
     for inside in (
         stock_checkpoint / "checkpoint",
         stock_checkpoint / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
     ):
-        with pytest.raises(CheckpointFormatError, match=rf"convert that parent directory instead.*convert {parent} "):
+        with pytest.raises(FileNotFoundError, match=rf"^{STOCK_WORDS}: .*convert that parent .*convert {parent} "):
             strategy.load_checkpoint(inside)
-    with pytest.raises(CheckpointFormatError, match=r"is a directory, not a checkpoint file\. Pass the path of the"):
+    with pytest.raises(FileNotFoundError, match=rf"^{STOCK_WORDS}: .* is a directory, not a checkpoint file\. Pass"):
         strategy.load_checkpoint(stock_checkpoint.parent)
+
+
+def test_load_checkpoint_on_a_folder_holding_no_checkpoint_raises_as_lightnings_own_test_expects(
+    tmp_path: Path,
+) -> None:
+    # the first case of Lightning's `test_deepspeed_load_checkpoint_validate_path` (tests_pytorch), as it is written
+    strategy = FrozenAwareDeepSpeedStrategy()
+    with pytest.raises(FileNotFoundError, match="The provided path is not a valid DeepSpeed checkpoint"):
+        strategy.load_checkpoint(checkpoint_path=tmp_path)
+    # and still the package's own error, which callers caught for a folder before
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(tmp_path))} is a directory, not a checkpoint"):
+        strategy.load_checkpoint(checkpoint_path=tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- configure_model

@@ -39,6 +39,9 @@ from lightning_frozen.zero import torch_file
 PathLike = Union[str, os.PathLike]
 T = TypeVar("T")
 
+# what stock `DeepSpeedStrategy.load_checkpoint` says first where a path holds no checkpoint: callers match it
+NOT_A_CHECKPOINT = "The provided path is not a valid DeepSpeed checkpoint"
+
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _SAFE_SCALARS = (*_JSON_SCALARS, torch.dtype, torch.device, torch.Size)
 
@@ -258,9 +261,9 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
     ``given_as`` says where the path came from, for the message.
 
     Raises:
-        CheckpointNotFoundError: nothing at ``location`` (a ``FileNotFoundError``).
-        CheckpointFormatError: a directory, or a path inside a stock DeepSpeed checkpoint; the message says to convert
-            the stock checkpoint where there is one.
+        CheckpointNotFoundError: nothing at ``location``, a directory that holds no checkpoint, or a path inside a stock
+            DeepSpeed checkpoint (a ``FileNotFoundError``, in stock's words, saying to convert that checkpoint).
+        CheckpointFormatError: a stock DeepSpeed checkpoint directory; the message says to convert it.
     """
     if isinstance(location, str):
         fs = get_filesystem(location)
@@ -280,7 +283,9 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
         )
         raise CheckpointNotFoundError(f"No checkpoint at {location}{given_as}: check the path{relative}.{inside}")
     if inside:
-        raise CheckpointFormatError(f"{location} is not a lightning-frozen checkpoint file{given_as}.{inside}")
+        raise CheckpointNotFoundError(
+            f"{NOT_A_CHECKPOINT}: {location} is not a lightning-frozen checkpoint file{given_as}.{inside}"
+        )
     if not is_dir:
         return
     if stock is not None:
@@ -290,10 +295,10 @@ def require_file(location: Union[Path, str], given_as: str = "") -> None:
         )
     inside = sorted(p.name for p in location.glob("*.ckpt")) if isinstance(location, Path) else []
     holds = f" It holds {format_names(inside)}." if inside else ""
-    raise CheckpointFormatError(
-        f"{location} is a directory, not a checkpoint file{given_as}. Pass the path of the `.ckpt` file itself (a"
-        f" ModelCheckpoint writes them in its `dirpath`, by default `<default_root_dir>/lightning_logs/version_<n>/"
-        f"checkpoints/`).{holds}"
+    raise CheckpointNotFoundError(
+        f"{NOT_A_CHECKPOINT}: {location} is a directory, not a checkpoint file{given_as}. Pass the path of the"
+        " `.ckpt` file itself (a ModelCheckpoint writes them in its `dirpath`, by default"
+        f" `<default_root_dir>/lightning_logs/version_<n>/checkpoints/`).{holds}"
     )
 
 
