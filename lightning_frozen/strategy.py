@@ -5,7 +5,10 @@ The class only wires the package's modules into Lightning's hooks; docs/internal
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
+import textwrap
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -84,8 +87,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         precision_plugin: Lightning's precision plugin; normally set by the Trainer from ``precision=``.
         process_group_backend: the torch.distributed backend; ``nccl`` on CUDA and ``gloo`` on the CPU by default.
         timeout: how long collectives wait for the other ranks before failing.
-        exclude_frozen_parameters, load_full_weights: no effect (a checkpoint is always one adapter file without
-            frozen weights). Every other argument of ``DeepSpeedStrategy`` builds the same config as there.
+        exclude_frozen_parameters: no effect (a checkpoint is always one adapter file without frozen weights).
+        load_full_weights: no effect either. Every other argument of ``DeepSpeedStrategy`` builds the same config as
+            there.
         offload_frozen: keep the frozen ZeRO-3 shards in CPU memory (trainable params are not offloaded
             unless ``offload_parameters=True``, which offloads every param, as DeepSpeed does).
         convert_lr_zero_groups: freeze params that sit only in groups whose learning rate is 0 for the whole run.
@@ -191,10 +195,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         self._row_hooks = ExitStack()  # adapters.guard_rows' hooks on this run's LoRA layers (emptied at each build)
         self._drops_layers = False  # the module skips layers at random in training (LayerDrop): found at each fit
         self.run_from_command_line = False  # the `lightning-frozen` command sets it: its advice after a run differs
-
-    # stock documents its arguments in its `__init__`, where the CLI's help (jsonargparse) reads them; ours, in the
-    # class docstring, take precedence there
-    __init__.__doc__ = DeepSpeedStrategy.__init__.__doc__
 
     @property
     def spec(self) -> StrategySpec:
@@ -516,6 +516,36 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         module, optimizer, precision = self._module, self._deepspeed_optimizer, str(self.precision_plugin.precision)
         loaded, ranks = self._loaded_base, self.num_processes
         return memory.run_summary(module, optimizer, self.spec, loaded, precision, self.world_size, ranks)
+
+
+def _init_doc(strategy: type) -> str:
+    """The docstring of ``strategy.__init__``, read by ``help()`` and by the CLI's help (jsonargparse reads it and the
+    class's): what the strategy is, its own arguments, then Lightning's description of each ``DeepSpeedStrategy``
+    argument that the class's docstring does not describe (not its introduction, which does not hold here)."""
+    parameters = inspect.signature(strategy.__init__).parameters.values()
+    own = ", ".join(f"``{p.name}``" for p in parameters if p.kind == p.KEYWORD_ONLY)
+    described = strategy.__doc__ or ""
+    stock = (DeepSpeedStrategy.__init__.__doc__ or "").partition("Arguments:")[2]
+    entries = [textwrap.dedent(block).strip("\n") for block in re.split(r"\n[ \t]*\n", stock) if block.strip()]
+    kept = [
+        entry
+        for entry in entries
+        if not re.search(rf"^ *(\w+, )*{re.escape(entry.partition(':')[0])}\b", described, re.MULTILINE)
+    ]
+    about = (
+        "Lightning's ``DeepSpeedStrategy`` at ZeRO stage 3 for a model whose larger part is frozen: frozen params get"
+        " no gradients, fp32 master copies or optimizer state and are stored as 1/N shards (in CPU memory by default),"
+        " and checkpoints hold the trainable state only (the class's docstring says more).",
+        f"Its own arguments follow Lightning's, keyword-only: {own}.",
+        "Lightning's ``DeepSpeedStrategy`` arguments keep working as there, with Lightning's defaults but ``stage=3``;"
+        " ``exclude_frozen_parameters`` and ``load_full_weights`` have no effect (a checkpoint never holds a frozen"
+        " weight).",
+    )
+    paragraphs = [textwrap.fill(text, 116) for text in about]
+    return "\n\n".join([*paragraphs, "\n".join(["Args:", *(textwrap.indent(entry, "    ") for entry in kept)])])
+
+
+FrozenAwareDeepSpeedStrategy.__init__.__doc__ = _init_doc(FrozenAwareDeepSpeedStrategy)
 
 
 def check_gradient_clipping(module: pl.LightningModule) -> None:

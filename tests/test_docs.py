@@ -363,3 +363,19 @@ def test_the_repository_tracks_no_checkpoint_and_ignores_the_ones_runs_write() -
         ["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert ignored.stdout.split() == written
+
+
+def test_the_strategys_init_docstring_is_its_own_and_names_its_arguments() -> None:
+    """``help(FrozenAwareDeepSpeedStrategy)`` shows its ``__init__`` docstring: none of Lightning's words that do not
+    hold for it, each of its own arguments named, and ``stage=3`` said (issue 63, item 10)."""
+    import inspect
+
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+
+    doc = " ".join((FrozenAwareDeepSpeedStrategy.__init__.__doc__ or "").split())
+    contradicting = ["Defaults have been set to enable ZeRO-Offload", "0 is disabled", "Exclude frozen parameters"]
+    assert [phrase for phrase in contradicting if phrase in doc] == []
+    parameters = inspect.signature(FrozenAwareDeepSpeedStrategy.__init__).parameters.values()
+    own = [p.name for p in parameters if p.kind == p.KEYWORD_ONLY]
+    assert len(own) >= 8 and [name for name in own if f"``{name}``" not in doc] == []
+    assert "``stage=3``" in doc and "``exclude_frozen_parameters`` and ``load_full_weights`` have no effect" in doc
