@@ -17,6 +17,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
@@ -258,3 +259,23 @@ def test_the_modules_checkpoint_hooks_write_and_read_their_own_entries(tmp_path:
     resumed = _Hooked()
     cpu_trainer(max_steps=3).fit(resumed, regression_data(), ckpt_path=tmp_path / "hooked.ckpt")
     assert resumed.loaded["note"] == "kept" and torch.equal(resumed.loaded["seen"], torch.arange(3))
+
+
+# ---------------------------------------------------------------------------------------------- stock's conversion
+
+FAQ = Path(__file__).resolve().parent.parent / "docs" / "faq.md"
+
+
+def test_stocks_conversion_of_our_file_fails_with_the_words_the_faq_starts_from(tmp_path: Path) -> None:
+    """Lightning's documented ``convert_zero_checkpoint_to_fp32_state_dict`` reads a stock DeepSpeed folder; on our one
+    file it fails, and docs/faq.md has an entry headed by that very message, whatever DeepSpeed says in a release."""
+    trainer = cpu_trainer(max_steps=1)
+    trainer.fit(AdapterModel(), regression_data())
+    path = tmp_path / "epoch=0-step=1.ckpt"
+    trainer.save_checkpoint(path)
+    with pytest.raises(Exception) as caught:
+        convert_zero_checkpoint_to_fp32_state_dict(path, tmp_path / "model.pt")
+    seen = f"{type(caught.value).__name__}: {caught.value}".replace(str(path), "...")
+    assert "Unable to find 'latest' file" in seen  # DeepSpeed's `zero_to_fp32`, so the test meets what a user meets
+    headings = re.findall(r"^## (.+)$", FAQ.read_text(), re.M)
+    assert f"`{seen}` from Lightning's `convert_zero_checkpoint_to_fp32_state_dict`" in headings, headings
