@@ -7,25 +7,93 @@ docs/internals.md lists them with why each is needed.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.connectors import signal_connector
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_frozen import process
+
 _TRAINER_RUN = getattr(getattr(pl.Trainer, "_run", None), "__code__", None)
+
+
+# what Lightning's launcher and DeepSpeedStrategy set in os.environ to start a world
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+
+class WorldStartedHere(LightningEnvironment):
+    """Lightning's own environment, leaving nothing of its rendezvous behind. Without ``MASTER_PORT`` (or Lightning's
+    ``STANDALONE_PORT``) set, rank 0 listens on a port below the kernel's ephemeral range
+    (:func:`process.rendezvous_port`). A one-rank run puts the variables Lightning set back as its launch found them
+    at :meth:`teardown`; a world of several ranks keeps them, as the next Trainer of the script meets in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._port: Optional[int] = None
+        self._found: Optional[dict[str, Optional[str]]] = None
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        external = super().creates_processes_externally
+        if not external:  # asked by the launch, before Lightning's launcher sets the variables
+            self._found = {name: os.environ.get(name) for name in RENDEZVOUS_VARIABLES}
+        return external
+
+    @property
+    @override
+    def main_port(self) -> int:
+        if self._port is None:
+            if "MASTER_PORT" in os.environ:
+                self._port = int(os.environ["MASTER_PORT"])
+            else:
+                self._port = find_free_network_port() if "STANDALONE_PORT" in os.environ else process.rendezvous_port()
+        return self._port
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._found is not None and self.world_size() == 1:
+            for name, value in self._found.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        self._port = self._found = None
 
 
 class DeepSpeedHooks(DeepSpeedStrategy):
     """``DeepSpeedStrategy`` whose private hooks call public methods: override ``build_optimizer`` and
-    ``build_engine`` (calling ``super()`` for Lightning's own step)."""
+    ``build_engine`` (calling ``super()`` for Lightning's own step). Lightning's own environment, given by the Trainer
+    or the user, becomes a :class:`WorldStartedHere`."""
+
+    @property
+    def cluster_environment(self) -> Optional[ClusterEnvironment]:
+        return self._environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: Optional[ClusterEnvironment]) -> None:
+        self._environment = WorldStartedHere() if type(environment) is LightningEnvironment else environment
 
     def start_deepspeed_distributed(self) -> None:
         """DeepSpeed's process group, as ``DeepSpeedStrategy.setup_distributed`` starts it."""
         self._init_deepspeed_distributed()
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        if self.world_size == 1 and not dist.is_initialized():
+            # one rank meets no one: a store in memory, not a TCP store listening on MASTER_PORT after the run
+            backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        super()._init_deepspeed_distributed()
 
     def complete_config(self) -> None:
         """The DeepSpeed config completed from the Trainer (batch size, precision), once."""

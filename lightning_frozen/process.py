@@ -26,6 +26,8 @@ from typing import Any, NoReturn, Optional, TypeVar
 
 T = TypeVar("T")
 
+# The ports below the kernel's ephemeral range that a rendezvous chooses from (see rendezvous_port)
+RENDEZVOUS_PORTS = 12000
 # A file nobody has written to for this long is stale whoever wrote it (another machine or container, or a reused pid)
 STALE_SECONDS = 3600.0
 # `<prefix>-<pid space>-<pid>-<random><suffix>` (8 hex digits: lightning-frozen 0.1's host-name tag, stale by age only)
@@ -290,3 +292,26 @@ def process_runs(pid: int) -> bool:
     except PermissionError:
         return True  # it runs, under another user
     return True
+
+
+def rendezvous_port() -> int:
+    """A port free now, chosen at random from the ``RENDEZVOUS_PORTS`` below the kernel's ephemeral range, for rank 0
+    to listen on. A port the kernel hands out (a bind to port 0, Lightning's choice) comes from the range it hands
+    every outgoing connection's from: between the choice and rank 0's bind, one of another process's (gloo opens
+    many) was handed it, and rank 0 failed with EADDRINUSE while rank 1 waited for it until killed."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    choose = secrets.SystemRandom()
+    for _ in range(100):
+        port = choose.randrange(max(1024, low - RENDEZVOUS_PORTS), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))  # every address, as the store binds: one listening on loopback only counts
+            except OSError:
+                continue
+            return port
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])

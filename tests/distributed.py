@@ -7,9 +7,7 @@ import hashlib
 import json
 import logging
 import os
-import random
 import runpy
-import socket
 import subprocess
 import sys
 import time
@@ -21,29 +19,6 @@ from typing import Any
 SCRIPTS = Path(__file__).parent / "scripts"
 EXIT_HOOK = Path(__file__).parent / "exit_hook"  # its sitecustomize skips the collector's passes at a child's exit
 RANK_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")
-
-
-def free_port() -> int:
-    """A loopback port free now, from the 12,000 below the kernel's ephemeral range, chosen at random. A port the kernel
-    hands out (a bind to port 0) comes from the range it also hands every other socket's from: given to rank 0 to bind
-    later, it was taken meanwhile by a connection of a test running beside it (gloo opens many), and rank 0 failed with
-    EADDRINUSE while rank 1 waited for it until killed (`pytest -n 3`, test_reliability's gloo exit test)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    choose = random.SystemRandom()
-    for _ in range(100):
-        port = choose.randrange(max(1024, low - 12000), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def own_extensions_dir() -> None:
@@ -94,12 +69,14 @@ def fresh_env(**overrides: str) -> dict[str, str]:
     """This environment for a child process that starts a world of its own: without the rank variables an in-process
     Trainer left behind, on a free loopback port (one left behind may still be taken), with ``tests/exit_hook`` first
     on ``PYTHONPATH`` (a shutdown seconds shorter), then ``overrides``."""
+    from lightning_frozen.process import rendezvous_port  # here: conftest imports this module before torch's setup
+
     environment = {key: value for key, value in os.environ.items() if key not in RANK_VARIABLES}
     python_path = os.pathsep.join(filter(None, [str(EXIT_HOOK), environment.get("PYTHONPATH")]))
     return {
         **environment,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(rendezvous_port()),
         "PYTHONPATH": python_path,
         **overrides,
     }

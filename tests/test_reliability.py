@@ -11,11 +11,13 @@ import random
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 import lightning_frozen
-from lightning_frozen import CheckpointFormatError, process, read_checkpoint
+from lightning_frozen import CheckpointFormatError, lightning_seam, process, read_checkpoint
 from lightning_frozen.checkpoint import atomic_files, file
 from lightning_frozen.format import layout
 from lightning_frozen.zero.compute import gloo_exit
-from tests.distributed import SCRIPTS, fresh_env, launch, read_reports, run_script
+from tests.distributed import EXIT_HOOK, SCRIPTS, fresh_env, launch, read_reports, run_in_this_process, run_script
 from tests.models import AdapterModel, StockDeepSpeedOnCPU, cpu_trainer, regression_data
 
 MAX_STEPS = 40
@@ -459,6 +461,110 @@ def test_every_rank_exits_cleanly_with_gloo_work_in_flight_at_exit(tmp_path: Pat
             f"attempt {attempt}: exit statuses {codes}\n" + "\n".join(output[-3000:] for output in outputs)
         )
         assert [report["rank"] for report in read_reports(folder)] == [0, 1]
+
+
+def _inherited_env() -> dict[str, str]:
+    """This process's environment as a script it starts inherits it (a notebook's ``subprocess.run``), with
+    ``tests/exit_hook`` first on ``PYTHONPATH``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXIT_HOOK), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.mark.slow
+def test_a_two_rank_script_started_after_an_in_process_fit_meets_on_a_port_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook, or a test suite, that fits in its own process and then starts a 2-rank script, which inherits its
+    environment. The fit used to leave ``MASTER_PORT`` (and ``LOCAL_RANK``) there, and its store listening on that
+    port: the script's rank 0 failed with EADDRINUSE every time (issue 63)."""
+    for name in lightning_seam.RENDEZVOUS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    gloo_exit.end_gloo_work(timeout=5)  # an earlier test's world in this process: this test's fit starts its own
+    run_in_this_process("start_world.py", str(tmp_path / "fit"), "1")
+    fit = read_reports(tmp_path / "fit")
+    left = {name: os.environ[name] for name in lightning_seam.RENDEZVOUS_VARIABLES if name in os.environ}
+
+    script = subprocess.run(
+        [sys.executable, str(SCRIPTS / "start_world.py"), str(tmp_path / "script"), "2"],
+        env=_inherited_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert script.returncode == 0, script.stdout[-3000:] + script.stderr[-6000:]
+    assert [report["world_size"] for report in read_reports(tmp_path / "script")] == [2]
+    assert left == {}
+    assert len(fit) == 1 and fit[0]["world_size"] == 1
+    with socket.socket() as probe:
+        probe.bind(("", fit[0]["port"]))  # no store of the fit's listens on its port any more
+
+
+@contextmanager
+def _busy_connections(held: int = 2000) -> Iterator[None]:
+    """Loopback connections made and closed all the time, ``held`` of them open at once, each on a port of the
+    kernel's ephemeral range: what gloo's connections are to a rank beside them."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=held)
+    address, stop, accepted = listener.getsockname(), threading.Event(), []
+
+    def accept() -> None:
+        while not stop.is_set():
+            connection, _ = listener.accept()
+            accepted.append(connection)
+            if len(accepted) > held:
+                accepted.pop(0).close()
+
+    def connect() -> None:
+        open_now: list[socket.socket] = []
+        while not stop.is_set():
+            try:
+                open_now.append(socket.create_connection(address))
+            except OSError:
+                time.sleep(0.01)  # the range is exhausted for now
+            if len(open_now) > held:
+                open_now.pop(0).close()
+        for connection in open_now:
+            connection.close()
+
+    threads = [threading.Thread(target=accept, daemon=True), threading.Thread(target=connect, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        threads[1].join()
+        with suppress(OSError):
+            socket.create_connection(address).close()  # wakes the accepting thread to see the stop
+        threads[0].join()
+        listener.close()
+        for connection in accepted:
+            connection.close()
+
+
+@pytest.mark.slow
+def test_two_rank_starts_beside_busy_connections_all_meet_below_the_ephemeral_range(tmp_path: Path) -> None:
+    """Four 2-rank starts, two at a time, with ``MASTER_PORT`` unset. Lightning chose rank 0's port by binding port 0,
+    in the range the kernel hands every outgoing connection's from; one made before rank 0 bound it took it (issue
+    63)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    environment = {k: v for k, v in _inherited_env().items() if k not in lightning_seam.RENDEZVOUS_VARIABLES}
+    folders = [tmp_path / str(start) for start in range(4)]
+    with _busy_connections():
+        for pair in (folders[0:2], folders[2:4]):
+            starts = [
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPTS / "start_world.py"), str(folder), "2"],
+                    env=environment,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for folder in pair
+            ]
+            outputs = [start.communicate(timeout=300)[0] for start in starts]
+            assert [start.returncode for start in starts] == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    reports = [report for folder in folders for report in read_reports(folder)]
+    assert len(reports) == 4
+    assert all(report["world_size"] == 2 and report["port"] < low for report in reports), reports
 
 
 # ---------------------------------------------------------------------------------------------- long runs
