@@ -101,6 +101,7 @@ def check_strategy_arguments(
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS.update(kib=2**10, mib=2**20, gib=2**30, tib=2**40)
 AUTO = "auto"
+UNEVEN_BATCHES = ("join", "raise")  # what ranks that ran out of data do (docs/loops.md)
 
 
 def memory_budget(value: Any, name: str = "generation_memory") -> Optional[int]:
@@ -179,6 +180,12 @@ def resolve_spec(config: dict, source: Optional[str], pin_memory: bool, **argume
             " or use Lightning's `DeepSpeedStrategy` for stages 0 to 2."
         )
     arguments["generation_memory"] = memory_budget(arguments.get("generation_memory"))
+    if arguments.get("uneven_batches", UNEVEN_BATCHES[0]) not in UNEVEN_BATCHES:
+        raise InvalidArgumentValueError(
+            f"FrozenAwareDeepSpeedStrategy: `uneven_batches={arguments['uneven_batches']!r}` is not one of"
+            f" {UNEVEN_BATCHES}: 'join' lets ranks that ran out of data serve the others until all have, 'raise'"
+            " refuses uneven data with `UnevenBatchesError` (docs/loops.md)."
+        )
     return StrategySpec(
         stage=settings.stage,
         offload_optimizer=settings.offload_optimizer,

@@ -32,6 +32,7 @@ class StrategySpec:
     return_freed_memory: bool  # on the CPU, glibc gives freed buffers of 1 MiB+ back to the OS
     preemption_grace: float  # seconds from a SIGTERM to a rank's exit
     generation_memory: Optional[int] = None  # bytes `generate` may gather whole at once; None: half the free memory
+    uneven_batches: str = "join"  # ranks that run out of data: "join" (serve the others on stand-ins) or "raise"
 
     def with_frozen_dtype(self, frozen_dtype: Optional[str]) -> StrategySpec:
         """This spec with ``frozen_dtype`` (itself when it is the same)."""

@@ -105,6 +105,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
         generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md);
             a number asks for that gathering, so a DeepSpeed that moved its names raises here instead of warning.
+        uneven_batches: ranks whose dataloader (without a length) runs out before the others': ``"join"`` runs the
+            same steps on a stand-in batch that counts for nothing until every rank has run out, ``"raise"`` refuses
+            with ``UnevenBatchesError`` (docs/loops.md).
     """
 
     strategy_name = "frozen_deepspeed"
@@ -167,6 +170,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         return_freed_memory: bool = True,
         preemption_grace: float = preemption.DEFAULT_GRACE_SECONDS,
         generation_memory: Union[int, str] = "auto",
+        uneven_batches: Literal["join", "raise"] = "join",
     ) -> None:
         given = locals()
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
@@ -180,10 +184,12 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         own = {name: flags[name] for name in ("offload_frozen", "convert_lr_zero_groups", "return_freed_memory")}
         own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
         own.update(generation_memory=generation_memory, preemption_grace=preemption_grace)
+        own.update(uneven_batches=uneven_batches)
         config_source = arguments.config_source(config, self.DEEPSPEED_ENV_VAR)
         self._spec = arguments.resolve_spec(self.config, config_source, pin_memory, **own)
         capabilities.check_for_run(self._spec)  # a renamed hook would leave this strategy running as stock DeepSpeed
         self._preemption = preemption.Preemption(self._spec.preemption_grace)
+        self._joining = loops.Joining(refuse=self._spec.uneven_batches == "raise")  # ranks that ran out of data
         self._anatomy: Optional[anatomy.Anatomy] = None  # the module's, found once per setup (`_module_anatomy`)
         self._optimized = trainable_groups.TrainableGroups()
         self._deferred = streamed_save.DeferredTensors()  # the trainable tensors of the save being built
@@ -347,24 +353,44 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._compute.step_starts()  # e.g. brief OpenMP waits while other threads took the cores since the last step
         self._optimized.check_unchanged()
-        # LayerDrop runs every layer on every rank only where transformers believes ZeRO-3 is on: for the step alone
-        with transformers_loading.zero3_known(self.config) if self._drops_layers else nullcontext():
+        # LayerDrop runs every layer on every rank only where transformers believes ZeRO-3 is on: for the step alone;
+        # a stand-in's step where this rank ran out of data
+        layers = transformers_loading.zero3_known(self.config) if self._drops_layers else nullcontext()
+        with layers, self._joining.step("train", self._module):
             return super().training_step(*args, **kwargs)
+
+    @override
+    def _auto_select_batch_size(self) -> int:
+        # the micro-batch size DeepSpeed counts in its throughput logs where `logging_batch_size_per_gpu` gives none:
+        # a `DataLoader(batch_size=None)` (a stream of whole batches) has no batch sampler to read it from, stock too
+        try:
+            return super()._auto_select_batch_size()
+        except AttributeError:
+            return 1
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
+        # where ranks ran out of data: a stand-in's loss weighs 0, the others' average over the real batches
+        return super().backward(self._joining.weighed(closure_loss), optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._compute.step_starts()
-        return super().validation_step(*args, **kwargs)
+        with self._joining.step("val", self._module):
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._compute.step_starts()
-        return super().test_step(*args, **kwargs)
+        with self._joining.step("test", self._module):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._compute.step_starts()
-        return super().predict_step(*args, **kwargs)
+        with self._joining.step("predict", self._module) as share:
+            predicted = super().predict_step(*args, **kwargs)
+        return None if share is not None and share.joined else predicted  # a stand-in's predicts nothing
 
     @override
     def on_train_start(self) -> None:
@@ -375,7 +401,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return loops.even_dataloader(dataloader, self._module.trainer, self.world_size)
+        return loops.even_dataloader(dataloader, self._module.trainer, self.world_size, self._joining)
 
     @override
     def on_validation_start(self) -> None:

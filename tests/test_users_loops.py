@@ -1,5 +1,6 @@
 """Users' own evaluation loops under ZeRO-3: the ranks' batch counts compared (with a stand-in for the collective in
-this process), and on 2 CPU ranks (scripts in subprocesses, ``tests/scripts/``)."""
+this process), and on 2 CPU ranks (scripts in subprocesses, ``tests/scripts/``); streams that run out on some ranks
+are joined (tests/test_uneven.py)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,6 @@ def test_counts_known_on_every_rank_must_agree() -> None:
     loops.check_even_batches("test", [math.inf], _gather_from(None, [7.0]))  # unknown: agreed batch by batch instead
 
 
-def test_a_loader_without_length_stops_every_rank_together() -> None:
-    agreed = loops.EvenBatches([1, 2], "predict", _gather_from(None, True))
-    with pytest.raises(UnevenBatchesError, match=r"predict batches: rank 0: 2, rank 1: 3 or more"):
-        list(agreed)
-    assert list(loops.EvenBatches([1, 2], "predict", lambda has: [has, has])) == [1, 2]
-    assert not loops.has_length(agreed) and loops.has_length([1])
-
-
 def test_the_models_whose_generate_a_run_wraps_are_the_outermost_transformers_models() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,9 +57,10 @@ def _reports(report: Path, case: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["sized", "iterable"])
+@pytest.mark.parametrize("case", ["sized", "refused"])
 def test_uneven_validation_data_fails_on_every_rank_naming_the_counts(case: str, uneven_eval: Path) -> None:
-    # without the check, rank 1 returns and rank 0 dies in its third batch with gloo's "Connection closed by peer"
+    # without the check, rank 1 returns and rank 0 dies in its third batch with gloo's "Connection closed by peer";
+    # lengths known differ before the first batch, and `uneven_batches="raise"` refuses a stream that runs out
     counts = "rank 0: 3, rank 1: 2" if case == "sized" else "rank 0: 3 or more, rank 1: 2"
     for report in _reports(uneven_eval, case):
         assert "different numbers of val batches" in report and counts in report, report
@@ -74,9 +68,20 @@ def test_uneven_validation_data_fails_on_every_rank_naming_the_counts(case: str,
 
 
 @pytest.mark.slow
-def test_even_validation_data_without_a_length_validates(uneven_eval: Path) -> None:
-    first, second = _reports(uneven_eval, "even")
-    assert first.startswith("ok ") and first == second, (first, second)
+def test_a_stream_that_runs_out_on_one_rank_validates_as_one_process_over_all_the_data(uneven_eval: Path) -> None:
+    from tests.models import AdapterModel
+    from tests.scripts.uneven_eval import BATCH, SAMPLES
+
+    # rank 0's three batches and rank 1's two, the first ones of SAMPLES on each, in one process
+    model = AdapterModel()
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.mse_loss(model(SAMPLES[start : start + BATCH]), SAMPLES[start : start + BATCH, :1])
+            for start in [0, BATCH, 2 * BATCH, 0, BATCH]
+        ]
+    first, second = _reports(uneven_eval, "iterable")
+    assert first == second and first.startswith("ok "), (first, second)
+    assert float(first.split()[1]) == pytest.approx(torch.stack(losses).mean().item(), abs=2e-6)
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@ ranks different numbers of batches; the tests run it as a script.
 
 Each case is a Trainer of its own in one world (starting the ranks costs more than a validation): ``sized`` (a sampler
 of the user's, ``len`` known: rank 0 three batches, rank 1 two), ``iterable`` (an ``IterableDataset`` without ``len``,
-the same counts) and ``even`` (an ``IterableDataset`` giving each rank two). Each rank writes
-``<report>/<case>-rank<R>.txt``: ``ok <val_loss>``, or the ``UnevenBatchesError`` it raised.
+the same counts: rank 1 joins for the third), ``refused`` (the same, ``uneven_batches="raise"``) and ``even`` (an
+``IterableDataset`` giving each rank two). Each rank writes ``<report>/<case>-rank<R>.txt``: ``ok <val_loss>`` (logged
+with ``sync_dist=True``), or the ``UnevenBatchesError`` it raised.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -24,13 +26,19 @@ from lightning_frozen.errors import UnevenBatchesError  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer  # noqa: E402
 
 BATCH = 4
-CASES = ("sized", "iterable", "even")
+CASES = ("sized", "iterable", "refused", "even")
 SAMPLES = torch.randn(5 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 
 
 def batches_of_this_rank(case: str) -> int:
     rank = torch.distributed.get_rank()  # read once the ranks are set up, as Lightning asks for the data then
     return 2 if case == "even" else 3 - rank
+
+
+class SyncedAdapter(AdapterModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
 
 
 class RankSampler(Sampler[int]):
@@ -63,9 +71,10 @@ def validate(case: str, report: Path) -> None:
         data = DataLoader(TensorDataset(SAMPLES, SAMPLES[:, :1]), batch_size=BATCH, sampler=RankSampler())
     else:
         data = DataLoader(RankStream(case), batch_size=BATCH)
-    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False)
+    strategy = FrozenAwareDeepSpeedStrategy(uneven_batches="raise" if case == "refused" else "join")
+    trainer = cpu_trainer(strategy, devices=2, use_distributed_sampler=False)
     try:
-        result = f"ok {trainer.validate(AdapterModel(), data, verbose=False)[0]['val_loss']:.6f}"
+        result = f"ok {trainer.validate(SyncedAdapter(), data, verbose=False)[0]['val_loss']:.7f}"
     except UnevenBatchesError as error:
         result = str(error)
     (report / f"{case}-rank{trainer.global_rank}.txt").write_text(result)

@@ -1,0 +1,97 @@
+"""Train ``tests.models.AdapterModel`` with SGD on 2 CPU ranks from an ``IterableDataset`` that gives the ranks
+different numbers of batches; the tests run it as a script and check the weights against plain torch
+(tests/test_uneven.py).
+
+Each case is a Trainer of its own in one world (starting the ranks costs more than a fit): ``3-1`` (rank 0 three
+batches of 4 samples, rank 1 one, batched by the DataLoader) and ``3-0`` (rank 1 none, a stream of whole batches under
+``DataLoader(batch_size=None)``). Each rank writes ``<report>/<case>/rank<R>.json``: its global step, the trainable
+params gathered whole, the epoch's logged means and sums, and (rank 0) what the run said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+
+from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from tests.distributed import logged_lines, write_report  # noqa: E402
+from tests.models import AdapterModel, cpu_trainer  # noqa: E402
+
+BATCH, LR = 4, 0.5
+CASES = {"3-1": (3, 1), "3-0": (3, 0)}  # the batches of rank 0 and rank 1
+SAMPLES = torch.randn(4 * BATCH, 32, generator=torch.Generator().manual_seed(0))
+TARGETS = SAMPLES[:, :1] * 0.5 - SAMPLES[:, 1:2]
+
+
+def batches_of(case: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s batches in ``case``: rank 0 the first ones of SAMPLES, rank 1 the last ones."""
+    first = 0 if rank == 0 else CASES[case][0]
+    return [
+        (SAMPLES[index * BATCH : (index + 1) * BATCH], TARGETS[index * BATCH : (index + 1) * BATCH])
+        for index in range(first, first + CASES[case][rank])
+    ]
+
+
+class RankStream(IterableDataset):
+    """This rank's batches: whole (``batched``), or one sample at a time for the DataLoader to batch."""
+
+    def __init__(self, case: str, batched: bool) -> None:
+        self.case, self.batched = case, batched
+
+    def __iter__(self) -> Iterator[Any]:
+        for x, y in batches_of(self.case, torch.distributed.get_rank()):
+            yield from [(x, y)] if self.batched else zip(x, y)
+
+
+class SGDAdapter(AdapterModel):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_mean", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([param for param in self.parameters() if param.requires_grad], lr=LR)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args()
+    for case in CASES:
+        train(case, Path(args.report) / case)
+
+
+def train(case: str, report: Path) -> None:
+    batched = case == "3-0"
+    data = DataLoader(RankStream(case, batched), batch_size=None if batched else BATCH)
+    model = SGDAdapter()
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False)
+    with logged_lines() as lines:
+        trainer.fit(model, data)
+    params = {
+        name: safe_get_full_fp32_param(param).tolist()
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    }
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    write_report(
+        report,
+        trainer.global_rank,
+        {"global_step": trainer.global_step, "params": params, "metrics": metrics, "said": lines.text},
+    )
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
