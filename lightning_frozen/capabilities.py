@@ -344,8 +344,9 @@ SEVERAL_ADAPTERS = Capability(
             "hf/peft_adapters.py",
             in_code=("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "lora_embedding_A", "lora_variant"),
         ),
+        # where a checkpointed layer's forward calls the function, which `gradient_checkpointing_enable` sets
         ForeignName(
-            f"{_MODELING}:PreTrainedModel._set_gradient_checkpointing",
+            "transformers.modeling_layers:GradientCheckpointingLayer.__init_subclass__",
             "hf/checkpointing.py",
             in_code=("_gradient_checkpointing_func",),
         ),
@@ -430,11 +431,6 @@ RELEASE = Capability(
         ForeignName(f"{_OFFLOAD}:FWD_MODULE_STACK", "zero/engine.py"),
         ForeignName(f"{_OFFLOAD}:ZeROOrderedDict.__init__", "zero/engine.py", in_code=("_in_forward",)),
         ForeignName(f"{_COORDINATOR}._PartitionedParameterCoordinator__params_to_release", "zero/engine.py"),
-        ForeignName(
-            f"{_PARTITION}:InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear",
-            "zero/init.py",
-            in_code=("linear_bk",),
-        ),
     ),
 )
 

@@ -58,6 +58,21 @@ class RunLedger:
 
         self.callback(restore, f"{getattr(owner, '__qualname__', type(owner).__qualname__)}.{name}")
 
+    def keep_class_attributes(self, owner: type) -> None:
+        """At the run's end, ``owner``'s own attributes as they are now: one added meanwhile deleted, one rebound put
+        back (a dependency that keeps what it set on a class for good, under whatever name: ``zero.Init``'s copy of
+        ``F.linear``)."""
+        before = dict(vars(owner))
+
+        def restore() -> None:
+            for name in [name for name in vars(owner) if name not in before]:
+                delattr(owner, name)
+            for name, value in before.items():
+                if vars(owner).get(name, _ABSENT) is not value:
+                    setattr(owner, name, value)
+
+        self.callback(restore, f"{owner.__qualname__}'s attributes")
+
     def scope(self, what: str) -> ExitStack:
         """A stack of changes that may be undone and refilled during the run (``.close()``), and is undone at its end
         (the hooks of the layers an engine guards: an engine rebuilt mid-run replaces them)."""
@@ -85,7 +100,7 @@ def open_run(ledger: RunLedger, module: pl.LightningModule, preemption: Preempti
     frozen shards compute, whose changes its ``end_run`` undoes)."""
     ledger.callback(accelerator.ignore_dependency_deprecations(), "the filter of dependencies' deprecation warnings")
     ledger.callback(linear_restorer(), "torch.nn.functional.linear")  # `zero.Init` replaces it for good
-    ledger.keep_attribute(*deepspeed_linear_copy())
+    ledger.keep_class_attributes(deepspeed_linear_copy())
     ledger.keep_attribute(module, "forward")  # Lightning's forward redirection leaves a bound method on the instance
     ledger.callback(compute.end_run, "the frozen compute's layers and buffers")
     trainer = module.trainer

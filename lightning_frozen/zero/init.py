@@ -137,11 +137,12 @@ def import_deepspeed() -> None:
             del os.environ["DS_ACCELERATOR"]
 
 
-def deepspeed_linear_copy() -> tuple[type, str]:
-    """Where ``zero.Init`` keeps its copy of ``F.linear`` for good (a class attribute it sets once per process)."""
+def deepspeed_linear_copy() -> type:
+    """The class on which ``zero.Init`` keeps its copy of ``F.linear`` for good (an attribute it sets once per
+    process), whose attributes the run's ledger puts back as they were without naming it."""
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
-    return InsertPostInitMethodToModuleSubClasses, "linear_bk"
+    return InsertPostInitMethodToModuleSubClasses
 
 
 def linear_restorer() -> Callable[[], None]:
