@@ -32,7 +32,7 @@ from lightning_frozen import arguments
 from lightning_frozen.checkpoint import convert
 from lightning_frozen.errors import FrozenTrainingError, InvalidArgumentValueError
 from lightning_frozen.hf import reference
-from lightning_frozen.memory import format_bytes
+from lightning_frozen.memory import experts_of, format_bytes
 
 PROG = "lightning-frozen"
 
@@ -194,6 +194,12 @@ def _estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-modules", nargs="+", help="LoRA's target modules (default: PEFT's for the model type)"
     )
+    parser.add_argument(
+        "--target-parameters",
+        nargs="+",
+        help="LoRA's target parameters, as PEFT's `LoraConfig(target_parameters=...)`: a MoE's fused experts, such as"
+        " mlp.experts.gate_up_proj mlp.experts.down_proj (default: none)",
+    )
 
 
 def _estimate(options: argparse.Namespace) -> str:
@@ -203,12 +209,17 @@ def _estimate(options: argparse.Namespace) -> str:
     lora = ""
     if options.base or not settings:
         rank = options.lora_r or DEFAULT_LORA_R
-        model = reference.lora_model_on_meta(options.base or options.source, rank, options.target_modules)
+        source, parameters = options.base or options.source, options.target_parameters
+        model = reference.lora_model_on_meta(source, rank, options.target_modules, parameters)
         targets = (
             f"on {', '.join(options.target_modules)} (given)"
             if options.target_modules
             else "on PEFT's default modules for the model type (`--target-modules`)"
         )
+        if parameters:
+            targets += f" and on the parameters {', '.join(parameters)} (given)"
+        elif experts_of(model)[0]:
+            targets += ", its fused experts untouched (`--target-parameters`)"
         lora = f", LoRA r={rank} ({'given' if options.lora_r else '`--lora-r`, default'}) {targets}"
     else:
         model = _module_on_meta(settings["model"], Path(options.source))

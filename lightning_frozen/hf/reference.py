@@ -72,13 +72,16 @@ def find_peft_model(module: nn.Module) -> Optional[tuple[str, Any]]:
     return None
 
 
-def lora_model_on_meta(source: str, rank: int, target_modules: Optional[list[str]]) -> nn.Module:
+def lora_model_on_meta(
+    source: str, rank: int, target_modules: Optional[list[str]], target_parameters: Optional[list[str]] = None
+) -> nn.Module:
     """The model a config.json describes (a folder holding one, the file, or a hub id), built on the meta device
     (nothing allocated, for a memory estimate), with LoRA of ``rank`` on ``target_modules`` (PEFT's choice for the
-    model type where None).
+    model type where None) and on ``target_parameters`` (PEFT's, for a MoE's fused experts).
 
     Raises:
-        InvalidArgumentValueError: PEFT finds no target modules of its own for the model type.
+        InvalidArgumentValueError: PEFT finds nothing to adapt: no target modules of its own for the model type, or no
+            parameter of the names given.
         OSError, ValueError: transformers cannot read the config at ``source``.
     """
     import transformers
@@ -91,9 +94,10 @@ def lora_model_on_meta(source: str, rank: int, target_modules: Optional[list[str
     try:
         with warnings.catch_warnings():  # PEFT 0.21's get_peft_model reads a property transformers 5 deprecated
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            return get_peft_model(model, LoraConfig(r=rank, target_modules=target_modules))
+            config = LoraConfig(r=rank, target_modules=target_modules, target_parameters=target_parameters)
+            return get_peft_model(model, config)
     except ValueError as error:
         raise InvalidArgumentValueError(
-            f"{source}: LoRA found no target modules in `{type(model).__name__}` ({error}). Name them with"
-            " `--target-modules`."
+            f"{source}: LoRA found nothing to adapt in `{type(model).__name__}` ({error}). Name modules with"
+            " `--target-modules`, or parameters (a MoE's fused experts) with `--target-parameters`."
         ) from error
