@@ -320,6 +320,7 @@ def test_fits_install_the_deprecation_filter_once_after_the_users_filters_and_ta
             trainer = cpu_trainer(max_steps=1, enable_checkpointing=False, callbacks=[during])
             trainer.fit(AdapterModel(), regression_data())
             assert warnings.filters == before  # a run leaves the process's filters as it found them
+        assert len(during.seen) == 2  # one look per fit
         for filters in during.seen:
             ours = [f for f in filters if f[1] is not None and f[1].pattern == accelerator.DEPENDENCY_DEPRECATIONS]
             users = [f for f in filters if f[1] is not None and f[1].pattern == "the user's own"]

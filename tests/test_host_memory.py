@@ -186,13 +186,14 @@ def test_a_gathers_fresh_buffers_are_backed_by_huge_pages() -> None:
     for buffer in (*advised, plain):
         buffer.fill_(1)  # first touch: pages are chosen now
     assert [_huge_kib(buffer)[1] for buffer in (*advised, plain)] == [True, True, False]
-    # the advice is a request: on a machine whose free memory is fragmented (other jobs' large models) the kernel
-    # falls back to 4 KiB pages, and counts it; it did in one of this suite's runs
-    if _huge_page_fallbacks() == fallbacks:
-        for buffer in advised:
-            assert _huge_kib(buffer)[0] >= size // 1024 // 2, _huge_kib(buffer)  # most; the unaligned ends are not
     if _thp_mode() == "madvise":  # only advised memory gets huge pages: the advice made the difference
         assert _huge_kib(plain)[0] == 0
+    lacking = [_huge_kib(buffer) for buffer in advised if _huge_kib(buffer)[0] < size // 2048]  # most: not the ends
+    # the advice is a request: on a machine whose free memory is fragmented (other jobs' large models) the kernel
+    # falls back to 4 KiB pages, and counts it machine-wide; it did in one of this suite's runs
+    if lacking and (moved := _huge_page_fallbacks() - fallbacks):
+        pytest.skip(f"huge pages not checked: the kernel fell back to 4 KiB pages {moved} times meanwhile ({lacking})")
+    assert lacking == []
 
 
 def test_decode_buffers_keep_an_unshared_tensor_of_a_repeated_size_for_the_next_of_that_size_within_budget() -> None:

@@ -212,7 +212,7 @@ def test_two_ranks_train_resume_and_load_the_guides_qlora_code(llama_folder: Pat
         assert ours["global_step"] == 2 and all(math.isfinite(loss) for loss in ours["losses"])
         assert ours["lora_b_trained"] and all(ours["lora_b_trained"].values())
     assert qlora_run[0]["codes"] != qlora_run[1]["codes"]
-    assert all(r["global_step"] == 4 for r in resumed)
+    assert [r["global_step"] for r in resumed] == [4, 4]
     saved = torch.load(tmp_path / "qlora.ckpt", weights_only=True)
     loaded = lightning_frozen.load_from_checkpoint(QLoRA, tmp_path / "qlora.ckpt")
     for name, param in loaded.named_parameters():

@@ -209,6 +209,7 @@ def test_a_scorer_loaded_in_setup_is_the_folders_model_whole_beside_a_sharded_ba
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sorted(report) == ["nf4", "none"], sorted(report)
         for frozen_dtype, run in report.items():
             assert run["zero_params"] == [], (frozen_dtype, run["zero_params"])
             scorer = torch.load(tmp_path / f"scorer-{frozen_dtype}-rank{rank}.pt", weights_only=True)
