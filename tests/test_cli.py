@@ -470,3 +470,29 @@ def test_estimate_of_a_config_json_prints_no_deprecation_from_its_own_lora(
         warnings.simplefilter("always")  # each time, not once per place: an earlier test may have shown it
         _estimate_table(capsys, str(folder / "config.json"))
     assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == []
+
+
+def test_estimate_takes_lora_on_a_moes_fused_experts_as_peft_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoConfig
+
+    from tests.pretrained_support import EXPERTS, MOE_CONFIGS, TINY_LLAMA
+
+    config = AutoConfig.for_model("qwen3_moe", **TINY_LLAMA, **MOE_CONFIGS["qwen3_moe"])
+    config.save_pretrained(tmp_path / "moe")  # the config alone: the estimate builds the model on the meta device
+    source, attention = str(tmp_path / "moe" / "config.json"), ["--lora-r", "4", "--target-modules", "q_proj"]
+    plain = _estimate_table(capsys, source, *attention)
+    assert "its fused experts untouched (`--target-parameters`)" in plain["first"]
+    experts = _estimate_table(capsys, source, *attention, "--target-parameters", *EXPERTS)
+    assert f"on q_proj (given) and on the parameters {', '.join(EXPERTS)} (given)" in experts["first"]
+    # PEFT's ParamWrapper: lora_A [r*E, in], lora_B [out, r*E] per fused tensor; E=4 experts, gate_up [4, 48, 64] and
+    # down [4, 64, 24] in each of two layers
+    rank_e = 4 * 4
+    per_layer = rank_e * 64 + 48 * rank_e + rank_e * 24 + 64 * rank_e
+    trainable = {
+        name: int(table["trainable params"].replace(",", ""))
+        for name, table in (("plain", plain), ("experts", experts))
+    }
+    assert trainable["experts"] - trainable["plain"] == 2 * per_layer
+    assert experts["frozen params"] == plain["frozen params"] and experts["experts"] == plain["experts"]
