@@ -119,12 +119,14 @@ def _in_flight_by_step(report: dict[str, Any]) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_step_that_calls_self_prefetches_after_the_first_step(self_call_fits: Path) -> None:
-    for report in read_reports(self_call_fits / "shipped"):
+    shipped, stock = read_reports(self_call_fits / "shipped"), read_reports(self_call_fits / "stock")
+    assert len(shipped) == len(stock) == 2
+    for report in shipped:
         assert report["global_step"] == 4
         in_flight = _in_flight_by_step(report)
         assert sorted(in_flight) == [0, 1, 2, 3]
         assert all(in_flight[step] > 0 for step in (1, 2, 3)), in_flight  # step 0 records the trace
-    for report in read_reports(self_call_fits / "stock"):
+    for report in stock:
         assert set(_in_flight_by_step(report).values()) == {0}  # DeepSpeed's own hook: nothing is ever prefetched
 
 

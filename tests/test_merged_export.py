@@ -573,6 +573,7 @@ def test_a_moe_resume_on_two_ranks_goes_on_as_the_straight_run(kind: str, moe_tw
     from tests.distributed import read_reports
 
     straight, resumed = (read_reports(moe_two_ranks / kind / run) for run in ("straight", "resumed"))
+    assert len(resumed) == len(straight) == 2
     for ours, theirs in zip(resumed, straight):  # rank by rank: step 3's batch and loss
         assert ours["global_step"] == 3 and ours["batches"] == theirs["batches"][2:]
         assert ours["losses"] == pytest.approx(theirs["losses"][2:], rel=1e-6)
