@@ -5,6 +5,7 @@ again in a private place, or the codec uses tensor ops. Never a crash."""
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import os
 import pwd
@@ -189,3 +190,73 @@ def test_a_compiler_that_hangs_or_fails_leaves_the_tensor_op_codec(
     with pytest.warns(UserWarning, match=f"{reason}.*tensor ops"):
         assert native_codec.kernels() is None
     assert time.monotonic() - start < 10  # the hung compiler's children were killed with it
+
+
+# the kernels' matmuls from codes and the waiting threads, asked for in this process, then again once another OpenMP
+# runtime (argv[1]) is loaded beside torch's
+SECOND_RUNTIME_SCRIPT = """
+import ctypes, json, os, sys, warnings
+import torch
+from lightning_frozen.format import codec, native_codec
+from lightning_frozen.zero.compute import waiting_threads
+torch.set_num_threads(len(os.sched_getaffinity(0)))
+rows, fmt = codec.encode(torch.randn(64 * 64), "nf4")[None], codec.block_format("nf4")
+def asked():
+    native_codec.blas_sgemm.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matmuls = [native_codec.CodedMatmuls.of(rows, 64 * 64, fmt) for layer in range(2)]
+    waits = waiting_threads.for_this_process()
+    if waits is not None:
+        waits.close()
+    return {"matmuls": [m is not None for m in matmuls], "waits": waits is not None,
+            "warnings": [str(w.message) for w in caught]}
+alone = asked()
+ctypes.CDLL(sys.argv[1])
+print(json.dumps({"alone": alone, "beside": asked()}))
+"""
+
+
+def _mapped_files() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    return {os.path.realpath(field[5].strip()) for field in fields if len(field) == 6}
+
+
+def _second_openmp_runtime(kind: str) -> str:
+    """A file of ``kind``'s OpenMP runtime that this process has not loaded; else a visible skip."""
+    if kind == "another libgomp":  # GCC's own, beside the copy torch brought (a wheel that renamed its libgomp)
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            pytest.skip("no C compiler, so no GCC libgomp beside torch's")
+        found = subprocess.run([compiler, "-print-file-name=libgomp.so.1"], capture_output=True, text=True)
+        path = os.path.realpath(found.stdout.strip())
+        if not os.path.isabs(found.stdout.strip()) or not os.path.isfile(path) or path in _mapped_files():
+            pytest.skip(f"no libgomp other than torch's here ({found.stdout.strip()!r})")
+        return path
+    found = ctypes.util.find_library(kind.removeprefix("lib"))
+    if found is None:
+        pytest.skip(f"no {kind} on the loader's path (`ldconfig -p`)")
+    return found
+
+
+@pytest.mark.parametrize("kind", ["another libgomp", "libomp", "libiomp5"])
+def test_a_second_openmp_runtime_turns_the_kernels_matmuls_and_the_waiting_threads_off_with_one_line(
+    kind: str,
+) -> None:
+    runtime = _second_openmp_runtime(kind)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    result = subprocess.run(
+        [sys.executable, "-c", SECOND_RUNTIME_SCRIPT, runtime], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    if report["alone"]["matmuls"] == [False, False]:
+        pytest.skip("torch exports no MKL sgemm here")
+    cpus = len(os.sched_getaffinity(0))
+    assert report["alone"] == {"matmuls": [True, True], "waits": cpus >= 2, "warnings": []}
+    beside = report["beside"]
+    assert beside["matmuls"] == [False, False] and not beside["waits"], beside
+    # one line for both layers, naming the runtime that was loaded
+    assert len(beside["warnings"]) == 1 and "row tiles" in beside["warnings"][0], beside["warnings"]
+    assert (runtime if os.path.isabs(runtime) else runtime.split(".")[0]) in beside["warnings"][0]

@@ -382,8 +382,28 @@ def range_decoder(rows: torch.Tensor, numel: int, fmt: BlockFormat) -> Optional[
 
 @functools.cache
 def blas_sgemm() -> Optional[int]:
-    """The address of torch's own fp32 BLAS matmul (``sgemm_`` of MKL, linked into ``libtorch_cpu``), which runs on
-    one thread inside an OpenMP region; None where torch was built without MKL or does not export it."""
+    """The address of torch's own fp32 BLAS matmul (``sgemm_`` of MKL, linked into ``libtorch_cpu``) for
+    :class:`CodedMatmuls`, which call it with 32-bit integers on each thread of an OpenMP region of torch's libgomp,
+    where MKL runs on that one thread. None where the kernels have no OpenMP or torch no MKL, and, with one warning,
+    where that call would go wrong: another OpenMP runtime in the process (MKL would not see the region and start a
+    team in each thread), or an ``sgemm_`` that reads 64-bit integers (ILP64)."""
+    lib = kernels()
+    sgemm = _torch_sgemm() if lib is not None and lib.lf_openmp() else None
+    if sgemm is None:
+        return None
+    if not torchs_libgomp_alone():
+        runtimes = ", ".join(openmp_runtimes()) or "none that /proc/self/maps shows"
+        why = f"this process runs the OpenMP runtimes {runtimes}, not torch's libgomp alone"
+    elif not _reads_32bit_integers(sgemm):
+        why = "torch's sgemm_ reads 64-bit integers (an ILP64 BLAS) where the kernels pass 32-bit ones"
+    else:
+        return sgemm
+    warnings.warn(f"lightning-frozen: frozen layers multiply row tiles, not matmuls from codes: {why}.", stacklevel=2)
+    return None
+
+
+def _torch_sgemm() -> Optional[int]:
+    """The address of the ``sgemm_`` that ``libtorch_cpu`` exports where torch was built with MKL, else None."""
     if not torch.backends.mkl.is_available():
         return None
     try:
@@ -391,6 +411,35 @@ def blas_sgemm() -> Optional[int]:
         return ctypes.cast(library.sgemm_, ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
+
+
+def _reads_32bit_integers(sgemm: int) -> bool:
+    """Whether ``sgemm`` reads its integers as 32 bits (LP64): a 1 x 1 x 1 product whose integers are followed by 32
+    bits of ones, which a 64-bit reading takes for negative sizes (it then computes nothing and prints one line)."""
+    one, ref = (ctypes.c_int32 * 2)(1, -1), ctypes.byref
+    alpha, a, b, beta, out = (ctypes.c_float(value) for value in (1.0, 2.0, 3.0, 0.0, 0.0))
+    call = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 13)(sgemm)
+    call(b"N", b"N", one, one, one, ref(alpha), ref(a), one, ref(b), one, ref(beta), ref(out), one)
+    return out.value == 6.0
+
+
+def openmp_runtimes() -> list[str]:
+    """The files of the OpenMP runtimes mapped into this process (libgomp, libiomp, libomp), from ``/proc/self/maps``;
+    empty where it cannot be read."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(maxsplit=5) for line in maps]
+    except OSError:
+        return []
+    paths = {field[5].strip() for field in fields if len(field) == 6}
+    return sorted(path for path in paths if Path(path).name.startswith(("libgomp", "libiomp", "libomp")))
+
+
+def torchs_libgomp_alone() -> bool:
+    """Whether one OpenMP runtime runs in this process and it is GNU's libgomp (torch's wheels): the kernels then run
+    on torch's threads (they load the ``libgomp.so.1`` torch brought) and so does MKL inside torch."""
+    runtimes = openmp_runtimes()
+    return len(runtimes) == 1 and Path(runtimes[0]).name.startswith("libgomp")
 
 
 class CodedMatmuls:

@@ -86,15 +86,14 @@ class WaitingThreads:
 def for_this_process() -> Optional[WaitingThreads]:
     """A :class:`WaitingThreads` for a run, or None where its waits are not this package's to change or changing them
     does nothing: one torch thread, fewer torch threads than CPUs (a core stays free), the user's own wait policy, an
-    OpenMP runtime other than torch's libgomp, or no compiled kernels."""
+    OpenMP runtime beside torch's libgomp or instead of it, or no compiled kernels."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return None
     if not hasattr(os, "sched_getaffinity") or torch.get_num_threads() < max(2, len(os.sched_getaffinity(0))):
         return None
-    if not _torch_runs_libgomp():
-        return None
     kernels = native_codec.kernels()
-    if kernels is None or not kernels.lf_openmp():
+    # after the kernels load: a team parked in a runtime of their own would not make torch's libgomp throttle its spins
+    if kernels is None or not kernels.lf_openmp() or not native_codec.torchs_libgomp_alone():
         return None
     return WaitingThreads(kernels)
 
@@ -107,16 +106,3 @@ def cpu_wait_s() -> float:
             return int(stat.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def _torch_runs_libgomp() -> bool:
-    """Whether this process's OpenMP runtime is GNU's libgomp alone (torch's wheels), the one whose spinning this
-    throttles and whose name the codec's build links against."""
-    try:
-        with open("/proc/self/maps") as maps:
-            names = {line.rsplit("/", 1)[-1].strip() for line in maps if ".so" in line}
-    except OSError:
-        return False
-    return any(name.startswith("libgomp") for name in names) and not any(
-        name.startswith(("libiomp", "libomp")) for name in names
-    )
