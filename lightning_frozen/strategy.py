@@ -268,6 +268,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         if isinstance(self.accelerator, CPUAccelerator):  # no device index: DeepSpeedStrategy's check does not apply
             reset_seed()
             self.set_world_ranks()
+            if note := accelerator.shared_memory_op_build_note():  # DeepSpeed compiles it silently as its group starts
+                rank_zero_info(note)
             self.start_deepspeed_distributed()
         else:
             super().setup_distributed()

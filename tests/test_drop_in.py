@@ -22,7 +22,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.errors import CheckpointFormatError, InvalidArgumentValueError
+from lightning_frozen.zero import accelerator
 from lightning_frozen.zero.engine import shard_device
+from tests.distributed import LoggedLines, build_deepspeed_cpu_ops
 from tests.models import AdapterModel, LoRALinear, cpu_trainer, regression_data
 
 ENV = DeepSpeedStrategy.DEEPSPEED_ENV_VAR
@@ -279,3 +281,29 @@ def test_stocks_conversion_of_our_file_fails_with_the_words_the_faq_starts_from(
     assert "Unable to find 'latest' file" in seen  # DeepSpeed's `zero_to_fp32`, so the test meets what a user meets
     headings = re.findall(r"^## (.+)$", FAQ.read_text(), re.M)
     assert f"`{seen}` from Lightning's `convert_zero_checkpoint_to_fp32_state_dict`" in headings, headings
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed's CPU op
+
+SHM_NOTE = "lightning-frozen: DeepSpeed is compiling its shared-memory collectives for the CPU into"
+
+
+def test_a_start_that_compiles_deepspeeds_shared_memory_op_says_so_first_and_one_that_loads_it_says_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lightning_log: LoggedLines
+) -> None:
+    build_deepspeed_cpu_ops()  # DeepSpeed keeps an op it loaded for the process: no fit here compiles one
+    cpu_trainer(max_steps=1).fit(AdapterModel(), regression_data())
+    assert [line for line in lightning_log.lines if SHM_NOTE in line] == []  # built in the suite's folder
+    # a folder where nothing is built, as a first run meets it: said once, on rank 0, before DeepSpeed starts
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "fresh"))
+    cpu_trainer(max_steps=1).fit(AdapterModel(), regression_data())
+    assert [line for line in lightning_log.lines if SHM_NOTE in line] == [
+        f"{SHM_NOTE} {tmp_path / 'fresh' / 'deepspeed_shm_comm'}, once: about 30 s with no output (docs/faq.md)."
+    ]
+    # the folder holding another torch's build, which torch rebuilds (one default folder serves every venv)
+    built = tmp_path / "other-torch" / "deepspeed_shm_comm"
+    built.mkdir(parents=True)
+    (built / "deepspeed_shm_comm.so").write_bytes(b"")
+    (built / "build.ninja").write_text("cflags = -isystem /elsewhere/torch/include\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(built.parent))
+    assert (accelerator.shared_memory_op_build_note() or "").startswith(SHM_NOTE)

@@ -27,7 +27,8 @@ is defined where it is listed):
 - ``engine``: the engine over frozen and trainable shards, and its release after a run: ``Placement``,
   ``initialize_engine``, ``detach_frozen_shards``, ``destroy_engine``, ``release_engine``.
 - ``accelerator``: DeepSpeed's accelerator matched to Lightning's for a run: ``deepspeed_accelerator_matching``,
-  ``ignore_dependency_deprecations``.
+  ``ignore_dependency_deprecations``; the line said before it compiles its CPU op: ``shared_memory_op_build_note``,
+  ``torch_extensions_folder``.
 - ``optimizers``: DeepSpeed's CPU Adam, the inner optimizer, the engine's counters, the groups its engine would drop:
   ``is_cpu_adam``, ``cpu_adam``, ``cpu_adam_is_adamw``, ``inner_optimizer``, ``engine_counters``,
   ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,

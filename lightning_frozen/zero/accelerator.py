@@ -1,16 +1,20 @@
-"""DeepSpeed's accelerator made to match Lightning's for a run, and the deprecation warnings of dependencies a run
-ignores."""
+"""DeepSpeed's accelerator made to match Lightning's for a run, the line said before it compiles its CPU op, and the
+deprecation warnings of dependencies a run ignores."""
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
+import torch
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from torch.utils import cpp_extension
 
 from lightning_frozen.errors import UnsupportedConfigurationError
 
@@ -56,6 +60,40 @@ def deepspeed_accelerator_matching(accelerator: Optional[Accelerator]) -> Iterat
         yield
     finally:
         set_accelerator(before)
+
+
+def shared_memory_op_build_note() -> Optional[str]:
+    """The line to say before DeepSpeed's process group starts on the CPU, where it will compile its shared-memory
+    collectives (``deepspeed_shm_comm``, 20 to 60 s on a small machine, with nothing on the console); None where it
+    loads a build it has (installed with DeepSpeed, or built by this torch in torch's extensions folder) or has none.
+    """
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or installed_ops.get(builder.name, False) or not builder.is_compatible(verbose=False):
+        return None
+    folder = torch_extensions_folder() / builder.name
+    ninja = folder / "build.ninja"
+    # torch rebuilds an op another torch built (one default folder serves every venv of a Python)
+    built_here = ninja.is_file() and cpp_extension.include_paths()[0] in ninja.read_text(errors="replace")
+    if built_here and (folder / f"{builder.name}.so").is_file():
+        return None
+    return (
+        f"lightning-frozen: DeepSpeed is compiling its shared-memory collectives for the CPU into {folder}, once: about"
+        " 30 s with no output (docs/faq.md)."
+    )
+
+
+def torch_extensions_folder() -> Path:
+    """Where torch's JIT builds an op (``torch.utils.cpp_extension.load``): ``$TORCH_EXTENSIONS_DIR``, else a folder
+    per Python and torch build under torch's default build root."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    hip, cuda = torch.version.hip, torch.version.cuda
+    build = f"rocm{hip.replace('.', '')}" if hip else f"cu{cuda.replace('.', '')}" if cuda else "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(cpp_extension.get_default_build_root()) / f"{python}_{build}"
 
 
 # torch 2.13's deprecation messages for what DeepSpeed 0.19 and Lightning 2.6 call every step: not the user's to fix
