@@ -80,8 +80,8 @@ def shared_memory_op_build_note() -> Optional[str]:
     if built_here and (folder / f"{builder.name}.so").is_file():
         return None
     return (
-        f"lightning-frozen: DeepSpeed is compiling its shared-memory collectives for the CPU into {folder}, once: about"
-        " 30 s with no output (docs/faq.md)."
+        f"lightning-frozen: DeepSpeed is compiling its shared-memory collectives for the CPU into {folder}, once: 30 s"
+        " or more with no output (docs/faq.md)."
     )
 
 
