@@ -379,3 +379,17 @@ def test_the_strategys_init_docstring_is_its_own_and_names_its_arguments() -> No
     own = [p.name for p in parameters if p.kind == p.KEYWORD_ONLY]
     assert len(own) >= 8 and [name for name in own if f"``{name}``" not in doc] == []
     assert "``stage=3``" in doc and "``exclude_frozen_parameters`` and ``load_full_weights`` have no effect" in doc
+
+
+README_LINES = 250  # issue 63: a page a new user reads through; detail goes to the pages under docs/
+SET_UP_COMMANDS = (
+    "bash scripts/bootstrap.sh && .venv/bin/python examples/minilm_lora/run.py",
+    "bash scripts/bootstrap.sh && .venv/bin/python -m pytest -x -q -n 3",  # the command .ci/run runs
+)
+
+
+def test_the_readme_stays_short_and_gives_the_two_set_up_commands_as_ci_runs_them() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_LINES, f"README.md has {len(text.splitlines())} lines"
+    assert [command for command in SET_UP_COMMANDS if f"\n{command}\n" not in text] == []
+    assert SET_UP_COMMANDS[1] in (ROOT / ".ci" / "run").read_text()
