@@ -7,8 +7,10 @@ their names; the temporary file it may leave is removed by a later write into th
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
@@ -63,7 +65,7 @@ def write_file_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     tmp = _temp_path(path)
     # O_EXCL: a new file or an error, never through a planted file or link; 0o666 so the umask sets the mode. Open
     # for reading too: a write in two passes reads where the first put each tensor (zero/torch_file.py)
-    fd = process.start_writing(tmp, lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+    fd = process.start_writing(tmp, lambda: _locked(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)))
     try:
         with process.removed_if_terminated(tmp), os.fdopen(fd, "w+b") as handle:
             write(handle)
@@ -91,11 +93,12 @@ def folder_written_whole(destination: Path, replaceable: Callable[[str], bool]) 
     tmp = _temp_path(destination)
     process.start_writing(tmp, tmp.mkdir)
     try:
-        yield tmp
-        for entry in os.scandir(tmp):
-            _fsync_path(entry.path)
-        _fsync_path(str(tmp))
-        process.publish(tmp, lambda: _replace_folder(tmp, destination))
+        with _held(tmp):
+            yield tmp
+            for entry in os.scandir(tmp):
+                _fsync_path(entry.path)
+            _fsync_path(str(tmp))
+            process.publish(tmp, lambda: _replace_folder(tmp, destination))
     except BaseException:
         process.abandon(tmp)
         raise
@@ -108,15 +111,16 @@ def _replace_folder(tmp: Path, destination: Path) -> None:
         return
     # the old folder steps aside under a `.old` name the next sweep puts back if need be (docs/internals.md)
     old = destination.parent / process.owned_name(f".{destination.name}.lf", ".old")
-    os.replace(destination, old)
-    try:
-        os.replace(tmp, destination)
-    except BaseException:
-        os.replace(old, destination)
-        raise
-    doomed = _temp_path(destination)  # renamed whole before it is emptied: a `.old` folder is never a partial one
-    os.replace(old, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    with _held(destination):  # its lock goes with it through the renames
+        os.replace(destination, old)
+        try:
+            os.replace(tmp, destination)
+        except BaseException:
+            os.replace(old, destination)
+            raise
+        doomed = _temp_path(destination)  # renamed whole before it is emptied: a `.old` folder is never a partial one
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _temp_path(target: Path) -> Path:
@@ -141,16 +145,25 @@ def check_output_folder(destination: Path, replaceable: Callable[[str], bool]) -
 
 
 def remove_stale_temp_files(folder: Path) -> list[Path]:
-    """Delete the temp files and folders that dead writers left in ``folder`` (``process.dead_files``); return them.
-    An export folder moved aside by a writer that died between its two renames is put back where its name is missing.
+    """Delete the temp files and folders that dead writers left in ``folder``: those ``process.dead_files`` finds and
+    no live writer holds (:func:`_held`); return them. An export folder moved aside by a writer that died between its
+    two renames is put back where its name is free, removed where a newer export holds the name, else kept.
     """
-    for aside, match in process.dead_files(folder, _MOVED_ASIDE):
+    superseded = []
+    for aside, match in _unheld(process.dead_files(folder, _MOVED_ASIDE)):
         target = folder / match["target"]
-        if not target.exists():
-            with suppress(OSError):  # another process put it back, or wrote the folder anew, meanwhile
-                os.rename(aside, target)
-                log.warning("lightning-frozen: put back %s, left aside by an interrupted export", target)
-    removed = process.remove_dead_files(folder, _TEMP_FILE) + process.remove_dead_files(folder, _MOVED_ASIDE)
+        if target.is_dir() and not target.is_symlink():  # a newer export took its place: this is not the last copy
+            superseded.append(aside)
+            continue
+        try:
+            os.rename(aside, target)
+        except OSError as error:  # a file or a link in its place, or put back by another process meanwhile
+            if aside.exists():
+                log.warning("lightning-frozen: kept %s, an export left aside: it cannot be put back (%s)", aside, error)
+            continue
+        log.warning("lightning-frozen: put back %s, left aside by an interrupted export", target)
+    temp = [path for path, _ in _unheld(process.dead_files(folder, _TEMP_FILE))]
+    removed = [path for path in [*temp, *superseded] if _removed(path)]
     if removed:
         log.warning(
             "lightning-frozen: removed %d temp file(s) left in %s by an interrupted checkpoint write: %s",
@@ -159,6 +172,55 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
             ", ".join(path.name for path in removed),
         )
     return removed
+
+
+def _locked(fd: int) -> int:
+    """``fd`` with an exclusive flock on its file, where the filesystem has them: the sweep leaves a file or folder
+    whose lock a live process holds, whatever its age, in any pid namespace; the kernel drops it when the process
+    dies."""
+    with suppress(OSError):  # no locks here (some network filesystems): its pid and age decide, as for another host
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+@contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """``path`` (a folder) locked (:func:`_locked`) while the block runs."""
+    fd = _locked(os.open(path, os.O_RDONLY | os.O_DIRECTORY))
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _unheld(found: list[tuple[Path, re.Match[str]]]) -> list[tuple[Path, re.Match[str]]]:
+    """Those of ``found`` whose lock no live process holds (or that cannot be locked here)."""
+    unheld = []
+    for path, match in found:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # removed or renamed by another process meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live process holds it
+            continue
+        except OSError:  # no locks here: its pid and age decide
+            pass
+        finally:
+            os.close(fd)
+        unheld.append((path, match))
+    return unheld
+
+
+def _removed(path: Path) -> bool:
+    with suppress(OSError):  # renamed or removed by another process meanwhile, or not this user's to remove
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        return True
+    return False
 
 
 def _fsync_path(path: str) -> None:
