@@ -453,7 +453,8 @@ HOOKS_WHERE_PARAMS = Capability(
     "ZeRO-3's module hooks only on modules that hold params",
     fallback="ZeRO-3's hooks also run around every module that holds no param, fetching and releasing nothing (a"
     " slower step: 0.1-0.3 s at 1.1B on a 2-core CPU)",
-    changes="DeepSpeed's hooks taken off the engine's modules that hold no param (zero/engine.hook_only_param_holders)",
+    changes="DeepSpeed's hooks taken off the engine's modules that hold no param, light ones on those with params under"
+    " them, which give DeepSpeed's back to one that reads a child's weight (zero/engine.hook_only_param_holders)",
     rows=(
         ForeignName(
             f"{_OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
@@ -461,6 +462,15 @@ HOOKS_WHERE_PARAMS = Capability(
             in_code=("forward_hooks", "backward_hooks", "z3_leaf_module"),
         ),
         ForeignName(f"{_COORDINATOR.split(':')[0]}:iter_params", "zero/engine.py", ("module", "recurse")),
+        # a weight read in a forward is registered on the module last on this stack
+        ForeignName(f"{_OFFLOAD}:ZeROOrderedDict.__getitem__", "zero/engine.py", in_code=("FWD_MODULE_STACK",)),
+        ForeignName(f"{_OFFLOAD}:FWD_MODULE_STACK", "zero/engine.py"),
+        ForeignName(
+            f"{_OFFLOAD}:DeepSpeedZeRoOffload.post_sub_module_backward_function",
+            "zero/engine.py",
+            ("self", "sub_module"),
+        ),
+        ForeignName(f"{_PARTITION}:unregister_external_parameter", "zero/engine.py", ("module", "parameter")),
         ForeignName(
             "torch.nn.modules.module:Module.__init__",
             "zero/engine.py",

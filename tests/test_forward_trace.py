@@ -139,22 +139,25 @@ def test_prefetching_trains_exactly_as_fetching_on_demand(self_call_fits: Path) 
 
 
 class _HooksSeen(Callback):
-    """At the first step: which of the module's submodules carry ZeRO-3's hooks, by name."""
+    """At the first and the last step: which of the module's submodules carry ZeRO-3's hooks, and which the light
+    ones of a module whose hooks were taken off (``engine.TrimmedHooks``), by name."""
 
     def __init__(self) -> None:
         self.hooked: dict[str, bool] = {}
+        self.light: dict[str, bool] = {}
+        self.last_hooked: dict[str, bool] = {}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx:
-            return
         offload = engine.param_offload(trainer.strategy.model)
-        dicts = [handle.hooks_dict_ref() for handle in (*offload.forward_hooks, *offload.backward_hooks)]
-        live = {
-            id(hooks)
-            for handle, hooks in zip((*offload.forward_hooks, *offload.backward_hooks), dicts)
-            if hooks is not None and handle.id in hooks
-        }
-        self.hooked = {name: id(module._forward_pre_hooks) in live for name, module in pl_module.named_modules()}
+        handles = [(handle, handle.hooks_dict_ref()) for handle in (*offload.forward_hooks, *offload.backward_hooks)]
+        live = [(hooks, hooks[handle.id]) for handle, hooks in handles if hooks is not None and handle.id in hooks]
+        light = {id(hooks) for hooks, hook in live if isinstance(getattr(hook, "__self__", None), engine.TrimmedHooks)}
+        deepspeeds = {id(hooks) for hooks, _ in live} - light
+        hooked = {name: id(module._forward_pre_hooks) in deepspeeds for name, module in pl_module.named_modules()}
+        self.last_hooked = hooked
+        if not batch_idx:
+            self.hooked = hooked
+            self.light = {name: id(module._forward_pre_hooks) in light for name, module in pl_module.named_modules()}
 
 
 def _fit_seen(monkeypatch: pytest.MonkeyPatch, trim: bool) -> tuple[PeftModule, _HooksSeen]:
@@ -177,6 +180,10 @@ def test_zero3_hooks_run_only_around_modules_that_hold_params_and_train_the_same
     assert {name for name in holders if not seen.hooked[name]} == set()
     assert {name for name in idle if seen.hooked[name]} == set()
     assert seen.hooked[""]  # the engine's module keeps its own, which start and end DeepSpeed's forward
+    # a light pair where a module without params has some under it (it could read a child's weight), none elsewhere
+    under = {name for name in idle if next(module.get_submodule(name).parameters(), None) is not None}
+    assert under and {name for name, light in seen.light.items() if light} == under
+    assert seen.last_hooked == seen.hooked  # no module read a child's weight: none got DeepSpeed's hooks back
     reference, everywhere = _fit_seen(monkeypatch, trim=False)
     assert all(everywhere.hooked.values())
     trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

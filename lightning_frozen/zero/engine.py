@@ -235,7 +235,9 @@ def hook_only_param_holders(engine: Any, model: nn.Module) -> int:
     own, none under them where they are a leaf, none registered as external; return how many. Around such a module
     the hooks fetch and release nothing, yet each forward runs four of them and wraps the module's outputs in two
     autograd nodes for its backward: in a 1.1B PEFT Llama, 446 modules of 735 (a LoRA layer's dicts and dropout, the
-    wrappers, attention and MLP) and 0.1-0.2 s a step on a 2-core CPU (docs/internals.md, "Steadiness of a step")."""
+    wrappers, attention and MLP) and 0.1-0.2 s a step on a 2-core CPU (docs/internals.md, "Steadiness of a step").
+    One of them with params under it may still read a child's weight in its forward: it keeps a light pair of hooks
+    that give it DeepSpeed's back at the first such read (:class:`TrimmedHooks`)."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
     from deepspeed.utils import z3_leaf_module
 
@@ -244,13 +246,76 @@ def hook_only_param_holders(engine: Any, model: nn.Module) -> int:
     for module in model.modules():
         if module is not model and next(iter(iter_params(module, recurse=z3_leaf_module(module))), None) is None:
             idle[id(module._forward_pre_hooks)] = idle[id(module._forward_hooks)] = module
-    taken = set()
-    for handle in (*offload.forward_hooks, *offload.backward_hooks):
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and id(hooks) in idle:
-            handle.remove()
-            taken.add(id(idle[id(hooks)]))
+    taken: dict[int, TrimmedHooks] = {}
+    for hooks_of_kind in (offload.forward_hooks, offload.backward_hooks):
+        for handle in hooks_of_kind:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and id(hooks) in idle and handle.id in hooks:
+                module = idle[id(hooks)]
+                trimmed = taken.setdefault(id(module), TrimmedHooks(offload))
+                kind = (hooks is module._forward_pre_hooks, hooks_of_kind is offload.forward_hooks)
+                trimmed.hooks.append((*kind, hooks[handle.id]))
+                handle.remove()
+    for module in model.modules():
+        trimmed = taken.get(id(module))
+        if trimmed is not None and len(trimmed.hooks) == 4 and next(module.parameters(), None) is not None:
+            trimmed.watch(module)
     return len(taken)
+
+
+class TrimmedHooks:
+    """A module's ZeRO-3 hooks, taken off, and two light ones that put the module on DeepSpeed's module stack while it
+    runs. A child's weight its forward reads (``F.linear(x, self.lin.weight)``; ``nn.TransformerEncoderLayer`` reads
+    ``self_attn.in_proj_bias`` in eval; PEFT's LoRA layer ``lora_A.weight.dtype``) is then registered on it, as under
+    stock ZeRO-3, and not on the nearest module still hooked (up to the root, which would fetch it at every forward and
+    hold it through the forward and the backward). The forward that reads one gives the module DeepSpeed's hooks back
+    and ends as they would have ended it: the weight released, fetched again for the module's backward and released
+    after it."""
+
+    def __init__(self, offload: Any) -> None:
+        from deepspeed.runtime.zero import parameter_offload, partition_parameters, partitioned_param_coordinator
+
+        self.offload = offload
+        self.module_stack = parameter_offload.FWD_MODULE_STACK  # a weight read in a forward registers on its last
+        self.iter_params = partitioned_param_coordinator.iter_params
+        self.unregister = partition_parameters.unregister_external_parameter
+        self.hooks: list[tuple] = []  # (a pre-forward hook, in the offload's `forward_hooks`, the hook) as registered
+        self.handles: tuple[Any, ...] = ()
+
+    def watch(self, module: nn.Module) -> None:
+        self.handles = (module.register_forward_pre_hook(self.enter), module.register_forward_hook(self.leave))
+        self.offload.forward_hooks.extend(self.handles)  # removed with DeepSpeed's own when the engine goes
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.module_stack.append(module)
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        read = list(self.iter_params(module))  # it holds none: what it read of a child's, registered on it
+        if all(param.ds_persist for param in read):  # none, or ones kept whole once gathered (a small `lora_A.weight`
+            for param in read:  # read before `lora_A` first ran): nothing to release or to fetch again
+                self.unregister(module, param)
+            self.module_stack.pop()
+            return None
+        for handle in self.handles:
+            handle.remove()
+        hooks = {}
+        for pre_forward, forward_kind, hook in self.hooks:  # in DeepSpeed's order, after the module's other hooks
+            handle = module.register_forward_pre_hook(hook) if pre_forward else module.register_forward_hook(hook)
+            (self.offload.forward_hooks if forward_kind else self.offload.backward_hooks).append(handle)
+            hooks[pre_forward, forward_kind] = hook
+        hooks[False, True](module, args, output)  # the end of its forward: off the stack, the weight released
+        output = hooks[False, False](module, args, output)  # its outputs: the weight fetched before its backward
+        inputs = [x for x in args if isinstance(x, torch.Tensor) and x.requires_grad]
+        waiting = [len(inputs)]
+
+        def after_backward(grad: torch.Tensor) -> None:  # the gradient of its last input: the weight released
+            waiting[0] -= 1
+            if not waiting[0]:
+                self.offload.post_sub_module_backward_function(module)
+
+        for tensor in inputs if torch.is_grad_enabled() else ():
+            tensor.register_hook(after_backward)
+        return output
 
 
 def param_offload(engine: Any) -> Any:
