@@ -1,9 +1,11 @@
 """Ranks that run out of data keep serving the others (docs/loops.md): the step's agreement and weights in this
-process, and 2-rank fits from an uneven ``IterableDataset`` whose weights equal plain torch's over the real batches
-(``tests/scripts/uneven_train.py``)."""
+process, and 2-rank fits from an uneven ``IterableDataset`` whose weights equal plain torch's over the real batches,
+stopped by SIGTERM in a stand-in's step and resumed (``tests/scripts/uneven_train.py``)."""
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,11 @@ import pytest
 import torch
 
 from lightning_frozen import loops
+from lightning_frozen.checkpoint.file import read_checkpoint
 from lightning_frozen.errors import UnevenBatchesError
 from tests.distributed import read_reports, run_script
+
+SIGTERM_STATUS = 128 + signal.SIGTERM
 
 
 def _gather_from(*others: Any):
@@ -83,22 +88,26 @@ def test_a_stand_ins_logged_values_count_for_nothing_in_epoch_means_and_sums() -
 
 @pytest.fixture(scope="module")
 def uneven_train(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Each case's reports of ``tests/scripts/uneven_train.py``, run once on 2 ranks (today: the fit hangs)."""
+    """Each case's reports of ``tests/scripts/uneven_train.py``, run on 2 ranks: its cases up to the SIGTERM, which
+    ends the launch, then the resume from the checkpoint it left (today: the first fit hangs)."""
     report = tmp_path_factory.mktemp("uneven_train")
-    run_script("uneven_train.py", f"--report={report}", timeout=240)
+    run_script("uneven_train.py", f"--report={report}", timeout=300, status=SIGTERM_STATUS)
+    run_script("uneven_train.py", f"--report={report}", "--cases=resume", timeout=240)
     return report
 
 
-def plain_torch(case: str, mean_over_world: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The trainable params after SGD steps whose gradient is the mean over the real batches of each step (or, with
-    ``mean_over_world``, the sum over 2 ranks: what ZeRO's average gives a stand-in not weighed 0), and each real
-    batch's loss before its step."""
+def plain_torch(
+    case: str, mean_over_world: bool = False, steps: Sequence[int] = ()
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The trainable params after SGD steps (``steps``: which of the epoch's, in order; else all) whose gradient is the
+    mean over the real batches of each step (or, with ``mean_over_world``, the sum over 2 ranks: what ZeRO's average
+    gives a stand-in not weighed 0), and each real batch's loss before its step."""
     from tests.scripts.uneven_train import CASES, LR, SGDAdapter, batches_of
 
     model = SGDAdapter()
     ranks = [batches_of(case, rank) for rank in range(2)]
     losses = []
-    for step in range(max(CASES[case])):
+    for step in steps or range(max(CASES[case])):
         real = [batches[step] for batches in ranks if step < len(batches)]
         for x, y in real:
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -131,3 +140,23 @@ def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(case
     said = reports[0]["said"]
     counts = "rank 0: 2 or more, rank 1: 1" if case == "3-1" else "rank 0: 1 or more, rank 1: 0"
     assert said.count("ran out of train batches") == 1 and f"rank 1 ran out of train batches ({counts})" in said, said
+
+
+@pytest.mark.slow
+def test_sigterm_on_a_rank_in_its_stand_ins_step_stops_every_rank_at_that_step(uneven_train: Path) -> None:
+    # rank 1 ran out after step 0 and got SIGTERM in its stand-in's step 1: both ranks stop after it and save
+    reports = read_reports(uneven_train / "preempt")
+    assert [(report["status"], report["global_step"]) for report in reports] == [(SIGTERM_STATUS, 2)] * 2
+    assert read_checkpoint(uneven_train / "last.ckpt")["global_step"] == 2
+
+
+@pytest.mark.slow
+def test_a_fit_resumed_from_a_step_where_a_rank_was_joined_trains_on(uneven_train: Path) -> None:
+    # a stream without a state of its own starts again from its first batch (Lightning's resume of an IterableDataset):
+    # the two steps before the stop, then the epoch's three, each averaged over its real batches
+    reports = read_reports(uneven_train / "resume")
+    expected, _ = plain_torch("resume", steps=[0, 1, 0, 1, 2])
+    assert [report["global_step"] for report in reports] == [5, 5]
+    for report in reports:
+        for name, values in report["params"].items():
+            torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6)

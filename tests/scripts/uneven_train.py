@@ -3,14 +3,18 @@ different numbers of batches; the tests run it as a script and check the weights
 (tests/test_uneven.py).
 
 Each case is a Trainer of its own in one world (starting the ranks costs more than a fit): ``3-1`` (rank 0 three
-batches of 4 samples, rank 1 one, batched by the DataLoader) and ``3-0`` (rank 1 none, a stream of whole batches under
-``DataLoader(batch_size=None)``). Each rank writes ``<report>/<case>/rank<R>.json``: its global step, the trainable
-params gathered whole, the epoch's logged means and sums, and (rank 0) what the run said.
+batches of 4 samples, rank 1 one, batched by the DataLoader), ``3-0`` (rank 1 none, a stream of whole batches under
+``DataLoader(batch_size=None)``), ``preempt`` (``3-1``, and rank 1 sends itself SIGTERM in its stand-in's step at global
+step 1: the process exits, so it comes last) and ``resume`` (``3-1`` resumed from the ``last.ckpt`` that ``preempt``
+left, in a launch of its own). Each rank writes ``<report>/<case>/rank<R>.json``: its exit status, global step, the
+trainable params gathered whole, the epoch's logged means and sums, and (rank 0) what the run said.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +31,7 @@ from tests.distributed import logged_lines, write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer  # noqa: E402
 
 BATCH, LR = 4, 0.5
-CASES = {"3-1": (3, 1), "3-0": (3, 0)}  # the batches of rank 0 and rank 1
+CASES = {"3-1": (3, 1), "3-0": (3, 0), "preempt": (3, 1), "resume": (3, 1)}  # the batches of rank 0 and rank 1
 SAMPLES = torch.randn(4 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 TARGETS = SAMPLES[:, :1] * 0.5 - SAMPLES[:, 1:2]
 
@@ -64,21 +68,38 @@ class SGDAdapter(AdapterModel):
         return torch.optim.SGD([param for param in self.parameters() if param.requires_grad], lr=LR)
 
 
+class Preempted(SGDAdapter):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        share = self.trainer.strategy._joining.share  # this step's: a stand-in where `joined`
+        if self.global_rank == 1 and self.global_step == 1 and share is not None and share.joined:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
+    parser.add_argument("--cases", default="3-1,3-0,preempt")
     args = parser.parse_args()
-    for case in CASES:
-        train(case, Path(args.report) / case)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # SIGTERM's default before the strategy's handler
+    for case in args.cases.split(","):
+        train(case, Path(args.report))
 
 
-def train(case: str, report: Path) -> None:
-    batched = case == "3-0"
+def train(case: str, folder: Path) -> None:
+    batched, report = case == "3-0", folder / case
     data = DataLoader(RankStream(case, batched), batch_size=None if batched else BATCH)
-    model = SGDAdapter()
-    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False)
-    with logged_lines() as lines:
-        trainer.fit(model, data)
+    model = Preempted() if case == "preempt" else SGDAdapter()
+    trainer = cpu_trainer(
+        FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False, default_root_dir=folder
+    )
+    resume = folder / "last.ckpt" if case == "resume" else None
+    try:
+        with logged_lines() as lines:
+            trainer.fit(model, data, ckpt_path=resume)
+    except SystemExit as stop:
+        write_report(report, trainer.global_rank, {"status": stop.code, "global_step": trainer.global_step})
+        raise
     params = {
         name: safe_get_full_fp32_param(param).tolist()
         for name, param in model.named_parameters()
@@ -88,7 +109,7 @@ def train(case: str, report: Path) -> None:
     write_report(
         report,
         trainer.global_rank,
-        {"global_step": trainer.global_step, "params": params, "metrics": metrics, "said": lines.text},
+        {"status": 0, "global_step": trainer.global_step, "params": params, "metrics": metrics, "said": lines.text},
     )
     torch.distributed.barrier()
 
