@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -282,24 +281,22 @@ def _expected_weight(source: torch.Tensor, frozen_dtype: str, world_size: int) -
 
 
 def _fit_quantized(
-    frozen_dtype: str, max_epochs: int = 1, resume: Path | None = None, **strategy_kwargs: Any
+    frozen_dtype: str, max_epochs: int = 1, resume: Path | None = None, watch: bool = True, **strategy_kwargs: Any
 ) -> tuple[AdapterModel, Any, dict[str, torch.Tensor]]:
+    """A fit; with ``watch``, the first weight the first layer's forward saw in ``seen["weight"]``, read by a pre-hook
+    that changes the step it first runs in (about 0.02 in the head's weight after one step: reported in issue 63)."""
     model = AdapterModel(width=WIDTH)
     seen: dict[str, torch.Tensor] = {}
 
     def keep_first_weight(module: torch.nn.Module, inputs: tuple) -> None:
         seen.setdefault("weight", module.weight.detach().clone())
 
-    model.layers[0].base.register_forward_pre_hook(keep_first_weight)
+    if watch:
+        model.layers[0].base.register_forward_pre_hook(keep_first_weight)
     strategy = FrozenAwareDeepSpeedStrategy(frozen_dtype=frozen_dtype, **strategy_kwargs)
     trainer = cpu_trainer(strategy, max_epochs=max_epochs, precision="bf16-true")
     trainer.fit(model, regression_data(width=WIDTH), ckpt_path=resume)
     return model, trainer, seen
-
-
-def _codes_digest(model: AdapterModel) -> dict[str, str]:
-    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-    return {n: hashlib.sha256(p.ds_tensor.numpy().tobytes()).hexdigest() for n, p in frozen.items()}
 
 
 @pytest.mark.parametrize("frozen_dtype", ["int8", "nf4"])
@@ -348,13 +345,28 @@ def test_one_process_fit_stores_codes_and_computes_with_dequantized_bf16(
         lightning_frozen.load_adapter(AdapterModel(width=WIDTH, seed=1), path)
 
 
-def test_resume_reproduces_the_quantized_base_exactly(tmp_path: Path, lightning_log: Any) -> None:
-    first, trainer, _ = _fit_quantized("nf4")
-    path = tmp_path / "one.ckpt"
-    trainer.save_checkpoint(path)
-    resumed, trainer, _ = _fit_quantized("nf4", max_epochs=2, resume=path)
-    assert trainer.global_step == 16
-    assert _codes_digest(resumed) == _codes_digest(first)
+def _assert_goes_on_as_the_straight_run(resumed: Path, straight: Path, steps: int) -> None:
+    """The checkpoint ``resumed`` wrote after resuming matches that of the run that never stopped: the trainable
+    weights and the optimizer's moments it restored went on from where the first run left them. (A fresh encoding
+    reproduces the quantized base: the checkpoint holds no codes, so comparing them tells nothing of the resume.)"""
+    ours, theirs = torch.load(resumed, weights_only=True), torch.load(straight, weights_only=True)
+    assert ours["global_step"] == theirs["global_step"] == steps
+    assert ours["state_dict"] and ours["state_dict"].keys() == theirs["state_dict"].keys()
+    state, straight_state = ours["optimizer_states"][0]["state"], theirs["optimizer_states"][0]["state"]
+    for name, value in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][name], value), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name][moment], straight_state[name][moment]), (name, moment)
+
+
+def test_resume_goes_on_as_the_straight_run_over_the_quantized_base(tmp_path: Path, lightning_log: Any) -> None:
+    _, trainer, _ = _fit_quantized("nf4", watch=False)
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    _, trainer, _ = _fit_quantized("nf4", max_epochs=2, resume=tmp_path / "one.ckpt", watch=False)
+    trainer.save_checkpoint(tmp_path / "resumed.ckpt")
+    _, trainer, _ = _fit_quantized("nf4", max_epochs=2, watch=False)
+    trainer.save_checkpoint(tmp_path / "straight.ckpt")
+    _assert_goes_on_as_the_straight_run(tmp_path / "resumed.ckpt", tmp_path / "straight.ckpt", steps=16)
     assert "trained on a frozen base stored as" not in lightning_log.text
 
 
@@ -526,12 +538,11 @@ def test_two_process_fit_holds_half_the_codes_per_rank(two_ranks: Path, frozen_d
 
 
 @pytest.mark.slow
-def test_two_process_resume_reproduces_the_codes_and_records_the_quantization(two_ranks: Path) -> None:
+def test_two_process_resume_goes_on_as_the_straight_run_and_records_the_quantization(two_ranks: Path) -> None:
     first, resumed = read_reports(two_ranks / "nf4"), read_reports(two_ranks / "resumed")
     assert [r["global_step"] for r in resumed] == [8, 8]
-    for before, after in zip(first, resumed):
-        assert after["codes_sha256"] == before["codes_sha256"]
-    assert first[0]["codes_sha256"] != first[1]["codes_sha256"]  # each rank holds its own half
+    _assert_goes_on_as_the_straight_run(two_ranks / "resumed.ckpt", two_ranks / "straight.ckpt", steps=8)
+    assert len(first) == 2 and first[0]["codes_sha256"] != first[1]["codes_sha256"]  # each rank holds its own half
     saved = torch.load(two_ranks / "nf4.ckpt", weights_only=True)
     assert saved["frozen_base"]["quantization"]["dtype"] == "nf4"
     assert json.dumps(saved["frozen_base"]["quantization"])  # plain types only
@@ -582,6 +593,7 @@ def prefetched(two_ranks: Path) -> Path:
 @pytest.mark.slow
 def test_ranks_on_one_machine_read_each_others_codes_from_shared_memory(prefetched: Path) -> None:
     shared, exchanged = read_reports(prefetched / "shared"), read_reports(prefetched / "async")
+    assert len(shared) == len(exchanged) == 2
     for fast, slow in zip(shared, exchanged):
         assert fast["shared_params"] == fast["frozen_params"] > 0 and slow["shared_params"] == 0
         assert fast["shards_are_their_rows"] and all(fast["shards_are_their_rows"])
@@ -602,6 +614,7 @@ def test_a_shared_folder_without_room_for_the_codes_falls_back_to_the_process_gr
     if not (prefetched / "small-shm").exists():
         pytest.skip("this machine mounts no tmpfs in a namespace of its own (`unshare -rm` refused)")
     small, shared = read_reports(prefetched / "small-shm"), read_reports(prefetched / "shared")
+    assert len(small) == len(shared) == 2
     for cramped, roomy in zip(small, shared):  # both ranks alive: no SIGBUS at a write into the full tmpfs
         assert cramped["shared_params"] == 0 and cramped["frozen_params"] > 0
         assert [g for g in cramped["gathers"] if g["dtype"] == "torch.uint8"]  # codes crossed the process group
@@ -620,13 +633,16 @@ def test_the_next_run_removes_files_of_dead_jobs_of_its_user_and_no_other(prefet
     planted = json.loads((prefetched / "small-shm-planted.json").read_text())
     kept = sorted(name for kind, name in planted.items() if kind != "dead")
     assert len(kept) >= 2  # a live job's, another user's (and, as root, one owned by another user)
-    for report in read_reports(prefetched / "small-shm"):
+    reports = read_reports(prefetched / "small-shm")
+    assert len(reports) == 2
+    for report in reports:
         assert report["shared_files_left"] == kept
 
 
 @pytest.mark.slow
 def test_a_handshake_that_raises_leaves_no_shared_file_and_no_mapping(prefetched: Path) -> None:
     reports = read_reports(prefetched / "raising-handshake")
+    assert len(reports) == 2
     assert len(reports[0]["files_at_the_raise"]) == 1  # rank 0 had made the file when the process group failed
     for report in reports:
         assert report["raised"] == "a rank died"  # the error reaches the caller
@@ -637,14 +653,16 @@ def test_a_handshake_that_raises_leaves_no_shared_file_and_no_mapping(prefetched
 
 @pytest.mark.slow
 def test_prefetched_quantized_gathers_stay_in_flight_while_other_layers_compute(prefetched: Path) -> None:
-    for report in read_reports(prefetched / "async"):
+    asynchronous, synchronous = read_reports(prefetched / "async"), read_reports(prefetched / "sync")
+    assert len(asynchronous) == len(synchronous) == 2
+    for report in asynchronous:
         codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]  # the quantized gathers' collectives
         assert codes and all(g["async_op"] for g in codes)
         assert all(g["waited_at"] is not None for g in codes)  # every collective's work is waited on, in `wait`
         # the coordinator prefetched them: frozen layers' forwards ran between starting a gather and waiting on it
         in_flight = [g["waited_at"] - g["started_at"] for g in codes]
         assert sum(1 for n in in_flight if n > 0) >= len(codes) // 4, in_flight
-    for report in read_reports(prefetched / "sync"):
+    for report in synchronous:
         codes = [g for g in report["gathers"] if g["dtype"] == "torch.uint8"]
         assert codes and all(g["waited_at"] == g["started_at"] for g in codes)  # the check can tell the two apart
 
@@ -654,6 +672,7 @@ def test_the_asynchronous_gather_trains_exactly_as_the_synchronous_one(prefetche
     asynchronous, synchronous = read_reports(prefetched / "async"), read_reports(prefetched / "sync")
     source = AdapterModel(width=WIDTH, depth=4).to(torch.bfloat16)
     weight, bias = (_expected_weight(p, "nf4", 2) for p in (source.layers[3].base.weight, source.layers[3].base.bias))
+    assert len(asynchronous) == len(synchronous) == 2
     for fast, slow in zip(asynchronous, synchronous):
         assert fast["global_step"] == slow["global_step"] == 4
         assert fast["trainable"] == slow["trainable"]  # bit-identical adapters and head after 4 steps
