@@ -283,8 +283,9 @@ def _expected_weight(source: torch.Tensor, frozen_dtype: str, world_size: int) -
 def _fit_quantized(
     frozen_dtype: str, max_epochs: int = 1, resume: Path | None = None, watch: bool = True, **strategy_kwargs: Any
 ) -> tuple[AdapterModel, Any, dict[str, torch.Tensor]]:
-    """A fit; with ``watch``, the first weight the first layer's forward saw in ``seen["weight"]``, read by a pre-hook
-    that changes the step it first runs in (about 0.02 in the head's weight after one step: reported in issue 63)."""
+    """A fit; with ``watch``, the first weight the first layer's forward saw in ``seen["weight"]``, read by a pre-hook.
+    Over an nf4 base the step it first reads the weight in is not bit-identical to an unwatched one (another compute
+    path, it seems), so that runs compared bit for bit are either all watched from their first step or none."""
     model = AdapterModel(width=WIDTH)
     seen: dict[str, torch.Tensor] = {}
 

@@ -30,8 +30,9 @@ WIDTH = 128
 def fit(
     frozen_dtype: str, devices: int, out: Path, run: str, max_epochs: int, resume: Optional[Path], watch: bool = True
 ) -> None:
-    """One run; with ``watch``, the weight the first layer's forward saw first is reported, read by a pre-hook that
-    changes the step it first runs in (issue 63): the runs a resume is compared across are not watched."""
+    """One run; with ``watch``, the weight the first layer's forward saw first is reported, read by a pre-hook: the
+    step it first reads the weight in is not bit-identical to an unwatched one, so the runs a resume is compared
+    across are not watched."""
     model = AdapterModel(width=WIDTH)
     seen: dict[str, torch.Tensor] = {}
 
