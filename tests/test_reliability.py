@@ -478,7 +478,6 @@ def test_a_two_rank_script_started_after_an_in_process_fit_meets_on_a_port_of_it
     port: the script's rank 0 failed with EADDRINUSE every time (issue 63)."""
     for name in lightning_seam.RENDEZVOUS_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    gloo_exit.end_gloo_work(timeout=5)  # an earlier test's world in this process: this test's fit starts its own
     run_in_this_process("start_world.py", str(tmp_path / "fit"), "1")
     fit = read_reports(tmp_path / "fit")
     left = {name: os.environ[name] for name in lightning_seam.RENDEZVOUS_VARIABLES if name in os.environ}
@@ -500,8 +499,8 @@ def test_a_two_rank_script_started_after_an_in_process_fit_meets_on_a_port_of_it
 
 @contextmanager
 def _busy_connections(held: int = 2000) -> Iterator[None]:
-    """Loopback connections made and closed all the time, ``held`` of them open at once, each on a port of the
-    kernel's ephemeral range: what gloo's connections are to a rank beside them."""
+    """Loopback connections made and closed all the time (about a thousand a second), ``held`` of them open at once,
+    each on a port of the kernel's ephemeral range: what gloo's connections are to a rank beside them."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=held)
     address, stop, accepted = listener.getsockname(), threading.Event(), []
 
@@ -521,6 +520,7 @@ def _busy_connections(held: int = 2000) -> Iterator[None]:
                 time.sleep(0.01)  # the range is exhausted for now
             if len(open_now) > held:
                 open_now.pop(0).close()
+            stop.wait(0.001)  # busy, but leaving the cores to the ranks
         for connection in open_now:
             connection.close()
 
