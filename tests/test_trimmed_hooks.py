@@ -47,24 +47,28 @@ class ReadsItsChildren(nn.Module):
 
 
 class DirectReads(L.LightningModule):
-    """A trainable input layer, frozen blocks that read their children's weights, a frozen Transformer encoder and a
-    trainable head. In eval, ``nn.TransformerEncoderLayer.forward`` reads ``self_attn.in_proj_bias`` (the checks of its
-    fast path, which never runs under ZeRO-3: any hook on its submodules turns it off)."""
+    """A trainable input layer, frozen blocks that read their children's weights (one of them unused), a frozen
+    Transformer encoder and a trainable head. In eval, ``nn.TransformerEncoderLayer.forward`` reads
+    ``self_attn.in_proj_bias`` (the checks of its fast path, which never runs under ZeRO-3: any hook on its submodules
+    turns it off)."""
 
     def __init__(self, depth: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(WIDTH, WIDTH)
         self.blocks = nn.Sequential(*(ReadsItsChildren() for _ in range(depth)))
+        self.unused = ReadsItsChildren()  # its output is dropped: its backward never runs, its input's gradient does
         layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.head = nn.Linear(WIDTH, 1)
-        self.blocks.requires_grad_(False)
-        self.encoder.requires_grad_(False)
+        for frozen in (self.blocks, self.unused, self.encoder):
+            frozen.requires_grad_(False)
         self.losses: dict[str, list[float]] = {"train": [], "val": []}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.blocks(self.embed(x)))).mean(dim=1)
+        hidden = self.blocks(self.embed(x))
+        self.unused(hidden)
+        return self.head(self.encoder(hidden)).mean(dim=1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = F.mse_loss(self(batch[0]), batch[1])

@@ -296,6 +296,11 @@ class TrimmedHooks:
                 self.unregister(module, param)
             self.module_stack.pop()
             return None
+        return self.give_back(module, args, output)
+
+    def give_back(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """DeepSpeed's hooks on ``module`` again, and the forward that read a child's weight ended as they would have
+        ended it; returns its outputs, wrapped for its backward."""
         for handle in self.handles:
             handle.remove()
         hooks = {}
@@ -310,7 +315,7 @@ class TrimmedHooks:
 
         def after_backward(grad: torch.Tensor) -> None:  # the gradient of its last input: the weight released
             waiting[0] -= 1
-            if not waiting[0]:
+            if not waiting[0]:  # (where its backward did not run, the root's holds the engine's backward open)
                 self.offload.post_sub_module_backward_function(module)
 
         for tensor in inputs if torch.is_grad_enabled() else ():
