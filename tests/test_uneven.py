@@ -86,6 +86,16 @@ def test_a_stand_ins_logged_values_count_for_nothing_in_epoch_means_and_sums() -
     assert logged == [("loss", 2.0, "mean", 0), ("seen", 0.0, "sum", None), ("peak", 5.0, "max", None)]
 
 
+def test_uneven_batches_takes_join_or_raise() -> None:
+    from lightning_frozen import FrozenAwareDeepSpeedStrategy
+    from lightning_frozen.errors import InvalidArgumentValueError
+
+    assert FrozenAwareDeepSpeedStrategy().spec.uneven_batches == "join"
+    assert FrozenAwareDeepSpeedStrategy(uneven_batches="raise").spec.uneven_batches == "raise"
+    with pytest.raises(InvalidArgumentValueError, match=r"`uneven_batches='drop'` is not one of \('join', 'raise'\)"):
+        FrozenAwareDeepSpeedStrategy(uneven_batches="drop")  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def uneven_train(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each case's reports of ``tests/scripts/uneven_train.py``, run on 2 ranks: its cases up to the SIGTERM, which
