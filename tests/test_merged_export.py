@@ -480,6 +480,40 @@ def test_a_conversion_transformers_cannot_revert_is_refused_naming_the_model_typ
     assert [p.name for p in tmp_path.iterdir()] == ["run.ckpt"]  # nor a temporary folder beside it
 
 
+def test_a_revert_that_transposes_square_experts_is_followed_where_the_forward_converter_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Square experts (intermediate size = hidden size) and a reverse op that transposes them: the folder's names and
+    shapes come back, their values do not sit where the forward converter put them; the export writes each expert as
+    transformers' own revert (``save_pretrained``) writes it."""
+    from transformers.core_model_loading import SplitModulelist
+
+    config = transformers.AutoConfig.for_model(
+        "mixtral", **{**TINY_LLAMA, "intermediate_size": TINY_LLAMA["hidden_size"]}, **MOE_CONFIGS["mixtral"]
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
+    lora = peft.LoraConfig(r=4, target_modules=QV, target_parameters=EXPERTS)
+    checkpoint = write_checkpoint(Adapted(base, lora), tmp_path / "run.ckpt")
+    split = SplitModulelist.convert
+
+    def split_transposing_squares(self: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        parts = split(self, *args, **kwargs).items()
+        return {key: part.mT if part.ndim == 2 and part.shape[0] == part.shape[1] else part for key, part in parts}
+
+    monkeypatch.setattr(SplitModulelist, "convert", split_transposing_squares)
+    out = lightning_frozen.export_merged(checkpoint, tmp_path / "merged")
+    peft_merged(transformers.AutoModelForCausalLM, tmp_path / "base", checkpoint, tmp_path)  # saved by the same revert
+    ours, theirs, folder = folder_values(out), folder_values(tmp_path / "peft_merged"), folder_values(tmp_path / "base")
+    experts = [key for key in theirs if ".experts." in key]
+    assert len(experts) == 2 * 4 * 3 and saved_keys(out) == saved_keys(tmp_path / "peft_merged")
+    for key in experts:  # each transposed against the folder's layout, as the revert writes it
+        assert (theirs[key] - folder[key].mT).norm() < (theirs[key] - folder[key]).norm(), key
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_a_moe_export_holds_a_few_experts_not_a_layers_experts(tmp_path: Path) -> None:
     """64 experts of 768 KiB a layer (48 MiB), LoRA on attention and on the experts: the export reads, merges and
     writes one expert at a time; its memory rose 17 MiB with 16 experts and with 64 (the merged model's build), where

@@ -522,9 +522,10 @@ class _Plan:
         else:
             return []
         found = []
+        revert = functools.partial(merging.reverted, self.inner, self.used)  # values checked too, not only names
         for module, attr, tensor in reads:
             shapes = {k: self.stored[k][1].shape for k in tensor.conversion.keys} if tensor.conversion else {}
-            runs = tensor.conversion and conversions.expert_runs(self.inner, tensor.conversion, shapes)
+            runs = tensor.conversion and conversions.expert_runs(self.inner, tensor.conversion, shapes, revert)
             units = item.unit.modules() if item.unit is not None else []
             wrappers = [m for m in units if getattr(m, "parameter_name", None) == attr and m.get_base_layer() is module]
             if not runs or (item.unit is not None and not wrappers):

@@ -11,7 +11,7 @@ converter on given tensors, :func:`expert_runs` finds where each folder tensor l
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -99,13 +99,17 @@ def converted(model: nn.Module, conversion: Conversion, tensors: Iterable[torch.
 
 
 def expert_runs(
-    model: nn.Module, conversion: Conversion, shapes: Mapping[str, Sequence[int]]
+    model: nn.Module,
+    conversion: Conversion,
+    shapes: Mapping[str, Sequence[int]],
+    revert: Optional[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = None,
 ) -> Optional[list[list[tuple[str, int]]]]:
     """Where transformers' converter puts each folder tensor of ``conversion`` when it stacks experts: for each expert
     (the n-th key of every source pattern, as its loader collects them), its keys with the flat index each starts at in
     the converted tensor, in that order. Found by the converter itself, run on one expert's tensors numbered element by
     element; None where the converted tensor is not the experts stacked one after another, each folder tensor one run
-    of it in its own order (the tensor is then converted whole)."""
+    of it in its own order (the tensor is then converted whole), or where ``revert`` (``{model key: tensor}`` to
+    ``{folder key: tensor}``, as ``save_pretrained`` reverts) does not give that expert's numbered tensors back."""
     counts = {len(keys) for _, keys in conversion.sources}
     if len(counts) != 1:
         return None
@@ -128,8 +132,24 @@ def expert_runs(
         if not torch.equal(flat[start : start + part.numel()], part.reshape(-1)):
             return None
         starts.append(start)
+    if revert is not None and not _reverts_to(revert, conversion.target, built, dict(zip(one.keys, parts))):
+        return None
     order = sorted(range(len(starts)), key=starts.__getitem__)
     return [[(conversion.sources[i][1][expert], expert * size + starts[i]) for i in order] for expert in range(experts)]
+
+
+def _reverts_to(
+    revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    target: str,
+    built: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+) -> bool:
+    """Whether ``revert({target: built})`` is ``parts``: the same keys, shapes and values."""
+    try:
+        back = revert({target: built})
+    except Exception:  # a reverse op that cannot take one expert: converted whole, reverted as save_pretrained does
+        return False
+    return back.keys() == parts.keys() and all(torch.equal(back[key], part) for key, part in parts.items())
 
 
 def loading_layout(model: nn.Module, keys: Sequence[str], load_config: Any) -> Optional[FolderLayout]:
