@@ -170,3 +170,18 @@ def test_a_fit_resumed_from_a_step_where_a_rank_was_joined_trains_on(uneven_trai
     for report in reports:
         for name, values in report["params"].items():
             torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_predict_on_an_uneven_stream_gives_each_ranks_real_batches_and_none_for_its_stand_ins(
+    uneven_train: Path,
+) -> None:
+    from tests.scripts.uneven_train import SGDAdapter, batches_of
+
+    model = SGDAdapter()
+    first, second = read_reports(uneven_train / "predict")
+    with torch.no_grad():
+        expected = [[model(x) for x, _ in batches_of("predict", rank)] for rank in range(2)]
+    assert len(first["predicted"]) == 3 and second["predicted"][1:] == [None, None]
+    for found, wanted in zip(first["predicted"] + second["predicted"][:1], expected[0] + expected[1]):
+        torch.testing.assert_close(torch.tensor(found), wanted, rtol=1e-5, atol=1e-6)

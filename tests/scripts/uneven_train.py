@@ -4,10 +4,11 @@ different numbers of batches; the tests run it as a script and check the weights
 
 Each case is a Trainer of its own in one world (starting the ranks costs more than a fit): ``3-1`` (rank 0 three
 batches of 4 samples, rank 1 one, batched by the DataLoader), ``3-0`` (rank 1 none, a stream of whole batches under
-``DataLoader(batch_size=None)``), ``preempt`` (``3-1``, and rank 1 sends itself SIGTERM in its stand-in's step at global
-step 1: the process exits, so it comes last) and ``resume`` (``3-1`` resumed from the ``last.ckpt`` that ``preempt``
-left, in a launch of its own). Each rank writes ``<report>/<case>/rank<R>.json``: its exit status, global step, the
-trainable params gathered whole, the epoch's logged means and sums, and (rank 0) what the run said.
+``DataLoader(batch_size=None)``), ``predict`` (``3-1`` predicted, not trained), ``preempt`` (``3-1``, and rank 1 sends
+itself SIGTERM in its stand-in's step at global step 1: the process exits, so it comes last) and ``resume`` (``3-1``
+resumed from the ``last.ckpt`` that ``preempt`` left, in a launch of its own). Each rank writes
+``<report>/<case>/rank<R>.json``: its exit status, global step, the trainable params gathered whole, the epoch's
+logged means and sums, and (rank 0) what the run said; ``predict``, what it predicted.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from tests.distributed import logged_lines, write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer  # noqa: E402
 
 BATCH, LR = 4, 0.5
-CASES = {"3-1": (3, 1), "3-0": (3, 0), "preempt": (3, 1), "resume": (3, 1)}  # the batches of rank 0 and rank 1
+CASES = {
+    "3-1": (3, 1),
+    "3-0": (3, 0),
+    "predict": (3, 1),
+    "preempt": (3, 1),
+    "resume": (3, 1),
+}  # the batches of rank 0 and rank 1
 SAMPLES = torch.randn(4 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 TARGETS = SAMPLES[:, :1] * 0.5 - SAMPLES[:, 1:2]
 
@@ -64,6 +71,9 @@ class SGDAdapter(AdapterModel):
         self.log("samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         return loss
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([param for param in self.parameters() if param.requires_grad], lr=LR)
 
@@ -79,7 +89,7 @@ class Preempted(SGDAdapter):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
-    parser.add_argument("--cases", default="3-1,3-0,preempt")
+    parser.add_argument("--cases", default="3-1,3-0,predict,preempt")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # SIGTERM's default before the strategy's handler
     for case in args.cases.split(","):
@@ -94,6 +104,11 @@ def train(case: str, folder: Path) -> None:
         FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False, default_root_dir=folder
     )
     resume = folder / "last.ckpt" if case == "resume" else None
+    if case == "predict":
+        predicted = trainer.predict(model, data)
+        rows = [None if batch is None else batch.tolist() for batch in predicted]
+        write_report(report, trainer.global_rank, {"predicted": rows})
+        return
     try:
         with logged_lines() as lines:
             trainer.fit(model, data, ckpt_path=resume)
