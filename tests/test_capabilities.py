@@ -5,14 +5,14 @@ what the run does instead, and where it does not, with none (a capability is loo
 name of every optional capability moved at once, a plain fit still trains, with one warning per capability it reaches.
 Asked for by argument, or used by an entry point that needs it, the capability raises ``DependencyDriftError`` naming
 the name; a moved core name still raises when the strategy is built, and never at ``load_adapter``, which reads none.
-A plain torch model's strategy, built and fitted, imports nothing of transformers or PEFT
-(``tests/scripts/torch_only_imports.py``).
+A plain torch model's strategy, built and fitted (its layers built in ``__init__`` or in ``configure_model``), imports
+nothing of transformers, PEFT or bitsandbytes; a ``configure_model`` that imports PEFT first gets it set up as if it
+had been imported before (``tests/scripts/torch_only_imports.py``).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -86,7 +86,24 @@ def test_a_plain_fit_with_every_optional_capability_off_trains_with_one_warning_
     assert found["warnings"] == {name: int(name in REACHED_BY_A_PLAIN_FIT) for name in PLAIN_FIT}
 
 
-def test_a_plain_torch_models_strategy_imports_neither_transformers_nor_peft(tmp_path: Path) -> None:
-    run_script("torch_only_imports.py", str(tmp_path / "report.json"))
-    found = json.loads((tmp_path / "report.json").read_text())
-    assert found == dict(imported=[], built=[], fitted=[])
+@pytest.fixture(scope="module")
+def imports(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    report = tmp_path_factory.mktemp("imports") / "report.json"
+    run_script("torch_only_imports.py", str(report))
+    return json.loads(report.read_text())
+
+
+def test_a_plain_torch_models_run_imports_none_of_transformers_peft_and_bitsandbytes(imports: dict) -> None:
+    # built in `__init__` and in `configure_model` (issue 63, item 5: `configure_model` imported PEFT and transformers)
+    found = {key: imports[key] for key in ("imported", "built", "fitted", "configured", "watching")}
+    assert found == dict(imported=[], built=[], fitted=[], configured=[], watching=[])
+
+
+def test_a_configure_model_that_imports_peft_first_gets_peft_set_up_as_if_imported_before(imports: dict) -> None:
+    found = imports["peft_first_imported"]
+    assert found["trained"]
+    assert found["seen"] == {"lora_b": [[128, True], [4, True]], "zero3": True}  # PEFT's init, whole; ZeRO-3 known
+    # after the run, PEFT's and transformers' own again, and nothing left watching imports
+    assert found["peft_wrapped"] == [False, False, False] and found["zero3_after"] is False
+    assert found["load_state_dict"] == ["transformers.modeling_utils", "<class 'function'>"]
+    assert found["watching"] == []

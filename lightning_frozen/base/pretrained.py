@@ -12,12 +12,16 @@ a conversion that splits a tensor across params) go through transformers' own pa
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import math
 import os
+import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -66,15 +70,114 @@ def sharded_model_creation(
 ) -> Iterator[None]:
     """Where ``configure_model`` runs: params are ZeRO-3 shards as they are created (on ``remote_device``),
     ``from_pretrained`` loads each rank's slices into them as ``plan`` says (:func:`zero3_pretrained_loading`) and
-    PEFT initialises its adapters whole (:func:`peft_adapters_outside_zero_init`)."""
+    PEFT initialises its adapters whole (:func:`peft_adapters_outside_zero_init`); each of those from the moment the
+    user's code has imported transformers or PEFT (:func:`once_imported`), neither imported by the package."""
     # PEFT's methods are wrapped before `zero.Init` wraps every module class's `__init__` and put back after it
-    # restored them: wrapped inside it, `zero.Init` took the wrapper for PEFT's own and restored it for good
+    # restored them: wrapped inside it, `zero.Init` took the wrapper for PEFT's own and restored it for good. A PEFT
+    # first imported inside (by `configure_model`) is imported outside it, and wrapped there.
     with (
-        peft_adapters_outside_zero_init(),
+        once_imported("peft", peft_adapters_outside_zero_init, importing=outside_zero_init),
         sharded_creation(config, remote_device),
-        zero3_pretrained_loading(config, plan),
+        once_imported("transformers.modeling_utils", functools.partial(zero3_pretrained_loading, config, plan)),
     ):
         yield
+
+
+@contextmanager
+def once_imported(
+    name: str,
+    context: Callable[[], AbstractContextManager[Any]],
+    importing: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> Iterator[None]:
+    """While active, ``context()`` is entered: at once where module ``name`` is imported, else as soon as the user's
+    code imports it (it runs inside ``importing()``, and ``context()`` is entered there); it is left on exit. So a run
+    whose user never imports transformers or PEFT imports neither (a plain torch model's ``configure_model``)."""
+    with ExitStack() as stack:
+        if name in sys.modules:
+            stack.enter_context(context())
+            yield
+            return
+
+        def imported(execute: Callable[[], None]) -> None:
+            with importing():
+                _WATCHED.running += 1
+                try:
+                    execute()
+                finally:
+                    _WATCHED.running -= 1
+                if _WATCHED.running:  # inside another watched import (PEFT's imports transformers): once that ran
+                    _WATCHED.after_outermost.append(lambda: stack.enter_context(context()))
+                    return
+                try:
+                    stack.enter_context(context())
+                    while _WATCHED.after_outermost:
+                        _WATCHED.after_outermost.pop(0)()
+                finally:
+                    _WATCHED.after_outermost.clear()
+
+        watch = _ImportWatch(name, imported)
+        sys.meta_path.insert(0, watch)
+        try:
+            yield
+        finally:
+            watch.stop()
+
+
+@dataclass
+class _WatchedImports:
+    """How many watched imports run now, one inside another, and what those inside enter once the outermost ran: a
+    capability looked up mid-import would find the outer package half made, and stay off for the process."""
+
+    running: int = 0
+    after_outermost: list[Callable[[], Any]] = field(default_factory=list)
+
+
+_WATCHED = _WatchedImports()
+
+
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """Finds module ``name`` as the other finders do, and has its loader run it through ``imported(execute)``; once."""
+
+    def __init__(self, name: str, imported: Callable[[Callable[[], None]], None]) -> None:
+        self.name, self.imported = name, imported
+
+    def stop(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            found = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = found(fullname, path, target) if found is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _ImportedThrough(spec.loader, self)
+                return spec
+        return None
+
+
+class _ImportedThrough:
+    """``loader``, whose ``exec_module`` runs through its watch's ``imported``; the module keeps ``loader`` itself."""
+
+    def __init__(self, loader: Any, watch: _ImportWatch) -> None:
+        self.loader, self.watch = loader, watch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.watch.stop()
+        self.watch.imported(lambda: self.loader.exec_module(module))
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.loader, attribute)
 
 
 @contextmanager
