@@ -54,7 +54,6 @@ CORE = Capability(
         ),
         ForeignName(f"{_STRATEGY}._init_deepspeed_distributed", "lightning_seam.py", ("self",)),
         ForeignName(f"{_STRATEGY}._init_config_if_needed", "lightning_seam.py", ("self",)),
-        ForeignName(f"{_STRATEGY}._auto_select_batch_size", "strategy.py", ("self",), exact=True),
         # the ZeRO-3 optimizer's inner state by param, and a sub-group's step that makes it
         ForeignName(
             f"{_STAGE3}.__init__",

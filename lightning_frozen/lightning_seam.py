@@ -99,6 +99,20 @@ class DeepSpeedHooks(DeepSpeedStrategy):
         """The DeepSpeed config completed from the Trainer (batch size, precision), once."""
         self._init_config_if_needed()
 
+    @override
+    def _init_config_if_needed(self) -> None:
+        try:
+            super()._init_config_if_needed()
+        except AttributeError as error:
+            # Lightning reads the micro-batch size DeepSpeed logs throughput with from the train loader's batch
+            # sampler, which a `DataLoader(batch_size=None)` (a stream of whole batches) has not, stock too: 1, as
+            # where there is no loader, unless `logging_batch_size_per_gpu` gives it
+            if "batch_size" not in str(error) or "train_micro_batch_size_per_gpu" in self.config:
+                raise
+            self.config.pop("gradient_accumulation_steps")  # Lightning's, set just before: it refuses one given
+            self.config["train_micro_batch_size_per_gpu"] = 1
+            super()._init_config_if_needed()
+
     def build_optimizer(self) -> tuple[Any, Any]:
         """The optimizer and LR scheduler config of ``configure_optimizers``, as Lightning builds them."""
         return super()._init_optimizers()

@@ -362,15 +362,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             return super().training_step(*args, **kwargs)
 
     @override
-    def _auto_select_batch_size(self) -> int:
-        # the micro-batch size DeepSpeed counts in its throughput logs where `logging_batch_size_per_gpu` gives none:
-        # a `DataLoader(batch_size=None)` (a stream of whole batches) has no batch sampler to read it from, stock too
-        try:
-            return super()._auto_select_batch_size()
-        except AttributeError:
-            return 1
-
-    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
         # where ranks ran out of data: a stand-in's loss weighs 0, the others' average over the real batches
         return super().backward(self._joining.weighed(closure_loss), optimizer, *args, **kwargs)
