@@ -170,14 +170,14 @@ def weightless(log: Callable[..., Any]) -> Callable[..., Any]:
     0, a summed one as 0; anything else as given (a ``Metric``, whose state the step updated; ``max``/``min``)."""
     signature = inspect.signature(log)
 
-    def log_weightless(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        value, reduce = bound.arguments["value"], bound.arguments.get("reduce_fx", "mean")
+    def log_weightless(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(name, value, *args, **kwargs)
+        reduce = bound.arguments.get("reduce_fx", "mean")
         if isinstance(value, (torch.Tensor, int, float)):
             if reduce in ("mean", torch.mean):
                 bound.arguments["batch_size"] = 0
             elif reduce in ("sum", torch.sum):
-                bound.arguments["value"] = torch.zeros_like(torch.as_tensor(value, dtype=torch.float32))
+                return log(name, torch.zeros_like(torch.as_tensor(value, dtype=torch.float32)), *args, **kwargs)
         return log(*bound.args, **bound.kwargs)
 
     return log_weightless
