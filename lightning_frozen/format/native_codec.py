@@ -425,7 +425,7 @@ def _reads_32bit_integers(sgemm: int) -> bool:
 
 def openmp_runtimes() -> list[str]:
     """The files of the OpenMP runtimes mapped into this process (libgomp, libiomp, libomp), from ``/proc/self/maps``;
-    empty where it cannot be read."""
+    empty where it cannot be read. (threadpoolctl lists the same by file name, a new dependency for these few lines.)"""
     try:
         with open("/proc/self/maps") as maps:
             fields = [line.split(maxsplit=5) for line in maps]
