@@ -1,8 +1,11 @@
-"""Each rank's flat slices of safetensors tensors, read by positioned reads one tensor ahead of the loader: a thread
-reads the next slice with ``os.preadv`` (which releases the GIL) straight into a tensor while the loader checksums and
-encodes the one before, and the file's pages are never mapped into the process (docs/internals.md has the figures).
-The byte offsets come from the file's header, whose layout the safetensors format fixes; its Python API does not
-expose them.
+"""The safetensors format, read and written here alone: a folder's tensors found one way (:class:`FolderIndex`: its
+files, their headers, the order the bytes lie in) for the sliced loader and the merged export alike, where a tensor's
+values lie (:class:`TensorSource`), and the header a written file starts with (:func:`header_bytes`).
+
+Each rank's flat slices are read by positioned reads one tensor ahead of the loader: a thread reads the next slice with
+``os.preadv`` (which releases the GIL) straight into a tensor while the loader checksums and encodes the one before,
+and the file's pages are never mapped into the process (docs/internals.md has the figures). The byte offsets come from
+the file's header, whose layout the safetensors format fixes; its Python API does not expose them.
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from lightning_frozen.errors import FrozenBaseFileError
+from lightning_frozen.errors import BaseFolderError, FrozenBaseFileError
 
 # safetensors' dtype names, as torch dtypes
 SAFETENSORS_DTYPES = {
@@ -38,6 +42,8 @@ _HEADER_LENGTH_BYTES = 8
 # a tensor's fields in the safetensors header (the file format's names, not our checkpoint's keys)
 _DTYPE_FIELD, _SHAPE_FIELD, _OFFSETS_FIELD = "dtype", "shape", "data_offsets"
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,21 @@ def read_header(path: str) -> dict[str, StoredTensor]:
             raise FrozenBaseFileError(path, f"the file ends at byte {size}, before tensor `{key}` does")
         stored[key] = StoredTensor(dtype, tuple(entry[_SHAPE_FIELD]), data_start + begin, end - begin)
     return stored
+
+
+def header_bytes(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The start of a safetensors file holding ``tensors`` (name, dtype, shape), in that order: what precedes their
+    bytes, laid end to end."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    for name, dtype, shape in tensors:
+        end = offset + math.prod(shape) * dtype.itemsize
+        header[name] = {_DTYPE_FIELD: names[dtype], _SHAPE_FIELD: list(shape), _OFFSETS_FIELD: [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes, padding the header with spaces
+    return struct.pack("<Q", len(text)) + text
 
 
 @dataclass(frozen=True)
@@ -216,20 +237,18 @@ def read_slice(wanted: Wanted) -> torch.Tensor:
 
 @contextmanager
 def read_ahead(
-    reads: Sequence[Wanted], seen: Optional[Callable[[int, torch.Tensor], None]] = None
+    reads: Sequence[Wanted], then: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
 ) -> Iterator[Iterator[torch.Tensor]]:
     """The slices of ``reads`` in their order (a list of slices is read end to end into one), each a tensor of the
-    file's dtype; while the caller works on one, a thread reads the next, and calls ``seen(index, values)`` on it there
-    (work that can run beside the caller's, such as a checksum), in order. Errors of a read
-    (:class:`FrozenBaseFileError`) or of ``seen`` are raised where its slice is taken. Leaving the block early closes
+    file's dtype; while the caller works on one, a thread reads the next, and there gives what ``then(index, values)``
+    makes of it (work that can run beside the caller's, such as a checksum), in order. Errors of a read
+    (:class:`FrozenBaseFileError`) or of ``then`` are raised where its slice is taken. Leaving the block early closes
     the files after the read in flight ends."""
     reader, pool = _Reader(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-frozen-read")
 
     def read(index: int) -> torch.Tensor:
         values = reader.read(reads[index])
-        if seen is not None:
-            seen(index, values)
-        return values
+        return values if then is None else then(index, values)
 
     def slices() -> Iterator[torch.Tensor]:
         pending: Optional[Future] = pool.submit(read, 0) if reads else None
@@ -244,6 +263,52 @@ def read_ahead(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         reader.close()
+
+
+class FolderIndex:
+    """The tensors of safetensors files by key: the file each lies in and where (``tensors``), from their headers, read
+    once."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        self.tensors = {key: (path, at) for path in sorted(set(paths)) for key, at in read_header(path).items()}
+
+    @classmethod
+    def of_folder(cls, folder: Path) -> FolderIndex:
+        """The index of a Hugging Face folder's weights (``model.safetensors``, or the shards its index names).
+
+        Raises:
+            BaseFolderError: the folder holds no safetensors weights.
+        """
+        if (folder / INDEX_NAME).exists():
+            return cls(
+                str(folder / name) for name in json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()
+            )
+        if (folder / WEIGHTS_NAME).exists():
+            return cls([str(folder / WEIGHTS_NAME)])
+        raise BaseFolderError(
+            f"{folder} holds no safetensors weights (`{WEIGHTS_NAME}` or its index), the only ones read here. Save the"
+            " base with `save_pretrained` (transformers writes safetensors) and pass it as `base=` (`--base` on the"
+            " command line)."
+        )
+
+    def order(self, key: str) -> tuple[str, int]:
+        """A sort key that reads files one after another, each from its start to its end."""
+        path, at = self.tensors[key]
+        return path, at.offset
+
+    def source(
+        self,
+        shape: tuple[int, ...],
+        starts: Sequence[tuple[str, int]],
+        build: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None,
+    ) -> TensorSource:
+        """The :class:`TensorSource` of a tensor of ``shape`` whose folder tensors lie from the flat indices ``starts``
+        (key, start) on, or, with ``build``, are read whole and built into it."""
+        runs = []
+        for key, start in starts:
+            path, at = self.tensors[key]
+            runs.append(Run(path, key, start, math.prod(at.shape), at.shape))
+        return TensorSource(shape, tuple(runs), build)
 
 
 def file_order(path: str, key: str, headers: dict[str, dict[str, StoredTensor]]) -> tuple[str, int]:

@@ -3,14 +3,16 @@ folder as ``from_pretrained`` would: the sliced loader (``base/pretrained.py``) 
 (``checkpoint/merged_export.py``). A MoE folder stores each expert's tensors apart, and transformers fuses a layer's
 experts into one tensor as it loads them (its conversion mapping, ``conversion_mapping`` and ``core_model_loading``);
 legacy keys are renamed. :func:`folder_layout` groups a folder's keys as its loader does, :func:`converted` runs its
-converter on given tensors, :func:`expert_runs` finds where each folder tensor lies in a fused one, and
-:func:`record_conversions` records on a model the conversions its folder used, as ``from_pretrained`` does, so that
-``save_pretrained`` reverts them.
+converter on given tensors, :func:`located` (the one dry run of a conversion) finds where each folder tensor lies in
+a fused one, and :func:`record_conversions` records on a model the conversions its folder used, as
+``from_pretrained`` does, so that ``save_pretrained`` reverts them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lightning_frozen.errors import format_names
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,47 @@ def converted(model: nn.Module, conversion: Conversion, tensors: Iterable[torch.
             converter.add_tensor(conversion.target, key, pattern, next(values))
     built = converter.convert(conversion.target, model=model, config=model.config)
     return {key: value[0] if isinstance(value, list) else value for key, value in built.items()}
+
+
+class ConversionError(ValueError):
+    """transformers' converter cannot build a conversion's one model tensor from the folder's tensors; the message says
+    why."""
+
+
+def located(
+    model: nn.Module,
+    conversion: Conversion,
+    shapes: Mapping[str, Sequence[int]],
+    revert: Optional[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = None,
+) -> tuple[tuple[int, ...], list[tuple[str, int]], Optional[Callable[[list[torch.Tensor]], torch.Tensor]]]:
+    """Where the tensor ``conversion`` builds lies in the folder's tensors of ``shapes``: its shape, each folder key
+    with the flat index it starts at in it, and None where those are the experts stacked (:func:`expert_runs`, with
+    ``revert``), else the keys end to end and the function that builds the tensor from them (transformers' converter).
+
+    Raises:
+        ConversionError: the converter fails on tensors of these shapes (run on meta tensors), or builds more than its
+            one target (a tensor split across params).
+    """
+    inputs = [torch.empty(tuple(shapes[key]), device="meta") for key in conversion.keys]
+    try:
+        built = converted(model, conversion, inputs)
+    except Exception as error:  # whatever the converter raises, named
+        raise ConversionError(
+            f"its converter for `{conversion.target}` fails on the folder's tensors ({type(error).__name__}: {error})"
+        ) from error
+    if list(built) != [conversion.target]:
+        raise ConversionError(f"it splits {format_names(conversion.keys)} into {format_names(list(built))}")
+    shape = tuple(built[conversion.target].shape)
+    runs = expert_runs(model, conversion, shapes, revert)
+    if runs is not None:
+        return shape, [run for expert in runs for run in expert], None
+    sizes = [math.prod(shapes[key]) for key in conversion.keys]
+    held = weakref.ref(model)  # the record of the base keeps this function, not the model
+
+    def build(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return converted(held(), conversion, tensors)[conversion.target]
+
+    return shape, list(zip(conversion.keys, itertools.accumulate(sizes, initial=0))), build
 
 
 def expert_runs(

@@ -1,29 +1,43 @@
 """What the merged export uses of transformers and PEFT, all in one place: the model a base folder holds built on the
-meta device (no memory), the adapter injected into it as PEFT injects it, and PEFT's own merge of one tuner layer at
-a time (``merge`` / ``unload_and_optionally_merge_module``, the calls of PEFT's ``merge_and_unload`` loop), so that the
-arithmetic of every tuner stays PEFT's.
+meta device (no memory) with the adapter injected as PEFT injects it (:func:`adapted_model`), one shape-only
+description of every part the export writes (:func:`merged_parts`), and the merge of each part by PEFT's own ``merge``
+of one tuner layer at a time (``merge`` / ``unload_and_optionally_merge_module``, the calls of PEFT's
+``merge_and_unload`` loop), so that the arithmetic of every tuner stays PEFT's.
 
 A base whose tensors transformers converts as it loads them (a MoE's experts, stored one by one in the folder and
 fused into one tensor per layer; renamed legacy keys) goes through transformers' own conversion machinery both ways:
-``hf/conversions.py`` groups the folder's keys as its loader does and builds a model tensor from them, and
+``hf/conversions.py`` groups the folder's keys as its loader does and finds where each lies in a model tensor, and
 :func:`reverted` writes tensors back under the keys ``save_pretrained`` writes (its ``revert_weight_conversion``,
 with the conversions the folder used, as ``from_pretrained`` records them on the model).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from lightning_frozen.capabilities import MERGE_CHECK, available
+from lightning_frozen.capabilities import CONVERTED_EXPORT, MERGE_CHECK, available, require
+from lightning_frozen.errors import (
+    BaseFolderError,
+    CheckpointFormatError,
+    UnsupportedConfigurationError,
+    format_names,
+)
+from lightning_frozen.format.merged_parts import MergedParts, Part, Read, Written
 from lightning_frozen.hf import conversions
 from lightning_frozen.hf.peft_adapters import is_modules_to_save_wrapper
 
+PEFT_WAY = (
+    "Merge it with PEFT itself: `export_peft_adapter`, then `PeftModel.from_pretrained(base, ...).merge_and_unload()`."
+)
 GENERATION_CONFIG_NAME = "generation_config.json"
 # elements of a LoRA delta computed and added at a time (4 MiB in fp32): a block stays in the cache between the two
 DELTA_BLOCK_ELEMENTS = 1 << 20
@@ -104,6 +118,300 @@ def adapted(model: nn.Module, peft_configs: Mapping[str, Mapping[str, Any]], ada
     return peft_model
 
 
+@dataclass
+class Adapted:
+    """The PEFT model a run trained, on the meta device, with the checkpoint's tensors of it in place: the base
+    folder's config, the active adapter, each tensor's names in the model without the adapter, where those names come
+    from in the folder."""
+
+    model: Any
+    config: Any
+    adapter: str
+    names_of: dict[int, list[str]]
+    layout: conversions.FolderLayout
+
+
+def adapted_model(
+    folder: Path,
+    keys: list[str],
+    peft_configs: Mapping[str, Mapping[str, Any]],
+    adapter_name: str,
+    saved_class: Optional[str],
+    expected: set[str],
+    trained: list[str],
+    state: Mapping[str, torch.Tensor],
+    source: str,
+) -> Adapted:
+    """The :class:`Adapted` model of a checkpoint (``source``), trained with ``peft_configs`` over the folder of tensor
+    ``keys``: of the class it recorded, or else of the folder's model classes the one whose tensors are the ``expected``
+    names; its ``trained`` tensors and its buffers taken from ``state`` (by name in the PEFT model).
+
+    Raises:
+        CheckpointFormatError: no model class of the folder has the checkpoint's tensors.
+        UnsupportedConfigurationError: PEFT needs the base's values to create the adapter's layers.
+    """
+    config = folder_config(folder)
+    differences = []
+    task_type = peft_configs[adapter_name].get("task_type")
+    for model_class in model_classes(config, task_type, saved_class):
+        plain = meta_model(model_class, config)
+        # each tensor's names in the plain model (several where tied): PEFT's injection keeps the tensors
+        names_of: dict[int, list[str]] = {}
+        for name, tensor in [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()]:
+            names_of.setdefault(id(tensor), []).append(name)
+        layout = conversions.folder_layout(plain, keys)
+        try:
+            model = adapted(plain, peft_configs, adapter_name)
+        except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
+            differences.append(f"{model_class.__name__}: {type(error).__name__}: {error}")
+            continue
+        except (RuntimeError, NotImplementedError) as error:  # PEFT computes from the base as it creates a layer
+            raise UnsupportedConfigurationError(
+                f"{source}: PEFT cannot create this adapter's layers without their base weights"
+                f" ({type(error).__name__}: {str(error)[:200]}), so the merged export cannot merge it. {PEFT_WAY}"
+            ) from error
+        params = {name for name, _ in model.named_parameters() if ".original_module." not in name}
+        # a tuner's frozen state may be a buffer where PEFT builds on the meta device: its merge says what it lacks
+        buffers = {name for name, _ in model.named_buffers()}
+        if params <= expected <= params | buffers:
+            values = {name: state[name] for name in trained}
+            values |= {name: value for name, value in state.items() if name in buffers}
+            model.load_state_dict(values, strict=False, assign=True)
+            return Adapted(model, config, adapter_name, names_of, layout)
+        differences.append(
+            f"{model_class.__name__}: lacks {format_names(sorted(expected - params - buffers))}, has"
+            f" {format_names(sorted(params - expected))}"
+        )
+    raise CheckpointFormatError(
+        f"{source}: no model class of {folder} holds the tensors the checkpoint was trained with"
+        f" ({'; '.join(differences)}). Was the module built from this folder with another class or other"
+        " `from_pretrained` arguments?"
+    )
+
+
+def merged_parts(
+    adapted: Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
+) -> MergedParts:
+    """The parts of the merged model PEFT's ``merge_and_unload`` leaves of ``adapted``, shape only, as
+    ``save_pretrained`` writes them; its tensors in ``dtype``, else each in the dtype of the folder tensor it is read
+    from (``stored``: dtype and shape by key), else the dtype most of those are in.
+
+    Raises:
+        BaseFolderError: the merged model needs a tensor neither trained nor in the folder.
+        UnsupportedConfigurationError: transformers cannot convert or revert the folder's tensors as its loader and
+            ``save_pretrained`` do.
+    """
+    return _Description(adapted, stored, dtype).parts()
+
+
+class _Description:
+    """:func:`merged_parts`, walking the adapted model once."""
+
+    def __init__(
+        self, adapted: Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
+    ) -> None:
+        self.adapted, self.inner, self.stored, self.wanted = adapted, inner_model(adapted.model), stored, dtype
+        layout = adapted.layout
+        if layout.used:  # its keys are written back as save_pretrained reverts them
+            require(CONVERTED_EXPORT)
+        read = [*layout.keys.values(), *(key for c in layout.conversions.values() for key in c.keys)]
+        floats = [stored[key][0] for key in read if stored[key][0].is_floating_point]
+        self.dtype = dtype or max(set(floats), key=floats.count, default=torch.float32)
+        self.names: dict[int, tuple[str, ...]] = {}  # each tensor's names in the PEFT model: its fingerprint record's
+        for name, tensor in [*adapted.model.named_parameters(remove_duplicate=False), *adapted.model.named_buffers()]:
+            self.names[id(tensor)] = (*self.names.get(id(tensor), ()), name)
+        self.located = {}  # where each converted tensor lies in the folder's: the conversion's one dry run
+        for target, conversion in layout.conversions.items():
+            shapes = {key: stored[key][1] for key in conversion.keys}
+            try:
+                self.located[target] = conversions.located(self.inner, conversion, shapes, self.reverted)
+            except conversions.ConversionError as error:
+                raise self.refused(str(error)) from error
+
+    def parts(self) -> MergedParts:
+        named: list[tuple[Optional[str], Part]] = []
+        changed: set[str] = set()
+        for name, module, is_unit in _merge_units(self.inner):
+            lead = f"{name}." if name else ""
+            if is_unit:
+                named.append((None, self.unit(lead, module, changed)))
+                continue
+            own = [(f"{lead}{k}", t) for k, t in module.state_dict(keep_vars=True).items() if "." not in k]
+            named += [(k, self.tensor(k, t)) for k, t in own]
+        tied = [names for names in self.adapted.names_of.values() if len(names) > 1]
+        # of weights tied in the base that no adapter changed, only the first name is written (as save_pretrained
+        # writes them); from_pretrained ties them again
+        dropped = {n for names in tied if not any(n in changed for n in names) for n in names[1:]}
+        untied = sorted({n for names in tied if any(x in changed for x in names) for n in names})
+        return MergedParts([part for name, part in named if name not in dropped], self.dtype, untied)
+
+    def refused(self, what: str) -> UnsupportedConfigurationError:
+        model_type = getattr(self.adapted.config, "model_type", type(self.inner).__name__)
+        return UnsupportedConfigurationError(
+            f"transformers converts the tensors of this {model_type!r} base as it loads them, and {what}, so the"
+            f" merged export cannot write it as `save_pretrained` does. {PEFT_WAY}"
+        )
+
+    def reverted(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return reverted(self.inner, self.adapted.layout.used, tensors)
+
+    def conversion(self, tensor: torch.Tensor) -> Optional[conversions.Conversion]:
+        found = self.adapted.layout.conversions
+        return next((found[n] for n in self.adapted.names_of.get(id(tensor), []) if n in found), None)
+
+    def key(self, tensor: torch.Tensor) -> Optional[str]:
+        """The folder key ``tensor``'s values are read from: its own, or the first of those it is converted from."""
+        conversion = self.conversion(tensor)
+        if conversion is not None:
+            return conversion.keys[0]
+        keys = self.adapted.layout.keys
+        return next((keys[n] for n in self.adapted.names_of.get(id(tensor), []) if n in keys), None)
+
+    def dtype_of(self, key: Optional[str], fallback: torch.dtype) -> torch.dtype:
+        own = self.stored[key][0] if key is not None else fallback
+        if not own.is_floating_point:
+            return own
+        return self.wanted or (own if key is not None else self.dtype)
+
+    def read(self, tensor: torch.Tensor) -> Optional[Read]:
+        """Where a meta tensor of the model is read from in the folder; None where it is not there."""
+        key, conversion = self.key(tensor), self.conversion(tensor)
+        if key is None:
+            return None
+        starts, build = ((key, 0),), None
+        if conversion is not None:
+            _, found, build = self.located[conversion.target]
+            starts = tuple(found)
+        shape = tuple(tensor.shape)
+        return Read(self.names.get(id(tensor), ()), self.dtype_of(key, tensor.dtype), shape, starts, build)
+
+    def written(self, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[Written]:
+        """``tensors`` (by model name) as ``save_pretrained`` writes them: transformers' revert, on meta tensors.
+
+        Raises:
+            UnsupportedConfigurationError: transformers cannot revert a conversion of them.
+        """
+        meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in tensors.items()}
+        try:
+            written = self.reverted(meta)
+        except Exception as error:  # a conversion without a reverse op raises whatever its op raises
+            raise self.refused(
+                f"cannot revert it for {format_names(list(meta))} ({type(error).__name__}: {error})"
+            ) from error
+        return [Written(name, value.dtype, tuple(value.shape)) for name, value in written.items()]
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> Part:
+        """A tensor of a plain module: trained, copied through, or converted (whole, or by expert)."""
+        if not tensor.is_meta:
+            value = tensor.detach()
+            written = self.written({name: (self.dtype_of(None, value.dtype), tuple(value.shape))})
+            return Part(written, [], lambda _: self.reverted({name: value}))
+        read = self.read(tensor)
+        if read is None:
+            raise BaseFolderError(
+                f"The merged model needs `{name}`, which is neither in the base folder nor trained. Pass the folder the"
+                " run loaded its base from as `base=` (`--base` on the command line)."
+            )
+        written = self.written({name: (read.dtype, read.shape)})
+        if self.conversion(tensor) is None:
+            return Part(written, [read])
+        by_expert = self.by_expert([read], [tensor], written)
+        if by_expert is not None:
+            return Part(by_expert, [read], by_expert=True)
+        return Part(written, [read], lambda values: self.reverted({name: values[0]}))
+
+    def unit(self, lead: str, unit: nn.Module, changed: set[str]) -> Part:
+        """A tuner layer or wrapper: its meta tensors read, what PEFT puts in its place written."""
+        reads, targets, missing = [], [], []
+        for module_name, module in _merge_inputs(unit):
+            for attr, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if not tensor.is_meta:
+                    continue
+                read = self.read(tensor)
+                if read is None:  # state PEFT computes when it creates the layer
+                    missing.append(".".join(part for part in (lead[:-1], module_name, attr) if part))
+                    continue
+                reads.append(read)
+                targets.append((module, attr, tensor))
+        base = {
+            f"{lead}{k}": (self.dtype_of(self.key(t), t.dtype), tuple(t.shape))
+            for k, t in unloaded_module(unit).state_dict(keep_vars=True).items()
+        }
+        changed.update(base)
+        written = self.written(base)
+        # PEFT's ParamWrappers alone (nested), each adapting one converted tensor: merged by expert
+        wrappers = [m for m in unit.modules() if hasattr(m, "get_delta_factors") and hasattr(m, "parameter_name")]
+        adapting = {(id(m.get_base_layer()), m.parameter_name): m for m in wrappers}
+        if hasattr(unit, "get_delta_factors") and not missing and all((id(m), a) in adapting for m, a, _ in targets):
+            adapter = self.adapted.adapter
+            with_delta = [
+                dataclasses.replace(read, delta=expert_delta(adapting[id(m), attr], adapter))
+                for read, (m, attr, _) in zip(reads, targets)
+            ]
+            by_expert = self.by_expert(with_delta, [t for _, _, t in targets], written)
+            if by_expert is not None:
+                return Part(by_expert, with_delta, by_expert=True)
+        merge = functools.partial(self.merged, lead, unit, targets, missing, list(base))
+        return Part(written, reads, merge)
+
+    def by_expert(
+        self, reads: list[Read], tensors: list[torch.Tensor], written: list[Written]
+    ) -> Optional[list[Written]]:
+        """The folder tensors written for ``reads`` (of ``tensors``) one expert at a time: where each is a converted
+        tensor whose experts lie stacked, and transformers' reversal writes each back as the folder stores it; else
+        None."""
+        if any(read.build is not None or self.conversion(t) is None for read, t in zip(reads, tensors)):
+            return None
+        found = [
+            Written(key, self.dtype_of(key, read.dtype), self.stored[key][1])
+            for read in reads
+            for key, _ in read.starts
+        ]
+        return found if {(t.name, t.shape) for t in found} == {(t.name, t.shape) for t in written} else None
+
+    def merged(
+        self,
+        lead: str,
+        unit: nn.Module,
+        targets: list[tuple[nn.Module, str, torch.Tensor]],
+        missing: list[str],
+        names: list[str],
+        values: list[torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """A unit merged: its base tensors ``values`` put in, PEFT's merge, what PEFT puts in its place reverted as
+        ``save_pretrained`` writes it; the base tensors are then freed (the meta ones put back).
+
+        Raises:
+            UnsupportedConfigurationError: the merge needs tensors PEFT computes when it creates the layer.
+        """
+        for (module, attr, tensor), value in zip(targets, values):
+            _put(module, attr, value.reshape(tensor.shape))
+        try:
+            merged = merged_module(unit, self.adapted.adapter).state_dict()
+        except (RuntimeError, NotImplementedError):
+            if not missing:
+                raise
+            merged = {"": torch.empty(0, device="meta")}  # refused below, naming what the layer lacks
+        if any(value.is_meta for value in merged.values()):
+            raise UnsupportedConfigurationError(
+                f"The adapter's layer `{lead[:-1]}` needs {format_names(missing)}, in neither the checkpoint nor the"
+                " base folder (PEFT computes it when it creates the layer), so the merged export cannot merge this"
+                f" tuner. {PEFT_WAY}"
+            )
+        found = {name: merged[name[len(lead) :]] for name in names}
+        for module, attr, tensor in targets:  # freed; the adapter's tensors stay (views of the checkpoint file)
+            _put(module, attr, tensor)
+        return self.reverted(found)
+
+
+def _put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
+    """``value`` as ``module``'s own tensor ``attr``, a parameter where that is one."""
+    is_param = attr in dict(module.named_parameters(recurse=False))
+    if is_param and not isinstance(value, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=False)
+    setattr(module, attr, value)
+
+
 def unmergeable(peft_model: Any) -> Optional[str]:
     """Why PEFT refuses to merge ``peft_model``'s adapter (its tuner's ``_check_merge_allowed``: a GPTQ base, LoRA's
     replicated layers), or None; prompt learning has no tuner layers to merge."""
@@ -125,7 +433,7 @@ def inner_model(peft_model: Any) -> nn.Module:
     return peft_model.base_model.model
 
 
-def merge_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+def _merge_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
     """``(name, module, is_unit)`` for the modules of ``model`` (the inner model of an adapted one) that PEFT's
     ``merge_and_unload`` visits: tuner layers and auxiliary wrappers (``modules_to_save``, trainable tokens) are units,
     whose insides are not visited; every other module holds its own tensors only."""
@@ -139,7 +447,7 @@ def merge_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
         yield name, module, is_unit
 
 
-def merge_inputs(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _merge_inputs(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The modules of ``unit`` (named within it) whose tensors its merge reads: all of them, but the original a
     ``modules_to_save`` wrapper replaces by its trained copy."""
     skipped = is_modules_to_save_wrapper(unit)

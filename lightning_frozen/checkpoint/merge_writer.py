@@ -1,0 +1,157 @@
+"""The merged export's writer: runs a :class:`~lightning_frozen.checkpoint.merge_plan.MergePlan` in one pass, each step
+reading only its own pieces of the base folder (a thread reads, builds and checksums the next while this one merges)
+and writing its tensors into the shards as they come."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_frozen.base import slice_reads
+from lightning_frozen.checkpoint.merge_plan import MergePlan, Piece
+from lightning_frozen.format.merged_parts import Written
+from lightning_frozen.progress import Progress
+
+# bytes a shard is written between two flushes to disk
+SYNC_EVERY_BYTES = 256 << 20
+
+
+def write_plan(plan: MergePlan, folder: Path, write_ahead: int) -> None:
+    """Every step of ``plan``: its pieces read (and counted in ``plan.sums``), merged where the part merges, written
+    into the shards in ``folder`` (with their index where there are several); at most ``write_ahead`` bytes (or one
+    tensor) are handed to the writing thread and not yet written."""
+    pieces = [piece for step in plan.steps for piece in step.pieces]
+
+    def taken(index: int, read: torch.Tensor) -> torch.Tensor:  # on the reading thread, beside the merge
+        piece = pieces[index]
+        values = piece.source.values(read, piece.start, piece.count)
+        if piece.record is not None:
+            plan.sums.add(piece.record, values.to(piece.record.dtype), piece.start)
+        return values
+
+    total = sum(t.nbytes for _, shard in plan.shards for t in shard)
+    writer = _ShardWriter(folder, plan.shards, Progress(total), write_ahead)
+    reads = [piece.source.reads(piece.start, piece.count) for piece in pieces]
+    try:
+        with torch.no_grad(), slice_reads.read_ahead(reads, taken) as slices:
+            for step in plan.steps:
+                part = step.part
+                if part.merge is not None:
+                    merged = part.merge([next(slices).to(p.read.dtype).reshape(p.read.shape) for p in step.pieces])
+                    for tensor in part.written:
+                        writer.write(tensor, merged.pop(tensor.name))
+                elif part.by_expert:
+                    _write_by_expert(step.pieces, part.written, slices, writer)
+                else:
+                    for _ in step.pieces:
+                        writer.write(part.written[0], next(slices))
+    finally:
+        writer.close()
+    if len(plan.shards) > 1:
+        weight_map = {t.name: name for name, shard in plan.shards for t in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / slice_reads.INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_by_expert(
+    pieces: list[Piece], written: list[Written], slices: Iterator[torch.Tensor], writer: _ShardWriter
+) -> None:
+    """Each folder tensor of a converted tensor as read, with its run of PEFT's delta of its expert added (as PEFT's
+    merge adds the whole delta, in the converted tensor's dtype)."""
+    delta, held = torch.empty(0), (-1, -1)
+    for piece, tensor in zip(pieces, written):
+        read = piece.read
+        values = next(slices).to(read.dtype)
+        if read.delta is not None:
+            size = math.prod(read.shape[1:])
+            expert = piece.start // size
+            if held != (id(read), expert):  # one expert's delta, for each of its folder tensors
+                delta, held = read.delta(expert).reshape(-1).to(read.dtype), (id(read), expert)
+            begin = piece.start - expert * size
+            values = values + delta[begin : begin + values.numel()]
+        writer.write(tensor, values)
+
+
+class _ShardWriter:
+    """The shards, each written as its tensors come in the planned order: its header first, then each tensor's bytes.
+
+    A thread writes while the caller merges the next layer, holding at most ``write_ahead`` bytes (or one tensor) not
+    yet written, and flushes each shard to disk every ``SYNC_EVERY_BYTES``, so that the disk writes as the pass goes
+    instead of all at the final fsync."""
+
+    def __init__(
+        self, folder: Path, shards: list[tuple[str, list[Written]]], progress: Progress, write_ahead: int
+    ) -> None:
+        self._order = [
+            (folder / name if i == 0 else None, tensors, t) for name, tensors in shards for i, t in enumerate(tensors)
+        ]
+        self._order.reverse()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-frozen-write")
+        self._pending: deque[tuple[Future, int]] = deque()
+        self._file: Optional[IO[bytes]] = None
+        self._unsynced = 0
+        self._current: Optional[Written] = None
+        self._left = 0
+        self._progress = progress
+        self._write_ahead = write_ahead
+
+    def write(self, tensor: Written, values: torch.Tensor) -> None:
+        """Append ``values``: the next elements of ``tensor``, cast to its dtype."""
+        if self._left == 0:
+            path, tensors, self._current = self._order.pop()
+            if path is not None:
+                header = slice_reads.header_bytes((t.name, t.dtype, t.shape) for t in tensors)
+                self._submit(functools.partial(self._open, path, header), 0)
+            self._left = self._current.nbytes
+        data = values.to(tensor.dtype).contiguous().reshape(-1).view(torch.uint8)
+        assert self._current is not None and self._current.name == tensor.name and data.numel() <= self._left, tensor
+        self._submit(functools.partial(self._append, data), data.numel())
+        self._left -= data.numel()
+        if self._left == 0 and self._progress.advance(self._current.nbytes):
+            status = self._progress.status("MiB", 2**20)
+            rank_zero_info(f"lightning-frozen: writing the merged model: {self._progress.items} tensors, {status}")
+
+    def close(self) -> None:
+        """Wait for every write, close the last shard; raise what a write raised."""
+        try:
+            self._submit(self._close, 0)
+            while self._pending:
+                self._pending.popleft()[0].result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, work: Callable[[], None], nbytes: int) -> None:
+        self._pending.append((self._pool.submit(work), nbytes))
+        while len(self._pending) > 1 and sum(n for _, n in self._pending) > self._write_ahead:
+            self._pending.popleft()[0].result()
+        while self._pending and self._pending[0][0].done():
+            self._pending.popleft()[0].result()
+
+    def _open(self, path: Path, header: bytes) -> None:
+        self._close()
+        self._file = open(path, "wb")  # noqa: SIM115  (open across the writes of its tensors, closed by _close)
+        self._file.write(header)
+
+    def _append(self, data: torch.Tensor) -> None:
+        assert self._file is not None
+        self._file.write(data.numpy())
+        self._unsynced += data.numel()
+        if self._unsynced >= SYNC_EVERY_BYTES:
+            self._file.flush()
+            os.fdatasync(self._file.fileno())
+            self._unsynced = 0
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,65 @@
+"""The merged model as the merged export writes it, shape only: what ``hf/merging.py`` describes (each part PEFT's
+``merge_and_unload`` leaves, what it reads from the base folder and what it writes) and ``checkpoint/merge_plan.py``
+plans from, without either knowing the other."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+Values = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Written:
+    """A tensor of the merged folder, as ``save_pretrained`` writes it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Read:
+    """A base tensor a part reads from the folder: its ``names`` in the adapted model (its fingerprint record's among
+    them), its shape and the dtype the merge takes; ``starts``, each folder key with the flat index its values start at
+    in it, or, with ``build``, the keys whose values transformers' converter turns into it. ``delta`` gives PEFT's
+    delta of one expert, flat, where the part is written by expert."""
+
+    names: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    starts: tuple[tuple[str, int], ...]
+    build: Optional[Values] = None
+    delta: Optional[Callable[[int], torch.Tensor]] = None
+
+
+@dataclass
+class Part:
+    """One part of the merged model: a tuner layer or wrapper merged whole, or one tensor. With ``merge``, its reads
+    are taken whole and ``merge`` (PEFT's merge, the trained tensors inside, reverted as ``save_pretrained`` writes)
+    gives ``written`` by name. Without it, ``by_expert``: each folder tensor of each read is written as it is read,
+    its expert's delta added; else the one read is copied through, in chunks."""
+
+    written: list[Written]
+    reads: list[Read] = field(default_factory=list)
+    merge: Optional[Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]] = None
+    by_expert: bool = False
+
+
+@dataclass
+class MergedParts:
+    """The parts of the merged model, its weights' dtype (written in its config) and the tied weights the adapter
+    changed, which it holds untied."""
+
+    parts: list[Part]
+    dtype: torch.dtype
+    untied: list[str]
