@@ -32,7 +32,6 @@ from lightning_frozen.checkpoint.peft_export import peft_entry_of
 from lightning_frozen.errors import (
     BaseFolderError,
     InvalidArgumentValueError,
-    UnsupportedConfigurationError,
     format_names,
 )
 from lightning_frozen.format import layout
@@ -99,12 +98,6 @@ def export_merged(
     check_output_folder(folder, replaceable)
     lead = f"{entry[layout.PEFT_PREFIX]}." if entry[layout.PEFT_PREFIX] else ""
     adapted = _adapted_model(checkpoint, entry, lead, base_folder, index, checkpoint_path)
-    reason = merging.unmergeable(adapted.model)
-    if reason:
-        raise UnsupportedConfigurationError(
-            f"{checkpoint_path}: its {entry[layout.PEFT_CONFIG].get('peft_type')} adapter cannot be merged into the"
-            f" base ({reason}). Export it with `lightning_frozen.export_peft_adapter` and serve it as an adapter."
-        )
     quantized = layout.quantized_dtype_of(checkpoint)
     if quantized:
         rank_zero_info(
@@ -137,8 +130,7 @@ def export_merged(
         )
         for name in copied:
             shutil.copyfile(base_folder / name, written / name)
-        inner = merging.inner_model(adapted.model)
-        merging.written_config(inner, adapted.config, written, merged.dtype, bool(merged.untied))
+        merging.written_config(adapted, merged, written)
     return folder
 
 

@@ -52,13 +52,6 @@ TASK_MODEL_CLASSES = {
 }
 
 
-def folder_config(folder: Path) -> Any:
-    """The ``PretrainedConfig`` of the base folder (its ``config.json``)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(folder))
-
-
 def cached_snapshot(reference: str) -> Optional[Path]:
     """The folder of the hub model ``reference`` in the local Hugging Face cache (what ``from_pretrained`` downloaded),
     or None where it is not cached; nothing is downloaded."""
@@ -85,7 +78,7 @@ def model_classes(config: Any, task_type: Optional[str], recorded: Optional[str]
     return [getattr(transformers, name) for name in dict.fromkeys(names)]
 
 
-def meta_model(model_class: Any, config: Any) -> nn.Module:
+def _meta_model(model_class: Any, config: Any) -> nn.Module:
     """A model of ``model_class`` (a transformers class or Auto class) for ``config``, every tensor on the meta
     device, tied weights tied as ``from_pretrained`` ties them."""
     with torch.device("meta"), warnings.catch_warnings():
@@ -95,7 +88,7 @@ def meta_model(model_class: Any, config: Any) -> nn.Module:
         return model_class(config)
 
 
-def adapted(model: nn.Module, peft_configs: Mapping[str, Mapping[str, Any]], adapter_name: str) -> Any:
+def _with_adapters(model: nn.Module, peft_configs: Mapping[str, Mapping[str, Any]], adapter_name: str) -> Any:
     """``model`` (on the meta device) with the adapters of ``peft_configs`` (name -> adapter config as a plain dict,
     each run's adapters in order) injected as ``get_peft_model`` and ``add_adapter`` inject them, their tensors on the
     meta device too; ``adapter_name`` is the active one.
@@ -148,20 +141,23 @@ def adapted_model(
 
     Raises:
         CheckpointFormatError: no model class of the folder has the checkpoint's tensors.
-        UnsupportedConfigurationError: PEFT needs the base's values to create the adapter's layers.
+        UnsupportedConfigurationError: PEFT needs the base's values to create the adapter's layers, or refuses to
+            merge it.
     """
-    config = folder_config(folder)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder))
     differences = []
     task_type = peft_configs[adapter_name].get("task_type")
     for model_class in model_classes(config, task_type, saved_class):
-        plain = meta_model(model_class, config)
+        plain = _meta_model(model_class, config)
         # each tensor's names in the plain model (several where tied): PEFT's injection keeps the tensors
         names_of: dict[int, list[str]] = {}
         for name, tensor in [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()]:
             names_of.setdefault(id(tensor), []).append(name)
         layout = conversions.folder_layout(plain, keys)
         try:
-            model = adapted(plain, peft_configs, adapter_name)
+            model = _with_adapters(plain, peft_configs, adapter_name)
         except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
             differences.append(f"{model_class.__name__}: {type(error).__name__}: {error}")
             continue
@@ -177,6 +173,13 @@ def adapted_model(
             values = {name: state[name] for name in trained}
             values |= {name: value for name, value in state.items() if name in buffers}
             model.load_state_dict(values, strict=False, assign=True)
+            reason = _unmergeable(model)
+            if reason:
+                raise UnsupportedConfigurationError(
+                    f"{source}: its {peft_configs[adapter_name].get('peft_type')} adapter cannot be merged into the"
+                    f" base ({reason}). Export it with `lightning_frozen.export_peft_adapter` and serve it as an"
+                    " adapter."
+                )
             return Adapted(model, config, adapter_name, names_of, layout)
         differences.append(
             f"{model_class.__name__}: lacks {format_names(sorted(expected - params - buffers))}, has"
@@ -412,7 +415,7 @@ def _put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
     setattr(module, attr, value)
 
 
-def unmergeable(peft_model: Any) -> Optional[str]:
+def _unmergeable(peft_model: Any) -> Optional[str]:
     """Why PEFT refuses to merge ``peft_model``'s adapter (its tuner's ``_check_merge_allowed``: a GPTQ base, LoRA's
     replicated layers), or None; prompt learning has no tuner layers to merge."""
     if peft_model.peft_config[peft_model.active_adapter].is_prompt_learning:
@@ -549,13 +552,14 @@ def shard_bytes(size: Any) -> int:
     return int(convert_file_size_to_int(size))
 
 
-def written_config(model: nn.Module, config: Any, folder: Path, dtype: torch.dtype, untied: bool) -> None:
-    """Write ``config`` as the merged folder's ``config.json``: the class of ``model`` (the inner model of an adapted
-    one), the dtype of its weights, word embeddings untied where the adapter changed one side; and, for a model that
-    generates and a base folder without one, the ``generation_config.json`` that ``save_pretrained`` writes."""
+def written_config(adapted: Adapted, merged: MergedParts, folder: Path) -> None:
+    """Write the base folder's config as the merged folder's ``config.json``: the class of the model, the dtype of its
+    weights, word embeddings untied where the adapter changed one side; and, for a model that generates and a base
+    folder without one, the ``generation_config.json`` that ``save_pretrained`` writes."""
+    model, config = inner_model(adapted.model), adapted.config
     config.architectures = [type(model).__name__]
-    config.dtype = dtype
-    if untied:
+    config.dtype = merged.dtype
+    if merged.untied:
         config.tie_word_embeddings = False
     config.save_pretrained(str(folder))
     generation = getattr(model, "generation_config", None)
