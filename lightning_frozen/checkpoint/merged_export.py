@@ -35,6 +35,7 @@ from lightning_frozen.errors import (
     format_names,
 )
 from lightning_frozen.format import layout
+from lightning_frozen.format.merged_parts import MergedParts
 from lightning_frozen.hf import merging
 from lightning_frozen.zero.frozen_compute import frozen_compute_for
 
@@ -97,15 +98,13 @@ def export_merged(
 
     check_output_folder(folder, replaceable)
     lead = f"{entry[layout.PEFT_PREFIX]}." if entry[layout.PEFT_PREFIX] else ""
-    adapted = _adapted_model(checkpoint, entry, lead, base_folder, index, checkpoint_path)
     quantized = layout.quantized_dtype_of(checkpoint)
     if quantized:
         rank_zero_info(
             f"lightning-frozen: {checkpoint_path} was trained on a base stored as {quantized}; the adapter is merged"
             f" into the original weights of {base_folder}, which its fingerprint is of."
         )
-    stored = {key: (at.dtype, at.shape) for key, (_, at) in index.tensors.items()}
-    merged = merging.merged_parts(adapted, stored, wanted_dtype)
+    merged = _merged_parts(checkpoint, entry, lead, base_folder, index, wanted_dtype, checkpoint_path)
     if merged.untied:
         rank_zero_warn(
             f"lightning-frozen: the adapter changed {format_names(merged.untied)}, tied to other weights in the base:"
@@ -130,7 +129,7 @@ def export_merged(
         )
         for name in copied:
             shutil.copyfile(base_folder / name, written / name)
-        merging.written_config(adapted, merged, written)
+        merged.write_config(written)
     return folder
 
 
@@ -182,11 +181,18 @@ def _base_folder(checkpoint: Mapping[str, Any], source: Path, base: Optional[Pat
     )
 
 
-def _adapted_model(
-    checkpoint: Mapping[str, Any], entry: Mapping[str, Any], lead: str, base: Path, index: FolderIndex, source: Path
-) -> merging.Adapted:
-    """The PEFT model the run trained (``hf/merging.py``), from what the checkpoint records of it: every adapter of the
-    run (its layers' structure), the tensors it trained and its fingerprint's names, under ``lead``."""
+def _merged_parts(
+    checkpoint: Mapping[str, Any],
+    entry: Mapping[str, Any],
+    lead: str,
+    base: Path,
+    index: FolderIndex,
+    dtype: Optional[torch.dtype],
+    source: Path,
+) -> MergedParts:
+    """The parts of the merged model (``hf/merging.py``), from what the checkpoint records of the PEFT model the run
+    trained, under ``lead``: every adapter of the run (its layers' structure), the tensors it trained, its fingerprint's
+    names."""
     several, _ = layout.peft_entries_of(layout.frozen_base_of(checkpoint))
     entries = dict(several) or {entry[layout.ADAPTER_NAME]: entry}
     trained = [n for n in [*layout.adapter_tensor_names(entry), *entry[layout.NOT_IN_ADAPTER]] if n.startswith(lead)]
@@ -203,14 +209,15 @@ def _adapted_model(
     state = {
         name[len(lead) :]: value for name, value in layout.state_dict_of(checkpoint).items() if name.startswith(lead)
     }
-    return merging.adapted_model(
+    return merging.merged_parts(
         base,
-        list(index.tensors),
+        {key: (at.dtype, at.shape) for key, (_, at) in index.tensors.items()},
+        dtype,
+        str(source),
         {name: other[layout.PEFT_CONFIG] for name, other in entries.items()},
         entry[layout.ADAPTER_NAME],
         entry.get(layout.ADAPTED_CLASS),  # absent from older files: the likeliest classes are tried
         {name[len(lead) :] for name in [*trained, *others, *recorded]},
         [name[len(lead) :] for name in trained],
         state,
-        str(source),
     )

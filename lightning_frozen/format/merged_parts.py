@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -57,9 +58,10 @@ class Part:
 
 @dataclass
 class MergedParts:
-    """The parts of the merged model, its weights' dtype (written in its config) and the tied weights the adapter
-    changed, which it holds untied."""
+    """The parts of the merged model, its weights' dtype, the tied weights the adapter changed (which it holds
+    untied), and what writes its config into a folder."""
 
     parts: list[Part]
     dtype: torch.dtype
     untied: list[str]
+    write_config: Callable[[Path], None]

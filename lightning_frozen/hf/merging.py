@@ -1,6 +1,6 @@
 """What the merged export uses of transformers and PEFT, all in one place: the model a base folder holds built on the
-meta device (no memory) with the adapter injected as PEFT injects it (:func:`adapted_model`), one shape-only
-description of every part the export writes (:func:`merged_parts`), and the merge of each part by PEFT's own ``merge``
+meta device (no memory) with the adapter injected as PEFT injects it, one shape-only description of every part the
+export writes (:func:`merged_parts`), and the merge of each part by PEFT's own ``merge``
 of one tuner layer at a time (``merge`` / ``unload_and_optionally_merge_module``, the calls of PEFT's
 ``merge_and_unload`` loop), so that the arithmetic of every tuner stays PEFT's.
 
@@ -112,7 +112,7 @@ def _with_adapters(model: nn.Module, peft_configs: Mapping[str, Mapping[str, Any
 
 
 @dataclass
-class Adapted:
+class _Adapted:
     """The PEFT model a run trained, on the meta device, with the checkpoint's tensors of it in place: the base
     folder's config, the active adapter, each tensor's names in the model without the adapter, where those names come
     from in the folder."""
@@ -124,25 +124,32 @@ class Adapted:
     layout: conversions.FolderLayout
 
 
-def adapted_model(
+def merged_parts(
     folder: Path,
-    keys: list[str],
+    stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    dtype: Optional[torch.dtype],
+    source: str,
     peft_configs: Mapping[str, Mapping[str, Any]],
     adapter_name: str,
     saved_class: Optional[str],
     expected: set[str],
     trained: list[str],
     state: Mapping[str, torch.Tensor],
-    source: str,
-) -> Adapted:
-    """The :class:`Adapted` model of a checkpoint (``source``), trained with ``peft_configs`` over the folder of tensor
-    ``keys``: of the class it recorded, or else of the folder's model classes the one whose tensors are the ``expected``
-    names; its ``trained`` tensors and its buffers taken from ``state`` (by name in the PEFT model).
+) -> MergedParts:
+    """The parts of the merged model of a checkpoint (``source``), shape only, as ``save_pretrained`` writes them: the
+    model PEFT's ``merge_and_unload`` leaves of the run's adapted model, built once on the meta device from ``folder``
+    (its tensors' dtype and shape by key: ``stored``) with the adapters of ``peft_configs`` (``adapter_name`` merged).
+    The model is of the class the checkpoint recorded, or else of the folder's model classes the one whose tensors are
+    the ``expected`` names; its ``trained`` tensors and its buffers come from ``state`` (by name in the PEFT model). Its
+    tensors are in ``dtype``, else each in the dtype of the folder tensor it is read from, else the dtype most of those
+    are in.
 
     Raises:
         CheckpointFormatError: no model class of the folder has the checkpoint's tensors.
         UnsupportedConfigurationError: PEFT needs the base's values to create the adapter's layers, or refuses to
-            merge it.
+            merge it; transformers cannot convert or revert the folder's tensors as its loader and ``save_pretrained``
+            do.
+        BaseFolderError: the merged model needs a tensor neither trained nor in the folder.
     """
     from transformers import AutoConfig
 
@@ -155,7 +162,7 @@ def adapted_model(
         names_of: dict[int, list[str]] = {}
         for name, tensor in [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()]:
             names_of.setdefault(id(tensor), []).append(name)
-        layout = conversions.folder_layout(plain, keys)
+        layout = conversions.folder_layout(plain, list(stored))
         try:
             model = _with_adapters(plain, peft_configs, adapter_name)
         except (ValueError, TypeError, AttributeError) as error:  # PEFT refuses the adapter on this class
@@ -180,7 +187,7 @@ def adapted_model(
                     f" base ({reason}). Export it with `lightning_frozen.export_peft_adapter` and serve it as an"
                     " adapter."
                 )
-            return Adapted(model, config, adapter_name, names_of, layout)
+            return _Description(_Adapted(model, config, adapter_name, names_of, layout), stored, dtype).parts()
         differences.append(
             f"{model_class.__name__}: lacks {format_names(sorted(expected - params - buffers))}, has"
             f" {format_names(sorted(params - expected))}"
@@ -192,28 +199,13 @@ def adapted_model(
     )
 
 
-def merged_parts(
-    adapted: Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
-) -> MergedParts:
-    """The parts of the merged model PEFT's ``merge_and_unload`` leaves of ``adapted``, shape only, as
-    ``save_pretrained`` writes them; its tensors in ``dtype``, else each in the dtype of the folder tensor it is read
-    from (``stored``: dtype and shape by key), else the dtype most of those are in.
-
-    Raises:
-        BaseFolderError: the merged model needs a tensor neither trained nor in the folder.
-        UnsupportedConfigurationError: transformers cannot convert or revert the folder's tensors as its loader and
-            ``save_pretrained`` do.
-    """
-    return _Description(adapted, stored, dtype).parts()
-
-
 class _Description:
-    """:func:`merged_parts`, walking the adapted model once."""
+    """:func:`merged_parts` of the adapted model, walking it once."""
 
     def __init__(
-        self, adapted: Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
+        self, adapted: _Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
     ) -> None:
-        self.adapted, self.inner, self.stored, self.wanted = adapted, inner_model(adapted.model), stored, dtype
+        self.adapted, self.inner, self.stored, self.wanted = adapted, _inner_model(adapted.model), stored, dtype
         layout = adapted.layout
         if layout.used:  # its keys are written back as save_pretrained reverts them
             require(CONVERTED_EXPORT)
@@ -246,7 +238,10 @@ class _Description:
         # writes them); from_pretrained ties them again
         dropped = {n for names in tied if not any(n in changed for n in names) for n in names[1:]}
         untied = sorted({n for names in tied if any(x in changed for x in names) for n in names})
-        return MergedParts([part for name, part in named if name not in dropped], self.dtype, untied)
+        parts = [part for name, part in named if name not in dropped]
+        return MergedParts(
+            parts, self.dtype, untied, functools.partial(_write_config, self.adapted, self.dtype, untied)
+        )
 
     def refused(self, what: str) -> UnsupportedConfigurationError:
         model_type = getattr(self.adapted.config, "model_type", type(self.inner).__name__)
@@ -431,7 +426,7 @@ def _unmergeable(peft_model: Any) -> Optional[str]:
     return None
 
 
-def inner_model(peft_model: Any) -> nn.Module:
+def _inner_model(peft_model: Any) -> nn.Module:
     """The transformers model inside ``peft_model``, holding the tuner layers."""
     return peft_model.base_model.model
 
@@ -552,14 +547,14 @@ def shard_bytes(size: Any) -> int:
     return int(convert_file_size_to_int(size))
 
 
-def written_config(adapted: Adapted, merged: MergedParts, folder: Path) -> None:
+def _write_config(adapted: _Adapted, dtype: torch.dtype, untied: list[str], folder: Path) -> None:
     """Write the base folder's config as the merged folder's ``config.json``: the class of the model, the dtype of its
     weights, word embeddings untied where the adapter changed one side; and, for a model that generates and a base
     folder without one, the ``generation_config.json`` that ``save_pretrained`` writes."""
-    model, config = inner_model(adapted.model), adapted.config
+    model, config = _inner_model(adapted.model), adapted.config
     config.architectures = [type(model).__name__]
-    config.dtype = merged.dtype
-    if merged.untied:
+    config.dtype = dtype
+    if untied:
         config.tie_word_embeddings = False
     config.save_pretrained(str(folder))
     generation = getattr(model, "generation_config", None)
