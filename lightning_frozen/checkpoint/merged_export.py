@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -193,22 +193,23 @@ def _merged_parts(
     """The parts of the merged model (``hf/merging.py``), from what the checkpoint records of the PEFT model the run
     trained, under ``lead``: every adapter of the run (its layers' structure), the tensors it trained, its fingerprint's
     names."""
-    several, _ = layout.peft_entries_of(layout.frozen_base_of(checkpoint))
-    entries = dict(several) or {entry[layout.ADAPTER_NAME]: entry}
-    trained = [n for n in [*layout.adapter_tensor_names(entry), *entry[layout.NOT_IN_ADAPTER]] if n.startswith(lead)]
-    others = [
-        name for other in entries.values() for name in layout.adapter_tensor_names(other) if name.startswith(lead)
-    ]
-    recorded = [name for name in layout.fingerprint_tensors(layout.fingerprint_of(checkpoint)) if name.startswith(lead)]
     outside = [name for name in entry[layout.NOT_IN_ADAPTER] if not name.startswith(lead)]
     if outside:
         rank_zero_warn(
             f"lightning-frozen: {len(outside)} trainable tensors are outside the PEFT model and not in the merged"
             f" model: {format_names(outside)}."
         )
-    state = {
-        name[len(lead) :]: value for name, value in layout.state_dict_of(checkpoint).items() if name.startswith(lead)
-    }
+
+    def own(names: Iterable[str]) -> list[str]:  # their names in the PEFT model
+        return [name[len(lead) :] for name in names if name.startswith(lead)]
+
+    several, _ = layout.peft_entries_of(layout.frozen_base_of(checkpoint))
+    entries = dict(several) or {entry[layout.ADAPTER_NAME]: entry}
+    trained = own([*layout.adapter_tensor_names(entry), *entry[layout.NOT_IN_ADAPTER]])
+    others = own(name for other in entries.values() for name in layout.adapter_tensor_names(other))
+    recorded = own(layout.fingerprint_tensors(layout.fingerprint_of(checkpoint)))
+    state = layout.state_dict_of(checkpoint)
+    state = {name[len(lead) :]: value for name, value in state.items() if name.startswith(lead)}
     return merging.merged_parts(
         base,
         {key: (at.dtype, at.shape) for key, (_, at) in index.tensors.items()},
@@ -217,7 +218,7 @@ def _merged_parts(
         {name: other[layout.PEFT_CONFIG] for name, other in entries.items()},
         entry[layout.ADAPTER_NAME],
         entry.get(layout.ADAPTED_CLASS),  # absent from older files: the likeliest classes are tried
-        {name[len(lead) :] for name in [*trained, *others, *recorded]},
-        [name[len(lead) :] for name in trained],
+        {*trained, *others, *recorded},
+        trained,
         state,
     )

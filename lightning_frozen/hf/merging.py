@@ -7,8 +7,8 @@ of one tuner layer at a time (``merge`` / ``unload_and_optionally_merge_module``
 A base whose tensors transformers converts as it loads them (a MoE's experts, stored one by one in the folder and
 fused into one tensor per layer; renamed legacy keys) goes through transformers' own conversion machinery both ways:
 ``hf/conversions.py`` groups the folder's keys as its loader does and finds where each lies in a model tensor, and
-:func:`reverted` writes tensors back under the keys ``save_pretrained`` writes (its ``revert_weight_conversion``,
-with the conversions the folder used, as ``from_pretrained`` records them on the model).
+tensors are written back under the keys ``save_pretrained`` writes (its ``revert_weight_conversion``, with the
+conversions the folder used recorded on the model once, as ``from_pretrained`` records them).
 """
 
 from __future__ import annotations
@@ -209,6 +209,7 @@ class _Description:
         layout = adapted.layout
         if layout.used:  # its keys are written back as save_pretrained reverts them
             require(CONVERTED_EXPORT)
+            conversions.record_conversions(self.inner, layout.used)  # as `from_pretrained` does: what it reverts
         read = [*layout.keys.values(), *(key for c in layout.conversions.values() for key in c.keys)]
         floats = [stored[key][0] for key in read if stored[key][0].is_floating_point]
         self.dtype = dtype or max(set(floats), key=floats.count, default=torch.float32)
@@ -251,7 +252,17 @@ class _Description:
         )
 
     def reverted(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return reverted(self.inner, self.adapted.layout.used, tensors)
+        """``tensors`` (by model key) under the keys and in the layout ``save_pretrained`` writes them: transformers'
+        ``revert_weight_conversion`` (on meta tensors it gives the keys and shapes alone).
+
+        Raises:
+            ValueError, NotImplementedError: transformers cannot revert a conversion.
+        """
+        if not self.adapted.layout.used:  # nothing was converted or renamed: written as named
+            return dict(tensors)
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.inner, dict(tensors))
 
     def conversion(self, tensor: torch.Tensor) -> Optional[conversions.Conversion]:
         found = self.adapted.layout.conversions
@@ -518,22 +529,6 @@ def expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
     finally:
         setattr(base, name, own)
     return lambda expert: (lhs[expert] @ rhs[expert]) * scaling
-
-
-def reverted(model: nn.Module, used: list[Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (by model key) under the keys and in the layout ``save_pretrained`` writes them for a model loaded
-    from the folder whose conversions were ``used``: transformers' ``revert_weight_conversion`` (on meta tensors it
-    gives the keys and shapes alone).
-
-    Raises:
-        ValueError, NotImplementedError: transformers cannot revert a conversion.
-    """
-    if not used:  # nothing was converted or renamed: written as named
-        return dict(tensors)
-    from transformers.core_model_loading import revert_weight_conversion
-
-    conversions.record_conversions(model, used)  # as `from_pretrained` records them: `save_pretrained` reverts these
-    return revert_weight_conversion(model, dict(tensors))
 
 
 def shard_bytes(size: Any) -> int:
