@@ -12,8 +12,6 @@ from typing import Optional
 
 import torch
 
-Values = Callable[[list[torch.Tensor]], torch.Tensor]
-
 
 @dataclass(frozen=True)
 class Written:
@@ -39,7 +37,7 @@ class Read:
     dtype: torch.dtype
     shape: tuple[int, ...]
     starts: tuple[tuple[str, int], ...]
-    build: Optional[Values] = None
+    build: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None
     delta: Optional[Callable[[int], torch.Tensor]] = None
 
 

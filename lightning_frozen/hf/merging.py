@@ -35,7 +35,7 @@ from lightning_frozen.format.merged_parts import MergedParts, Part, Read, Writte
 from lightning_frozen.hf import conversions
 from lightning_frozen.hf.peft_adapters import is_modules_to_save_wrapper
 
-PEFT_WAY = (
+_PEFT_WAY = (
     "Merge it with PEFT itself: `export_peft_adapter`, then `PeftModel.from_pretrained(base, ...).merge_and_unload()`."
 )
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -171,7 +171,7 @@ def merged_parts(
         except (RuntimeError, NotImplementedError) as error:  # PEFT computes from the base as it creates a layer
             raise UnsupportedConfigurationError(
                 f"{source}: PEFT cannot create this adapter's layers without their base weights"
-                f" ({type(error).__name__}: {str(error)[:200]}), so the merged export cannot merge it. {PEFT_WAY}"
+                f" ({type(error).__name__}: {str(error)[:200]}), so the merged export cannot merge it. {_PEFT_WAY}"
             ) from error
         params = {name for name, _ in model.named_parameters() if ".original_module." not in name}
         # a tuner's frozen state may be a buffer where PEFT builds on the meta device: its merge says what it lacks
@@ -205,7 +205,7 @@ class _Description:
     def __init__(
         self, adapted: _Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
     ) -> None:
-        self.adapted, self.inner, self.stored, self.wanted = adapted, _inner_model(adapted.model), stored, dtype
+        self.adapted, self.inner, self.stored, self.wanted = adapted, adapted.model.base_model.model, stored, dtype
         layout = adapted.layout
         if layout.used:  # its keys are written back as save_pretrained reverts them
             require(CONVERTED_EXPORT)
@@ -248,7 +248,7 @@ class _Description:
         model_type = getattr(self.adapted.config, "model_type", type(self.inner).__name__)
         return UnsupportedConfigurationError(
             f"transformers converts the tensors of this {model_type!r} base as it loads them, and {what}, so the"
-            f" merged export cannot write it as `save_pretrained` does. {PEFT_WAY}"
+            f" merged export cannot write it as `save_pretrained` does. {_PEFT_WAY}"
         )
 
     def reverted(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -268,14 +268,6 @@ class _Description:
         found = self.adapted.layout.conversions
         return next((found[n] for n in self.adapted.names_of.get(id(tensor), []) if n in found), None)
 
-    def key(self, tensor: torch.Tensor) -> Optional[str]:
-        """The folder key ``tensor``'s values are read from: its own, or the first of those it is converted from."""
-        conversion = self.conversion(tensor)
-        if conversion is not None:
-            return conversion.keys[0]
-        keys = self.adapted.layout.keys
-        return next((keys[n] for n in self.adapted.names_of.get(id(tensor), []) if n in keys), None)
-
     def dtype_of(self, key: Optional[str], fallback: torch.dtype) -> torch.dtype:
         own = self.stored[key][0] if key is not None else fallback
         if not own.is_floating_point:
@@ -283,16 +275,18 @@ class _Description:
         return self.wanted or (own if key is not None else self.dtype)
 
     def read(self, tensor: torch.Tensor) -> Optional[Read]:
-        """Where a meta tensor of the model is read from in the folder; None where it is not there."""
-        key, conversion = self.key(tensor), self.conversion(tensor)
+        """Where a meta tensor of the model is read from in the folder (its own key, or the keys it is converted
+        from); None where it is not there."""
+        conversion, keys = self.conversion(tensor), self.adapted.layout.keys
+        if conversion is not None:
+            key, (_, starts, build) = conversion.keys[0], self.located[conversion.target]
+        else:
+            key = next((keys[n] for n in self.adapted.names_of.get(id(tensor), []) if n in keys), None)
+            starts, build = [(key, 0)], None
         if key is None:
             return None
-        starts, build = ((key, 0),), None
-        if conversion is not None:
-            _, found, build = self.located[conversion.target]
-            starts = tuple(found)
-        shape = tuple(tensor.shape)
-        return Read(self.names.get(id(tensor), ()), self.dtype_of(key, tensor.dtype), shape, starts, build)
+        dtype = self.dtype_of(key, tensor.dtype)
+        return Read(self.names.get(id(tensor), ()), dtype, tuple(tensor.shape), tuple(starts), build)
 
     def written(self, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[Written]:
         """``tensors`` (by model name) as ``save_pretrained`` writes them: transformers' revert, on meta tensors.
@@ -342,10 +336,10 @@ class _Description:
                     continue
                 reads.append(read)
                 targets.append((module, attr, tensor))
-        base = {
-            f"{lead}{k}": (self.dtype_of(self.key(t), t.dtype), tuple(t.shape))
-            for k, t in unloaded_module(unit).state_dict(keep_vars=True).items()
-        }
+        base = {}
+        for k, t in _unloaded_module(unit).state_dict(keep_vars=True).items():
+            read = self.read(t)
+            base[f"{lead}{k}"] = (read.dtype if read else self.dtype_of(None, t.dtype), tuple(t.shape))
         changed.update(base)
         written = self.written(base)
         # PEFT's ParamWrappers alone (nested), each adapting one converted tensor: merged by expert
@@ -354,7 +348,7 @@ class _Description:
         if hasattr(unit, "get_delta_factors") and not missing and all((id(m), a) in adapting for m, a, _ in targets):
             adapter = self.adapted.adapter
             with_delta = [
-                dataclasses.replace(read, delta=expert_delta(adapting[id(m), attr], adapter))
+                dataclasses.replace(read, delta=_expert_delta(adapting[id(m), attr], adapter))
                 for read, (m, attr, _) in zip(reads, targets)
             ]
             by_expert = self.by_expert(with_delta, [t for _, _, t in targets], written)
@@ -396,7 +390,7 @@ class _Description:
         for (module, attr, tensor), value in zip(targets, values):
             _put(module, attr, value.reshape(tensor.shape))
         try:
-            merged = merged_module(unit, self.adapted.adapter).state_dict()
+            merged = _merged_module(unit, self.adapted.adapter).state_dict()
         except (RuntimeError, NotImplementedError):
             if not missing:
                 raise
@@ -405,7 +399,7 @@ class _Description:
             raise UnsupportedConfigurationError(
                 f"The adapter's layer `{lead[:-1]}` needs {format_names(missing)}, in neither the checkpoint nor the"
                 " base folder (PEFT computes it when it creates the layer), so the merged export cannot merge this"
-                f" tuner. {PEFT_WAY}"
+                f" tuner. {_PEFT_WAY}"
             )
         found = {name: merged[name[len(lead) :]] for name in names}
         for module, attr, tensor in targets:  # freed; the adapter's tensors stay (views of the checkpoint file)
@@ -437,11 +431,6 @@ def _unmergeable(peft_model: Any) -> Optional[str]:
     return None
 
 
-def _inner_model(peft_model: Any) -> nn.Module:
-    """The transformers model inside ``peft_model``, holding the tuner layers."""
-    return peft_model.base_model.model
-
-
 def _merge_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
     """``(name, module, is_unit)`` for the modules of ``model`` (the inner model of an adapted one) that PEFT's
     ``merge_and_unload`` visits: tuner layers and auxiliary wrappers (``modules_to_save``, trainable tokens) are units,
@@ -465,20 +454,20 @@ def _merge_inputs(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def merged_module(unit: nn.Module, adapter_name: str) -> nn.Module:
+def _merged_module(unit: nn.Module, adapter_name: str) -> nn.Module:
     """What ``merge_and_unload`` puts in place of ``unit``: its base layer with the adapter merged in by PEFT's own
     ``merge`` (of the tuner layer, or through the wrapper's ``unload_and_optionally_merge_module``), or, for a plain
-    LoRA ``Linear``, by :func:`merge_lora_by_rows`, its arithmetic bit for bit."""
+    LoRA ``Linear``, by :func:`_merge_lora_by_rows`, its arithmetic bit for bit."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if hasattr(unit, "unload_and_optionally_merge_module"):
             return unit.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=[adapter_name])
-        if not merge_lora_by_rows(unit, adapter_name):
+        if not _merge_lora_by_rows(unit, adapter_name):
             unit.merge(safe_merge=False, adapter_names=[adapter_name])
         return unit.get_base_layer()
 
 
-def merge_lora_by_rows(unit: nn.Module, adapter_name: str) -> bool:
+def _merge_lora_by_rows(unit: nn.Module, adapter_name: str) -> bool:
     """PEFT's ``merge`` of a plain LoRA ``Linear`` (no variant, no LoRA bias, not fan-in-fan-out, fp32 factors), a block
     of rows at a time: ``B @ A * scaling`` in fp32 added to the weight and rounded once, as PEFT's in-place add does,
     without its two fp32 temporaries of the layer's size (a block stays in the cache: about 4x less CPU time on a
@@ -507,14 +496,14 @@ def merge_lora_by_rows(unit: nn.Module, adapter_name: str) -> bool:
     return True
 
 
-def unloaded_module(unit: nn.Module) -> nn.Module:
+def _unloaded_module(unit: nn.Module) -> nn.Module:
     """What ``merge_and_unload`` puts in place of ``unit``, without merging (its names and shapes)."""
     if hasattr(unit, "unload_and_optionally_merge_module"):
         return unit.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
     return unit.get_base_layer()
 
 
-def expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
+def _expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
     """A function of an expert's index giving PEFT's delta of the param that ``wrapper`` (PEFT's ``ParamWrapper``)
     adapts, for that expert alone: ``scaling * lhs @ rhs`` of its ``get_delta_factors``, in the adapter's dtype; None
     where the wrapper holds no ``adapter_name``."""
@@ -546,7 +535,7 @@ def _write_config(adapted: _Adapted, dtype: torch.dtype, untied: list[str], fold
     """Write the base folder's config as the merged folder's ``config.json``: the class of the model, the dtype of its
     weights, word embeddings untied where the adapter changed one side; and, for a model that generates and a base
     folder without one, the ``generation_config.json`` that ``save_pretrained`` writes."""
-    model, config = _inner_model(adapted.model), adapted.config
+    model, config = adapted.model.base_model.model, adapted.config
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     if untied:
