@@ -1,20 +1,19 @@
-"""Lightning's loops where ZeRO-3 or a resume needs more of them: evaluation data that every rank has as much of
-(:func:`check_even_batches`, :class:`EvenBatches`: a rank with one more batch would hang in its gather; both raise
-:class:`UnevenBatchesError` on every rank at once, docs/loops.md), and the fit loop after a resume, whose next epoch
-Lightning 2.6 counts as the restarted one (:func:`start_next_epoch_afresh`, docs/checkpoints.md).
+"""Lightning's loops where ZeRO-3 or a resume needs more of them: data that runs out on some ranks before others
+(:func:`even_dataloader`, :class:`AgreedBatches`: the ranks that ran out serve the others on stand-in batches, weighed
+by :class:`Joining`, or every rank raises :class:`UnevenBatchesError`; docs/loops.md), and the fit loop after a resume,
+whose next epoch Lightning 2.6 counts as the restarted one (:func:`start_next_epoch_afresh`, docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Optional
 
 import torch
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_frozen.capabilities import RESUMED_EPOCH, available
@@ -42,56 +41,36 @@ def start_next_epoch_afresh(fit_loop: Any) -> None:
         fit_loop.reset_restart_stage()
 
 
-def even_dataloader(dataloader: object, trainer: Any, world_size: int, joining: Joining) -> object:
-    """``dataloader`` as Lightning gave it, or, on several ranks without a length, wrapped in :class:`AgreedBatches`
-    (a strategy's ``process_dataloader``): a dataloader with a length costs nothing more."""
+def even_dataloader(
+    dataloader: object, trainer: Any, world_size: int, joining: Joining, gather: Optional[GatherFromRanks] = None
+) -> object:
+    """``dataloader`` as Lightning gave it where every rank has as many batches, else wrapped in :class:`AgreedBatches`
+    (a strategy's ``process_dataloader``). The ranks compare their lengths (one small all-gather per dataloader set
+    up): lengths that differ are known from here on, and a dataloader without a length is agreed batch by batch; with
+    ``joining.refuse`` lengths that differ raise :class:`UnevenBatchesError` on every rank. Collective."""
     stage = trainer.state.stage
-    if world_size == 1 or stage is None or has_length(dataloader):
+    if world_size == 1 or stage is None:
         return dataloader
     prefix = str(stage.dataloader_prefix)
+    joining.tell_mode()
+    gather = gather or gather_objects
+    lengths = gather(length(dataloader))
+    if None not in lengths and len(set(lengths)) == 1:
+        return dataloader
+    known = None if None in lengths else lengths
+    if known is not None and joining.refuse:
+        raise _uneven(prefix, dict(enumerate(known)))
     joining.forget(prefix)  # the steps of this stage's loaders fetched before are not run any more
-    return AgreedBatches(dataloader, prefix, joining, trainer.global_rank)
+    wrapper = AgreedBatches if known is None else SizedAgreedBatches
+    return wrapper(dataloader, prefix, joining, trainer.global_rank, gather, known)
 
 
-def check_even_batches_at_start(trainer: Any, world_size: int) -> None:
-    """:func:`check_even_batches` for the evaluation loop starting now (a strategy's ``on_{validation,test,predict}
-    _start``)."""
-    if world_size == 1:
-        return
-    stage = trainer.state.stage
-    if stage == RunningStage.SANITY_CHECKING:
-        counts = trainer.num_sanity_val_batches
-    else:
-        counts = {RunningStage.TESTING: trainer.num_test_batches, RunningStage.PREDICTING: trainer.num_predict_batches}
-        counts = counts.get(stage, trainer.num_val_batches)
-    check_even_batches(str(stage.dataloader_prefix), counts, gather_objects)
-
-
-def has_length(dataloader: object) -> bool:
-    """Whether ``dataloader`` knows its number of batches (a ``DataLoader`` over an ``IterableDataset`` may not)."""
+def length(dataloader: object) -> Optional[int]:
+    """``dataloader``'s number of batches, or None where it has none (a ``DataLoader`` over an ``IterableDataset``)."""
     try:
-        len(dataloader)  # type: ignore[arg-type]
+        return len(dataloader)  # type: ignore[arg-type]
     except (TypeError, NotImplementedError):
-        return False
-    return True
-
-
-def check_even_batches(stage: str, counts: Sequence[float], gather: GatherFromRanks) -> None:
-    """Raise :class:`UnevenBatchesError` on every rank when the ranks' batch ``counts`` (one per dataloader of
-    ``stage``; ``inf`` where unknown) differ among those known: before the loop's first gather. Collective."""
-    every = gather([float(count) for count in counts])
-    known = [[count if math.isfinite(count) else None for count in ranks] for ranks in every]
-    if any(len(ranks) != len(known[0]) for ranks in known):
-        per_rank = _per_rank({rank: len(ranks) for rank, ranks in enumerate(every)})
-        raise UnevenBatchesError(f"The ranks have different numbers of {stage} dataloaders: {per_rank}.{_FIX}")
-    for index, column in enumerate(zip(*known)):
-        sizes = {count for count in column if count is not None}
-        if len(sizes) > 1:
-            per_rank = _per_rank({rank: int(count) for rank, count in enumerate(column) if count is not None})
-            raise UnevenBatchesError(
-                f"The ranks have different numbers of {stage} batches in dataloader {index}: {per_rank}."
-                f" Under ZeRO-3 the rank with more would wait forever for the others in its next gather.{_FIX}"
-            )
+        return None
 
 
 class Share(NamedTuple):
@@ -148,17 +127,31 @@ class Joining:
         """``loss`` for the running step's backward: as it is where every rank has a batch, else times its weight."""
         return loss if self.share is None else loss * self.share.loss_weight
 
-    def tell_once(self, stage: str, counts: Sequence[int], every: Sequence[bool]) -> None:
+    def tell_mode(self) -> None:
+        """Say on rank 0, once a run, what happens to uneven data (at the first dataloader set up on several ranks)."""
+        if "" in self._told:
+            return
+        self._told.add("")
+        what = (
+            "every rank raises UnevenBatchesError where the ranks have different numbers of batches"
+            if self.refuse
+            else "a rank that runs out of batches before the others serves them on stand-in steps that count for"
+            ' nothing; `uneven_batches="raise"` refuses such data'
+        )
+        rank_zero_info(
+            f"lightning-frozen: uneven batches: {'raise' if self.refuse else 'join'} ({what}; docs/loops.md)."
+        )
+
+    def tell_once(self, stage: str, counts: dict[int, Any], every: Sequence[bool]) -> None:
         """Say on rank 0, the first time a rank of ``stage`` runs out while others have not, what happens."""
         if stage in self._told:
             return
         self._told.add(stage)
         out = [rank for rank, has in enumerate(every) if not has]
-        so_far = {rank: f"{count + 1} or more" if every[rank] else str(count) for rank, count in enumerate(counts)}
         averaged = ", and each step's gradient is the mean over the ranks that have a batch" if stage == "train" else ""
         rank_zero_info(
             f"lightning-frozen: rank{'s' * (len(out) > 1)} {', '.join(map(str, out))} ran out of {stage} batches"
-            f" ({_per_rank(so_far)}). Until every rank has, a rank without data runs the same steps on a stand-in"
+            f" ({_per_rank(counts)}). Until every rank has, a rank without data runs the same steps on a stand-in"
             f" batch (its last one, or another rank's), which counts for nothing: its loss is weighed 0 and what it"
             f" logs is left out of epoch means{averaged} ({sum(every)} of {len(every)} now). Pass"
             ' `uneven_batches="raise"` to the strategy to refuse uneven data instead (docs/loops.md).'
@@ -184,17 +177,24 @@ def weightless(log: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class AgreedBatches:
-    """A dataloader without a length on several ranks, whose ranks agree before each batch which of them still have
-    one (one small collective per batch). The loop ends when every rank has run out. Until then a rank that ran out
-    yields a stand-in (its last batch, or, having had none, the first rank's with data), recorded as such in the
-    :class:`Joining`; with ``joining.refuse`` every rank raises :class:`UnevenBatchesError` with the counts instead.
-    Other attributes are the dataloader's."""
+    """A dataloader whose ranks may have different numbers of batches. With every rank's ``lengths`` known
+    (:class:`SizedAgreedBatches`) each rank knows which have a batch at each step; without, the ranks agree before each
+    batch which of them still have one (one small collective per batch). The loop ends when every rank has run out.
+    Until then a rank that ran out yields a stand-in (its last batch, or, having had none, the first rank's with data),
+    recorded as such in the :class:`Joining`; with ``joining.refuse`` every rank raises :class:`UnevenBatchesError`
+    with the counts instead. Other attributes are the dataloader's."""
 
     def __init__(
-        self, dataloader: Any, stage: str, joining: Joining, rank: int, gather: Optional[GatherFromRanks] = None
+        self,
+        dataloader: Any,
+        stage: str,
+        joining: Joining,
+        rank: int,
+        gather: Optional[GatherFromRanks] = None,
+        lengths: Optional[Sequence[int]] = None,
     ) -> None:
         self.dataloader, self.stage, self.joining, self.rank = dataloader, stage, joining, rank
-        self.gather = gather or gather_objects
+        self.gather, self.lengths = gather or gather_objects, lengths
 
     def __getattr__(self, name: str) -> Any:
         if name == "dataloader":  # not set yet (a copy being built)
@@ -203,15 +203,16 @@ class AgreedBatches:
 
     def __iter__(self) -> Iterator[Any]:
         self.joining.forget(self.stage, self)
-        last, batches, counts = _END, iter(self.dataloader), None
-        while True:
-            batch = next(batches, _END)
+        last, batches, counts, lengths = _END, iter(self.dataloader), None, self.lengths
+        for index in itertools.count():
+            batch = next(batches, _END) if lengths is None or index < lengths[self.rank] else _END
             has = batch is not _END
-            every = self.gather(
-                (has, not has and last is _END)
-            )  # a small collective per batch, beside a step's gathers
-            having = [rank_has for rank_has, _ in every]
-            counts = counts or [0] * len(every)
+            if lengths is None:
+                every = self.gather((has, not has and last is _END))  # a small collective, beside a step's gathers
+                having, needs = [rank_has for rank_has, _ in every], any(needs for _, needs in every)
+            else:
+                having, needs = [index < count for count in lengths], index == 0 and 0 in lengths
+            counts = counts or [0] * len(having)
             if not any(having):
                 return
             if all(having):
@@ -220,17 +221,11 @@ class AgreedBatches:
                 last = batch
                 yield batch
                 continue
+            so_far = dict(enumerate(lengths)) if lengths is not None else _so_far(counts, having)
             if self.joining.refuse:
-                so_far = {
-                    rank: f"{count + 1} or more" if has else str(count)
-                    for rank, (has, count) in enumerate(zip(having, counts))
-                }
-                raise UnevenBatchesError(
-                    f"The ranks have different numbers of {self.stage} batches: {_per_rank(so_far)}. Under ZeRO-3 the"
-                    f" ranks with more would wait forever for the others in their next gather.{_FIX}"
-                )
-            self.joining.tell_once(self.stage, counts, having)
-            if any(needs for _, needs in every):  # a rank that had no batch at all: the first rank's with one
+                raise _uneven(self.stage, so_far)
+            self.joining.tell_once(self.stage, so_far, having)
+            if needs:  # a rank that had no batch at all: the first rank's with one
                 source = having.index(True)
                 given = self.gather(batch if self.rank == source else None)[source]
                 last = given if last is _END else last
@@ -238,6 +233,27 @@ class AgreedBatches:
             self.joining.fetched(self.stage, self, Share(sum(having), len(having), not has))
             last = batch if has else last
             yield last
+
+
+class SizedAgreedBatches(AgreedBatches):
+    """:class:`AgreedBatches` with every rank's ``lengths``, as long as the longest on every rank: Lightning's epoch
+    end, ``limit_*_batches`` and progress bars count the same steps on each."""
+
+    def __len__(self) -> int:
+        return max(self.lengths or [0])
+
+
+def _so_far(counts: Sequence[int], having: Sequence[bool]) -> dict[int, str]:
+    return {
+        rank: f"{count + 1} or more" if has else str(count) for rank, (has, count) in enumerate(zip(having, counts))
+    }
+
+
+def _uneven(stage: str, counts: dict[int, Any]) -> UnevenBatchesError:
+    return UnevenBatchesError(
+        f"The ranks have different numbers of {stage} batches: {_per_rank(counts)}. Under ZeRO-3 the ranks with more"
+        f" would wait forever for the others in their next gather.{_FIX}"
+    )
 
 
 _END = object()

@@ -105,7 +105,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             then, or on a second signal, it exits at once (``lightning_frozen.preemption``).
         generation_memory: bytes ``generate()`` may gather whole once per call, else per layer (docs/loops.md);
             a number asks for that gathering, so a DeepSpeed that moved its names raises here instead of warning.
-        uneven_batches: ranks whose dataloader (without a length) runs out before the others': ``"join"`` runs the
+        uneven_batches: ranks whose dataloader runs out before the others': ``"join"`` runs the
             same steps on a stand-in batch that counts for nothing until every rank has run out, ``"raise"`` refuses
             with ``UnevenBatchesError`` (docs/loops.md).
     """
@@ -398,7 +398,6 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
 
     @override
     def on_validation_start(self) -> None:
-        loops.check_even_batches_at_start(self._module.trainer, self.world_size)
         wrap_generate(self._ledger, self)  # `generate` gathers the base once per call where it fits
 
     on_test_start = on_predict_start = on_validation_start

@@ -70,7 +70,52 @@ def test_refused_uneven_data_raises_on_every_rank_with_the_counts() -> None:
     agreed = loops.AgreedBatches([1, 2], "predict", loops.Joining(refuse=True), 0, _gather_from((True, False)))
     with pytest.raises(UnevenBatchesError, match=r"predict batches: rank 0: 2, rank 1: 3 or more"):
         list(agreed)
-    assert not loops.has_length(agreed) and loops.has_length([1])
+    assert loops.length(agreed) is None and loops.length([1]) == 1
+
+
+def _trainer(stage: str = "train") -> Any:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return SimpleNamespace(state=SimpleNamespace(stage=RunningStage(stage)), global_rank=0)
+
+
+def test_lengths_that_differ_are_agreed_once_and_the_loader_is_as_long_as_the_longest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    joining, gathers = loops.Joining(), []
+
+    def gather(value: Any) -> list[Any]:
+        gathers.append(value)
+        return [value, 3, 0, 1]  # ranks 1 to 3 of 4: 3 batches, none, 1
+
+    with caplog.at_level("INFO"):
+        agreed = loops.even_dataloader(["a", "b"], _trainer(), 4, joining, gather)
+        assert len(agreed) == 3 and list(agreed) == ["a", "b", "b"]
+    # the lengths once, then rank 2's first batch from rank 0, the first with one; nothing agreed per batch
+    assert gathers == [2, "a"]
+    shares = []
+    for _ in range(3):
+        with joining.step("train", _Logging()) as share:
+            shares.append(share)
+    assert shares == [loops.Share(3, 4, False), loops.Share(2, 4, False), loops.Share(1, 4, True)]
+    told = [record.getMessage() for record in caplog.records]
+    assert len(told) == 2 and told[0].startswith("lightning-frozen: uneven batches: join (a rank that runs out"), told
+    assert "rank 2 ran out of train batches (rank 0: 2, rank 1: 3, rank 2: 0, rank 3: 1)" in told[1], told
+
+
+def test_even_lengths_leave_the_loader_as_it_is_and_refused_uneven_ones_raise_before_the_first_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loader = [1, 2]
+    with caplog.at_level("INFO"):
+        assert loops.even_dataloader(loader, _trainer("validate"), 2, loops.Joining(), _gather_from(2)) is loader
+        with pytest.raises(UnevenBatchesError, match=r"val batches: rank 0: 2, rank 1: 3\. Under ZeRO-3"):
+            loops.even_dataloader(loader, _trainer("validate"), 2, loops.Joining(refuse=True), _gather_from(3))
+    told = [record.getMessage() for record in caplog.records]
+    assert len(told) == 2 and "uneven batches: raise (every rank raises UnevenBatchesError" in told[1], told
+    assert loops.even_dataloader(loader, _trainer(), 1, loops.Joining(), _gather_from()) is loader
 
 
 def test_a_stand_ins_logged_values_count_for_nothing_in_epoch_means_and_sums() -> None:
@@ -110,12 +155,12 @@ def plain_torch(
     case: str, mean_over_world: bool = False, steps: Sequence[int] = ()
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The trainable params after SGD steps (``steps``: which of the epoch's, in order; else all) whose gradient is the
-    mean over the real batches of each step (or, with ``mean_over_world``, the sum over 2 ranks: what ZeRO's average
+    mean over the real batches of each step (or, with ``mean_over_world``, the sum over the ranks: what ZeRO's average
     gives a stand-in not weighed 0), and each real batch's loss before its step."""
     from tests.scripts.uneven_train import CASES, LR, SGDAdapter, batches_of
 
     model = SGDAdapter()
-    ranks = [batches_of(case, rank) for rank in range(2)]
+    ranks = [batches_of(case, rank) for rank in range(len(CASES[case]))]
     losses = []
     for step in steps or range(max(CASES[case])):
         real = [batches[step] for batches in ranks if step < len(batches)]
@@ -126,13 +171,13 @@ def plain_torch(
         with torch.no_grad():
             for param in model.parameters():
                 if param.grad is not None:
-                    param -= LR * param.grad / (2 if mean_over_world else len(real))
+                    param -= LR * param.grad / (len(ranks) if mean_over_world else len(real))
                     param.grad = None
     return {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}, losses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["3-1", "3-0"])
+@pytest.mark.parametrize("case", ["3-1", "3-0", "sized"])
 def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(case: str, uneven_train: Path) -> None:
     reports = read_reports(uneven_train / case)
     assert len(reports) == 2
@@ -148,8 +193,14 @@ def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(case
         assert report["metrics"]["samples"] == 4 * len(losses)
         assert report["metrics"]["train_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     said = reports[0]["said"]
-    counts = "rank 0: 2 or more, rank 1: 1" if case == "3-1" else "rank 0: 1 or more, rank 1: 0"
-    assert said.count("ran out of train batches") == 1 and f"rank 1 ran out of train batches ({counts})" in said, said
+    counts = {
+        "3-1": "rank 0: 2 or more, rank 1: 1",
+        "3-0": "rank 0: 1 or more, rank 1: 0",
+        "sized": "rank 0: 3, rank 1: 1",
+    }
+    assert said.count("ran out of train batches") == 1, said
+    assert f"rank 1 ran out of train batches ({counts[case]})" in said, said
+    assert said.count("lightning-frozen: uneven batches: join (") == 1, said
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 ranks different numbers of batches; the tests run it as a script.
 
 Each case is a Trainer of its own in one world (starting the ranks costs more than a validation): ``sized`` (a sampler
-of the user's, ``len`` known: rank 0 three batches, rank 1 two), ``iterable`` (an ``IterableDataset`` without ``len``,
-the same counts: rank 1 joins for the third), ``refused`` (the same, ``uneven_batches="raise"``) and ``even`` (an
+of the user's, ``len`` known: rank 0 three batches, rank 1 two: rank 1 joins for the third), ``sized-refused`` (the
+same, ``uneven_batches="raise"``), ``iterable`` (an ``IterableDataset`` without ``len``, the same counts),
+``refused`` (the same, ``uneven_batches="raise"``) and ``even`` (an
 ``IterableDataset`` giving each rank two). Each rank writes ``<report>/<case>-rank<R>.txt``: ``ok <val_loss>`` (logged
 with ``sync_dist=True``), or the ``UnevenBatchesError`` it raised.
 """
@@ -26,7 +27,7 @@ from lightning_frozen.errors import UnevenBatchesError  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer  # noqa: E402
 
 BATCH = 4
-CASES = ("sized", "iterable", "refused", "even")
+CASES = ("sized", "sized-refused", "iterable", "refused", "even")
 SAMPLES = torch.randn(5 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 
 
@@ -67,11 +68,11 @@ def main() -> None:
 
 
 def validate(case: str, report: Path) -> None:
-    if case == "sized":
+    if case.startswith("sized"):
         data = DataLoader(TensorDataset(SAMPLES, SAMPLES[:, :1]), batch_size=BATCH, sampler=RankSampler())
     else:
         data = DataLoader(RankStream(case), batch_size=BATCH)
-    strategy = FrozenAwareDeepSpeedStrategy(uneven_batches="raise" if case == "refused" else "join")
+    strategy = FrozenAwareDeepSpeedStrategy(uneven_batches="raise" if case.endswith("refused") else "join")
     trainer = cpu_trainer(strategy, devices=2, use_distributed_sampler=False)
     try:
         result = f"ok {trainer.validate(SyncedAdapter(), data, verbose=False)[0]['val_loss']:.7f}"

@@ -4,7 +4,8 @@ different numbers of batches; the tests run it as a script and check the weights
 
 Each case is a Trainer of its own in one world (starting the ranks costs more than a fit): ``3-1`` (rank 0 three
 batches of 4 samples, rank 1 one, batched by the DataLoader), ``3-0`` (rank 1 none, a stream of whole batches under
-``DataLoader(batch_size=None)``), ``predict`` (``3-1`` predicted, not trained), ``preempt`` (``3-1``, and rank 1 sends
+``DataLoader(batch_size=None)``), ``sized`` (``3-1`` from a map-style dataset through a sampler of the user's own:
+the loader has a length), ``predict`` (``3-1`` predicted, not trained), ``preempt`` (``3-1``, and rank 1 sends
 itself SIGTERM in its stand-in's step at global step 1: the process exits, so it comes last) and ``resume`` (``3-1``
 resumed from the ``last.ckpt`` that ``preempt`` left, in a launch of its own). Each rank writes
 ``<report>/<case>/rank<R>.json``: its exit status, global step, the trainable params gathered whole, the epoch's
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
 from tests.distributed import logged_lines, write_report  # noqa: E402
@@ -35,17 +36,19 @@ BATCH, LR = 4, 0.5
 CASES = {
     "3-1": (3, 1),
     "3-0": (3, 0),
+    "sized": (3, 1),
     "predict": (3, 1),
     "preempt": (3, 1),
     "resume": (3, 1),
-}  # the batches of rank 0 and rank 1
-SAMPLES = torch.randn(4 * BATCH, 32, generator=torch.Generator().manual_seed(0))
+}  # the batches of each rank
+SIZED = ("sized",)  # a map-style dataset through a sampler of the user's own: the loader has a length
+SAMPLES = torch.randn(8 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 TARGETS = SAMPLES[:, :1] * 0.5 - SAMPLES[:, 1:2]
 
 
 def batches_of(case: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s batches in ``case``: rank 0 the first ones of SAMPLES, rank 1 the last ones."""
-    first = 0 if rank == 0 else CASES[case][0]
+    """Rank ``rank``'s batches in ``case``: the next ones of SAMPLES after the ranks before it."""
+    first = sum(CASES[case][:rank])
     return [
         (SAMPLES[index * BATCH : (index + 1) * BATCH], TARGETS[index * BATCH : (index + 1) * BATCH])
         for index in range(first, first + CASES[case][rank])
@@ -61,6 +64,21 @@ class RankStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         for x, y in batches_of(self.case, torch.distributed.get_rank()):
             yield from [(x, y)] if self.batched else zip(x, y)
+
+
+class RankSampler(Sampler[int]):
+    """This rank's samples of SAMPLES, the same as its stream's, with a length."""
+
+    def __init__(self, case: str) -> None:
+        self.case = case
+
+    def __iter__(self) -> Iterator[int]:
+        rank = torch.distributed.get_rank()
+        first = sum(CASES[self.case][:rank]) * BATCH
+        return iter(range(first, first + len(self)))
+
+    def __len__(self) -> int:
+        return CASES[self.case][torch.distributed.get_rank()] * BATCH
 
 
 class SGDAdapter(AdapterModel):
@@ -89,7 +107,7 @@ class Preempted(SGDAdapter):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
-    parser.add_argument("--cases", default="3-1,3-0,predict,preempt")
+    parser.add_argument("--cases", default="3-1,3-0,sized,predict,preempt")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # SIGTERM's default before the strategy's handler
     for case in args.cases.split(","):
@@ -98,10 +116,16 @@ def main() -> None:
 
 def train(case: str, folder: Path) -> None:
     batched, report = case == "3-0", folder / case
-    data = DataLoader(RankStream(case, batched), batch_size=None if batched else BATCH)
+    if case in SIZED:
+        data = DataLoader(TensorDataset(SAMPLES, TARGETS), batch_size=BATCH, sampler=RankSampler(case))
+    else:
+        data = DataLoader(RankStream(case, batched), batch_size=None if batched else BATCH)
     model = Preempted() if case == "preempt" else SGDAdapter()
     trainer = cpu_trainer(
-        FrozenAwareDeepSpeedStrategy(), devices=2, use_distributed_sampler=False, default_root_dir=folder
+        FrozenAwareDeepSpeedStrategy(),
+        devices=len(CASES[case]),
+        use_distributed_sampler=False,
+        default_root_dir=folder,
     )
     resume = folder / "last.ckpt" if case == "resume" else None
     if case == "predict":
