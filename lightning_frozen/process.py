@@ -272,12 +272,34 @@ def dead_files(folder: Path, names: re.Pattern[str]) -> list[tuple[Path, re.Matc
     return found
 
 
+def cache_dirs() -> list[Path]:
+    """Where the package may keep what it builds (the CPU kernels, the frozen codes), in order:
+    ``$LIGHTNING_FROZEN_CACHE``, ``$XDG_CACHE_HOME/lightning_frozen``, ``~/.cache/lightning_frozen``, each where it is
+    set."""
+    dirs = []
+    if os.environ.get("LIGHTNING_FROZEN_CACHE"):
+        dirs.append(Path(os.environ["LIGHTNING_FROZEN_CACHE"]))
+    if os.path.isabs(os.environ.get("XDG_CACHE_HOME", "")):  # the XDG spec ignores a relative one
+        dirs.append(Path(os.environ["XDG_CACHE_HOME"]) / "lightning_frozen")
+    home = os.path.expanduser("~")  # not Path.home(): it raises where HOME is unset and the uid has no account
+    if os.path.isabs(home):
+        dirs.append(Path(home) / ".cache" / "lightning_frozen")
+    return dirs
+
+
+def machine_tag() -> str:
+    """A tag shared by the processes of one running kernel (its boot id; without ``/proc``: the host name)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def pid_space_tag() -> str:
     """A tag shared by exactly the processes whose pids this process can check: same kernel boot, same pid namespace
     (without ``/proc``: the host name)."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        space = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+        space = f"{machine_tag()}:{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         space = socket.gethostname()
     return hashlib.sha256(space.encode()).hexdigest()[:16]

@@ -33,6 +33,7 @@ class StrategySpec:
     preemption_grace: float  # seconds from a SIGTERM to a rank's exit
     generation_memory: Optional[int] = None  # bytes `generate` may gather whole at once; None: half the free memory
     uneven_batches: str = "join"  # ranks that run out of data: "join" (serve the others on stand-ins) or "raise"
+    code_cache: Union[bool, str, os.PathLike] = True  # where the stored base is kept for the next fit; False: nowhere
 
     def with_frozen_dtype(self, frozen_dtype: Optional[str]) -> StrategySpec:
         """This spec with ``frozen_dtype`` (itself when it is the same)."""

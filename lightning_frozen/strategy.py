@@ -108,6 +108,9 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         uneven_batches: ranks whose dataloader runs out before the others': ``"join"`` runs the
             same steps on a stand-in batch that counts for nothing until every rank has run out, ``"raise"`` refuses
             with ``UnevenBatchesError`` (docs/loops.md).
+        code_cache: where the frozen base, as stored, is kept for the next fit, resume or load of it to map instead of
+            reading and encoding its folder: True (``$LIGHTNING_FROZEN_CODE_CACHE``, else ``codes`` in the package's
+            cache home), a folder, or False (``base/code_cache.py``, docs/frozen-storage.md).
     """
 
     strategy_name = "frozen_deepspeed"
@@ -171,6 +174,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         preemption_grace: float = preemption.DEFAULT_GRACE_SECONDS,
         generation_memory: Union[int, str] = "auto",
         uneven_batches: Literal["join", "raise"] = "join",
+        code_cache: Union[bool, str, PathLike] = True,
     ) -> None:
         given = locals()
         flags = dict(zero_optimization=zero_optimization, offload_frozen=offload_frozen)
@@ -184,7 +188,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         own = {name: flags[name] for name in ("offload_frozen", "convert_lr_zero_groups", "return_freed_memory")}
         own.update(frozen_dtype=frozen_dtype, fingerprint=fingerprint, frozen_base=frozen_base)
         own.update(generation_memory=generation_memory, preemption_grace=preemption_grace)
-        own.update(uneven_batches=uneven_batches)
+        own.update(uneven_batches=uneven_batches, code_cache=code_cache)
         config_source = arguments.config_source(config, self.DEEPSPEED_ENV_VAR)
         self._spec = arguments.resolve_spec(self.config, config_source, pin_memory, **own)
         capabilities.check_for_run(self._spec)  # a renamed hook would leave this strategy running as stock DeepSpeed
@@ -319,7 +323,8 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
         offloaded), and ``from_pretrained`` loads each rank's slice of every tensor straight into its shard."""
         self.complete_config()
         remote_device = self.remote_device or ("cpu" if self.spec.offload_frozen else None)
-        plan = pretrained.LoadPlan(self._loaded_base, self.spec.frozen_dtype, self.spec.fingerprint)
+        spec = self.spec
+        plan = pretrained.LoadPlan(self._loaded_base, spec.frozen_dtype, spec.fingerprint, code_cache=spec.code_cache)
         with pretrained.sharded_model_creation(self.config, remote_device, plan):
             yield
         # the one fact a setup may add to the spec: the frozen_dtype a bitsandbytes `quantization_config` chose

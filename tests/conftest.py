@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,11 +27,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    codes = os.environ.get("LIGHTNING_FROZEN_CODE_CACHE", "")
+    if not hasattr(config, "workerinput") and os.path.basename(codes).startswith("lightning-frozen-codes-"):
+        shutil.rmtree(codes, ignore_errors=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # before pytest-xdist starts its workers, which, and every rank they start, inherit the folder and find the ops
     # built (see own_extensions_dir: a rebuild inside a 2-rank test tripled its time)
     own_extensions_dir()
     if not hasattr(config, "workerinput"):
+        # the code cache of every fit the tests run, in a folder of this session's rather than the user's cache home
+        os.environ.setdefault("LIGHTNING_FROZEN_CODE_CACHE", tempfile.mkdtemp(prefix="lightning-frozen-codes-"))
         seconds = build_deepspeed_cpu_ops()
         if seconds > 5:
             print(f"\nbuilt DeepSpeed's CPU ops in {os.environ.get('TORCH_EXTENSIONS_DIR')} ({seconds:.0f} s, once)")

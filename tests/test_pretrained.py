@@ -77,7 +77,7 @@ def test_configure_model_loads_the_folder_bit_for_bit_into_shards(
 
 
 def test_a_plain_folder_loads_in_slices_whatever_became_of_transformers_converter(
-    llama_folder: Path, lightning_log: Any, monkeypatch: pytest.MonkeyPatch
+    llama_folder: Path, lightning_log: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # the converter's names are capability CONVERTED_LOADING's, for folders whose tensors transformers converts: a
     # release that moved one must not reach a Llama folder's load
@@ -85,6 +85,7 @@ def test_a_plain_folder_loads_in_slices_whatever_became_of_transformers_converte
     from transformers import core_model_loading
 
     monkeypatch.delattr(core_model_loading, "dot_natural_key")
+    monkeypatch.setenv("LIGHTNING_FROZEN_CODE_CACHE", str(tmp_path / "codes"))  # read from the folder, not the cache
     model = PretrainedLoRA(str(llama_folder))
     cpu_trainer(max_steps=1).fit(model, token_data())
     assert all(model.seen_at_start["frozen_equal"].values())
@@ -93,9 +94,10 @@ def test_a_plain_folder_loads_in_slices_whatever_became_of_transformers_converte
 
 
 def test_the_base_is_loaded_in_slices_when_configure_model_first_imports_transformers_and_peft(
-    llama_folder: Path, tmp_path: Path
+    llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a late import used to meet the capabilities' lookup mid-import: sliced loading was then turned off for good
+    monkeypatch.setenv("LIGHTNING_FROZEN_CODE_CACHE", str(tmp_path / "codes"))  # read from the folder, not the cache
     run_script("first_import_in_configure_model.py", str(llama_folder), str(tmp_path / "report.json"))
     found = json.loads((tmp_path / "report.json").read_text())
     assert found == dict(imported_before=[], sliced=True)

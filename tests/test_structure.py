@@ -181,10 +181,10 @@ def test_the_machinery_test_sees_an_import_through_other_modules() -> None:
     assert {"zero.compute.quantized", "format.native_codec"} <= graph[DOOR]
     assert import_chain("strategy", graph, MACHINERY) == ["strategy", DOOR, "format.native_codec"]
     assert import_chain("strategy", graph, MACHINERY, stop=(DOOR,)) == []
-    # the storage importing node_codes again, as it did, is seen from the strategy three imports up
-    reaching = {**graph, "zero.frozen_storage": graph["zero.frozen_storage"] | {"zero.compute.node_codes"}}
+    # the storage importing the quantized gather, as it once imported the node-shared codes, is seen from the strategy
+    reaching = {**graph, "zero.frozen_storage": graph["zero.frozen_storage"] | {"zero.compute.quantized"}}
     chain = import_chain("strategy", reaching, MACHINERY, stop=(DOOR,))
-    assert chain[0] == "strategy" and chain[-2:] == ["zero.frozen_storage", "zero.compute.node_codes"]
+    assert chain[0] == "strategy" and chain[-2:] == ["zero.frozen_storage", "zero.compute.quantized"]
     assert import_chain("base.fingerprint", {**graph, "zero.params": {DOOR}}, [DOOR])[-2:] == ["zero.params", DOOR]
 
 

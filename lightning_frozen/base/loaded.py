@@ -100,6 +100,32 @@ class LoadedBase:
         store_codes(param, values, frozen_dtype_of(param), KERNELS)
         self.settle_one(param, entry)
 
+    # ------------------------------------------------------------------ kept in the code cache
+
+    def saved(self, param: nn.Parameter) -> Optional[list]:
+        """What was recorded for ``param`` as plain values (the code cache keeps them), or None."""
+        entry = self.entry(param)
+        return None if entry is None else [str(entry.dtype).removeprefix("torch."), entry.checksum, entry.sha256]
+
+    def restore(
+        self, param: nn.Parameter, saved: Optional[list], source: Optional[slice_reads.TensorSource] = None
+    ) -> None:
+        """``param``'s shard was mapped from the code cache: what was recorded when it was stored (:meth:`saved`);
+        with ``source``, it holds codes stored while loading, as :meth:`quantized` says."""
+        if saved is not None:
+            dtype, checksum, sha256 = saved
+            self._put(
+                param, _Entry(getattr(torch, dtype), checksum, sha256, shard=storage_identity(local_shard(param)))
+            )
+            if source is not None:
+                self.quantized(param, source)
+
+    def moved(self, param: nn.Parameter) -> None:
+        """``param``'s shard now lies elsewhere with the same bytes (the code cache's file): its record holds."""
+        entry = self.entry(param)
+        if entry is not None and entry.shard is not None:
+            entry.shard = storage_identity(local_shard(param))
+
     # ------------------------------------------------------------------ filled by quantization
 
     def keep_source(

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_frozen.base import qlora, slice_reads
+from lightning_frozen.base import code_cache, qlora, slice_reads
 from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.base.loaded import LoadedBase, open_safetensors, source_sha256
 from lightning_frozen.capabilities import CONVERTED_LOADING, available
@@ -56,12 +56,14 @@ class LoadPlan:
     """How one load stores and records what it reads, handed down from the strategy's spec: ``frozen_dtype`` encodes
     each floating-point slice as it is read (a bitsandbytes ``quantization_config`` may set it, ``base/qlora.py``, and
     marks the model as bitsandbytes would, ``bitsandbytes``); ``fingerprint_mode`` is the spec's ``fingerprint``;
-    ``loaded`` keeps each slice's checksum and source."""
+    ``loaded`` keeps each slice's checksum and source; ``code_cache`` is the strategy's argument (where the stored base
+    is kept for the next fit: ``base/code_cache.py``)."""
 
     loaded: LoadedBase
     frozen_dtype: Optional[str] = None
     fingerprint_mode: str = "checksum"
     bitsandbytes: bool = False
+    code_cache: code_cache.Setting = False
 
 
 @contextmanager
@@ -369,6 +371,40 @@ def _load_slices(
     # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower);
     # counted in the files' bytes, not the model's dtype (a bf16 file loaded under 32-true is half the fp32 bytes)
     stored = _stored(state_dict)
+    parts = {item.name: _cache_part(plan, item, targets[item.name], stored) for item in items}
+    with code_cache.cached_load(
+        plan.code_cache, list(parts.values()), plan.frozen_dtype, plan.fingerprint_mode
+    ) as cache:
+        if cache is not None and cache.hit:  # the folder's headers were read, none of its tensors
+            cache.place_all(plan.loaded, {item.name: item.source for item in items})
+            for item in items:
+                transformers_loading.mark_initialized(targets[item.name])
+            return errors, missing
+        kept = None if cache is None else (lambda item: cache.keep(parts[item.name], plan.loaded))
+        _read_and_store(plan, targets, items, stored, state_dict, kept)
+        if cache is not None:
+            cache.finish(plan.loaded)
+    return errors, missing
+
+
+def _cache_part(
+    plan: LoadPlan, item: _Item, target: torch.Tensor, stored: dict[str, slice_reads.StoredTensor]
+) -> code_cache.Part:
+    floating = all(stored[key].dtype.is_floating_point for key in item.keys)  # as `store_slice` encodes them
+    files = tuple(sorted({run.path for run in item.source.runs}))
+    return code_cache.Part(item.name, target, item.sliced, files, plan.frozen_dtype if floating else None)
+
+
+def _read_and_store(
+    plan: LoadPlan,
+    targets: dict[str, torch.Tensor],
+    items: list[_Item],
+    stored: dict[str, slice_reads.StoredTensor],
+    state_dict: dict[str, torch.Tensor],
+    kept: Optional[Callable[[_Item], None]] = None,
+) -> None:
+    """Read, store and record each item's slice (or whole tensor), one item ahead; ``kept(item)`` once it is stored
+    (the code cache copies it into its file then)."""
     file_bytes = {item.name: sum(stored[key].nbytes for key in item.keys) for item in items}
     progress = Progress(sum(file_bytes.values()))
     checksum, casts = Checksummer(KERNELS), CastBuffer()
@@ -383,10 +419,11 @@ def _load_slices(
                 with torch.no_grad():
                     target.copy_(values.reshape(target.shape))
             transformers_loading.mark_initialized(target)
+            if kept is not None:
+                kept(item)
             if progress.advance(file_bytes[item.name]):
                 rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
     rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
-    return errors, missing
 
 
 def _stored(state_dict: dict[str, torch.Tensor]) -> dict[str, slice_reads.StoredTensor]:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from lightning_frozen import process
 from lightning_frozen.format.codec import BlockFormat, nf4_bounds, nf4_table, split
 
 SOURCE = Path(__file__).with_name("codec_kernels.c")
@@ -69,20 +70,6 @@ _WHOLE_SIGNATURES = {
     "lf_coded_matmul": _MATMUL_SIGNATURE,
     "lf_coded_matmul_grad": _MATMUL_SIGNATURE,
 }
-
-
-def cache_dirs() -> list[Path]:
-    """Where the kernels may be cached, in order: ``$LIGHTNING_FROZEN_CACHE``, ``$XDG_CACHE_HOME/lightning_frozen``,
-    ``~/.cache/lightning_frozen``, each where it is set."""
-    dirs = []
-    if os.environ.get("LIGHTNING_FROZEN_CACHE"):
-        dirs.append(Path(os.environ["LIGHTNING_FROZEN_CACHE"]))
-    if os.path.isabs(os.environ.get("XDG_CACHE_HOME", "")):  # the XDG spec ignores a relative one
-        dirs.append(Path(os.environ["XDG_CACHE_HOME"]) / "lightning_frozen")
-    home = os.path.expanduser("~")  # not Path.home(): it raises where HOME is unset and the uid has no account
-    if os.path.isabs(home):
-        dirs.append(Path(home) / ".cache" / "lightning_frozen")
-    return dirs
 
 
 def _compiler() -> Optional[str]:
@@ -166,16 +153,17 @@ def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def _library_dir() -> Iterator[Path]:
-    """The first of :func:`cache_dirs` that is usable, else a private temporary directory, removed on exit (a library
-    loaded from it stays mapped)."""
-    directory = next((directory for directory in cache_dirs() if _usable(directory)), None)
+    """The first of :func:`process.cache_dirs` that is usable, else a private temporary directory, removed on exit (a
+    library loaded from it stays mapped)."""
+    directory = next((directory for directory in process.cache_dirs() if _usable(directory)), None)
     if directory is not None:
         yield directory
         return
     warnings.warn(
-        f"lightning-frozen: no cache directory for the CPU codec kernels can be written ({_named(cache_dirs())}); they"
-        " are built in a private temporary directory and removed once loaded, so every process builds them again. Set"
-        " LIGHTNING_FROZEN_CACHE to a directory only you can write to keep them.",
+        "lightning-frozen: no cache directory for the CPU codec kernels can be written"
+        f" ({_named(process.cache_dirs())}); they are built in a private temporary directory and removed once loaded,"
+        " so every process builds them again. Set LIGHTNING_FROZEN_CACHE to a directory only you can write to keep"
+        " them.",
         stacklevel=3,  # kernels(), past contextlib's __enter__
     )
     with tempfile.TemporaryDirectory(prefix="lightning_frozen-") as scratch:

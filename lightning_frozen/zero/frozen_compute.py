@@ -16,7 +16,8 @@ from torch import nn
 from lightning_frozen.capabilities import CPU_COMPUTE, available
 from lightning_frozen.format import native_codec
 from lightning_frozen.format.codec import Kernels
-from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, node_codes, quantized, waiting_threads
+from lightning_frozen.zero import frozen_files
+from lightning_frozen.zero.compute import coded_experts, gloo_exit, host_memory, quantized, waiting_threads
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of
 
 # the CPU's compiled codec and checksum, for values in CPU memory whatever device computes (offloaded shards, slices
@@ -86,7 +87,7 @@ class CpuFrozenCompute(FrozenCompute):
 
     def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
         done = super().prepare(model, frozen_dtype, before_encoding)
-        node_codes.share_codes(list(model.parameters()), frozen_dtype_of)  # ranks read each other's codes, not copies
+        frozen_files.share_codes(list(model.parameters()), frozen_dtype_of)  # ranks read each other's codes, not copies
         self.tables.layers.compute_from_codes(model, frozen_dtype_of)
         coded_experts.compute_experts_from_codes(self.tables.layers, model, frozen_dtype_of, self.param_lora)
         return done

@@ -89,7 +89,7 @@ def store_codes(
     they take them) in place of its ZeRO-3 shard, padded as the shard is, so that blocks align with the shard: encoding
     a slice as it is read gives the codes of encoding the shard it was read into."""
     fmt = block_format(frozen_dtype)
-    _store(param, encode(values, fmt.name, numel=shard_numel(param), kernels=kernels), fmt.name)
+    store_encoded(param, encode(values, fmt.name, numel=shard_numel(param), kernels=kernels), fmt.name)
 
 
 def keeps_a_copy(param: nn.Parameter, replaced: Callable[[nn.Parameter], None]) -> None:
@@ -115,13 +115,14 @@ def restore_values(param: nn.Parameter, values: torch.Tensor) -> None:
     del _stored_as[param]
 
 
-def _store(param: nn.Parameter, stored: torch.Tensor, frozen_dtype: str) -> None:
-    """Put the encoded bytes in place of the shard; ``ds_quant_scale`` routes the param to the quantized gather."""
+def store_encoded(param: nn.Parameter, stored: torch.Tensor, frozen_dtype: str, pin: bool = True) -> None:
+    """Put the encoded bytes ``stored`` in place of ``param``'s shard (in page-locked memory where the shard was and
+    ``pin`` says so); ``ds_quant_scale`` routes the param to the quantized gather."""
     from deepspeed.accelerator import get_accelerator
 
     _replace(param)  # another copy of the codes holds the old ones
     shard = param.ds_tensor
-    if shard.device.type == "cpu" and shard.is_pinned():
+    if pin and shard.device.type == "cpu" and shard.is_pinned():
         stored = get_accelerator().pin_memory(stored)
     shard.data = stored
     shard.ds_quant_scale = split(stored, frozen_dtype)[1]

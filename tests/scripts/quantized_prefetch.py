@@ -34,9 +34,10 @@ import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, process  # noqa: E402
+from lightning_frozen.zero import frozen_files as node_codes  # noqa: E402
 from lightning_frozen.zero import frozen_storage  # noqa: E402
 from lightning_frozen.zero import params as zero  # noqa: E402
-from lightning_frozen.zero.compute import node_codes, quantized  # noqa: E402
+from lightning_frozen.zero.compute import quantized  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
 from tests.gather_recording import GatherRecorder  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E402
@@ -66,7 +67,7 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> AdapterM
     pids: list[Optional[int]] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(pids, os.getpid())
     # this run's files only: other jobs on the machine may share codes in /dev/shm at the same time
-    ours = tuple(f"{node_codes._PREFIX}-{os.getuid()}-{pid}-" for pid in pids)
+    ours = tuple(f"{node_codes._PREFIX}-{process.pid_space_tag()}-{pid}-" for pid in pids)
     report = {
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,

@@ -3,7 +3,7 @@ rest of the package uses (``tests/test_structure.py`` fails on a core module tha
 
 - ``quantized``: shards quantized at setup, their asynchronous gather and decoding, on any device.
 - The CPU's performance stack: ``coded_linear`` (layers computed from their gathered codes, a few rows at a time),
-  ``coded_experts`` (a MoE layer's fused experts likewise, only those the router picks),
-  ``node_codes`` (the ranks of one machine map each other's codes in ``/dev/shm``), ``host_memory`` (ZeRO-3's gather
-  bounds, glibc's mmap threshold, the decode buffers); with ``format/native_codec.py``'s compiled kernels.
+  ``coded_experts`` (a MoE layer's fused experts likewise, only those the router picks), ``host_memory`` (ZeRO-3's
+  gather bounds, glibc's mmap threshold, the decode buffers); with ``format/native_codec.py``'s compiled kernels. The
+  codes every rank of a machine maps (``zero/frozen_files.py``) are the core's: the loader writes them too.
 """

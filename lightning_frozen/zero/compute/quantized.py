@@ -20,8 +20,7 @@ from torch import nn
 from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.format.codec import block_format, decode
 from lightning_frozen.format.native_codec import KERNELS, empty_output
-from lightning_frozen.zero import gathers
-from lightning_frozen.zero.compute import node_codes
+from lightning_frozen.zero import frozen_files, gathers
 from lightning_frozen.zero.compute.coded_linear import CodedLayers
 from lightning_frozen.zero.compute.host_memory import DecodeBuffers
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of, store_codes
@@ -221,7 +220,8 @@ def _gather(params: list[nn.Parameter], tables: RunTables, for_layer: bool = Fal
     """Start all-gathering the encoded shards of ``params`` (one collective per process group, asynchronous) and
     return the handle whose ``wait`` decodes each param whole, in its compute dtype, on the accelerator. Every rank
     passes the same params (sorted here by ``ds_id``). A group of one rank decodes each shard where it lies, as do
-    params whose every rank's codes are in this machine's shared memory (``node_codes.py``): nothing is sent.
+    params whose every rank's codes are in a file this machine's ranks map (``zero/frozen_files.py``): nothing is
+    sent.
     ``for_layer``: gathered by ZeRO-3's hooks for a module, so a weight computed from its codes keeps them."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -233,11 +233,12 @@ def _gather(params: list[nn.Parameter], tables: RunTables, for_layer: bool = Fal
         # DeepSpeed's own gather asserts the same: only released params are fetched
         assert is_released(param), f"expected a released param, got {param.ds_summary()}"
         param.ds_status = ZeroParamStatus.INFLIGHT
-        key = _SHARED if node_codes.rows_of(param) is not None else id(param.ds_process_group)
+        frozen_files.read_ahead(param)  # a mapped file's next pages, read from disk while this one computes
+        key = _SHARED if frozen_files.rows_of(param) is not None else id(param.ds_process_group)
         by_group.setdefault(key, []).append(param)
     groups, sent = [], []
-    shared = [(p, node_codes.rows_of(p)) for p in by_group.pop(_SHARED, [])]
-    if shared:  # every rank's codes already in this machine's shared memory (`node_codes.py`)
+    shared = [(p, frozen_files.rows_of(p)) for p in by_group.pop(_SHARED, [])]
+    if shared:  # every rank's codes already in a file this machine's ranks map
         groups.append((shared, None))
     for group_params in by_group.values():
         group = group_params[0].ds_process_group
