@@ -144,14 +144,13 @@ def test_what_cannot_map_is_refused_with_the_setting_and_the_fix(
         _fit(QLoRA(str(llama_folder), **kwargs), FrozenAwareDeepSpeedStrategy(**strategy_kwargs), steps=1)
 
 
-def test_a_pre_quantized_folder_is_refused(tmp_path: Path) -> None:
+def test_a_pre_quantized_8bit_folder_is_refused(tmp_path: Path) -> None:
+    # a 4-bit nf4 one loads as its codes: tests/test_prequantized.py
     folder = write_llama(tmp_path / "prequantized")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        BitsAndBytesConfigError, match="its config.json holds a `quantization_config` \\(bitsandbytes\\)"
-    ):
+    with pytest.raises(BitsAndBytesConfigError, match="stored quantized by bitsandbytes as 8-bit"):
         _fit(QLoRA(str(folder)), FrozenAwareDeepSpeedStrategy(), steps=1)
 
 

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_frozen.base import code_cache, qlora, slice_reads
+from lightning_frozen.base import code_cache, prequantized, qlora, slice_reads
 from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.base.loaded import LoadedBase, open_safetensors, source_sha256
 from lightning_frozen.capabilities import CONVERTED_LOADING, available
@@ -44,6 +44,7 @@ from lightning_frozen.zero.params import (
     full_shape,
     is_partitioned,
     local_shard,
+    shard_numel,
     shard_range,
 )
 
@@ -300,8 +301,10 @@ def _items(
     its one target (split across params), or transformers' converter fails on the folder's shapes."""
     path = {key: getattr(tensor, _SOURCE) for key, tensor in state_dict.items()}
     found: list[tuple[str, slice_reads.TensorSource, tuple[str, ...]]] = []
+    shapes = {key: tuple(tensor.shape) for key, tensor in state_dict.items()}
     for name, key in folder.keys.items():
-        found.append((name, slice_reads.TensorSource.plain(path[key], key, tuple(state_dict[key].shape)), (key,)))
+        source = prequantized.packed_source(key, path, shapes)
+        found.append((name, source or slice_reads.TensorSource.plain(path[key], key, shapes[key]), (key,)))
     for name, conversion in folder.conversions.items():
         inputs = [
             torch.empty(state_dict[key].shape, dtype=state_dict[key].dtype, device="meta") for key in conversion.keys
@@ -328,6 +331,8 @@ def _items(
             )
             continue
         items.append(_Item(name, source, keys, is_partitioned(target)))
+    packed = [targets[i.name] for i in items if isinstance(i.source, prequantized.PackedNF4Source) and i.sliced]
+    prequantized.say_cut_blocks([(full_numel(target), shard_numel(target)) for target in packed])
     return items
 
 
@@ -390,7 +395,10 @@ def _load_slices(
 def _cache_part(
     plan: LoadPlan, item: _Item, target: torch.Tensor, stored: dict[str, slice_reads.StoredTensor]
 ) -> code_cache.Part:
-    floating = all(stored[key].dtype.is_floating_point for key in item.keys)  # as `store_slice` encodes them
+    # as `store_slice` encodes them; a pre-quantized weight's values are its codes dequantized
+    floating = isinstance(item.source, prequantized.PackedNF4Source) or all(
+        stored[key].dtype.is_floating_point for key in item.keys
+    )
     files = tuple(sorted({run.path for run in item.source.runs}))
     return code_cache.Part(item.name, target, item.sliced, files, plan.frozen_dtype if floating else None)
 

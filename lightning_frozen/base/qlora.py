@@ -3,7 +3,8 @@
 A bitsandbytes ``quantization_config`` given to ``from_pretrained`` in ``configure_model`` is taken off the call (ZeRO-3
 cannot shard ``Linear4bit``) and becomes the strategy's ``frozen_dtype`` (``load_in_4bit`` with nf4: ``"nf4"``,
 ``load_in_8bit``: ``"int8"``); what has no such storage is refused (:class:`BitsAndBytesConfigError`), as is a model
-bitsandbytes already quantized. docs/frozen-storage.md tells the rest.
+bitsandbytes already quantized. A folder bitsandbytes saved as 4-bit nf4 loads as ``"nf4"`` (``base/prequantized.py``);
+other pre-quantized folders are refused. docs/frozen-storage.md tells the rest.
 """
 
 from __future__ import annotations
@@ -33,12 +34,7 @@ def frozen_dtype_for(settings: BitsAndBytesSettings, frozen_dtype: Optional[str]
             ``llm_int8_skip_modules``, or a ``frozen_dtype`` that disagrees; the message names the setting and the fix.
     """
     if settings.pre_quantized:
-        raise BitsAndBytesConfigError(
-            f"`{settings.source}`: its config.json holds a `quantization_config` ({settings.quant_method}), so its"
-            " weights are stored quantized already; the strategy builds its frozen shards from unquantized weights."
-            " Load the unquantized checkpoint it was made from, with `quantization_config=BitsAndBytesConfig("
-            "load_in_4bit=True, bnb_4bit_quant_type='nf4')` or the strategy's `frozen_dtype='nf4'`."
-        )
+        return _pre_quantized(settings, frozen_dtype)
     if not (settings.load_in_4bit or settings.load_in_8bit):
         return None
     if settings.load_in_4bit and settings.quant_type != "nf4":
@@ -70,6 +66,32 @@ def frozen_dtype_for(settings: BitsAndBytesSettings, frozen_dtype: Optional[str]
     return wanted
 
 
+def _pre_quantized(settings: BitsAndBytesSettings, frozen_dtype: Optional[str]) -> str:
+    """``"nf4"`` for a folder bitsandbytes saved as nf4 (``base/prequantized.py`` reads its codes); else refused."""
+    stored = f"`{settings.source}`: its config.json says its weights are stored quantized"
+    unquantized = (
+        " Load the unquantized checkpoint it was made from, with the strategy's `frozen_dtype='nf4'` (or 'int8'), or a"
+        " folder bitsandbytes saved as 4-bit nf4."
+    )
+    if settings.quant_method != "bitsandbytes":
+        raise BitsAndBytesConfigError(
+            f"{stored} by {settings.quant_method} (`quant_method={settings.quant_method!r}`), a format the strategy"
+            " cannot read: it stores frozen shards from unquantized weights or from bitsandbytes' nf4." + unquantized
+        )
+    if settings.load_in_8bit or settings.quant_type != "nf4":
+        kind = "8-bit (LLM.int8(), a scale per row)" if settings.load_in_8bit else f"4-bit {settings.quant_type}"
+        raise BitsAndBytesConfigError(
+            f"{stored} by bitsandbytes as {kind}; the strategy reads bitsandbytes' 4-bit nf4 folders only, whose"
+            " codes are its own NF4's." + unquantized
+        )
+    if frozen_dtype not in (None, "nf4"):
+        raise BitsAndBytesConfigError(
+            f"{stored} by bitsandbytes as 4-bit nf4, which loads as `frozen_dtype='nf4'`, but the strategy has"
+            f" `frozen_dtype={frozen_dtype!r}`. Remove `frozen_dtype` from the strategy (or pass 'nf4')."
+        )
+    return "nf4"
+
+
 def describe(settings: BitsAndBytesSettings) -> str:
     """``load_in_4bit, nf4`` or ``load_in_8bit``: what a bitsandbytes config asks for, for a message."""
     return f"load_in_4bit, {settings.quant_type}" if settings.load_in_4bit else "load_in_8bit"
@@ -77,6 +99,14 @@ def describe(settings: BitsAndBytesSettings) -> str:
 
 def notice(settings: BitsAndBytesSettings, frozen_dtype: str, compute_dtype: torch.dtype) -> str:
     """The one line that says what became of a bitsandbytes config under the strategy."""
+    if settings.pre_quantized:
+        return (
+            f"lightning-frozen: `{settings.source}` holds bitsandbytes nf4 weights"
+            f"{' (double quantization)' if settings.double_quant else ''}: they load as the strategy's"
+            " `frozen_dtype='nf4'`, each rank reading the codes and scales of its own blocks; the codes are the"
+            " folder's, the scales fp16 rounded up (each weight at most 2^-10 of itself off bitsandbytes' fp32"
+            f" dequantization), and layers compute in {_name(compute_dtype)}."
+        )
     line = (
         f"lightning-frozen: `quantization_config=BitsAndBytesConfig({describe(settings)})` is the strategy's"
         f" `frozen_dtype={frozen_dtype!r}`: bitsandbytes does not quantize, the frozen shards are stored as"
@@ -118,6 +148,13 @@ def loaded_unquantized() -> Iterator[None]:
 
     def take(settings: BitsAndBytesSettings) -> None:
         frozen_dtype = frozen_dtype_for(settings, None)
+        if settings.pre_quantized:
+            raise BitsAndBytesConfigError(
+                f"`{settings.source}` holds bitsandbytes nf4 weights, which load as codes only under the strategy;"
+                " here the base is built unquantized. Dequantize it once (with bitsandbytes installed:"
+                " `AutoModelForCausalLM.from_pretrained(folder).dequantize().save_pretrained(unquantized)`) and pass"
+                " that folder instead: its weights are the ones the checkpoint's fingerprint is of."
+            )
         if frozen_dtype is not None:
             rank_zero_info(
                 f"lightning-frozen: `quantization_config=BitsAndBytesConfig({describe(settings)})` is taken off"

@@ -21,6 +21,7 @@ Nothing here imports transformers before a function needs it, and only where it 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import sys
@@ -170,8 +171,9 @@ def base_files_named() -> Iterator[None]:
 @contextmanager
 def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], None]) -> Iterator[bool]:
     """While active, ``from_pretrained`` given a bitsandbytes ``quantization_config`` (or a folder whose config holds
-    one: ``pre_quantized=True``) calls ``on_bitsandbytes`` with its settings, which may raise, and then loads as if
-    none was given. Yields whether ``get_hf_quantizer`` was wrapped: only where ``capabilities.SLICED_LOADING`` is on.
+    one, taken off the model's config: ``pre_quantized=True``) calls ``on_bitsandbytes`` with its settings, which may
+    raise, and then loads as if none was given. Yields whether ``get_hf_quantizer`` was wrapped: only where
+    ``capabilities.SLICED_LOADING`` is on.
     """
     if importlib.util.find_spec("transformers") is None:
         yield False
@@ -190,7 +192,11 @@ def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], Non
             method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", "")
             method = str(getattr(method, "value", method))
             source = getattr(config, "name_or_path", "") or "the folder"
-            on_bitsandbytes(BitsAndBytesSettings(pre_quantized=True, quant_method=method, source=source))
+            found = (_bitsandbytes_settings(stored) if method == "bitsandbytes" else None) or BitsAndBytesSettings()
+            on_bitsandbytes(dataclasses.replace(found, pre_quantized=True, quant_method=method, source=source))
+            for holder in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+                if getattr(holder, "quantization_config", None) is not None:  # the model's layers stay `nn.Linear`
+                    delattr(holder, "quantization_config")
         settings = _bitsandbytes_settings(quantization_config)
         if settings is not None:
             on_bitsandbytes(settings)
