@@ -24,19 +24,21 @@ CHUNK_ELEMENTS = 1 << 23
 @dataclass(frozen=True)
 class Piece:
     """Flat elements ``[start, start + count)`` of the tensor ``source`` gives, read for ``read``; counted in the
-    fingerprint ``record`` (a stand-in of the recorded dtype) from ``start``, if any."""
+    fingerprint ``record`` (a stand-in of the recorded dtype) from ``start``, if any; streamed into ``written``, where
+    the part does not merge."""
 
     source: TensorSource
     start: int
     count: int
     read: Read
     record: Optional[torch.Tensor]
+    written: Optional[Written] = None
 
 
 @dataclass(frozen=True)
 class Step:
-    """A part of the merged model and the pieces read for it, in order: its reads whole, for a merge; each folder
-    tensor, by expert; chunks, copied through."""
+    """A part of the merged model and the pieces read for it, in order: its reads whole, for a merge; else each
+    folder tensor of its reads, in chunks."""
 
     part: Part
     pieces: list[Piece]
@@ -65,7 +67,7 @@ def merge_plan(
     stand_ins: list[tuple[str, torch.Tensor]] = []
     steps = []
     for part in merged.parts:
-        pieces = []
+        pieces, outputs = [], iter(part.written)
         for read in part.reads:
             source = index.source(read.shape, read.starts, read.build)
             name = next((by_name.pop(n) for n in read.names if n in by_name), None)
@@ -75,14 +77,13 @@ def merge_plan(
                 record = torch.empty(shape, dtype=dtype, device="meta")
                 stand_ins.append((name, record))
                 verified[name] = records[name]
-            numel = math.prod(read.shape)
-            if part.by_expert:
-                starts = [(run.start, run.count) for run in source.runs]
-            elif part.merge is None:  # copied through in chunks
-                starts = [(s, min(CHUNK_ELEMENTS, numel - s)) for s in range(0, numel, CHUNK_ELEMENTS)] or [(0, 0)]
-            else:
-                starts = [(0, numel)]
-            pieces += [Piece(source, start, count, read, record) for start, count in starts]
+            if part.merge is not None:
+                pieces.append(Piece(source, 0, math.prod(read.shape), read, record))
+                continue
+            for run in source.runs:
+                written, end = next(outputs), run.start + run.count
+                starts = list(range(run.start, end, CHUNK_ELEMENTS)) or [run.start]
+                pieces += [Piece(source, s, min(CHUNK_ELEMENTS, end - s), read, record, written) for s in starts]
         steps.append(Step(part, pieces))
     # trained tensors alone after every read
     steps.sort(key=lambda step: index.order(step.pieces[0].source.runs[0].key) if step.pieces else ("\uffff", 0))

@@ -9,7 +9,7 @@ import json
 import math
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Optional
@@ -50,11 +50,14 @@ def write_plan(plan: MergePlan, folder: Path, write_ahead: int) -> None:
                     merged = part.merge([next(slices).to(p.read.dtype).reshape(p.read.shape) for p in step.pieces])
                     for tensor in part.written:
                         writer.write(tensor, merged.pop(tensor.name))
-                elif part.by_expert:
-                    _write_by_expert(step.pieces, part.written, slices, writer)
-                else:
-                    for _ in step.pieces:
-                        writer.write(part.written[0], next(slices))
+                    continue
+                held: list = [None, None]  # the expert whose delta is held, and the delta
+                for piece in step.pieces:
+                    values = next(slices)
+                    if piece.read.delta is not None:
+                        values = _plus_delta(piece, values, held)
+                    assert piece.written is not None
+                    writer.write(piece.written, values)
     finally:
         writer.close()
     if len(plan.shards) > 1:
@@ -63,23 +66,17 @@ def write_plan(plan: MergePlan, folder: Path, write_ahead: int) -> None:
         (folder / slice_reads.INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _write_by_expert(
-    pieces: list[Piece], written: list[Written], slices: Iterator[torch.Tensor], writer: _ShardWriter
-) -> None:
-    """Each folder tensor of a converted tensor as read, with its run of PEFT's delta of its expert added (as PEFT's
-    merge adds the whole delta, in the converted tensor's dtype)."""
-    delta, held = torch.empty(0), (-1, -1)
-    for piece, tensor in zip(pieces, written):
-        read = piece.read
-        values = next(slices).to(read.dtype)
-        if read.delta is not None:
-            size = math.prod(read.shape[1:])
-            expert = piece.start // size
-            if held != (id(read), expert):  # one expert's delta, for each of its folder tensors
-                delta, held = read.delta(expert).reshape(-1).to(read.dtype), (id(read), expert)
-            begin = piece.start - expert * size
-            values = values + delta[begin : begin + values.numel()]
-        writer.write(tensor, values)
+def _plus_delta(piece: Piece, values: torch.Tensor, held: list) -> torch.Tensor:
+    """``values``, a folder tensor of a converted tensor, with its run of PEFT's delta of its expert added (as PEFT's
+    merge adds the whole delta, in the converted tensor's dtype); ``held`` keeps one expert's delta for its tensors."""
+    read = piece.read
+    assert read.delta is not None
+    size = math.prod(read.shape[1:])
+    expert = piece.start // size
+    if held[0] != (id(read), expert):
+        held[:] = [(id(read), expert), read.delta(expert).reshape(-1).to(read.dtype)]
+    begin = piece.start - expert * size
+    return values.to(read.dtype) + held[1][begin : begin + values.numel()]
 
 
 class _ShardWriter:

@@ -31,7 +31,7 @@ class Read:
     """A base tensor a part reads from the folder: its ``names`` in the adapted model (its fingerprint record's among
     them), its shape and the dtype the merge takes; ``starts``, each folder key with the flat index its values start at
     in it, or, with ``build``, the keys whose values transformers' converter turns into it. ``delta`` gives PEFT's
-    delta of one expert, flat, where the part is written by expert."""
+    delta of one expert, where the part streams the experts of a converted tensor."""
 
     names: tuple[str, ...]
     dtype: torch.dtype
@@ -45,13 +45,12 @@ class Read:
 class Part:
     """One part of the merged model: a tuner layer or wrapper merged whole, or one tensor. With ``merge``, its reads
     are taken whole and ``merge`` (PEFT's merge, the trained tensors inside, reverted as ``save_pretrained`` writes)
-    gives ``written`` by name. Without it, ``by_expert``: each folder tensor of each read is written as it is read,
-    its expert's delta added; else the one read is copied through, in chunks."""
+    gives ``written`` by name. Without it, the folder tensors of its reads are streamed into ``written``, one each in
+    order (a tensor copied through; a MoE's experts, each folder tensor with its expert's delta added)."""
 
     written: list[Written]
     reads: list[Read] = field(default_factory=list)
     merge: Optional[Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]] = None
-    by_expert: bool = False
 
 
 @dataclass

@@ -320,7 +320,7 @@ class _Description:
             return Part(written, [read])
         by_expert = self.by_expert([read], [tensor], written)
         if by_expert is not None:
-            return Part(by_expert, [read], by_expert=True)
+            return Part(by_expert, [read])
         return Part(written, [read], lambda values: self.reverted({name: values[0]}))
 
     def unit(self, lead: str, unit: nn.Module, changed: set[str]) -> Part:
@@ -353,7 +353,7 @@ class _Description:
             ]
             by_expert = self.by_expert(with_delta, [t for _, _, t in targets], written)
             if by_expert is not None:
-                return Part(by_expert, with_delta, by_expert=True)
+                return Part(by_expert, with_delta)
         merge = functools.partial(self.merged, lead, unit, targets, missing, list(base))
         return Part(written, reads, merge)
 
