@@ -4,10 +4,11 @@ stopped by SIGTERM in a stand-in's step and resumed (``tests/scripts/uneven_trai
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -145,27 +146,48 @@ def test_uneven_batches_takes_join_or_raise() -> None:
 def uneven_train(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each case's reports of ``tests/scripts/uneven_train.py``, run on 2 ranks: its cases up to the SIGTERM, which
     ends the launch, then the resume from the checkpoint it left (today: the first fit hangs)."""
+    from tests.peft_models import save_tiny_llama
+
     report = tmp_path_factory.mktemp("uneven_train")
-    run_script("uneven_train.py", f"--report={report}", timeout=300, status=SIGTERM_STATUS)
+    llama = f"--llama={save_tiny_llama(report / 'llama')}"
+    run_script("uneven_train.py", f"--report={report}", llama, timeout=400, status=SIGTERM_STATUS)
     run_script("uneven_train.py", f"--report={report}", "--cases=resume", timeout=240)
     return report
 
 
+@pytest.fixture(scope="module")
+def uneven_four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reports of ``tests/scripts/uneven_train.py``'s 4-rank cases, in one launch."""
+    report = tmp_path_factory.mktemp("uneven_four")
+    run_script("uneven_train.py", f"--report={report}", "--cases=four,four-sized", timeout=400)
+    return report
+
+
 def plain_torch(
-    case: str, mean_over_world: bool = False, steps: Sequence[int] = ()
+    case: str,
+    mean_over_world: bool = False,
+    steps: Sequence[int] = (),
+    frozen: Optional[dict[str, torch.Tensor]] = None,
+    llama: Optional[Path] = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The trainable params after SGD steps (``steps``: which of the epoch's, in order; else all) whose gradient is the
     mean over the real batches of each step (or, with ``mean_over_world``, the sum over the ranks: what ZeRO's average
-    gives a stand-in not weighed 0), and each real batch's loss before its step."""
-    from tests.scripts.uneven_train import CASES, LR, SGDAdapter, batches_of
+    gives a stand-in not weighed 0), and each real batch's loss before its step. ``frozen``: the frozen weights the
+    run computed with; ``llama``: the ``adapters`` case's base."""
+    from tests.scripts.uneven_train import CASES, LR, SGDAdapter, SGDAdapters, batches_of
 
-    model = SGDAdapter()
+    model = SGDAdapters(str(llama)) if case == "adapters" else SGDAdapter()
+    if frozen:
+        model.load_state_dict(frozen, strict=False)
     ranks = [batches_of(case, rank) for rank in range(len(CASES[case]))]
     losses = []
     for step in steps or range(max(CASES[case])):
         real = [batches[step] for batches in ranks if step < len(batches)]
         for x, y in real:
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            if case == "adapters":
+                loss = sum(model._losses((x, y)).values())  # each adapter's mean over its rows, summed
+            else:
+                loss = torch.nn.functional.mse_loss(model(x), y)
             losses.append(loss.item())
             loss.backward()
         with torch.no_grad():
@@ -201,6 +223,65 @@ def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(case
     assert said.count("ran out of train batches") == 1, said
     assert f"rank 1 ran out of train batches ({counts[case]})" in said, said
     assert said.count("lightning-frozen: uneven batches: join (") == 1, said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["four", "four-sized"])
+def test_four_ranks_one_without_any_batch_train_an_epoch_as_the_real_batches(case: str, uneven_four: Path) -> None:
+    # ranks of 1, 0, 3 and 2 batches: 3 real batches in the first step, 2, then 1; rank 1 serves on rank 0's first
+    reports = read_reports(uneven_four / case)
+    assert len(reports) == 4
+    expected, losses = plain_torch(case)
+    world_mean, _ = plain_torch(case, mean_over_world=True)
+    assert any(not torch.allclose(expected[name], world_mean[name], atol=1e-5) for name in expected)  # it can fail
+    for report in reports:
+        assert report["global_step"] == 3
+        assert sorted(report["params"]) == sorted(expected)
+        for name, values in report["params"].items():
+            torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6)
+        assert report["metrics"]["samples"] == 4 * len(losses) == 4 * 6
+        assert report["metrics"]["train_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    counts = "rank 0: 1, rank 1: 0, rank 2: 3, rank 3: 2" if case == "four-sized" else "rank 0: 1 or more, rank 1: 0"
+    assert f"rank 1 ran out of train batches ({counts}" in reports[0]["said"], reports[0]["said"]
+
+
+def decoded_frozen_weights(frozen_dtype: str, world_size: int = 2) -> dict[str, torch.Tensor]:
+    """The frozen weights of ``SGDAdapter`` as a run over a base stored as ``frozen_dtype`` computes with: each rank's
+    ZeRO-3 shard encoded on its own, decoded (as tests/test_quant.py's ``_expected_weight``)."""
+    from lightning_frozen.format import codec
+    from tests.scripts.uneven_train import SGDAdapter
+
+    decoded = {}
+    for name, param in SGDAdapter().named_parameters():
+        if not param.requires_grad:
+            flat, shard = param.detach().reshape(-1), math.ceil(param.numel() / world_size)
+            pieces = [flat[rank * shard : (rank + 1) * shard] for rank in range(world_size)]
+            pieces = [
+                codec.decode(codec.encode(piece, frozen_dtype, numel=shard), shard, frozen_dtype) for piece in pieces
+            ]
+            decoded[name] = torch.cat(pieces)[: param.numel()].view_as(param)
+    return decoded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["nf4", "int8", "adapters"])
+def test_uneven_streams_train_over_a_quantized_base_and_several_adapters_as_the_real_batches(
+    case: str, uneven_train: Path
+) -> None:
+    reports = read_reports(uneven_train / case)
+    assert len(reports) == 2
+    frozen = None if case == "adapters" else decoded_frozen_weights(case)
+    expected, _ = plain_torch(case, frozen=frozen, llama=uneven_train / "llama")
+    world_mean, _ = plain_torch(case, mean_over_world=True, frozen=frozen, llama=uneven_train / "llama")
+    assert any(not torch.allclose(expected[name], world_mean[name], atol=1e-5) for name in expected)  # it can fail
+    if case != "adapters":  # the codes' decoded weights are not the fp32 ones: a run over those would differ
+        unquantized, _ = plain_torch(case)
+        assert any(not torch.allclose(expected[name], unquantized[name], atol=1e-5) for name in expected)
+    for report in reports:
+        assert report["global_step"] == 3
+        assert sorted(report["params"]) == sorted(expected)
+        for name, values in report["params"].items():
+            torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -1,15 +1,17 @@
-"""Train ``tests.models.AdapterModel`` with SGD on 2 CPU ranks from an ``IterableDataset`` that gives the ranks
-different numbers of batches; the tests run it as a script and check the weights against plain torch
-(tests/test_uneven.py).
+"""Train ``tests.models.AdapterModel`` with SGD on 2 or 4 CPU ranks from data that gives the ranks different numbers
+of batches; the tests run it as a script and check the weights against plain torch (tests/test_uneven.py).
 
 Each case is a Trainer of its own in one world (starting the ranks costs more than a fit): ``3-1`` (rank 0 three
-batches of 4 samples, rank 1 one, batched by the DataLoader), ``3-0`` (rank 1 none, a stream of whole batches under
-``DataLoader(batch_size=None)``), ``sized`` (``3-1`` from a map-style dataset through a sampler of the user's own:
-the loader has a length), ``predict`` (``3-1`` predicted, not trained), ``preempt`` (``3-1``, and rank 1 sends
-itself SIGTERM in its stand-in's step at global step 1: the process exits, so it comes last) and ``resume`` (``3-1``
-resumed from the ``last.ckpt`` that ``preempt`` left, in a launch of its own). Each rank writes
-``<report>/<case>/rank<R>.json``: its exit status, global step, the trainable params gathered whole, the epoch's
-logged means and sums, and (rank 0) what the run said; ``predict``, what it predicted.
+batches of 4 samples, rank 1 one, from an ``IterableDataset`` batched by the DataLoader), ``3-0`` (rank 1 none, a
+stream of whole batches under ``DataLoader(batch_size=None)``), ``sized`` (``3-1`` from a map-style dataset through a
+sampler of the user's own: the loader has a length), ``nf4`` and ``int8`` (``3-1`` over a frozen base stored so),
+``adapters`` (``3-1`` of token batches, two LoRA adapters trained at once on the tiny Llama of ``--llama``),
+``four`` and ``four-sized`` (a stream and ``sized`` on 4 ranks: one batch, none, three, two; a launch of their own),
+``predict`` (``3-1`` predicted, not trained), ``preempt`` (``3-1``, and rank 1 sends itself SIGTERM in its stand-in's
+step at global step 1: the process exits, so it comes last) and ``resume`` (``3-1`` resumed from the ``last.ckpt``
+that ``preempt`` left, in a launch of its own). Each rank writes ``<report>/<case>/rank<R>.json``: its exit status,
+global step, the trainable params gathered whole, the epoch's logged means and sums and (rank 0) what the run said;
+``predict``, what it predicted.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy  # noqa: E402
+from lightning_frozen.adapters import adapter_param_groups  # noqa: E402
+from tests.adapter_models import CausalAdapters, token_batches  # noqa: E402
 from tests.distributed import logged_lines, write_report  # noqa: E402
 from tests.models import AdapterModel, cpu_trainer  # noqa: E402
 
@@ -37,20 +41,28 @@ CASES = {
     "3-1": (3, 1),
     "3-0": (3, 0),
     "sized": (3, 1),
+    "nf4": (3, 1),
+    "int8": (3, 1),
+    "adapters": (3, 1),
+    "four": (1, 0, 3, 2),
+    "four-sized": (1, 0, 3, 2),
     "predict": (3, 1),
     "preempt": (3, 1),
     "resume": (3, 1),
 }  # the batches of each rank
-SIZED = ("sized",)  # a map-style dataset through a sampler of the user's own: the loader has a length
+SIZED = ("sized", "four-sized")  # a map-style dataset through a sampler of the user's own: the loader has a length
+ADAPTERS = ["x", "y"]  # the ``adapters`` case's, trained at once on the tiny Llama (tests/adapter_models.py)
 SAMPLES = torch.randn(8 * BATCH, 32, generator=torch.Generator().manual_seed(0))
 TARGETS = SAMPLES[:, :1] * 0.5 - SAMPLES[:, 1:2]
+TOKENS = token_batches(samples=8 * BATCH).dataset.tensors  # type: ignore[attr-defined]
 
 
 def batches_of(case: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Rank ``rank``'s batches in ``case``: the next ones of SAMPLES after the ranks before it."""
     first = sum(CASES[case][:rank])
+    x, y = TOKENS if case == "adapters" else (SAMPLES, TARGETS)
     return [
-        (SAMPLES[index * BATCH : (index + 1) * BATCH], TARGETS[index * BATCH : (index + 1) * BATCH])
+        (x[index * BATCH : (index + 1) * BATCH], y[index * BATCH : (index + 1) * BATCH])
         for index in range(first, first + CASES[case][rank])
     ]
 
@@ -96,6 +108,16 @@ class SGDAdapter(AdapterModel):
         return torch.optim.SGD([param for param in self.parameters() if param.requires_grad], lr=LR)
 
 
+class SGDAdapters(CausalAdapters):
+    """``ADAPTERS`` trained at once, each with SGD in a param group of its own."""
+
+    def __init__(self, llama_folder: str) -> None:
+        super().__init__(llama_folder, ADAPTERS)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(adapter_param_groups(self, {name: {} for name in ADAPTERS}), lr=LR)
+
+
 class Preempted(SGDAdapter):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         share = self.trainer.strategy._joining.share  # this step's: a stand-in where `joined`
@@ -107,22 +129,23 @@ class Preempted(SGDAdapter):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
-    parser.add_argument("--cases", default="3-1,3-0,sized,predict,preempt")
+    parser.add_argument("--cases", default="3-1,3-0,sized,nf4,int8,adapters,predict,preempt")
+    parser.add_argument("--llama", help="the tiny Llama's folder, for the ``adapters`` case")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # SIGTERM's default before the strategy's handler
     for case in args.cases.split(","):
-        train(case, Path(args.report))
+        train(case, Path(args.report), args.llama)
 
 
-def train(case: str, folder: Path) -> None:
+def train(case: str, folder: Path, llama: str) -> None:
     batched, report = case == "3-0", folder / case
     if case in SIZED:
         data = DataLoader(TensorDataset(SAMPLES, TARGETS), batch_size=BATCH, sampler=RankSampler(case))
     else:
         data = DataLoader(RankStream(case, batched), batch_size=None if batched else BATCH)
-    model = Preempted() if case == "preempt" else SGDAdapter()
+    model = Preempted() if case == "preempt" else SGDAdapters(llama) if case == "adapters" else SGDAdapter()
     trainer = cpu_trainer(
-        FrozenAwareDeepSpeedStrategy(),
+        FrozenAwareDeepSpeedStrategy(frozen_dtype=case if case in ("nf4", "int8") else None),
         devices=len(CASES[case]),
         use_distributed_sampler=False,
         default_root_dir=folder,
