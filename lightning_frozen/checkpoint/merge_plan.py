@@ -47,20 +47,25 @@ class Step:
 @dataclass
 class MergePlan:
     """The steps of the pass, the shards (file name, tensors), and the fingerprint records the reads are verified
-    against: ``recorded`` (the fingerprint, of the tensors read here), their ``stand_ins`` by name, the ``sums``."""
+    against: ``recorded`` (the fingerprint, of the tensors read here), their ``stand_ins`` by name, the ``sums``; the
+    ``reference`` of the base and the checkpoint (``source``) they come from."""
 
     steps: list[Step]
     shards: list[tuple[str, list[Written]]]
     recorded: dict[str, Any]
     stand_ins: list[tuple[str, torch.Tensor]]
     sums: ReadSums
+    reference: Optional[str]
+    source: str
 
 
 def merge_plan(
-    merged: MergedParts, index: FolderIndex, fingerprint: Mapping[str, Any], lead: str, limit: int
+    merged: MergedParts, index: FolderIndex, checkpoint: Mapping[str, Any], source: str, lead: str, limit: int
 ) -> MergePlan:
-    """The plan of ``merged`` over the folder ``index``: each recorded tensor of ``fingerprint`` under ``lead`` (the
-    PEFT model's name in the module) counted at the first read of it; shards of at most ``limit`` bytes."""
+    """The plan of ``merged`` over the folder ``index``: each tensor the fingerprint of ``checkpoint`` (at ``source``)
+    records under ``lead`` (the PEFT model's name in the module) counted at the first read of it; shards of at most
+    ``limit`` bytes."""
+    fingerprint = layout.fingerprint_of(checkpoint)
     records = {name: r for name, r in layout.fingerprint_tensors(fingerprint).items() if name.startswith(lead)}
     by_name = {name[len(lead) :]: name for name in records}
     verified: dict[str, Any] = {}
@@ -89,7 +94,8 @@ def merge_plan(
     steps.sort(key=lambda step: index.order(step.pieces[0].source.runs[0].key) if step.pieces else ("\uffff", 0))
     recorded = {**fingerprint, layout.DIGEST: None, layout.TENSORS: verified}  # compared tensor by tensor
     sums = ReadSums(fingerprint.get(layout.FINGERPRINT_MODE, "none"), KERNELS)
-    return MergePlan(steps, _shards([t for step in steps for t in step.part.written], limit), recorded, stand_ins, sums)
+    shards = _shards([t for step in steps for t in step.part.written], limit)
+    return MergePlan(steps, shards, recorded, stand_ins, sums, layout.reference_of(checkpoint), source)
 
 
 def _shards(tensors: list[Written], limit: int) -> list[tuple[str, list[Written]]]:

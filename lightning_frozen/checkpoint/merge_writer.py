@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_frozen.base import slice_reads
+from lightning_frozen.base.fingerprint import fingerprint_base, verify_base
 from lightning_frozen.checkpoint.merge_plan import MergePlan, Piece
 from lightning_frozen.format.merged_parts import Written
 from lightning_frozen.progress import Progress
@@ -29,7 +30,12 @@ SYNC_EVERY_BYTES = 256 << 20
 def write_plan(plan: MergePlan, folder: Path, write_ahead: int) -> None:
     """Every step of ``plan``: its pieces read (and counted in ``plan.sums``), merged where the part merges, written
     into the shards in ``folder`` (with their index where there are several); at most ``write_ahead`` bytes (or one
-    tensor) are handed to the writing thread and not yet written."""
+    tensor) are handed to the writing thread and not yet written. What was read is then verified against the
+    checkpoint's fingerprint.
+
+    Raises:
+        FrozenBaseMismatchError: the base folder's tensors are not those the checkpoint was trained on.
+    """
     pieces = [piece for step in plan.steps for piece in step.pieces]
 
     def taken(index: int, read: torch.Tensor) -> torch.Tensor:  # on the reading thread, beside the merge
@@ -60,6 +66,14 @@ def write_plan(plan: MergePlan, folder: Path, write_ahead: int) -> None:
                     writer.write(piece.written, values)
     finally:
         writer.close()
+    verify_base(
+        plan.recorded,
+        plan.stand_ins,
+        plan.reference,
+        plan.source,
+        functools.partial(fingerprint_base, loaded=plan.sums),
+        if_intended="merge with PEFT itself (`export_peft_adapter`, then PEFT's `merge_and_unload`)",
+    )
     if len(plan.shards) > 1:
         weight_map = {t.name: name for name, shard in plan.shards for t in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

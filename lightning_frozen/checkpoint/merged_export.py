@@ -11,7 +11,6 @@ back through transformers' own conversion and reversal, under the keys ``save_pr
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
 from collections.abc import Iterable, Mapping
@@ -22,7 +21,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_frozen.base import prequantized
-from lightning_frozen.base.fingerprint import fingerprint_base, verify_base
 from lightning_frozen.base.slice_reads import INDEX_NAME, FolderIndex
 from lightning_frozen.checkpoint.atomic_files import check_output_folder, folder_written_whole
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint
@@ -45,7 +43,6 @@ _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onn
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 # bytes handed to the writing thread and not yet written, beyond one tensor (see merge_writer's _ShardWriter)
 WRITE_AHEAD_BYTES = 16 << 20
-_IF_INTENDED = "merge with PEFT itself (`export_peft_adapter`, then PEFT's `merge_and_unload`)"
 
 
 def export_merged(
@@ -110,7 +107,7 @@ def export_merged(
             f"lightning-frozen: the adapter changed {format_names(merged.untied)}, tied to other weights in the base:"
             " the merged model holds both, untied (`tie_word_embeddings: false` in its config.json)."
         )
-    plan = merge_plan(merged, index, layout.fingerprint_of(checkpoint), lead, limit)
+    plan = merge_plan(merged, index, checkpoint, str(checkpoint_path), lead, limit)
     # glibc gives each freed layer back: a process keeps no heap of the model's size after the pass
     give_back = frozen_compute_for(torch.device("cpu")).set_process_memory()
     with folder_written_whole(folder, replaceable) as written:
@@ -119,14 +116,6 @@ def export_merged(
         finally:
             if give_back is not None:
                 give_back()
-        verify_base(
-            plan.recorded,
-            plan.stand_ins,
-            layout.reference_of(checkpoint),
-            str(checkpoint_path),
-            functools.partial(fingerprint_base, loaded=plan.sums),
-            if_intended=_IF_INTENDED,
-        )
         for name in copied:
             shutil.copyfile(base_folder / name, written / name)
         merged.write_config(written)
