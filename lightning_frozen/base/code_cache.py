@@ -321,14 +321,19 @@ def _remove_stale(place: Path, stale_name: str, identity: list) -> str:
     why = ""
     for stale in place.glob(f"{stale_name}-*{_SUFFIX}"):
         found = frozen_files.read_index(stale)
-        index = json.loads(found[1]) if found is not None else {}
-        if index.get("version") != _version():
-            why = f"; the one there was written by lightning-frozen {index.get('version', 'unknown')}"
+        try:
+            index = json.loads(found[1]) if found is not None else None
+        except ValueError:
+            index = None
+        if not isinstance(index, dict):
+            why = "; the one there was cut short or damaged"
+        elif index.get("version") != _version():
+            why = f"; the one there was written by lightning-frozen {index.get('version')}"
         elif index.get("folder") != identity:
             changed = [new[0] for old, new in zip(index["folder"], identity) if old != new] or ["its files"]
             why = f"; the folder changed since the last one was written ({', '.join(changed)})"
         else:
-            why = "; the one there was cut short"
+            why = "; the one there is not this base's"
         stale.unlink(missing_ok=True)
     return why
 
