@@ -6,6 +6,7 @@ pre-quantized folders are refused with the format and the fix."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -22,7 +23,7 @@ from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.hf import transformers_loading
 from tests.distributed import chained, read_reports, run_script
 from tests.models import cpu_trainer
-from tests.pretrained_support import token_data, write_llama
+from tests.pretrained_support import plain_name, token_data, write_llama
 from tests.scripts.prequantized_fit import PrequantizedLoRA, bitsandbytes_folder, bitsandbytes_reference
 
 BOUND = 2.0**-10  # a weight's error, relative to itself, from the scale rounded up to fp16
@@ -67,6 +68,17 @@ def test_a_bitsandbytes_nf4_folder_loads_as_its_codes_and_trains(folder: Path, l
     again = PrequantizedLoRA(str(folder), with_config=True, reference=str(folder.parent / "reference.pt"))
     _fit(again)
     assert again.seen_at_start == module.seen_at_start and again.losses == module.losses
+
+
+def test_the_sha256_fingerprint_hashes_bitsandbytes_dequantization(folder: Path) -> None:
+    trainer = cpu_trainer(FrozenAwareDeepSpeedStrategy(fingerprint="sha256"), max_steps=1, max_epochs=-1)
+    trainer.fit(PrequantizedLoRA(str(folder)), token_data())
+    hashed = {plain_name(n): entry for n, entry in trainer.strategy.frozen_base_fingerprint()["tensors"].items()}
+    reference = torch.load(folder.parent / "reference.pt", weights_only=True)
+    assert len(reference) == 14
+    for key, want in reference.items():
+        values = want["values"].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert hashed[key]["value"] == hashlib.sha256(values).hexdigest(), key
 
 
 def test_its_checkpoint_resumes_exports_and_refuses_another_folder(folder: Path, tmp_path: Path) -> None:
@@ -180,6 +192,7 @@ def test_two_ranks_load_their_blocks_train_resume_on_one_and_say_what_a_cut_bloc
     assert "30% of the bitsandbytes nf4 weights" in said  # rank 1's halves of gate, up and down
     for rank, report in enumerate(fit):
         assert report["frozen_dtype"] == "nf4" and report["global_step"] == 2
+        assert not report["bitsandbytes_importable"]  # the ranks load the folder without it
         weights = report["weights"]
         assert len(weights) == 14
         for name, held in weights.items():

@@ -10,6 +10,7 @@ trained. ``--reference`` is a ``torch.save`` of bitsandbytes' own dequantization
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -170,6 +171,7 @@ def run(arguments: list[str]) -> None:
         "global_step": trainer.global_step,
         "losses": model.losses,
         "frozen_dtype": trainer.strategy.frozen_dtype,
+        "bitsandbytes_importable": importlib.util.find_spec("bitsandbytes") is not None,
         **json.loads(json.dumps(model.seen_at_start)),
     }
     write_report(Path(args.report), trainer.global_rank, report)
