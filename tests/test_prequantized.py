@@ -18,7 +18,7 @@ import torch
 
 import lightning_frozen
 from lightning_frozen import BitsAndBytesConfigError, FrozenAwareDeepSpeedStrategy, FrozenBaseMismatchError
-from lightning_frozen.base import qlora
+from lightning_frozen.base import prequantized, qlora, slice_reads
 from lightning_frozen.errors import UnsupportedConfigurationError
 from lightning_frozen.hf import transformers_loading
 from tests.distributed import chained, read_reports, run_script
@@ -34,6 +34,28 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     made = bitsandbytes_folder(tmp_path_factory.mktemp("bnb") / "base", double_quant=request.param)
     torch.save(bitsandbytes_reference(made), made.parent / "reference.pt")
     return made
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "double-quant"])
+def test_a_slice_reads_only_its_blocks_and_gives_bitsandbytes_values(tmp_path: Path, double_quant: bool) -> None:
+    from bitsandbytes import functional
+    from safetensors.torch import save_file
+
+    weight = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))  # 500: the last block's 52 in 26 bytes
+    packed, state = functional.quantize_4bit(weight, quant_type="nf4", compress_statistics=double_quant)
+    tensors = {"w.weight": packed, **{f"w.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    run_script("prequantized_reference.py", str(tmp_path), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)["w.weight"]["values"].reshape(-1)
+
+    file = str(tmp_path / "model.safetensors")
+    shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+    source = prequantized.packed_source("w.weight", dict.fromkeys(tensors, file), shapes)
+    assert source is not None and source.shape == (5, 100)
+    assert torch.equal(source.read(0, 500), reference)
+    assert torch.equal(source.read(100, 300), reference[100:400]) and torch.equal(source.read(448, 52), reference[448:])
+    assert source.reads(192, 64) == [slice_reads.SliceRead(file, "w.weight", 96, 32)]  # one block's 32 bytes
+    assert prequantized.packed_source("w.weight.absmax", dict.fromkeys(tensors, file), shapes) is None
 
 
 def _fit(module: PrequantizedLoRA, steps: int = 2, ckpt_path: Any = None) -> Any:

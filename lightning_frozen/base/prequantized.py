@@ -64,6 +64,7 @@ class PackedNF4Source(slice_reads.TensorSource):
         packed = self._packed()
         first, last = _blocks(start, count)
         codes = read.view(torch.uint8)[: (last - first) * _BYTES_PER_BLOCK]
+        codes = torch.nn.functional.pad(codes, (0, (last - first) * _BYTES_PER_BLOCK - codes.numel()))  # a last block
         scales = _scales(packed, first, last)
         table = torch.tensor(NF4_VALUES, dtype=torch.float32)
         pairs = torch.stack([table[(codes >> 4).long()], table[(codes & 0x0F).long()]], dim=1).view(-1, 64)
@@ -132,7 +133,10 @@ def _whole(path: str, key: str, shapes: Mapping[str, Sequence[int]]) -> slice_re
 
 
 def _whole_build(packed: PackedNF4) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    def build(tensors: list[torch.Tensor]) -> torch.Tensor:  # the whole weight, from its whole codes (sha256 mode)
+    """What ``TensorSource`` builds the whole weight with from its whole codes: set, so that a reader of a built source
+    (``loaded.source_sha256``) reads it through :meth:`PackedNF4Source.read`, not as its runs (the codes)."""
+
+    def build(tensors: list[torch.Tensor]) -> torch.Tensor:
         source = PackedNF4Source((packed.numel,), (), None, packed)
         return source.values(tensors[0].reshape(-1), 0, packed.numel)
 
