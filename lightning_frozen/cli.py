@@ -15,6 +15,7 @@ import os
 import pkgutil
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing_extensions import override
 
 import lightning_frozen
 from lightning_frozen import arguments
+from lightning_frozen.base import code_cache
 from lightning_frozen.checkpoint import convert
 from lightning_frozen.errors import FrozenTrainingError, InvalidArgumentValueError
 from lightning_frozen.hf import reference
@@ -153,6 +155,33 @@ def _export_merged_arguments(parser: argparse.ArgumentParser) -> None:
 def _export_merged(options: argparse.Namespace) -> str:
     written = lightning_frozen.export_merged(**vars(options))  # the options are named as its parameters
     return f"wrote {written} (load it with `AutoModel*.from_pretrained({str(written)!r})`)"
+
+
+def _cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", type=Path, help=f"the cache's folder (default: ${code_cache.ENVIRONMENT} or ~/.cache)")
+    parser.add_argument(
+        "--verify", action="store_true", help="read each file whole: its rows' CRCs, its folder's files"
+    )
+    parser.add_argument("--clear", action="store_true", help="remove every file of the cache")
+
+
+def _cache(options: argparse.Namespace) -> str:
+    found = code_cache.entries(options.dir)
+    total = format_bytes(sum(size for _, size, _ in found))
+    if options.clear:
+        for path, _, _ in found:
+            path.unlink(missing_ok=True)
+            path.with_suffix(".lock").unlink(missing_ok=True)
+        return f"removed {len(found)} files ({total})"
+    lines = [f"{len(found)} files, {total}"]
+    for path, size, used in found:
+        problems = code_cache.verify(path) if options.verify else []
+        state = ": " + ("; ".join(problems) or "whole") if options.verify else ""
+        lines.append(
+            f"  {path} {format_bytes(size)}, last used {time.strftime('%Y-%m-%d %H:%M', time.localtime(used))}"
+        )
+        lines[-1] += state
+    return "\n".join(lines)
 
 
 def _convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -329,6 +358,12 @@ STEPS: dict[str, Step] = {
         " when `--module` named the class of a PEFT model.",
         _convert_arguments,
         _convert,
+    ),
+    "cache": Step(
+        "List the code cache's files (the frozen bases later fits map instead of reading their folders), check them"
+        " whole with --verify, or remove them with --clear.",
+        _cache_arguments,
+        _cache,
     ),
     "estimate": Step(
         "Estimate the per-rank memory of training a model under frozen_deepspeed, without allocating it (built on"

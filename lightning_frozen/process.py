@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn, Optional, TypeVar
+from typing import Any, NoReturn, Optional, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -285,6 +285,23 @@ def cache_dirs() -> list[Path]:
     if os.path.isabs(home):
         dirs.append(Path(home) / ".cache" / "lightning_frozen")
     return dirs
+
+
+CODE_CACHE = "LIGHTNING_FROZEN_CODE_CACHE"  # the code cache's folder, where the strategy's argument does not say
+CodeCacheSetting = Union[bool, str, os.PathLike, None]
+
+
+def code_cache_place(setting: CodeCacheSetting) -> Optional[Path]:
+    """The code cache's folder for the strategy's ``code_cache`` argument (``base/code_cache.py``): False is none, a
+    path is that folder, True ``$LIGHTNING_FROZEN_CODE_CACHE``, else ``codes`` in the first of :func:`cache_dirs`."""
+    if setting is False:
+        return None
+    if setting is not None and setting is not True:
+        return Path(setting).expanduser()
+    if os.environ.get(CODE_CACHE):
+        return Path(os.environ[CODE_CACHE]).expanduser()
+    homes = cache_dirs()
+    return homes[0] / "codes" if homes else None
 
 
 def machine_tag() -> str:

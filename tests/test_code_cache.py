@@ -196,3 +196,25 @@ def test_two_ranks_write_one_file_then_map_it_and_read_each_others_rows(folder: 
         # the file's pages are the page cache's: none copied into this process's anonymous memory
         assert second["mappings"]["rss"] > 0 and second["mappings"]["anonymous"] == 0
     assert json.dumps(written[0]["trained"]) == json.dumps(written[1]["trained"])
+
+
+def test_the_command_lists_checks_and_clears_the_cache(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from lightning_frozen.cli import main
+
+    cache = tmp_path / "codes"
+    fit(folder, cache, monkeypatch)
+    (name,) = files(cache)
+    capsys.readouterr()  # what the fit printed
+    main(["cache", "--dir", str(cache), "--verify"])
+    listed = capsys.readouterr().out
+    assert (
+        listed.startswith("lightning-frozen cache: 1 files, ") and f"{name} " in listed and listed.endswith(": whole\n")
+    )
+    os.utime(folder / "model.safetensors")  # a newer time: the folder may have changed
+    main(["cache", "--dir", str(cache), "--verify"])
+    assert "model.safetensors changed since it was written" in capsys.readouterr().out
+    main(["cache", "--dir", str(cache), "--clear"])
+    assert capsys.readouterr().out.startswith("lightning-frozen cache: removed 1 files (")
+    assert files(cache) == []

@@ -67,7 +67,7 @@ def test_the_watchdog_ends_the_process_and_removes_the_file_being_written(
 def test_one_sweeper_removes_dead_processes_files_and_keeps_live_ones(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    names = process.owned_names("lightning-frozen")  # the shared-memory files of node_codes.py
+    names = process.owned_names("lightning-frozen")  # the shared-memory files of zero/frozen_files.py
     mine = tmp_path / process.owned_name("lightning-frozen")
     gone = tmp_path / mine.name.replace(f"-{os.getpid()}-", f"-{dead.pid}-")
     folder = tmp_path / process.owned_name(".adapter.lf", ".tmp").replace(f"-{os.getpid()}-", f"-{dead.pid}-")

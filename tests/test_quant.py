@@ -628,6 +628,19 @@ def test_a_shared_folder_without_room_for_the_codes_falls_back_to_the_process_gr
 
 
 @pytest.mark.slow
+def test_where_dev_shm_has_no_room_the_ranks_share_the_codes_in_the_code_cache_s_folder(prefetched: Path) -> None:
+    if not (prefetched / "spilled").exists():
+        pytest.skip("this machine mounts no tmpfs in a namespace of its own (`unshare -rm` refused)")
+    spilled, shared = read_reports(prefetched / "spilled"), read_reports(prefetched / "shared")
+    assert len(spilled) == len(shared) == 2
+    for on_disk, in_memory in zip(spilled, shared):
+        assert on_disk["shared_params"] == on_disk["frozen_params"] > 0 and on_disk["exchange_warnings"] == []
+        assert not [g for g in on_disk["gathers"] if g["dtype"] == "torch.uint8"]  # no codes crossed the group
+        assert on_disk["trainable"] == in_memory["trainable"]
+    assert not list((prefetched / "spill").glob("lightning-frozen-*"))  # unlinked once every rank mapped it
+
+
+@pytest.mark.slow
 def test_the_next_run_removes_files_of_dead_jobs_of_its_user_and_no_other(prefetched: Path) -> None:
     if not (prefetched / "small-shm").exists():
         pytest.skip("this machine mounts no tmpfs in a namespace of its own (`unshare -rm` refused)")

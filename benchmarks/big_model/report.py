@@ -5,7 +5,7 @@ upper bound of the simultaneous peak, which the driver's guard samples too: ``no
 the memory a rank alone maps (psutil's ``memory_full_info().uss``): unlike RSS it does not count the shared
 libraries and shared pages of every rank again, so it adds up across ranks; it does count the pages of the
 safetensors files a rank alone has mapped, which are page cache the kernel can reclaim, and the frozen codes the
-ranks share on one machine (``zero/compute/node_codes.py``; every rank maps them, so each adds its own shards'
+ranks share on one machine (``zero/frozen_files.py``; every rank maps them, so each adds its own shards'
 bytes). "anon" (``RssAnon``) is
 the anonymous memory only: what the process itself allocated. Ratios are (node peak - node floor) / frozen bytes,
 where the floor is each rank's memory after its imports, before the model is built, and the frozen bytes are the

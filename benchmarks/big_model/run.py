@@ -350,7 +350,7 @@ def main() -> None:
     run_parser.add_argument(
         "--exchange-codes",
         action="store_true",
-        help="the alternative to zero/compute/node_codes.py: ranks exchange frozen codes through gloo at each gather",
+        help="the alternative to zero/frozen_files.py: ranks exchange frozen codes through gloo at each gather",
     )
     run_parser.add_argument(
         "--experts-whole",

@@ -248,9 +248,9 @@ def run(spec_path: Path) -> None:
 
         coded_linear.CodedLayers.compute_from_codes = lambda self, model, frozen_dtype_of: 0
     if spec.get("exchange_codes"):  # likewise: the ranks do not share their codes, they all-gather them
-        from lightning_frozen.zero.compute import node_codes
+        from lightning_frozen.zero import frozen_files
 
-        node_codes.share_codes = lambda params, frozen_dtype_of: 0
+        frozen_files.share_codes = lambda params, frozen_dtype_of, spill=None: 0
     if spec.get("experts_whole"):  # likewise: every MoE layer's fused experts decoded whole, routed or not
         from lightning_frozen.zero.compute import coded_experts
 

@@ -91,7 +91,7 @@ def guarded_run(
             time.sleep(GUARD_SAMPLE_S)
             polls += 1
             fields = [proc_status(("RssAnon", "VmRSS"), pid) for pid in _group_pids(process.pid)]
-            # shared memory once, however many ranks map it (they all map the frozen codes: zero/compute/node_codes.py)
+            # shared memory once, however many ranks map it (they all map the frozen codes: zero/frozen_files.py)
             held = sum(f["RssAnon"] for f in fields) + max(0, meminfo_bytes("Shmem") - shmem_before)
             peaks = {
                 "anon_shmem": max(peaks["anon_shmem"], held),

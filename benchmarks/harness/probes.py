@@ -59,14 +59,14 @@ def reset_peak_rss() -> None:
 def memory_now() -> dict[str, int]:
     """This process's USS (pages no other process maps), anonymous resident memory and RSS, in bytes.
 
-    The frozen codes that ranks on one machine share (``zero/compute/node_codes.py``) are mapped by every rank, so no
+    The frozen codes that ranks on one machine share (``zero/frozen_files.py``) are mapped by every rank, so no
     rank's USS holds them: each rank's USS here adds the bytes of its own shards in them, and the sum over ranks is the
     machine's. Between writing its shards and the others mapping them (inside ``share_codes``) a rank counts them
     twice: an upper bound."""
     uss = psutil.Process().memory_full_info().uss
-    node_codes = sys.modules.get("lightning_frozen.zero.compute.node_codes")
-    if node_codes is not None:
-        uss += node_codes.owned_bytes()
+    frozen_files = sys.modules.get("lightning_frozen.zero.frozen_files")
+    if frozen_files is not None:
+        uss += frozen_files.owned_bytes()
     status = proc_status(("RssAnon", "VmRSS"))
     return {"uss": uss, "anon": status["RssAnon"], "rss": status["VmRSS"]}
 

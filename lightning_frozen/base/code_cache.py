@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -34,17 +34,16 @@ from lightning_frozen import process
 from lightning_frozen.base import slice_reads
 from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.format.codec import block_format
-from lightning_frozen.zero import frozen_files
+from lightning_frozen.zero import collectives, frozen_files
 from lightning_frozen.zero.params import full_numel, shard_numel
 
-ENVIRONMENT = "LIGHTNING_FROZEN_CODE_CACHE"  # where the cache lives, when the strategy's argument does not say
+ENVIRONMENT = process.CODE_CACHE  # where the cache lives, when the strategy's argument does not say
 LIMIT_ENVIRONMENT = "LIGHTNING_FROZEN_CODE_CACHE_GB"  # its size limit, in GiB
 DEFAULT_LIMIT_GB = 256
 FREE_MARGIN = 1 << 30  # bytes a new file leaves free on the disk, at least
 _FORMAT = 1  # of the files; with the package's version in every name
 _SUFFIX = ".codes"
 _PARTIAL = process.owned_names("partial", _SUFFIX)
-Setting = Union[bool, str, os.PathLike, None]
 
 
 @dataclass(frozen=True)
@@ -64,19 +63,6 @@ class Part:
         if self.frozen_dtype is not None:
             return block_format(self.frozen_dtype).stored_bytes(shard_numel(self.target))
         return shard_numel(self.target) * self.target.element_size()
-
-
-def place_of(setting: Setting) -> Optional[Path]:
-    """The cache's folder for the strategy's ``code_cache`` argument: False is none, a path is that folder, True the
-    ``LIGHTNING_FROZEN_CODE_CACHE`` folder, else ``codes`` in the package's cache home."""
-    if setting is False:
-        return None
-    if setting is not None and setting is not True:
-        return Path(setting).expanduser()
-    if os.environ.get(ENVIRONMENT):
-        return Path(os.environ[ENVIRONMENT]).expanduser()
-    homes = process.cache_dirs()
-    return homes[0] / "codes" if homes else None
 
 
 @dataclass
@@ -121,8 +107,7 @@ class CachedLoad:
             shard = part.target.ds_tensor.data
             stored = shard.view(torch.uint8) if shard.dtype != torch.uint8 else shard
             coded = part.frozen_dtype if shard.dtype == torch.uint8 else None
-            if stored.numel() != row_bytes:
-                raise ValueError(f"{part.name}: {stored.numel()} bytes stored where the cache's layout has {row_bytes}")
+            assert stored.numel() == row_bytes, f"{part.name}: {stored.numel()} bytes stored, {row_bytes} laid out"
             row = self.mapped.rows(offset, self.rows, row_bytes)[self.rank]
             row.copy_(stored)
             frozen_files.place(part.target, self.mapped, offset, self.rows, row_bytes, self.rank, coded)
@@ -139,7 +124,7 @@ class CachedLoad:
         """Every part was kept: the index (every rank's records) written, the file renamed into place, and each
         shard moved to a private mapping of it (a write to a shard then never reaches the file)."""
         mine = self.index["parts"]
-        every = frozen_files.gathered(self.group, mine)
+        every = collectives.gather_objects(mine)  # the params' group is the world (`cached_load`)
         parts = {
             name: [*mine[name][:3], [ranks[name][3] for ranks in every], [ranks[name][4] for ranks in every], coded]
             for name, (*_, coded) in mine.items()
@@ -182,12 +167,12 @@ class CachedLoad:
 
 @contextlib.contextmanager
 def cached_load(
-    setting: Setting, parts: Sequence[Part], frozen_dtype: Optional[str], fingerprint_mode: str
+    setting: process.CodeCacheSetting, parts: Sequence[Part], frozen_dtype: Optional[str], fingerprint_mode: str
 ) -> Iterator[Optional[CachedLoad]]:
     """The cache for a load of ``parts`` (every rank the same, in the same order): the file mapped, or being written,
     else None (one line on rank 0 says why). Collective over the ZeRO-3 params' process group. A file being written
     is removed if the load does not finish."""
-    place = place_of(setting)
+    place = process.code_cache_place(setting)
     sliced = [part for part in parts if part.sliced]
     if place is None or not sliced:
         yield None
@@ -196,6 +181,10 @@ def cached_load(
 
     group = sliced[0].target.ds_process_group
     rank, rows = dist.get_rank(group=group), dist.get_world_size(group=group)
+    if rows != dist.get_world_size():
+        rank_zero_info("lightning-frozen: the code cache is not used: the frozen params are sharded over a sub-group")
+        yield None
+        return
     parts = sorted(parts, key=lambda part: (not part.sliced, getattr(part.target, "ds_id", 0)))
     name, stale_name, identity = _names(parts, frozen_dtype, fingerprint_mode, rows)
     offsets, total = frozen_files.layout([part.row_bytes() * (rows if part.sliced else 1) for part in parts])
@@ -391,7 +380,7 @@ def _bad_rows(mapped: frozen_files.MappedFile, index: dict) -> Iterator[tuple[st
 
 def entries(place: Optional[Path] = None) -> list[tuple[Path, int, float]]:
     """The cache's files: path, bytes and last use (seconds since the epoch), most recent first."""
-    place = place or place_of(True)
+    place = place or process.code_cache_place(True)
     if place is None or not place.is_dir():
         return []
     found = [(file, file.stat()) for file in place.glob(f"*{_SUFFIX}") if not _PARTIAL.match(file.name)]

@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_frozen import process
 from lightning_frozen.base import code_cache, prequantized, qlora, slice_reads
 from lightning_frozen.base.fingerprint import Checksummer
 from lightning_frozen.base.loaded import LoadedBase, open_safetensors, source_sha256
@@ -64,7 +65,7 @@ class LoadPlan:
     frozen_dtype: Optional[str] = None
     fingerprint_mode: str = "checksum"
     bitsandbytes: bool = False
-    code_cache: code_cache.Setting = False
+    code_cache: process.CodeCacheSetting = False
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from torch import nn
 
+from lightning_frozen import process
 from lightning_frozen.capabilities import HOOKS_WHERE_PARAMS, RELEASE, TRACE, available
 from lightning_frozen.foreign_names import reaching
 from lightning_frozen.spec import StrategySpec
@@ -118,7 +119,7 @@ def initialize_engine(
         forward_trace.reset_trace_at_outermost_call(model, param_offload(engine))
     if spec.frozen_dtype:
         keeper = loaded.source_keeper(spec.fingerprint) if loaded is not None else None
-        compute.prepare(model, spec.frozen_dtype, keeper)
+        compute.prepare(model, spec.frozen_dtype, keeper, process.code_cache_place(spec.code_cache))
     return engine, deepspeed_optimizer
 
 

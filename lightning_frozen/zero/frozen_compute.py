@@ -8,6 +8,7 @@ behind it (``zero/compute/``) a reader may skip; each run makes its own compute 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -50,9 +51,16 @@ class FrozenCompute:
     def step_starts(self) -> None:
         """A training, validation, test or predict step starts, on the thread that runs the steps."""
 
-    def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
+    def prepare(
+        self,
+        model: nn.Module,
+        frozen_dtype: str,
+        before_encoding: Optional[SourceValues] = None,
+        spill: Optional[Path] = None,
+    ) -> int:
         """After the engine is built: store each frozen shard of ``model`` as ``frozen_dtype`` codes, gathered and
         decoded from then on; ``before_encoding`` is told each shard's values first. Return how many were stored.
+        ``spill``: where the ranks of a machine may share the codes on disk when ``/dev/shm`` has no room.
 
         Raises:
             FrozenDtypeError: a stored param was made trainable, or a frozen param is not a released ZeRO-3 shard.
@@ -85,9 +93,15 @@ class CpuFrozenCompute(FrozenCompute):
         if self.waits is not None:
             self.waits.check()
 
-    def prepare(self, model: nn.Module, frozen_dtype: str, before_encoding: Optional[SourceValues] = None) -> int:
+    def prepare(
+        self,
+        model: nn.Module,
+        frozen_dtype: str,
+        before_encoding: Optional[SourceValues] = None,
+        spill: Optional[Path] = None,
+    ) -> int:
         done = super().prepare(model, frozen_dtype, before_encoding)
-        frozen_files.share_codes(list(model.parameters()), frozen_dtype_of)  # ranks read each other's codes, not copies
+        frozen_files.share_codes(list(model.parameters()), frozen_dtype_of, spill)  # each other's codes, no copies
         self.tables.layers.compute_from_codes(model, frozen_dtype_of)
         coded_experts.compute_experts_from_codes(self.tables.layers, model, frozen_dtype_of, self.param_lora)
         return done

@@ -251,19 +251,14 @@ def mapped_together(
     return mapped, None
 
 
-def gathered(group: Any, value: Any) -> list[Any]:
-    """Every rank's ``value`` (picklable), in rank order. Collective."""
-    import deepspeed.comm as dist
-
-    found: list[Any] = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(found, value, group=group)
-    return found
-
-
-def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parameter], Optional[str]]) -> int:
+def share_codes(
+    params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parameter], Optional[str]], spill: Optional[Path] = None
+) -> int:
     """Move this rank's codes of ``params`` (quantized ZeRO-3 shards in CPU memory, one process group, none in a
-    mapped file yet) into a ``/dev/shm`` file that every rank of the group maps; return how many moved (0 where the
-    ranks cannot share one). Collective over the params' process group, every rank passing the same params."""
+    mapped file yet) into a file that every rank of the group maps: in ``/dev/shm``, else, where it has no room (a
+    container's), in ``spill`` (the code cache's folder: on disk, read through the page cache). Return how many moved
+    (0 where the ranks cannot share one). Collective over the params' process group, every rank passing the same
+    params."""
     import deepspeed.comm as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -281,19 +276,30 @@ def share_codes(params: list[nn.Parameter], frozen_dtype_of: Callable[[nn.Parame
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     if int(sizes[0]) != -int(sizes[1]):  # the ranks disagree on the params: keep the collective
         return 0
-    path = SHARED_DIR / process.owned_name(_PREFIX)
+    places = [SHARED_DIR] + ([spill] if spill is not None else [])
+    made: list[Path] = []
 
     def offer() -> tuple[Optional[MappedFile], Optional[str]]:
-        process.remove_dead_files(SHARED_DIR, _NAME)  # of jobs killed mid-handshake
-        return reserve(path, total)
+        whys = []
+        for place in places:
+            process.remove_dead_files(place, _NAME)  # of jobs killed mid-handshake
+            made.append(place / process.owned_name(_PREFIX))
+            with contextlib.suppress(OSError):
+                place.mkdir(mode=0o700, parents=True, exist_ok=True)
+            mapped, why = reserve(made[-1], total)
+            if mapped is not None:
+                return mapped, None
+            whys.append(why)
+        return None, "; ".join(whys)
+
+    def reopen(path: Path) -> Optional[MappedFile]:  # by its name in this rank's own folder: the file rank 0 made
+        place = next((place for place in places[1:] if path.parent == place), SHARED_DIR)
+        return open_file(place / path.name, total, writable=True)
 
     try:
-        # by its name in this rank's own folder: the file rank 0 made, where the ranks share one /dev/shm
-        mapped, why = mapped_together(
-            group, offer, lambda made: open_file(SHARED_DIR / made.name, total, writable=True)
-        )
+        mapped, why = mapped_together(group, offer, reopen)
     finally:
-        if rank == 0:
+        for path in made:
             path.unlink(missing_ok=True)  # every rank has it mapped, or gave it up, or raised
     if mapped is None:
         rank_zero_warn(f"The frozen codes are exchanged through the process group at every gather: {why}.")

@@ -1,6 +1,6 @@
 """Train a ``tests.models.AdapterModel`` (4 layers; its ``training_step`` calls ``self(x)``) over an NF4 base on N
 CPU processes, three times: as shipped (``shared``: the ranks share one machine, so each reads the others' codes from
-shared memory, ``zero/compute/node_codes.py``); then with the codes exchanged through the process group, as ranks on
+shared memory, ``zero/compute/frozen_files.py``); then with the codes exchanged through the process group, as ranks on
 several machines do, with the quantized gather asynchronous (``async``: DeepSpeed's coordinator prefetches through its
 handle) and with every gather's collective waited on inside the call (``sync``). Each rank writes
 ``<out>/<run>/rank<R>.json``. ``train_quantized.py --prefetch-out`` runs the three in its own world after its fits.
@@ -34,8 +34,7 @@ import deepspeed.comm  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy, process  # noqa: E402
-from lightning_frozen.zero import frozen_files as node_codes  # noqa: E402
-from lightning_frozen.zero import frozen_storage  # noqa: E402
+from lightning_frozen.zero import frozen_files, frozen_storage  # noqa: E402
 from lightning_frozen.zero import params as zero  # noqa: E402
 from lightning_frozen.zero.compute import quantized  # noqa: E402
 from tests.distributed import write_report  # noqa: E402
@@ -45,7 +44,7 @@ from tests.models import AdapterModel, cpu_trainer, regression_data  # noqa: E40
 WIDTH, DEPTH = 128, 4
 
 
-def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> AdapterModel:
+def fit(run: str, devices: int, out: Path, recorder: GatherRecorder, code_cache: Any = True) -> AdapterModel:
     recorder.reset()
     model = AdapterModel(width=WIDTH, depth=DEPTH)
     seen: dict[str, torch.Tensor] = {}
@@ -57,7 +56,10 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> AdapterM
         recorder.watch(layer.base)
     model.layers[DEPTH - 1].base.register_forward_hook(keep_last_call)
     trainer = cpu_trainer(
-        FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4"), devices=devices, max_epochs=1, precision="bf16-true"
+        FrozenAwareDeepSpeedStrategy(frozen_dtype="nf4", code_cache=code_cache),
+        devices=devices,
+        max_epochs=1,
+        precision="bf16-true",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -67,22 +69,22 @@ def fit(run: str, devices: int, out: Path, recorder: GatherRecorder) -> AdapterM
     pids: list[Optional[int]] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(pids, os.getpid())
     # this run's files only: other jobs on the machine may share codes in /dev/shm at the same time
-    ours = tuple(f"{node_codes._PREFIX}-{process.pid_space_tag()}-{pid}-" for pid in pids)
+    ours = tuple(f"{frozen_files._PREFIX}-{process.pid_space_tag()}-{pid}-" for pid in pids)
     report = {
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "frozen_params": len(frozen),
-        "shared_params": sum(node_codes.rows_of(p) is not None for p in frozen),
+        "shared_params": sum(frozen_files.rows_of(p) is not None for p in frozen),
         "shards_are_their_rows": [  # each rank's shard of a shared param is its row of the shared file
-            node_codes.rows_of(p)[trainer.global_rank].data_ptr() == p.ds_tensor.data_ptr()
+            frozen_files.rows_of(p)[trainer.global_rank].data_ptr() == p.ds_tensor.data_ptr()
             for p in frozen
-            if node_codes.rows_of(p) is not None
+            if frozen_files.rows_of(p) is not None
         ],
         "exchange_warnings": [
             str(w.message) for w in caught if "exchanged through the process group" in str(w.message)
         ],
-        "shared_files_left": sorted(f.name for f in node_codes.SHARED_DIR.glob(f"{node_codes._PREFIX}-*")),
-        "own_files_left": sorted(f.name for f in node_codes.SHARED_DIR.iterdir() if f.name.startswith(ours)),
+        "shared_files_left": sorted(f.name for f in frozen_files.SHARED_DIR.glob(f"{frozen_files._PREFIX}-*")),
+        "own_files_left": sorted(f.name for f in frozen_files.SHARED_DIR.iterdir() if f.name.startswith(ours)),
         "gathers": recorder.gathers,
         "trainable": trainable,
         "seen_input": seen["input"].float().tolist(),
@@ -114,7 +116,8 @@ def fit_both(devices: int, out: Path, small_shm: Optional[Path] = None) -> None:
         if torch.distributed.get_rank() == 0:
             leave_files_of_other_jobs(small_shm, out / "small-shm-planted.json")
         with shared_dir(small_shm):
-            fit("small-shm", devices, out, recorder)
+            fit("small-shm", devices, out, recorder, code_cache=False)  # no folder on disk to share them in
+            fit("spilled", devices, out, recorder, code_cache=out / "spill")
 
 
 @contextmanager
@@ -129,11 +132,11 @@ def ranks_on_separate_machines(out: Path) -> Iterator[None]:
 def shared_dir(folder: Path) -> Iterator[None]:
     """While active, the shared file is made in ``folder`` instead of ``/dev/shm``."""
     folder.mkdir(parents=True, exist_ok=True)
-    shared, node_codes.SHARED_DIR = node_codes.SHARED_DIR, folder
+    shared, frozen_files.SHARED_DIR = frozen_files.SHARED_DIR, folder
     try:
         yield
     finally:
-        node_codes.SHARED_DIR = shared
+        frozen_files.SHARED_DIR = shared
 
 
 def share_in_a_handshake_that_raises(model: AdapterModel, folder: Path) -> None:
@@ -149,7 +152,7 @@ def share_in_a_handshake_that_raises(model: AdapterModel, folder: Path) -> None:
     broadcast, deepspeed.comm.broadcast_object_list = deepspeed.comm.broadcast_object_list, dying
     try:
         with shared_dir(folder):
-            node_codes.share_codes(frozen, frozen_storage.frozen_dtype_of)
+            frozen_files.share_codes(frozen, frozen_storage.frozen_dtype_of)
     except RuntimeError as error:
         report["raised"] = str(error)
         # while the traceback (and the frame of `share_codes`) is still alive
@@ -162,7 +165,7 @@ def share_in_a_handshake_that_raises(model: AdapterModel, folder: Path) -> None:
     # and a look before this barrier found rank 0's file still there under load (issue 63)
     torch.distributed.barrier()
     report["files_left"] = sorted(f.name for f in folder.glob("lightning-frozen-*"))
-    report["shared_params"] = sum(node_codes.rows_of(p) is not None for p in frozen)
+    report["shared_params"] = sum(frozen_files.rows_of(p) is not None for p in frozen)
     write_report(folder, torch.distributed.get_rank(), report)
     torch.distributed.barrier()
 
