@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_frozen.base import slice_reads
 from lightning_frozen.errors import BitsAndBytesConfigError, UnsupportedConfigurationError
 from lightning_frozen.format.codec import NF4_VALUES
+from lightning_frozen.hf import transformers_loading
 
 QUANT_STATE = ".quant_state.bitsandbytes__"  # the key suffix of a weight's quant state, then its quant type
 _BYTES_PER_BLOCK = 32  # 64 codes, two a byte
@@ -172,13 +173,13 @@ def refuse_quantized_folder(folder: Path, checkpoint_path: Path) -> None:
     stored = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
     if not isinstance(stored, dict):
         return
-    method = stored.get("quant_method", "")
-    if method == "bitsandbytes":
-        bits = "8-bit" if stored.get("load_in_8bit") else f"4-bit {stored.get('bnb_4bit_quant_type', 'fp4')}"
-        method = f"bitsandbytes stored as {bits}"
+    settings = transformers_loading.stored_settings(stored, str(folder))
+    held = f"quantized by {settings.quant_method}"
+    if settings.quant_method == "bitsandbytes":
+        held = f"bitsandbytes stored as {'8-bit' if settings.load_in_8bit else f'4-bit {settings.quant_type}'}"
     raise UnsupportedConfigurationError(
-        f"{checkpoint_path} was trained on {folder}, which holds weights {method}: the merged export adds the adapter"
-        " to unquantized weights, and a delta merged into 4-bit codes would mostly round away. Dequantize the base"
+        f"{checkpoint_path} was trained on {folder}, which holds weights {held}: the merged export adds the adapter"
+        " to unquantized weights, and a delta merged into quantized codes would mostly round away. Dequantize the base"
         " once (with bitsandbytes installed: `AutoModelForCausalLM.from_pretrained(folder).dequantize()"
         ".save_pretrained(unquantized)`), then pass `base=unquantized` (`--base` on the command line): its weights"
         " are the ones the checkpoint's fingerprint is of. Or serve the adapter: `export_peft_adapter`."

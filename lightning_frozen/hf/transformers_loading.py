@@ -189,11 +189,7 @@ def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], Non
     def get_hf_quantizer(config: Any, quantization_config: Any, *args: Any, **kwargs: Any) -> Any:
         stored = getattr(config, "quantization_config", None)
         if stored is not None:
-            method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", "")
-            method = str(getattr(method, "value", method))
-            source = getattr(config, "name_or_path", "") or "the folder"
-            found = (_bitsandbytes_settings(stored) if method == "bitsandbytes" else None) or BitsAndBytesSettings()
-            on_bitsandbytes(dataclasses.replace(found, pre_quantized=True, quant_method=method, source=source))
+            on_bitsandbytes(stored_settings(stored, getattr(config, "name_or_path", "") or "the folder"))
             for holder in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
                 if getattr(holder, "quantization_config", None) is not None:  # the model's layers stay `nn.Linear`
                     delattr(holder, "quantization_config")
@@ -208,6 +204,15 @@ def bitsandbytes_taken_off(on_bitsandbytes: Callable[[BitsAndBytesSettings], Non
         yield True
     finally:
         modeling_utils.get_hf_quantizer = original
+
+
+def stored_settings(stored: Any, source: str) -> BitsAndBytesSettings:
+    """The settings of a folder's own ``quantization_config`` (``stored``: a dict, as config.json holds it, or a
+    config), read from ``source``: ``pre_quantized``, with its ``quant_method``."""
+    method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", "")
+    method = str(getattr(method, "value", method))
+    found = (_bitsandbytes_settings(stored) if method == "bitsandbytes" else None) or BitsAndBytesSettings()
+    return dataclasses.replace(found, pre_quantized=True, quant_method=method, source=source)
 
 
 def _bitsandbytes_settings(quantization_config: Any) -> Optional[BitsAndBytesSettings]:
