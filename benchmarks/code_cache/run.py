@@ -206,19 +206,20 @@ def bench_fit13b(args: argparse.Namespace) -> dict[str, Any]:
     cache = args.data_dir / "code_cache" / "llama13b"
     shutil.rmtree(cache, ignore_errors=True)
     result: dict[str, Any] = {"bench": "fit13b", "folder": str(folder), "folder_bytes": folder_bytes(folder)}
+    steps = 1 if args.steps is None else args.steps  # 0: each fit stops where its first step would start
     fits = []
     if args.off:
         result["evict_before_off"] = evict(shard_files(folder))
-        fits.append(fit("off", "fit13b", folder, False, args, args.steps or 1, note="code_cache=False, folder cold"))
+        fits.append(fit("off", "fit13b", folder, False, args, steps, note="code_cache=False, folder cold"))
     result["evict_before_first"] = evict(shard_files(folder))
-    fits.append(fit("first", "fit13b", folder, str(cache), args, args.steps or 1, note="no cache file, folder cold"))
+    fits.append(fit("first", "fit13b", folder, str(cache), args, steps, note="no cache file, folder cold"))
     files = codes_files(cache)
     result["cache_files"] = {str(p.relative_to(cache)): p.stat().st_size for p in cache_files(cache)}
     result["cache_resident_before_second"] = resident_bytes(files) if files else None
-    fits.append(fit("second", "fit13b", folder, str(cache), args, args.steps or 1, note="cache file in page cache"))
+    fits.append(fit("second", "fit13b", folder, str(cache), args, steps, note="cache file in page cache"))
     if files:
         result["evict_before_third"] = evict(files)
-    fits.append(fit("third", "fit13b", folder, str(cache), args, args.steps or 1, note="cache file evicted first"))
+    fits.append(fit("third", "fit13b", folder, str(cache), args, steps, note="cache file evicted first"))
     result["fits"] = fits
     return result
 
@@ -331,7 +332,9 @@ def bench_larger(args: argparse.Namespace) -> dict[str, Any]:
                 args,
                 steps,
                 min_available_gib=0.1,
-                note=f"balloon: {size / GIB:.1f} GiB held, {available_bytes() / GIB:.1f} GiB left",
+                note=f"balloon: {size / GIB:.1f} GiB held, {available_bytes() / GIB:.1f} GiB left"
+                if balloon
+                else "no balloon",
             )
         )
         if watcher:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -78,6 +78,7 @@ class LoRACausalLM(L.LightningModule):
         super().__init__()
         self.folder, self.lora, self.times, self.clock = folder, lora, times, clock
         self.losses: list[float] = []
+        self.stop_at_first_step = False
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -92,6 +93,10 @@ class LoRACausalLM(L.LightningModule):
         self.model = get_peft_model(base, LoraConfig(**self.lora))
         self.times["from_pretrained_s"] = round(loaded - started, 3)
         self.times["get_peft_model_s"] = round(time.perf_counter() - loaded, 3)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
+        # a fit asked for no step stops at its first one's start (Lightning ends the epoch where this returns -1)
+        return -1 if self.stop_at_first_step else None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (input_ids,) = batch
@@ -182,13 +187,14 @@ def run(spec_path: Path) -> None:
         return
     probe = Probe(sampler, report, clock)
     module = LoRACausalLM(spec["folder"], spec["lora"], times, clock)
+    module.stop_at_first_step = spec["steps"] == 0
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec["devices"],
         strategy=strategy,
         precision=spec["precision"],
-        max_steps=spec["steps"],
-        max_epochs=-1,
+        max_steps=spec["steps"] or -1,
+        max_epochs=1 if spec["steps"] == 0 else -1,
         default_root_dir=spec_path.parent,
         logger=False,
         enable_checkpointing=False,
