@@ -104,10 +104,11 @@ def _signature_problem(function: Any, params: tuple[str, ...], exact: bool) -> O
 
 def _innermost(function: Any) -> Any:
     """``function`` without its decorators: ``__wrapped__``, or the one function in the closure of a ``(*args,
-    **kwargs)`` wrapper (DeepSpeed's ``instrument_w_nvtx`` wraps without ``functools.wraps``)."""
+    **kwargs)`` or ``(self, *args, **kwargs)`` wrapper (DeepSpeed's ``instrument_w_nvtx`` wraps without
+    ``functools.wraps``, as does torch.compile's ``patched_init`` of ``Module.__init__``, once anything compiled)."""
     function = inspect.unwrap(function)
     code = getattr(function, "__code__", None)
-    if code is None or code.co_argcount or code.co_kwonlyargcount:
+    if code is None or code.co_argcount > 1 or code.co_kwonlyargcount or not code.co_flags & inspect.CO_VARARGS:
         return function
     inner = [value for value in _closure(function) if callable(value) and hasattr(value, "__code__")]
     return _innermost(inner[0]) if len(inner) == 1 else function

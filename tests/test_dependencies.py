@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +116,20 @@ def test_deepspeeds_uninstrumented_wrappers_are_checked_by_the_function_they_wra
     target = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads"
     assert problem_of(ForeignName(target, "x.py", ("self", "sub_group_id", "total_norm"), exact=True)) is None
     assert problem_of(ForeignName(target, "x.py", ("self", "sub_group_id"), exact=True))
+
+
+def test_the_strategy_builds_after_torch_compile_wrapped_module_init() -> None:
+    # torch.compile's first compile wraps nn.Module.__init__ in a `(self, *args, **kwargs)` closure, for good: the
+    # check then read the wrapper's code and raised DependencyDriftError. In a process of its own, as a user's is.
+    script = (
+        "import torch\n"
+        "torch.compile(lambda x: x + 1, backend='eager')(torch.ones(3))\n"
+        "assert torch.nn.Module.__init__.__name__ == 'patched_init'\n"
+        "from lightning_frozen import FrozenAwareDeepSpeedStrategy\n"
+        "FrozenAwareDeepSpeedStrategy()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_removed_lightning_hook_fails_at_construction(monkeypatch: pytest.MonkeyPatch, fresh_lookup: None) -> None:
