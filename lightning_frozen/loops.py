@@ -98,7 +98,7 @@ class Joining:
         self.refuse = refuse  # `uneven_batches="raise"`: every rank raises UnevenBatchesError instead
         self.share: Optional[Share] = None  # the running step's
         self._fetched: dict[str, deque[tuple[object, Optional[Share]]]] = {}  # per stage: (loader, share), in order
-        self._told: set[str] = set()  # the stages whose first join was said
+        self._told: set[str] = set()  # "" once the mode was said, then the stages whose first join was
 
     def fetched(self, stage: str, loader: object, share: Optional[Share]) -> None:
         self._fetched.setdefault(stage, deque()).append((loader, share))
