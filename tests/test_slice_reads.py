@@ -63,13 +63,13 @@ def test_read_ahead_yields_every_slice_in_order_across_files(tmp_path: Path) -> 
         assert torch.equal(values, wanted)
 
 
-def test_file_order_reads_each_file_from_start_to_end(tmp_path: Path) -> None:
+def test_the_folder_index_reads_each_file_from_start_to_end(tmp_path: Path) -> None:
     path = _file(tmp_path)
-    headers: dict = {}
-    ordered = sorted(TENSORS, key=lambda key: slice_reads.file_order(path, key, headers))
-    offsets = [headers[path][key].offset for key in ordered]
+    index = slice_reads.FolderIndex([path])
+    ordered = sorted(TENSORS, key=index.order)
+    offsets = [index.tensors[key][1].offset for key in ordered]
     assert offsets == sorted(offsets) and len(set(offsets)) == len(TENSORS)
-    assert headers[path]["matrix"].nbytes == TENSORS["matrix"].numel() * 4
+    assert index.tensors["matrix"][1].nbytes == TENSORS["matrix"].numel() * 4
 
 
 def test_a_truncated_file_is_named(tmp_path: Path) -> None:

@@ -14,11 +14,9 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import math
 import os
 import sys
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -260,12 +258,13 @@ def _load_own_slices(
         folder = None
     errors: list[str] = []
     with outside_zero_init():  # its tensor constructors would make the checksum's, codec's and converter's tensors bf16
-        items = None if folder is None else _items(model_to_load, folder, targets, state_dict, errors)
+        index = None if folder is None else slice_reads.FolderIndex({getattr(t, _SOURCE) for t in state_dict.values()})
+        items = None if index is None else _items(model_to_load, folder, targets, index, state_dict, errors)
         if folder is not None and items is not None:
             if folder.conversions:  # as transformers' loader records them: `save_pretrained` reverts them
                 conversions.record_conversions(model_to_load, folder.used)
             missing = set(targets) - set(folder.keys) - set(folder.conversions)  # as transformers counts them
-            return _load_slices(plan, targets, items, state_dict, errors, missing)
+            return _load_slices(plan, targets, items, index, state_dict, errors, missing)
     rank_zero_info(
         "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions it cannot slice"
         " or a non-safetensors file): rank 0 reads each tensor and broadcasts it"
@@ -294,6 +293,7 @@ def _items(
     model: nn.Module,
     folder: conversions.FolderLayout,
     targets: dict[str, torch.Tensor],
+    index: slice_reads.FolderIndex,
     state_dict: dict[str, torch.Tensor],
     errors: list[str],
 ) -> Optional[list[_Item]]:
@@ -305,23 +305,14 @@ def _items(
     shapes = {key: tuple(tensor.shape) for key, tensor in state_dict.items()}
     for name, key in folder.keys.items():
         source = prequantized.packed_source(key, path, shapes)
-        found.append((name, source or slice_reads.TensorSource.plain(path[key], key, shapes[key]), (key,)))
+        found.append((name, source or index.source(shapes[key], [(key, 0)]), (key,)))
     for name, conversion in folder.conversions.items():
-        inputs = [
-            torch.empty(state_dict[key].shape, dtype=state_dict[key].dtype, device="meta") for key in conversion.keys
-        ]
         try:
-            built = conversions.converted(model, conversion, inputs)
-        except Exception:  # whatever the converter raises: transformers' own loader then, as before
+            shape, starts, build = conversions.located(model, conversion, shapes)
+        except conversions.ConversionError:  # transformers' own loader then, as before
             return None
-        if list(built) != [name]:
-            return None
-        shapes = {key: tuple(state_dict[key].shape) for key in conversion.keys}
-        found.append(
-            (name, _converted_source(model, conversion, tuple(built[name].shape), shapes, path), conversion.keys)
-        )
-    headers: dict[str, dict[str, slice_reads.StoredTensor]] = {}
-    found.sort(key=lambda each: slice_reads.file_order(each[1].runs[0].path, each[1].runs[0].key, headers))
+        found.append((name, index.source(shape, starts, build), conversion.keys))
+    found.sort(key=lambda each: index.order(each[1].runs[0].key))
     items = []
     for name, source, keys in found:
         target = targets[name]
@@ -337,46 +328,18 @@ def _items(
     return items
 
 
-def _converted_source(
-    model: nn.Module,
-    conversion: conversions.Conversion,
-    shape: tuple[int, ...],
-    shapes: dict[str, tuple[int, ...]],
-    path: dict[str, str],
-) -> slice_reads.TensorSource:
-    """Where the tensor ``conversion`` builds lies in the folder's files: each expert's tensors as runs of it, where
-    transformers stacks the experts (:func:`conversions.expert_runs`); else its folder tensors, built whole by
-    transformers' converter."""
-    runs = conversions.expert_runs(model, conversion, shapes)
-    if runs is not None:
-        found = [(key, start) for expert in runs for key, start in expert]
-        return slice_reads.TensorSource(
-            shape, tuple(slice_reads.Run(path[k], k, start, math.prod(shapes[k]), shapes[k]) for k, start in found)
-        )
-    parts, first = [], 0
-    for key in conversion.keys:
-        parts.append(slice_reads.Run(path[key], key, first, math.prod(shapes[key]), shapes[key]))
-        first += math.prod(shapes[key])
-
-    held = weakref.ref(model)  # the record of the base keeps this source, not the model
-
-    def build(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return conversions.converted(held(), conversion, tensors)[conversion.target]
-
-    return slice_reads.TensorSource(shape, tuple(parts), build)
-
-
 def _load_slices(
     plan: LoadPlan,
     targets: dict[str, torch.Tensor],
     items: list[_Item],
+    index: slice_reads.FolderIndex,
     state_dict: dict[str, torch.Tensor],
     errors: list[str],
     missing: set[str],
 ) -> tuple[list[str], set[str]]:
     # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower);
     # counted in the files' bytes, not the model's dtype (a bf16 file loaded under 32-true is half the fp32 bytes)
-    stored = _stored(state_dict)
+    stored = {key: at for key, (_, at) in index.tensors.items()}
     parts = {item.name: _cache_part(plan, item, targets[item.name], stored) for item in items}
     with code_cache.cached_load(
         plan.code_cache, list(parts.values()), plan.frozen_dtype, plan.fingerprint_mode
@@ -433,15 +396,6 @@ def _read_and_store(
             if progress.advance(file_bytes[item.name]):
                 rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
     rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
-
-
-def _stored(state_dict: dict[str, torch.Tensor]) -> dict[str, slice_reads.StoredTensor]:
-    """Where each of the checkpoint's tensors lies in its safetensors file (its bytes, for the progress)."""
-    found = {}
-    for path in {getattr(tensor, _SOURCE) for tensor in state_dict.values()}:
-        header = slice_reads.read_header(path)
-        found.update({key: header[key] for key, tensor in state_dict.items() if getattr(tensor, _SOURCE) == path})
-    return found
 
 
 class CastBuffer:

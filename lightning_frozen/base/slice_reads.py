@@ -135,11 +135,6 @@ class TensorSource:
     runs: tuple[Run, ...]
     build: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None
 
-    @classmethod
-    def plain(cls, path: str, key: str, shape: tuple[int, ...]) -> TensorSource:
-        """The tensor ``key`` of the file at ``path``, as it is."""
-        return cls(shape, (Run(path, key, 0, math.prod(shape), shape),))
-
     def reads(self, start: int, count: int) -> list[SliceRead]:
         """What to read, end to end, for the flat elements ``[start, start + count)``: the parts of the runs they
         overlap; with ``build``, every file tensor whole."""
@@ -309,10 +304,3 @@ class FolderIndex:
             path, at = self.tensors[key]
             runs.append(Run(path, key, start, math.prod(at.shape), at.shape))
         return TensorSource(shape, tuple(runs), build)
-
-
-def file_order(path: str, key: str, headers: dict[str, dict[str, StoredTensor]]) -> tuple[str, int]:
-    """A sort key that reads files one after another, each from its start to its end (``headers`` caches them)."""
-    if path not in headers:
-        headers[path] = read_header(path)
-    return path, headers[path][key].offset

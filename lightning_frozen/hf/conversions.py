@@ -133,7 +133,7 @@ def located(
     shape = tuple(built[conversion.target].shape)
     runs = expert_runs(model, conversion, shapes, revert)
     if runs is not None:
-        return shape, [run for expert in runs for run in expert], None
+        return shape, runs, None
     sizes = [math.prod(shapes[key]) for key in conversion.keys]
     held = weakref.ref(model)  # the record of the base keeps this function, not the model
 
@@ -148,8 +148,8 @@ def expert_runs(
     conversion: Conversion,
     shapes: Mapping[str, Sequence[int]],
     revert: Optional[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = None,
-) -> Optional[list[list[tuple[str, int]]]]:
-    """Where transformers' converter puts each folder tensor of ``conversion`` when it stacks experts: for each expert
+) -> Optional[list[tuple[str, int]]]:
+    """Where transformers' converter puts each folder tensor of ``conversion`` when it stacks experts: expert by expert
     (the n-th key of every source pattern, as its loader collects them), its keys with the flat index each starts at in
     the converted tensor, in that order. Found by the converter itself, run on one expert's tensors numbered element by
     element; None where the converted tensor is not the experts stacked one after another, each folder tensor one run
@@ -177,24 +177,15 @@ def expert_runs(
         if not torch.equal(flat[start : start + part.numel()], part.reshape(-1)):
             return None
         starts.append(start)
-    if revert is not None and not _reverts_to(revert, conversion.target, built, dict(zip(one.keys, parts))):
-        return None
+    if revert is not None:  # the numbered expert given back as the folder stores it: keys, shapes and values
+        try:
+            back = revert({conversion.target: built})
+        except Exception:  # a reverse op that cannot take one expert: converted whole, reverted as save_pretrained does
+            return None
+        if back.keys() != set(one.keys) or not all(torch.equal(back[k], part) for k, part in zip(one.keys, parts)):
+            return None
     order = sorted(range(len(starts)), key=starts.__getitem__)
-    return [[(conversion.sources[i][1][expert], expert * size + starts[i]) for i in order] for expert in range(experts)]
-
-
-def _reverts_to(
-    revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-    target: str,
-    built: torch.Tensor,
-    parts: dict[str, torch.Tensor],
-) -> bool:
-    """Whether ``revert({target: built})`` is ``parts``: the same keys, shapes and values."""
-    try:
-        back = revert({target: built})
-    except Exception:  # a reverse op that cannot take one expert: converted whole, reverted as save_pretrained does
-        return False
-    return back.keys() == parts.keys() and all(torch.equal(back[key], part) for key, part in parts.items())
+    return [(conversion.sources[i][1][expert], expert * size + starts[i]) for expert in range(experts) for i in order]
 
 
 def loading_layout(model: nn.Module, keys: Sequence[str], load_config: Any) -> Optional[FolderLayout]:
