@@ -102,13 +102,17 @@ def _signature_problem(function: Any, params: tuple[str, ...], exact: bool) -> O
     return None if fits else f"takes ({', '.join(names)}), not ({', '.join(params)})"
 
 
+_DYNAMO = "torch._dynamo."  # the wrappers torch.compile installs on torch's own functions come from here
+
+
 def _innermost(function: Any) -> Any:
     """``function`` without its decorators: ``__wrapped__``, or the one function in the closure of a ``(*args,
-    **kwargs)`` or ``(self, *args, **kwargs)`` wrapper (DeepSpeed's ``instrument_w_nvtx`` wraps without
-    ``functools.wraps``, as does torch.compile's ``patched_init`` of ``Module.__init__``, once anything compiled)."""
+    **kwargs)`` wrapper (DeepSpeed's ``instrument_w_nvtx`` wraps without ``functools.wraps``) or of torch's dynamo's
+    ``(self, *args, **kwargs)`` one (its ``patched_init`` of ``Module.__init__``, once anything was compiled)."""
     function = inspect.unwrap(function)
     code = getattr(function, "__code__", None)
-    if code is None or code.co_argcount > 1 or code.co_kwonlyargcount or not code.co_flags & inspect.CO_VARARGS:
+    dynamos = code is not None and code.co_argcount == 1 and getattr(function, "__module__", "").startswith(_DYNAMO)
+    if code is None or (code.co_argcount and not dynamos) or code.co_kwonlyargcount:
         return function
     inner = [value for value in _closure(function) if callable(value) and hasattr(value, "__code__")]
     return _innermost(inner[0]) if len(inner) == 1 else function

@@ -22,6 +22,7 @@ from lightning_frozen.errors import InvalidArgumentTypeError, InvalidArgumentVal
 from lightning_frozen.format.codec import storage_bytes
 from lightning_frozen.optim import filtering
 from lightning_frozen.spec import StrategySpec
+from lightning_frozen.zero import frozen_files
 from lightning_frozen.zero.config import fitted_reduce_bucket
 from lightning_frozen.zero.frozen_storage import frozen_dtype_of
 from lightning_frozen.zero.optimizers import inner_optimizer
@@ -344,10 +345,14 @@ def run_summary(
         frozen_dtype=spec.frozen_dtype,
     )
     shard_bytes, shard_device = measured_frozen_shard_bytes(frozen)
+    files = {frozen_files.file_of(p) for p in frozen}
+    where = f"{shard_device} memory"
+    if frozen and None not in files:  # the code cache's file: the page cache's, read as it is used
+        where = f"a mapped file ({', '.join(sorted(map(str, files)))}: page cache, not this process's memory)"
     return (
         f"lightning-frozen: {estimate.trainable_params:,} trainable / {estimate.frozen_params:,} frozen params"
         f" on {world_size} rank(s). Per rank: frozen shards {format_bytes(shard_bytes)}"
-        f" ({stored_as(frozen)}) in {shard_device} memory,"
+        f" ({stored_as(frozen)}) in {where},"
         " trainable weights"
         f" {format_bytes(estimate.trainable_weights)},"
         f" optimizer state (fp32 master + moments) {format_bytes(estimate.optimizer_state)} on"

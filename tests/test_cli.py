@@ -330,7 +330,7 @@ def test_convert_explains_its_arguments_and_failures(capsys: pytest.CaptureFixtu
 
 
 def test_help_and_an_unknown_subcommand_list_every_step(capsys: pytest.CaptureFixture[str]) -> None:
-    steps = ["fit", "validate", "test", "predict", "export-peft", "export-merged", "convert", "estimate"]
+    steps = ["fit", "validate", "test", "predict", "export-peft", "export-merged", "convert", "cache", "estimate"]
     assert cli.subcommands() == steps
     help_text = " ".join(_exit_output(capsys, "--help").split())
     assert all(step in help_text for step in steps), help_text
@@ -340,7 +340,7 @@ def test_help_and_an_unknown_subcommand_list_every_step(capsys: pytest.CaptureFi
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "lightning-frozen: error: invalid choice: 'export' (choose from 'fit', 'validate', 'test', 'predict',"
-        " 'export-peft', 'export-merged', 'convert', 'estimate'); see `lightning-frozen --help`"
+        " 'export-peft', 'export-merged', 'convert', 'cache', 'estimate'); see `lightning-frozen --help`"
     )
 
 

@@ -65,6 +65,8 @@ def test_the_second_fit_maps_the_file_and_reads_no_tensor_of_the_folder(
     second = fit(folder, cache, monkeypatch)
     assert second["reads"] == 0
     assert "mapped the frozen base from the code cache" in lightning_log.text
+    (summary,) = [line for line in lightning_log.lines if "Per rank: frozen shards" in line][1:]
+    assert f"(nf4) in a mapped file ({cache / files(cache)[0]}: page cache, not this process's memory)" in summary
     assert second["held"]["codes"] == first["held"]["codes"]  # the same bytes in every shard
     assert all(second["held"]["quantized_equal"].values()) and second["held"]["quantized_equal"]
     assert second["held"]["fingerprint"] == first["held"]["fingerprint"]
@@ -218,3 +220,21 @@ def test_the_command_lists_checks_and_clears_the_cache(
     main(["cache", "--dir", str(cache), "--clear"])
     assert capsys.readouterr().out.startswith("lightning-frozen cache: removed 1 files (")
     assert files(cache) == []
+
+
+def test_a_file_larger_than_memory_and_swap_maps(tmp_path: Path) -> None:
+    # a private writable mapping reserves its size under the kernel's default overcommit rule, which refuses more
+    # than memory and swap: a 70B's cache file was then never mapped again (found by benchmarks/code_cache)
+    from lightning_frozen.zero import frozen_files
+
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    memory = sum(int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal"))
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "0":
+        pytest.skip("the kernel's overcommit rule is not its default here")
+    path = tmp_path / "sparse.codes"
+    with open(path, "wb") as file:
+        file.truncate(2 * memory)  # sparse: no disk taken
+    os.chmod(path, 0o600)
+    mapped = frozen_files.open_file(path, 2 * memory)
+    assert mapped is not None and mapped.data.numel() == 2 * memory
+    assert int(mapped.data[memory]) == 0  # a page of the hole reads as zeros, in place

@@ -32,6 +32,10 @@ KEPT_GLOBALS = {
     "lightning_frozen.zero.frozen_storage:_stored_as": "which codes each quantized param's shard holds",
     "lightning_frozen.zero.gathers:_deepspeed": "DeepSpeed's own gather methods of each quantized param",
     "lightning_frozen.zero.gathers:_kind": "which gather methods each quantized param has",
+    # per param, held weakly, for as long as its shard lies in a mapped file (the code cache's, /dev/shm's)
+    "lightning_frozen.zero.frozen_files:_spans": "where each param's rows lie in its mapped file",
+    "lightning_frozen.zero.frozen_files:_rows": "every rank's row of each param whose rows all lie in one file",
+    "lightning_frozen.zero.frozen_files:_counted": "the finalizers that take a shared row off the count",
     # per module, held weakly, for as long as it keeps its shards; `unshard` takes the attributes off and forgets it
     "lightning_frozen.zero.whole:_added_by_engine": "which attributes building an engine added to each module",
 }

@@ -35,6 +35,7 @@ from lightning_frozen.base import slice_reads
 from lightning_frozen.base.loaded import LoadedBase
 from lightning_frozen.format.codec import block_format
 from lightning_frozen.zero import collectives, frozen_files
+from lightning_frozen.zero.frozen_storage import frozen_dtype_of
 from lightning_frozen.zero.params import full_numel, shard_numel
 
 ENVIRONMENT = process.CODE_CACHE  # where the cache lives, when the strategy's argument does not say
@@ -104,9 +105,7 @@ class CachedLoad:
         """``part`` was stored: its bytes go into its row of the file, and its shard becomes that row."""
         offset, row_bytes = self._offsets[part.name], part.row_bytes()
         if part.sliced:
-            shard = part.target.ds_tensor.data
-            stored = shard.view(torch.uint8) if shard.dtype != torch.uint8 else shard
-            coded = part.frozen_dtype if shard.dtype == torch.uint8 else None
+            stored, coded = frozen_files.stored_bytes(part.target), frozen_dtype_of(part.target)
             assert stored.numel() == row_bytes, f"{part.name}: {stored.numel()} bytes stored, {row_bytes} laid out"
             row = self.mapped.rows(offset, self.rows, row_bytes)[self.rank]
             row.copy_(stored)
@@ -177,15 +176,12 @@ def cached_load(
     if place is None or not sliced:
         yield None
         return
-    import deepspeed.comm as dist
-
-    group = sliced[0].target.ds_process_group
-    rank, rows = dist.get_rank(group=group), dist.get_world_size(group=group)
-    if rows != dist.get_world_size():
+    group, rank, rows, world = frozen_files.sharding(sliced[0].target)
+    if not world:
         rank_zero_info("lightning-frozen: the code cache is not used: the frozen params are sharded over a sub-group")
         yield None
         return
-    parts = sorted(parts, key=lambda part: (not part.sliced, getattr(part.target, "ds_id", 0)))
+    parts = sorted(parts, key=lambda part: (not part.sliced, frozen_files.creation_order(part.target)))
     name, stale_name, identity = _names(parts, frozen_dtype, fingerprint_mode, rows)
     offsets, total = frozen_files.layout([part.row_bytes() * (rows if part.sliced else 1) for part in parts])
     path = place / f"{name}{_SUFFIX}"
@@ -195,13 +191,15 @@ def cached_load(
         why = _private_folder(place)
         if why is not None:
             return None, why
-        mapped, _ = _open_whole(path, name)
-        if mapped is not None:
-            return mapped, None
+        mapped, why = _open_whole(path, name)
+        if mapped is not None or why is not None:
+            return mapped, why
         state["lock"] = lock = _locked(place / f"{name}.lock")
-        mapped, _ = _open_whole(path, name)  # written by the fit that held the lock
-        if mapped is not None:
-            return mapped, None
+        mapped, why = _open_whole(path, name)  # written by the fit that held the lock
+        if mapped is not None or why is not None:
+            lock.close()
+            state.pop("lock")
+            return mapped, why
         stale = _remove_stale(place, stale_name, identity)
         process.remove_dead_files(place, _PARTIAL)
         room = _make_room(place, total)
@@ -229,7 +227,7 @@ def cached_load(
     if hit:
         load.index = json.loads(frozen_files.read_index(path)[1])
     else:
-        load.index = {"name": name, "version": _version(), "folder": identity, "parts": {}}
+        load.index = {"name": name, "version": _package_version(), "folder": identity, "parts": {}}
         load._offsets = {part.name: offset for part, offset in zip(parts, offsets)}
     try:
         yield load
@@ -244,7 +242,7 @@ def _names(parts: Sequence[Part], frozen_dtype: Optional[str], mode: str, rows: 
     identity = [_identity(file) for file in files]
     layout = [[p.name, str(p.target.dtype), p.sliced, p.row_bytes(), p.frozen_dtype] for p in parts]
     where = _digest([_FORMAT, [os.path.realpath(file) for file in files], frozen_dtype, mode, rows, layout])[:16]
-    return f"{where}-{_digest([_version(), identity])[:24]}", where, identity
+    return f"{where}-{_digest([_package_version(), identity])[:24]}", where, identity
 
 
 def _identity(file: str) -> list:
@@ -259,7 +257,7 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()
 
 
-def _version() -> str:
+def _package_version() -> str:
     try:
         return metadata.version("lightning-frozen")
     except metadata.PackageNotFoundError:
@@ -280,18 +278,18 @@ def _private_folder(place: Path) -> Optional[str]:
     return None
 
 
-def _open_whole(path: Path, name: str) -> tuple[Optional[frozen_files.MappedFile], Optional[dict]]:
-    """``path`` mapped privately where it is whole and its index names it ``name``."""
+def _open_whole(path: Path, name: str) -> tuple[Optional[frozen_files.MappedFile], Optional[str]]:
+    """``path`` mapped privately where it is whole and its index names it ``name``; else None, and why where it is
+    such a file but cannot be mapped (then it is not written again either)."""
     found = frozen_files.read_index(path)
-    if found is None:
-        return None, None
     try:
-        index = json.loads(found[1])
+        index = json.loads(found[1]) if found is not None else {}
     except ValueError:
-        return None, None
+        index = {}
     if index.get("name") != name:
         return None, None
-    return frozen_files.open_file(path, found[0]), index
+    mapped = frozen_files.open_file(path, found[0])
+    return mapped, None if mapped is not None else f"{path} cannot be mapped, or another user could write it"
 
 
 def _locked(path: Path) -> IO[bytes]:
@@ -316,7 +314,7 @@ def _remove_stale(place: Path, stale_name: str, identity: list) -> str:
             index = None
         if not isinstance(index, dict):
             why = "; the one there was cut short or damaged"
-        elif index.get("version") != _version():
+        elif index.get("version") != _package_version():
             why = f"; the one there was written by lightning-frozen {index.get('version')}"
         elif index.get("folder") != identity:
             changed = [new[0] for old, new in zip(index["folder"], identity) if old != new] or ["its files"]

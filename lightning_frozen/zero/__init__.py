@@ -14,9 +14,10 @@ The surface other modules call, by module (``tests/test_seams.py`` checks that i
 is defined where it is listed):
 
 - ``params``: one ZeRO-3 param, its shard and its whole value: ``is_partitioned``, ``full_numel``, ``full_shape``,
-  ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``, ``full_param``,
-  ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent: ``optimizer_state_of``,
-  ``optimizer_state_with``, ``ensure_optimizer_state``, ``set_optimizer_state``, ``loss_scaler_state``,
+  ``shard_numel``, ``shard_range``, ``local_shard``, ``is_released``, ``mark_gathered``, ``gathered``,
+  ``full_param``, ``set_full_param``; the ZeRO-3 optimizer's state by param, world-size independent:
+  ``optimizer_state_of``, ``optimizer_state_with``, ``ensure_optimizer_state``, ``set_optimizer_state``,
+  ``loss_scaler_state``,
   ``scaler_state``, ``restore_loss_scaler``; a save's whole tensors, gathered to the writing rank alone:
   ``gather_to_writer``, ``whole_on_meta``, ``WRITER_RANK``;
   and ``check_has_trainable``, ``compute_dtype``; torch's own: ``persistent_buffers`` (the buffers a
@@ -34,10 +35,15 @@ is defined where it is listed):
   ``set_engine_counters``, ``keep_empty_groups``; torch's schedulers: ``scheduler_chain``, ``point_schedulers_at``,
   ``SUB_SCHEDULER_KEYS`` (the schedulers inside SequentialLR and ChainedScheduler).
 - ``frozen_storage``: frozen shards stored below the compute dtype, as the core sees them (the kernels handed in):
-  ``frozen_dtype_of``, ``store_codes``, ``restore_values``, ``keeps_a_copy``, ``check_config``, ``SourceValues``.
+  ``frozen_dtype_of``, ``store_codes``, ``store_encoded``, ``restore_values``, ``keeps_a_copy``, ``check_config``,
+  ``SourceValues``.
+- ``frozen_files``: frozen shards in a file every rank of a machine maps (the code cache's, ``/dev/shm``'s):
+  ``MappedFile``, ``layout``, ``reserve``, ``open_file``, ``write_index``, ``read_index``, ``place``,
+  ``mapped_together``, ``sharding``, ``stored_bytes``, ``creation_order``, ``rows_of``, ``file_of``,
+  ``owned_bytes``.
 - ``frozen_compute``: the one door to how frozen shards are gathered and computed, chosen per device (behind it,
-  ``compute/``: the quantized gather, and the CPU's compiled kernels, layers computed from codes, codes shared in
-  ``/dev/shm``, decode buffers and host-memory settings): ``frozen_compute_for``, ``FrozenCompute``,
+  ``compute/``: the quantized gather, and the CPU's compiled kernels, layers computed from codes, decode buffers and
+  host-memory settings): ``frozen_compute_for``, ``FrozenCompute``,
   ``compute_from_codes``, ``KERNELS`` (the compiled passes the core takes as a value), ``exit_cleanly`` (a gloo
   group destroyed at exit and its workers left idle, ``zero/compute/gloo_exit.py``, read in /proc).
 - ``gathers``: which gather methods each ZeRO-3 param has over its life, and DeepSpeed's own: ``use``,

@@ -36,6 +36,7 @@ HEAD = 4096  # bytes at the file's head: magic, where its index lies, the token 
 _MAGIC = b"LFFROZ01"
 _HEAD_FORMAT = "<8sQQ32s"  # magic, index offset, index length, token
 _MADV_POPULATE_READ = 22
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's; Python names it from 3.13
 _READ_AHEAD_BYTES = 64 << 20  # at least this far ahead of a gathered param, in the direction the gathers go
 _PREFIX = "lightning-frozen"
 _NAME = process.owned_names(_PREFIX)
@@ -129,7 +130,8 @@ def open_file(path: Path, size: int, writable: bool = False) -> Optional[MappedF
         status = os.fstat(descriptor)
         if not _owned_file(status) or status.st_size < size:
             return None
-        flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE
+        # private and writable, it would reserve its size in memory: refused beyond memory + swap unless not reserved
+        flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE | _MAP_NORESERVE
         mapped = mmap.mmap(descriptor, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError):
         return None
@@ -188,7 +190,28 @@ def place(
         if rows > 1:
             _rows[param] = all_rows
             keeps_a_copy(param, leave)  # codes written or values restored: gathered through the process group again
-    _spans[param] = (weakref.ref(mapped), offset, offset + all_rows.numel())
+    _spans[param] = (mapped, offset, offset + all_rows.numel())  # its views hold the mapping as long anyway
+
+
+def sharding(param: nn.Parameter) -> tuple[Any, int, int, bool]:
+    """The process group ``param`` is sharded over, this rank's index in it, its size, and whether it is the world."""
+    import deepspeed.comm as dist
+
+    group = param.ds_process_group
+    size = dist.get_world_size(group=group)
+    return group, dist.get_rank(group=group), size, size == dist.get_world_size()
+
+
+def stored_bytes(param: nn.Parameter) -> torch.Tensor:
+    """This rank's shard of ``param`` as it is stored, as bytes (codes as they are, values viewed as ``uint8``)."""
+    shard = param.ds_tensor.data
+    return shard if shard.dtype == torch.uint8 else shard.view(torch.uint8)
+
+
+def creation_order(tensor: torch.Tensor) -> int:
+    """Where ``tensor`` came in the model's creation (ZeRO-3's id; 0 for a tensor that is no ZeRO-3 param): the order
+    forwards gather params in, roughly, and so the order a file lays them out in for reading ahead."""
+    return int(getattr(tensor, "ds_id", 0))
 
 
 def rows_of(param: nn.Parameter) -> Optional[torch.Tensor]:
@@ -197,11 +220,18 @@ def rows_of(param: nn.Parameter) -> Optional[torch.Tensor]:
     return _rows.get(param)
 
 
+def file_of(param: nn.Parameter) -> Optional[Path]:
+    """The mapped file ``param``'s shard lies in, else None."""
+    span = _spans.get(param)
+    mapped = span[0] if span is not None else None
+    return None if mapped is None else mapped.path
+
+
 def read_ahead(param: nn.Parameter) -> None:
     """``param`` is being gathered: ask for the pages of the params beyond it in its file (those before it in a
     backward), so that the disk reads them while this one computes."""
     span = _spans.get(param)
-    mapped = span[0]() if span is not None else None
+    mapped = span[0] if span is not None else None
     if mapped is not None:
         mapped.read_ahead(span[1], span[2])
 
