@@ -52,7 +52,6 @@ def even_dataloader(
     if world_size == 1 or stage is None:
         return dataloader
     prefix = str(stage.dataloader_prefix)
-    joining.tell_mode()
     gather = gather or gather_objects
     lengths = gather(length(dataloader))
     if None not in lengths and len(set(lengths)) == 1:
@@ -98,7 +97,7 @@ class Joining:
         self.refuse = refuse  # `uneven_batches="raise"`: every rank raises UnevenBatchesError instead
         self.share: Optional[Share] = None  # the running step's
         self._fetched: dict[str, deque[tuple[object, Optional[Share]]]] = {}  # per stage: (loader, share), in order
-        self._told: set[str] = set()  # "" once the mode was said, then the stages whose first join was
+        self._told: set[str] = set()  # the stages whose first join was said
 
     def fetched(self, stage: str, loader: object, share: Optional[Share]) -> None:
         self._fetched.setdefault(stage, deque()).append((loader, share))
@@ -127,19 +126,15 @@ class Joining:
         """``loss`` for the running step's backward: as it is where every rank has a batch, else times its weight."""
         return loss if self.share is None else loss * self.share.loss_weight
 
-    def tell_mode(self) -> None:
-        """Say on rank 0, once a run, what happens to uneven data (at the first dataloader set up on several ranks)."""
-        if "" in self._told:
-            return
-        self._told.add("")
-        what = (
-            "every rank raises UnevenBatchesError where the ranks have different numbers of batches"
-            if self.refuse
-            else "a rank that runs out of batches before the others serves them on stand-in steps that count for"
-            ' nothing; `uneven_batches="raise"` refuses such data'
-        )
-        rank_zero_info(
-            f"lightning-frozen: uneven batches: {'raise' if self.refuse else 'join'} ({what}; docs/loops.md)."
+    def summary(self, world_size: int) -> str:
+        """A sentence for the summary at the start of a run: what uneven data meets ("" on one rank)."""
+        if world_size == 1:
+            return ""
+        if self.refuse:
+            return " Uneven batches: raise (every rank raises UnevenBatchesError where ranks have different numbers)."
+        return (
+            " Uneven batches: join (a rank that runs out of batches before the others serves them on stand-in steps"
+            ' that count for nothing; `uneven_batches="raise"` refuses such data; docs/loops.md).'
         )
 
     def tell_once(self, stage: str, counts: dict[int, Any], every: Sequence[bool]) -> None:

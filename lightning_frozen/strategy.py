@@ -342,7 +342,7 @@ class FrozenAwareDeepSpeedStrategy(lightning_seam.DeepSpeedHooks):
             super().init_deepspeed()
             self._drops_layers = transformers_loading.drops_layers(model)
             if self.is_global_zero:
-                rank_zero_info(self.memory_summary())
+                rank_zero_info(self.memory_summary() + self._joining.summary(self.world_size))
             self.frozen_base_fingerprint()  # one pass over the frozen shards now: saving costs only the trainable state
             return
         check_gradient_clipping(module)
