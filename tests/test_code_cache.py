@@ -7,6 +7,7 @@ ranks; two jobs at once)."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 from lightning_frozen import FrozenAwareDeepSpeedStrategy
 from lightning_frozen.base import code_cache
+from lightning_frozen.zero import frozen_files
 from tests.distributed import SCRIPTS, fresh_env, read_reports, run_script
 from tests.models import cpu_trainer
 from tests.pretrained_support import TINY_LLAMA, held_frozen, token_data, write_llama, write_random_llama
@@ -62,8 +64,12 @@ def test_the_second_fit_maps_the_file_and_reads_no_tensor_of_the_folder(
     first = fit(folder, cache, monkeypatch)
     assert first["reads"] >= 21 and len(files(cache)) == 1  # one read a tensor at least
     assert "wrote the code cache" in lightning_log.text
+    advised: list[tuple[int, int, int]] = []
+    advise = frozen_files.MappedFile.advise
+    monkeypatch.setattr(frozen_files.MappedFile, "advise", lambda self, *how: advised.append(how) or advise(self, *how))
     second = fit(folder, cache, monkeypatch)
     assert second["reads"] == 0
+    assert [how for how in advised if how[0] == mmap.MADV_WILLNEED]  # the gathers asked for the next pages ahead
     assert "mapped the frozen base from the code cache" in lightning_log.text
     (summary,) = [line for line in lightning_log.lines if "Per rank: frozen shards" in line][1:]
     assert f"(nf4) in a mapped file ({cache / files(cache)[0]}: page cache, not this process's memory)" in summary
@@ -225,8 +231,6 @@ def test_the_command_lists_checks_and_clears_the_cache(
 def test_a_file_larger_than_memory_and_swap_maps(tmp_path: Path) -> None:
     # a private writable mapping reserves its size under the kernel's default overcommit rule, which refuses more
     # than memory and swap: a 70B's cache file was then never mapped again (found by benchmarks/code_cache)
-    from lightning_frozen.zero import frozen_files
-
     fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     memory = sum(int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal"))
     if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "0":
