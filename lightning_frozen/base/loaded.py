@@ -13,17 +13,15 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from lightning_frozen.base import slice_reads
 from lightning_frozen.base.fingerprint import Checksummer, param_sha256, tensor_sha256
-from lightning_frozen.errors import FrozenBaseFileError, FrozenDtypeError
+from lightning_frozen.errors import FrozenDtypeError
 from lightning_frozen.zero import exact_gather, gathers
 from lightning_frozen.zero.frozen_compute import KERNELS, compute_from_codes
 from lightning_frozen.zero.frozen_storage import SourceValues, frozen_dtype_of, restore_values, store_codes
@@ -212,24 +210,6 @@ class LoadedBase:
         assert entry.exact_gathers
         compute_from_codes(param, self.keep_source)
         entry.settled = True
-
-
-@contextmanager
-def open_safetensors(path: str) -> Iterator[Any]:
-    """``safetensors.safe_open(path, framework="pt")``, memory-mapped.
-
-    Raises:
-        FrozenBaseFileError: the file is truncated or corrupt (named, with the fix), where safetensors' own error
-            names no file.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        handle = safe_open(path, framework="pt")
-    except SafetensorError as error:
-        raise FrozenBaseFileError(path, str(error)) from error
-    with handle:
-        yield handle
 
 
 def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_frozen import process
 from lightning_frozen.base import code_cache, prequantized, qlora, slice_reads
 from lightning_frozen.base.fingerprint import Checksummer
-from lightning_frozen.base.loaded import LoadedBase, open_safetensors, source_sha256
+from lightning_frozen.base.loaded import LoadedBase, source_sha256
 from lightning_frozen.capabilities import CONVERTED_LOADING, available
 from lightning_frozen.hf import conversions, peft_adapters, transformers_loading
 from lightning_frozen.progress import Progress
@@ -220,21 +220,15 @@ def zero3_pretrained_loading(config: dict, plan: Optional[LoadPlan] = None) -> I
 
 
 def _shapes_only(original: Callable[..., dict], checkpoint_file: Any, *args: Any, **kwargs: Any) -> dict:
-    """A safetensors file's tensors as meta tensors that remember the file; other formats load as transformers does."""
+    """A safetensors file's tensors as meta tensors that remember the file; other formats, and a file holding a dtype
+    torch lacks, load as transformers does."""
     path = os.fspath(checkpoint_file)
-    if not path.endswith(".safetensors"):
+    header = slice_reads.read_header(path, every=True) if path.endswith(".safetensors") else None
+    if header is None:
         return original(checkpoint_file, *args, **kwargs)
-    shapes: dict[str, torch.Tensor] = {}
-    with open_safetensors(path) as handle:
-        names = handle.keys()  # a safetensors handle is not iterable itself
-        for key in names:
-            piece = handle.get_slice(key)
-            dtype = slice_reads.SAFETENSORS_DTYPES.get(piece.get_dtype())
-            if dtype is None:
-                return original(checkpoint_file, *args, **kwargs)
-            tensor = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
-            setattr(tensor, _SOURCE, path)
-            shapes[key] = tensor
+    shapes = {key: torch.empty(at.shape, dtype=at.dtype, device="meta") for key, at in sorted(header.items())}
+    for tensor in shapes.values():
+        setattr(tensor, _SOURCE, path)
     return shapes
 
 
@@ -454,14 +448,11 @@ def store_slice(
 
 def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What transformers' own ZeRO-3 loader expects: values on rank 0, shapes elsewhere."""
-    if _rank() != 0 or not any(hasattr(t, _SOURCE) for t in state_dict.values()):
-        return state_dict
+    keys = [key for key, tensor in state_dict.items() if hasattr(tensor, _SOURCE)] if _rank() == 0 else []
     values = dict(state_dict)
-    for path in sorted({getattr(t, _SOURCE) for t in state_dict.values() if hasattr(t, _SOURCE)}):
-        with open_safetensors(path) as handle:
-            for key, tensor in state_dict.items():
-                if getattr(tensor, _SOURCE, None) == path:
-                    values[key] = handle.get_tensor(key)
+    whole = [slice_reads.SliceRead(getattr(state_dict[key], _SOURCE), key, 0, state_dict[key].numel()) for key in keys]
+    with slice_reads.read_ahead(whole) as read:
+        values.update({key: next(read).view(state_dict[key].shape) for key in keys})
     return values
 
 

@@ -56,8 +56,9 @@ class StoredTensor:
     nbytes: int
 
 
-def read_header(path: str) -> dict[str, StoredTensor]:
-    """The tensors of the safetensors file at ``path`` whose dtype torch has, by key.
+def read_header(path: str, every: bool = False) -> Optional[dict[str, StoredTensor]]:
+    """The tensors of the safetensors file at ``path`` whose dtype torch has, by key; with ``every``, None where one
+    has a dtype torch lacks.
 
     Raises:
         FrozenBaseFileError: the header is cut short or malformed, or the file ends before a tensor's bytes do.
@@ -75,8 +76,10 @@ def read_header(path: str) -> dict[str, StoredTensor]:
     stored = {}
     for key, entry in header.items():
         dtype = SAFETENSORS_DTYPES.get(entry.get(_DTYPE_FIELD)) if isinstance(entry, dict) else None
-        if key == "__metadata__" or dtype is None:
+        if key == "__metadata__" or dtype is None and not every:
             continue
+        if dtype is None:
+            return None
         begin, end = entry[_OFFSETS_FIELD]
         if data_start + end > size:
             raise FrozenBaseFileError(path, f"the file ends at byte {size}, before tensor `{key}` does")
