@@ -242,3 +242,22 @@ def test_a_file_larger_than_memory_and_swap_maps(tmp_path: Path) -> None:
     mapped = frozen_files.open_file(path, 2 * memory)
     assert mapped is not None and mapped.data.numel() == 2 * memory
     assert int(mapped.data[memory]) == 0  # a page of the hole reads as zeros, in place
+
+
+def test_beyond_its_size_limit_the_least_recently_used_file_goes_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lightning_log: Any
+) -> None:
+    cache = tmp_path / "codes"
+    first, second = write_llama(tmp_path / "first"), write_llama(tmp_path / "second")
+    fit(first, cache, monkeypatch)
+    (kept,) = files(cache)
+    size = (cache / kept).stat().st_size
+    monkeypatch.setenv("LIGHTNING_FROZEN_CODE_CACHE_GB", str(1.5 * size / 2**30))  # room for one file, not two
+    fit(second, cache, monkeypatch)
+    assert len(files(cache)) == 1 and kept not in files(cache)  # the first base's file made room
+    (newer,) = files(cache)
+    monkeypatch.setenv("LIGHTNING_FROZEN_CODE_CACHE_GB", str(0.5 * size / 2**30))  # room for none
+    assert fit(first, cache, monkeypatch)["reads"] >= 21
+    assert files(cache) == [newer]  # nothing removed for a file that could not be written anyway
+    (line,) = [line for line in lightning_log.lines if "the code cache is not used" in line]
+    assert "within a limit of" in line and "LIGHTNING_FROZEN_CODE_CACHE_GB" in line

@@ -327,24 +327,22 @@ def _remove_stale(place: Path, stale_name: str, identity: list) -> str:
 
 def _make_room(place: Path, needed: int) -> Optional[str]:
     """Remove the least recently used files until ``needed`` more bytes fit the limit and leave the disk
-    ``FREE_MARGIN`` free; None, or why it cannot."""
+    ``FREE_MARGIN`` free; None, or why it cannot (then nothing is removed)."""
     limit = int(float(os.environ.get(LIMIT_ENVIRONMENT) or DEFAULT_LIMIT_GB) * 2**30)
-    files = sorted(place.glob(f"*{_SUFFIX}"), key=lambda file: file.stat().st_mtime)
-    files = [file for file in files if not _PARTIAL.match(file.name)]
-
-    def short() -> int:
-        stats = os.statvfs(place)
-        held = sum(file.stat().st_size for file in files)
-        return max(held + needed - limit, needed + FREE_MARGIN - stats.f_bavail * stats.f_frsize)
-
-    while short() > 0 and files:
-        files.pop(0).unlink(missing_ok=True)
-    if short() > 0:
-        stats = os.statvfs(place)
+    files = [(file, file.stat()) for file in place.glob(f"*{_SUFFIX}") if not _PARTIAL.match(file.name)]
+    files.sort(key=lambda found: found[1].st_mtime)
+    stats = os.statvfs(place)
+    free, held = stats.f_bavail * stats.f_frsize, sum(status.st_size for _, status in files)
+    if needed > limit or needed + FREE_MARGIN > free + held:
         return (
-            f"it needs {needed / 2**30:.2f} GiB and {place} has {stats.f_bavail * stats.f_frsize / 2**30:.2f} GiB free"
-            f" within a limit of {limit / 2**30:.0f} GiB ({LIMIT_ENVIRONMENT})"
+            f"it needs {needed / 2**30:.2f} GiB and {place} has {free / 2**30:.2f} GiB free within a limit of"
+            f" {limit / 2**30:.2f} GiB ({LIMIT_ENVIRONMENT})"
         )
+    for file, status in files:
+        if held + needed <= limit and needed + FREE_MARGIN <= free:
+            break
+        file.unlink(missing_ok=True)
+        held, free = held - status.st_size, free + status.st_size
     return None
 
 
