@@ -337,7 +337,7 @@ class _Description:
                 reads.append(read)
                 targets.append((module, attr, tensor))
         base = {}
-        for k, t in _unloaded_module(unit).state_dict(keep_vars=True).items():
+        for k, t in _merged_module(unit, None).state_dict(keep_vars=True).items():
             read = self.read(t)
             base[f"{lead}{k}"] = (read.dtype if read else self.dtype_of(None, t.dtype), tuple(t.shape))
         changed.update(base)
@@ -454,15 +454,17 @@ def _merge_inputs(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def _merged_module(unit: nn.Module, adapter_name: str) -> nn.Module:
+def _merged_module(unit: nn.Module, adapter_name: Optional[str]) -> nn.Module:
     """What ``merge_and_unload`` puts in place of ``unit``: its base layer with the adapter merged in by PEFT's own
     ``merge`` (of the tuner layer, or through the wrapper's ``unload_and_optionally_merge_module``), or, for a plain
-    LoRA ``Linear``, by :func:`_merge_lora_by_rows`, its arithmetic bit for bit."""
+    LoRA ``Linear``, by :func:`_merge_lora_by_rows`, its arithmetic bit for bit; with no ``adapter_name``, unmerged
+    (its names and shapes)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if hasattr(unit, "unload_and_optionally_merge_module"):
-            return unit.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=[adapter_name])
-        if not _merge_lora_by_rows(unit, adapter_name):
+            names = None if adapter_name is None else [adapter_name]
+            return unit.unload_and_optionally_merge_module(merge=bool(names), safe_merge=False, adapter_names=names)
+        if adapter_name is not None and not _merge_lora_by_rows(unit, adapter_name):
             unit.merge(safe_merge=False, adapter_names=[adapter_name])
         return unit.get_base_layer()
 
@@ -494,13 +496,6 @@ def _merge_lora_by_rows(unit: nn.Module, adapter_name: str) -> bool:
             part.copy_(delta.mul_(unit.scaling[adapter_name]).add_(part))  # fp32 + the weight, as PEFT's `+=` adds
     unit.merged_adapters.append(adapter_name)
     return True
-
-
-def _unloaded_module(unit: nn.Module) -> nn.Module:
-    """What ``merge_and_unload`` puts in place of ``unit``, without merging (its names and shapes)."""
-    if hasattr(unit, "unload_and_optionally_merge_module"):
-        return unit.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
-    return unit.get_base_layer()
 
 
 def _expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
