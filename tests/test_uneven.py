@@ -16,7 +16,7 @@ import torch
 from lightning_frozen import loops
 from lightning_frozen.checkpoint.file import read_checkpoint
 from lightning_frozen.errors import UnevenBatchesError
-from tests.distributed import read_reports, run_script
+from tests.distributed import launch, read_reports, run_script
 
 SIGTERM_STATUS = 128 + signal.SIGTERM
 
@@ -164,48 +164,72 @@ def uneven_four(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return report
 
 
+@pytest.fixture(scope="module")
+def uneven_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``nodes`` case's reports: ``3-1`` on 2 simulated nodes of one rank each, a process per node."""
+    report = tmp_path_factory.mktemp("uneven_nodes")
+    args = (f"--report={report}", "--cases=nodes", "--num-nodes=2")
+    codes, output, _ = launch("uneven_train.py", *args, nodes=2, timeout=240)
+    assert codes == [0, 0], "\n".join(text[-4000:] for text in output)
+    return report
+
+
 def plain_torch(
     case: str,
     mean_over_world: bool = False,
     steps: Sequence[int] = (),
     frozen: Optional[dict[str, torch.Tensor]] = None,
     llama: Optional[Path] = None,
+    accumulate: int = 1,
+    pooled: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The trainable params after SGD steps (``steps``: which of the epoch's, in order; else all) whose gradient is the
     mean over the real batches of each step (or, with ``mean_over_world``, the sum over the ranks: what ZeRO's average
     gives a stand-in not weighed 0), and each real batch's loss before its step. ``frozen``: the frozen weights the
-    run computed with; ``llama``: the ``adapters`` case's base."""
+    run computed with; ``llama``: the ``adapters`` case's base. With ``accumulate``, an optimizer step every
+    ``accumulate`` steps (micro-steps), whose gradient is the mean over its micro-steps of each one's mean over its real
+    batches, divided by ``accumulate`` once more (Lightning divides the loss by it, and DeepSpeed's ``backward`` again);
+    with ``pooled``, instead the mean over all the real batches of its micro-steps, and nothing more."""
     from tests.scripts.uneven_train import CASES, LR, SGDAdapter, SGDAdapters, batches_of
 
     model = SGDAdapters(str(llama)) if case == "adapters" else SGDAdapter()
     if frozen:
         model.load_state_dict(frozen, strict=False)
     ranks = [batches_of(case, rank) for rank in range(len(CASES[case]))]
-    losses = []
-    for step in steps or range(max(CASES[case])):
-        real = [batches[step] for batches in ranks if step < len(batches)]
-        for x, y in real:
-            if case == "adapters":
-                loss = sum(model._losses((x, y)).values())  # each adapter's mean over its rows, summed
-            else:
-                loss = torch.nn.functional.mse_loss(model(x), y)
-            losses.append(loss.item())
-            loss.backward()
+    order, losses = list(steps or range(max(CASES[case]))), []
+    for first in range(0, len(order), accumulate):
+        micro_steps = [
+            [batches[step] for batches in ranks if step < len(batches)] for step in order[first:][:accumulate]
+        ]
+        for real in micro_steps:
+            for x, y in real:
+                if case == "adapters":
+                    loss = sum(model._losses((x, y)).values())  # each adapter's mean over its rows, summed
+                else:
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                losses.append(loss.item())
+                if pooled:
+                    loss.div(sum(map(len, micro_steps))).backward()
+                else:
+                    loss.div((len(ranks) if mean_over_world else len(real)) * accumulate**2).backward()
         with torch.no_grad():
             for param in model.parameters():
                 if param.grad is not None:
-                    param -= LR * param.grad / (len(ranks) if mean_over_world else len(real))
+                    param -= LR * param.grad
                     param.grad = None
     return {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}, losses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["3-1", "3-0", "sized"])
-def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(case: str, uneven_train: Path) -> None:
-    reports = read_reports(uneven_train / case)
+@pytest.mark.parametrize("case", ["3-1", "3-0", "sized", "nodes"])
+def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(
+    case: str, request: pytest.FixtureRequest
+) -> None:
+    # `nodes`: `3-1`'s batches on 2 simulated nodes of one process each, against `3-1`'s reference
+    reports = read_reports(request.getfixturevalue("uneven_nodes" if case == "nodes" else "uneven_train") / case)
     assert len(reports) == 2
-    expected, losses = plain_torch(case)
-    world_mean, _ = plain_torch(case, mean_over_world=True)
+    expected, losses = plain_torch("3-1" if case == "nodes" else case)
+    world_mean, _ = plain_torch("3-1" if case == "nodes" else case, mean_over_world=True)
     assert any(not torch.allclose(expected[name], world_mean[name], atol=1e-5) for name in expected)  # it can fail
     for report in reports:
         assert report["global_step"] == 3  # a step where some rank has data is a step for every rank
@@ -220,6 +244,7 @@ def test_uneven_streams_train_an_epoch_as_the_real_batches_on_as_many_ranks(case
         "3-1": "rank 0: 2 or more, rank 1: 1",
         "3-0": "rank 0: 1 or more, rank 1: 0",
         "sized": "rank 0: 3, rank 1: 1",
+        "nodes": "rank 0: 2 or more, rank 1: 1",
     }
     assert said.count("ran out of train batches") == 1, said
     assert f"rank 1 ran out of train batches ({counts[case]})" in said, said
@@ -244,6 +269,29 @@ def test_four_ranks_one_without_any_batch_train_an_epoch_as_the_real_batches(cas
         assert report["metrics"]["train_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     counts = "rank 0: 1, rank 1: 0, rank 2: 3, rank 3: 2" if case == "four-sized" else "rank 0: 1 or more, rank 1: 0"
     assert f"rank 1 ran out of train batches ({counts}" in reports[0]["said"], reports[0]["said"]
+
+
+@pytest.mark.slow
+def test_accumulated_micro_steps_over_an_uneven_stream_step_as_their_real_batches_weigh(uneven_train: Path) -> None:
+    # ranks of 4 batches and 1, `accumulate_grad_batches=2`: 2 optimizer steps, of micro-steps with 2 real batches
+    # and 1, then 1 and 1 (rank 1 on stand-ins). Each micro-step weighs its real losses world/real and a stand-in's 0
+    # (`loops.Share`), so an optimizer step's gradient is the mean over its micro-steps of their means over their real
+    # batches: (g00 + g10) / 4 + g01 / 2 in the first step, not the mean over its 3 real batches (g00 + g10 + g01) / 3;
+    # and halved once more, stock too: Lightning divides the loss by 2 and DeepSpeed's `engine.backward` again
+    reports = read_reports(uneven_train / "accumulate")
+    assert len(reports) == 2
+    expected, losses = plain_torch("accumulate", accumulate=2)
+    pooled, _ = plain_torch("accumulate", accumulate=2, pooled=True)  # the issue's reading: differs
+    world_mean, _ = plain_torch("accumulate", accumulate=2, mean_over_world=True)  # stand-ins not weighed 0
+    for other in (pooled, world_mean):
+        assert any(not torch.allclose(expected[name], other[name], atol=1e-5) for name in expected)  # it can fail
+    for report in reports:
+        assert report["global_step"] == 2  # optimizer steps, not micro-steps nor the stand-ins'
+        assert sorted(report["params"]) == sorted(expected)
+        for name, values in report["params"].items():
+            torch.testing.assert_close(torch.tensor(values), expected[name], rtol=1e-5, atol=1e-6)
+        assert report["metrics"]["samples"] == 4 * len(losses) == 4 * 5
+        assert report["metrics"]["train_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
 
 def decoded_frozen_weights(frozen_dtype: str, world_size: int = 2) -> dict[str, torch.Tensor]:

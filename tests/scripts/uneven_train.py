@@ -7,6 +7,8 @@ stream of whole batches under ``DataLoader(batch_size=None)``), ``sized`` (``3-1
 sampler of the user's own: the loader has a length), ``nf4`` and ``int8`` (``3-1`` over a frozen base stored so),
 ``adapters`` (``3-1`` of token batches, two LoRA adapters trained at once on the tiny Llama of ``--llama``),
 ``four`` and ``four-sized`` (a stream and ``sized`` on 4 ranks: one batch, none, three, two; a launch of their own),
+``nodes`` (``3-1`` on 2 simulated nodes of one rank each, ``--num-nodes=2``: a launch per node),
+``accumulate`` (four batches and one, ``accumulate_grad_batches=2``: two optimizer steps of two micro-batches each),
 ``predict`` (``3-1`` predicted, not trained), ``preempt`` (``3-1``, and rank 1 sends itself SIGTERM in its stand-in's
 step at global step 1: the process exits, so it comes last) and ``resume`` (``3-1`` resumed from the ``last.ckpt``
 that ``preempt`` left, in a launch of its own). Each rank writes ``<report>/<case>/rank<R>.json``: its exit status,
@@ -44,6 +46,8 @@ CASES = {
     "nf4": (3, 1),
     "int8": (3, 1),
     "adapters": (3, 1),
+    "nodes": (3, 1),
+    "accumulate": (4, 1),
     "four": (1, 0, 3, 2),
     "four-sized": (1, 0, 3, 2),
     "predict": (3, 1),
@@ -129,15 +133,16 @@ class Preempted(SGDAdapter):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
-    parser.add_argument("--cases", default="3-1,3-0,sized,nf4,int8,adapters,predict,preempt")
+    parser.add_argument("--cases", default="3-1,3-0,sized,nf4,int8,adapters,accumulate,predict,preempt")
     parser.add_argument("--llama", help="the tiny Llama's folder, for the ``adapters`` case")
+    parser.add_argument("--num-nodes", type=int, default=1, help="simulated nodes, each started with its NODE_RANK")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # SIGTERM's default before the strategy's handler
     for case in args.cases.split(","):
-        train(case, Path(args.report), args.llama)
+        train(case, Path(args.report), args.llama, args.num_nodes)
 
 
-def train(case: str, folder: Path, llama: str) -> None:
+def train(case: str, folder: Path, llama: str, num_nodes: int = 1) -> None:
     batched, report = case == "3-0", folder / case
     if case in SIZED:
         data = DataLoader(TensorDataset(SAMPLES, TARGETS), batch_size=BATCH, sampler=RankSampler(case))
@@ -146,7 +151,9 @@ def train(case: str, folder: Path, llama: str) -> None:
     model = Preempted() if case == "preempt" else SGDAdapters(llama) if case == "adapters" else SGDAdapter()
     trainer = cpu_trainer(
         FrozenAwareDeepSpeedStrategy(frozen_dtype=case if case in ("nf4", "int8") else None),
-        devices=len(CASES[case]),
+        devices=len(CASES[case]) // num_nodes,
+        num_nodes=num_nodes,
+        accumulate_grad_batches=2 if case == "accumulate" else 1,
         use_distributed_sampler=False,
         default_root_dir=folder,
     )
