@@ -413,36 +413,30 @@ class CastBuffer:
 def store_slice(
     values: torch.Tensor,
     target: torch.Tensor,
-    plan: Optional[LoadPlan] = None,
-    checksum: Optional[Checksummer] = None,
-    source: Optional[slice_reads.TensorSource] = None,
-    casts: Optional[CastBuffer] = None,
+    plan: LoadPlan,
+    checksum: Checksummer,
+    source: slice_reads.TensorSource,
+    casts: CastBuffer,
 ) -> None:
     """Put ``values`` (this rank's flat slice of the tensor whose values lie where ``source`` says, in the files'
     dtype) into ``target``'s ZeRO-3 shard: recorded in ``plan.loaded`` (with ``checksum``) and, with
     ``plan.frozen_dtype``, stored as codes (cast to the param's dtype in ``casts`` first)."""
     start, count = shard_range(target)
     shard = local_shard(target)
-    quantize = plan is not None and plan.frozen_dtype is not None and values.is_floating_point()
+    frozen_dtype = plan.frozen_dtype if values.is_floating_point() else None
     with torch.no_grad():
         read = values
-        if quantize:
-            values = (casts or CastBuffer()).cast(values, shard.dtype)
+        if frozen_dtype is not None:
+            values = casts.cast(values, shard.dtype)
         else:  # the copy casts; the values as the param holds them are its shard's
             values = shard.narrow(0, 0, count).copy_(values)
-        if plan is None:
-            return
-        sha256 = None
-        if plan.fingerprint_mode == "sha256":
-            assert source is not None
-            sha256 = source_sha256(source, target.dtype)
-        plan.loaded.record(target, values, start, checksum or Checksummer(KERNELS), sha256)
-        if quantize:
-            assert plan.frozen_dtype is not None and source is not None
+        sha256 = source_sha256(source, target.dtype) if plan.fingerprint_mode == "sha256" else None
+        plan.loaded.record(target, values, start, checksum, sha256)
+        if frozen_dtype is not None:
             # bf16 read into an fp32 shard: the cast is exact, so the codes of the values read are those of the
             # cast ones, from half the bytes (for `frozen_dtype="bf16"` a copy instead of a rounding cast back)
             exact = read.dtype == torch.bfloat16 and values.dtype == torch.float32
-            store_codes(target, read if exact else values, plan.frozen_dtype, KERNELS)
+            store_codes(target, read if exact else values, frozen_dtype, KERNELS)
             plan.loaded.quantized(target, source)
 
 
