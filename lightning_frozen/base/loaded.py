@@ -84,8 +84,8 @@ class LoadedBase:
 
     def _read_exact(self, param: nn.Parameter) -> torch.Tensor:
         entry = self._lossless(param)
-        assert entry is not None
-        return _read_whole(param, entry)
+        assert entry is not None and entry.source is not None
+        return entry.source.read(0, math.prod(entry.source.shape)).to(param.dtype).reshape(full_shape(param))
 
     def _written(self, param: nn.Parameter) -> None:
         # written while loading: its file no longer holds its values, its codes will
@@ -200,7 +200,7 @@ class LoadedBase:
                         " written, so its exact values are gone. Keep it frozen, or pass `frozen_dtype=None`."
                     )
                 gathers.use_deepspeed(param)
-                restore_values(param, _read_slice(param, entry.source))
+                restore_values(param, entry.source.read(*shard_range(param)).to(param.dtype))
                 del self._entries[id(param)]
             elif not entry.settled:
                 self.settle_one(param, entry)
@@ -210,15 +210,6 @@ class LoadedBase:
         assert entry.exact_gathers
         compute_from_codes(param, self.keep_source)
         entry.settled = True
-
-
-def _read_whole(param: nn.Parameter, entry: _Entry) -> torch.Tensor:
-    assert entry.source is not None
-    return entry.source.read(0, math.prod(entry.source.shape)).to(param.dtype).reshape(full_shape(param))
-
-
-def _read_slice(param: nn.Parameter, source: slice_reads.TensorSource) -> torch.Tensor:
-    return source.read(*shard_range(param)).to(param.dtype)
 
 
 def source_sha256(source: slice_reads.TensorSource, dtype: torch.dtype) -> str:

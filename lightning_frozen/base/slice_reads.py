@@ -16,7 +16,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -226,11 +226,8 @@ def read_slice(wanted: Wanted) -> torch.Tensor:
     Raises:
         FrozenBaseFileError: the file is cut short or its header malformed.
     """
-    reader = _Reader()
-    try:
+    with closing(_Reader()) as reader:
         return reader.read(wanted)
-    finally:
-        reader.close()
 
 
 @contextmanager
