@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_frozen.base import slice_reads
 from lightning_frozen.errors import BitsAndBytesConfigError, UnsupportedConfigurationError
-from lightning_frozen.format.codec import NF4_VALUES
+from lightning_frozen.format.codec import NF4_VALUES, nf4_table
 from lightning_frozen.hf import transformers_loading
 
 QUANT_STATE = ".quant_state.bitsandbytes__"  # the key suffix of a weight's quant state, then its quant type
@@ -49,10 +49,10 @@ class PackedNF4:
 class PackedNF4Source(slice_reads.TensorSource):
     """A weight bitsandbytes stored as NF4: a slice reads the codes of its blocks only, and its scales (``values``)."""
 
-    packed: Optional[PackedNF4] = None
+    packed: PackedNF4 = field(kw_only=True)
 
     def reads(self, start: int, count: int) -> list[slice_reads.SliceRead]:
-        packed = self._packed()
+        packed = self.packed
         first, last = _blocks(start, count)
         per_element = packed.storage.nbytes // packed.storage.dtype.itemsize
         item = packed.storage.dtype.itemsize
@@ -62,19 +62,14 @@ class PackedNF4Source(slice_reads.TensorSource):
     def values(self, read: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """The flat weights ``[start, start + count)`` as bitsandbytes dequantizes them (fp32), from ``read``, the
         codes :meth:`reads` gave; reads the blocks' scales."""
-        packed = self._packed()
+        packed = self.packed
         first, last = _blocks(start, count)
         codes = read.view(torch.uint8)[: (last - first) * _BYTES_PER_BLOCK]
         codes = torch.nn.functional.pad(codes, (0, (last - first) * _BYTES_PER_BLOCK - codes.numel()))  # a last block
         scales = _scales(packed, first, last)
-        table = torch.tensor(NF4_VALUES, dtype=torch.float32)
-        pairs = torch.stack([table[(codes >> 4).long()], table[(codes & 0x0F).long()]], dim=1).view(-1, 64)
+        pairs = nf4_table(codes.device)[torch.stack([codes >> 4, codes & 0x0F], dim=1).long()].view(-1, 64)
         values = (pairs * scales[: pairs.shape[0], None]).view(-1)
         return values[start - first * 64 : start - first * 64 + count]
-
-    def _packed(self) -> PackedNF4:
-        assert self.packed is not None
-        return self.packed
 
 
 def _blocks(start: int, count: int) -> tuple[int, int]:
@@ -126,7 +121,7 @@ def packed_source(key: str, path: Mapping[str, str], shapes: Mapping[str, Sequen
     header = slice_reads.read_header(file)
     packed = PackedNF4(file, key, math.prod(shape), header[key], nested, int(state.get("nested_blocksize", 256)))
     run = slice_reads.Run(file, key, 0, math.prod(shapes[key]), tuple(shapes[key]))
-    return PackedNF4Source(shape, (run,), _whole_build(packed), packed)
+    return PackedNF4Source(shape, (run,), _whole_build(packed), packed=packed)
 
 
 def _whole(path: str, key: str, shapes: Mapping[str, Sequence[int]]) -> slice_reads.SliceRead:
@@ -138,7 +133,7 @@ def _whole_build(packed: PackedNF4) -> Callable[[list[torch.Tensor]], torch.Tens
     (``loaded.source_sha256``) reads it through :meth:`PackedNF4Source.read`, not as its runs (the codes)."""
 
     def build(tensors: list[torch.Tensor]) -> torch.Tensor:
-        source = PackedNF4Source((packed.numel,), (), None, packed)
+        source = PackedNF4Source((packed.numel,), (), None, packed=packed)
         return source.values(tensors[0].reshape(-1), 0, packed.numel)
 
     return build
