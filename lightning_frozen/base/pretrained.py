@@ -253,12 +253,12 @@ def _load_own_slices(
     errors: list[str] = []
     with outside_zero_init():  # its tensor constructors would make the checksum's, codec's and converter's tensors bf16
         index = None if folder is None else slice_reads.FolderIndex({getattr(t, _SOURCE) for t in state_dict.values()})
-        items = None if index is None else _items(model_to_load, folder, targets, index, state_dict, errors)
+        items = None if index is None else _items(model_to_load, folder, targets, index, errors)
         if folder is not None and items is not None:
             if folder.conversions:  # as transformers' loader records them: `save_pretrained` reverts them
                 conversions.record_conversions(model_to_load, folder.used)
             missing = set(targets) - set(folder.keys) - set(folder.conversions)  # as transformers counts them
-            return _load_slices(plan, targets, items, index, state_dict, errors, missing)
+            return _load_slices(plan, targets, items, index, errors, missing)
     rank_zero_info(
         "lightning-frozen: this checkpoint needs transformers' own ZeRO-3 loader (tensor conversions it cannot slice"
         " or a non-safetensors file): rank 0 reads each tensor and broadcasts it"
@@ -288,15 +288,14 @@ def _items(
     folder: conversions.FolderLayout,
     targets: dict[str, torch.Tensor],
     index: slice_reads.FolderIndex,
-    state_dict: dict[str, torch.Tensor],
     errors: list[str],
 ) -> Optional[list[_Item]]:
     """The tensors to load from the folder, in the order they lie in its files; a shape that differs from the model's
     is put in ``errors`` instead. None where a conversion is one this loader cannot slice: it builds other tensors than
     its one target (split across params), or transformers' converter fails on the folder's shapes."""
-    path = {key: getattr(tensor, _SOURCE) for key, tensor in state_dict.items()}
+    path = {key: file for key, (file, _) in index.tensors.items()}
     found: list[tuple[str, slice_reads.TensorSource, tuple[str, ...]]] = []
-    shapes = {key: tuple(tensor.shape) for key, tensor in state_dict.items()}
+    shapes = {key: at.shape for key, (_, at) in index.tensors.items()}
     for name, key in folder.keys.items():
         source = prequantized.packed_source(key, path, shapes)
         found.append((name, source or index.source(shapes[key], [(key, 0)]), (key,)))
@@ -327,14 +326,12 @@ def _load_slices(
     targets: dict[str, torch.Tensor],
     items: list[_Item],
     index: slice_reads.FolderIndex,
-    state_dict: dict[str, torch.Tensor],
     errors: list[str],
     missing: set[str],
 ) -> tuple[list[str], set[str]]:
     # only what is loaded counts: a folder may hold more than the model uses (a CLIP folder for its vision tower);
     # counted in the files' bytes, not the model's dtype (a bf16 file loaded under 32-true is half the fp32 bytes)
-    stored = {key: at for key, (_, at) in index.tensors.items()}
-    parts = {item.name: _cache_part(plan, item, targets[item.name], stored) for item in items}
+    parts = {item.name: _cache_part(plan, item, targets[item.name], index) for item in items}
     with code_cache.cached_load(
         plan.code_cache, list(parts.values()), plan.frozen_dtype, plan.fingerprint_mode
     ) as cache:
@@ -344,18 +341,16 @@ def _load_slices(
                 transformers_loading.mark_initialized(targets[item.name])
             return errors, missing
         kept = None if cache is None else (lambda item: cache.keep(parts[item.name], plan.loaded))
-        _read_and_store(plan, targets, items, stored, state_dict, kept)
+        _read_and_store(plan, targets, items, index, kept)
         if cache is not None:
             cache.finish(plan.loaded)
     return errors, missing
 
 
-def _cache_part(
-    plan: LoadPlan, item: _Item, target: torch.Tensor, stored: dict[str, slice_reads.StoredTensor]
-) -> code_cache.Part:
+def _cache_part(plan: LoadPlan, item: _Item, target: torch.Tensor, index: slice_reads.FolderIndex) -> code_cache.Part:
     # as `store_slice` encodes them; a pre-quantized weight's values are its codes dequantized
     floating = isinstance(item.source, prequantized.PackedNF4Source) or all(
-        stored[key].dtype.is_floating_point for key in item.keys
+        index.tensors[key][1].dtype.is_floating_point for key in item.keys
     )
     files = tuple(sorted({run.path for run in item.source.runs}))
     return code_cache.Part(item.name, target, item.sliced, files, plan.frozen_dtype if floating else None)
@@ -365,13 +360,12 @@ def _read_and_store(
     plan: LoadPlan,
     targets: dict[str, torch.Tensor],
     items: list[_Item],
-    stored: dict[str, slice_reads.StoredTensor],
-    state_dict: dict[str, torch.Tensor],
+    index: slice_reads.FolderIndex,
     kept: Optional[Callable[[_Item], None]] = None,
 ) -> None:
     """Read, store and record each item's slice (or whole tensor), one item ahead; ``kept(item)`` once it is stored
     (the code cache copies it into its file then)."""
-    file_bytes = {item.name: sum(stored[key].nbytes for key in item.keys) for item in items}
+    file_bytes = {item.name: sum(index.tensors[key][1].nbytes for key in item.keys) for item in items}
     progress = Progress(sum(file_bytes.values()))
     checksum, casts = Checksummer(KERNELS), CastBuffer()
     ranges = [shard_range(targets[item.name]) if item.sliced else (0, full_numel(targets[item.name])) for item in items]
@@ -389,7 +383,8 @@ def _read_and_store(
                 kept(item)
             if progress.advance(file_bytes[item.name]):
                 rank_zero_info(f"lightning-frozen: loading the frozen base: {_load_status(progress)}")
-    rank_zero_info(f"lightning-frozen: loaded {_folder(state_dict)} into ZeRO-3 shards: {_load_status(progress)}")
+    folder = os.path.dirname(next(iter(index.tensors.values()), ("",))[0])
+    rank_zero_info(f"lightning-frozen: loaded {folder} into ZeRO-3 shards: {_load_status(progress)}")
 
 
 class CastBuffer:
@@ -448,11 +443,6 @@ def _materialize_on_rank_zero(state_dict: dict[str, torch.Tensor]) -> dict[str, 
     with slice_reads.read_ahead(whole) as read:
         values.update({key: next(read).view(state_dict[key].shape) for key in keys})
     return values
-
-
-def _folder(state_dict: dict[str, torch.Tensor]) -> str:
-    paths = {getattr(t, _SOURCE) for t in state_dict.values()}
-    return os.path.dirname(next(iter(paths))) if paths else ""
 
 
 def _rank() -> int:
