@@ -49,13 +49,13 @@ def test_a_slice_reads_only_its_blocks_and_gives_bitsandbytes_values(tmp_path: P
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)["w.weight"]["values"].reshape(-1)
 
     file = str(tmp_path / "model.safetensors")
-    shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
-    source = prequantized.packed_source("w.weight", dict.fromkeys(tensors, file), shapes)
+    index = slice_reads.FolderIndex([file])
+    source = prequantized.packed_source("w.weight", index)
     assert source is not None and source.shape == (5, 100)
     assert torch.equal(source.read(0, 500), reference)
     assert torch.equal(source.read(100, 300), reference[100:400]) and torch.equal(source.read(448, 52), reference[448:])
     assert source.reads(192, 64) == [slice_reads.SliceRead(file, "w.weight", 96, 32)]  # one block's 32 bytes
-    assert prequantized.packed_source("w.weight.absmax", dict.fromkeys(tensors, file), shapes) is None
+    assert prequantized.packed_source("w.weight.absmax", index) is None
 
 
 def _fit(module: PrequantizedLoRA, steps: int = 2, ckpt_path: Any = None) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -93,20 +93,25 @@ def _scales(packed: PackedNF4, first: int, last: int) -> torch.Tensor:
     return code[absmax.long()] * outer[index] + torch.tensor(offset, dtype=torch.float32)
 
 
-def packed_source(key: str, path: Mapping[str, str], shapes: Mapping[str, Sequence[int]]) -> Optional[PackedNF4Source]:
-    """The source of folder tensor ``key`` where bitsandbytes stored it quantized (its quant state beside it), else
-    None. ``path``/``shapes``: every folder key's file and shape.
+def packed_source(key: str, index: slice_reads.FolderIndex) -> Optional[PackedNF4Source]:
+    """The source of the folder tensor ``key`` of ``index`` where bitsandbytes stored it quantized (its quant state
+    beside it), else None.
 
     Raises:
         BitsAndBytesConfigError: a weight quantized otherwise than as NF4 in blocks of 64 (fp4, another block size or
             code table); the message names it and the fix.
     """
-    state_key = next((k for k in (f"{key}{QUANT_STATE}nf4", f"{key}{QUANT_STATE}fp4") if k in path), None)
+    tensors = index.tensors
+    state_key = next((k for k in (f"{key}{QUANT_STATE}nf4", f"{key}{QUANT_STATE}fp4") if k in tensors), None)
     if state_key is None:
         return None
-    file = path[key]
-    state = json.loads(bytes(slice_reads.read_slice(_whole(file, state_key, shapes)).tolist()))
-    table = slice_reads.read_slice(_whole(file, f"{key}.quant_map", shapes))
+    file, at = tensors[key]
+
+    def whole(name: str) -> torch.Tensor:
+        return slice_reads.read_slice(slice_reads.SliceRead(file, name, 0, math.prod(tensors[name][1].shape)))
+
+    state = json.loads(bytes(whole(state_key).tolist()))
+    table = whole(f"{key}.quant_map")
     if state.get("quant_type") != "nf4" or state.get("blocksize") != 64 or table.tolist() != list(NF4_VALUES):
         raise BitsAndBytesConfigError(
             f"`{key}` in {file} is stored by bitsandbytes as {state.get('quant_type')} in blocks of"
@@ -115,17 +120,10 @@ def packed_source(key: str, path: Mapping[str, str], shapes: Mapping[str, Sequen
         )
     shape = tuple(state["shape"])
     nested = None
-    if f"{key}.nested_absmax" in path:
-        code = slice_reads.read_slice(_whole(file, f"{key}.nested_quant_map", shapes)).float()
-        nested = (code, float(state["nested_offset"]))
-    header = slice_reads.read_header(file)
-    packed = PackedNF4(file, key, math.prod(shape), header[key], nested, int(state.get("nested_blocksize", 256)))
-    run = slice_reads.Run(file, key, 0, math.prod(shapes[key]), tuple(shapes[key]))
-    return PackedNF4Source(shape, (run,), _whole_build(packed), packed=packed)
-
-
-def _whole(path: str, key: str, shapes: Mapping[str, Sequence[int]]) -> slice_reads.SliceRead:
-    return slice_reads.SliceRead(path, key, 0, math.prod(shapes[key]))
+    if f"{key}.nested_absmax" in tensors:
+        nested = (whole(f"{key}.nested_quant_map").float(), float(state["nested_offset"]))
+    packed = PackedNF4(file, key, math.prod(shape), at, nested, int(state.get("nested_blocksize", 256)))
+    return PackedNF4Source(shape, index.source(at.shape, [(key, 0)]).runs, _whole_build(packed), packed=packed)
 
 
 def _whole_build(packed: PackedNF4) -> Callable[[list[torch.Tensor]], torch.Tensor]:

@@ -274,13 +274,17 @@ def _load_own_slices(
 
 @dataclass(frozen=True)
 class _Item:
-    """One model tensor to load: where its values lie (``source``), the folder keys they come from, and whether this
-    rank takes its slice (a ZeRO-3 param) or the whole tensor."""
+    """One model tensor to load: where its values lie (``source``), and whether this rank takes its slice (a ZeRO-3
+    param) or the whole tensor."""
 
     name: str
     source: slice_reads.TensorSource
-    keys: tuple[str, ...]
     sliced: bool
+
+    @property
+    def keys(self) -> list[str]:
+        """The folder keys its values come from."""
+        return [run.key for run in self.source.runs]
 
 
 def _items(
@@ -293,21 +297,17 @@ def _items(
     """The tensors to load from the folder, in the order they lie in its files; a shape that differs from the model's
     is put in ``errors`` instead. None where a conversion is one this loader cannot slice: it builds other tensors than
     its one target (split across params), or transformers' converter fails on the folder's shapes."""
-    path = {key: file for key, (file, _) in index.tensors.items()}
-    found: list[tuple[str, slice_reads.TensorSource, tuple[str, ...]]] = []
-    shapes = {key: at.shape for key, (_, at) in index.tensors.items()}
-    for name, key in folder.keys.items():
-        source = prequantized.packed_source(key, path, shapes)
-        found.append((name, source or index.source(shapes[key], [(key, 0)]), (key,)))
-    for name, conversion in folder.conversions.items():
-        try:
-            shape, starts, build = conversions.located(model, conversion, shapes)
-        except conversions.ConversionError:  # transformers' own loader then, as before
-            return None
-        found.append((name, index.source(shape, starts, build), conversion.keys))
+    try:
+        where = conversions.locations(model, folder, {key: at.shape for key, (_, at) in index.tensors.items()})
+    except conversions.ConversionError:  # transformers' own loader then, as before
+        return None
+    found = []
+    for name, (shape, starts, build) in where.items():
+        source = prequantized.packed_source(starts[0][0], index) if name in folder.keys else None
+        found.append((name, source or index.source(shape, starts, build)))
     found.sort(key=lambda each: index.order(each[1].runs[0].key))
     items = []
-    for name, source, keys in found:
+    for name, source in found:
         target = targets[name]
         if source.shape != tuple(full_shape(target)):
             errors.append(
@@ -315,7 +315,7 @@ def _items(
                 f" current model is {tuple(full_shape(target))}."
             )
             continue
-        items.append(_Item(name, source, keys, is_partitioned(target)))
+        items.append(_Item(name, source, is_partitioned(target)))
     packed = [targets[i.name] for i in items if isinstance(i.source, prequantized.PackedNF4Source) and i.sliced]
     prequantized.say_cut_blocks([(full_numel(target), shard_numel(target)) for target in packed])
     return items

@@ -143,6 +143,23 @@ def located(
     return shape, list(zip(conversion.keys, itertools.accumulate(sizes, initial=0))), build
 
 
+def locations(
+    model: nn.Module,
+    layout: FolderLayout,
+    shapes: Mapping[str, Sequence[int]],
+    revert: Optional[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = None,
+) -> dict[str, tuple[tuple[int, ...], list[tuple[str, int]], Optional[Callable[[list[torch.Tensor]], torch.Tensor]]]]:
+    """Where each model tensor that ``layout`` fills lies in the folder's tensors of ``shapes``, by model key, as
+    :func:`located` gives it; a tensor read as stored is its one key, from 0. The sliced loader and the merged export
+    both read the folder by it.
+
+    Raises:
+        ConversionError: as :func:`located`.
+    """
+    found = {name: (tuple(shapes[key]), [(key, 0)], None) for name, key in layout.keys.items()}
+    return found | {name: located(model, c, shapes, revert) for name, c in layout.conversions.items()}
+
+
 def expert_runs(
     model: nn.Module,
     conversion: Conversion,

@@ -210,19 +210,19 @@ class _Description:
         if layout.used:  # its keys are written back as save_pretrained reverts them
             require(CONVERTED_EXPORT)
             conversions.record_conversions(self.inner, layout.used)  # as `from_pretrained` does: what it reverts
-        read = [*layout.keys.values(), *(key for c in layout.conversions.values() for key in c.keys)]
-        floats = [stored[key][0] for key in read if stored[key][0].is_floating_point]
+        try:  # where each tensor lies in the folder's: each conversion's one dry run
+            self.where = conversions.locations(
+                self.inner, layout, {k: s for k, (_, s) in stored.items()}, self.reverted
+            )
+        except conversions.ConversionError as error:
+            raise self.refused(str(error)) from error
+        floats = [
+            stored[k][0] for _, starts, _ in self.where.values() for k, _ in starts if stored[k][0].is_floating_point
+        ]
         self.dtype = dtype or max(set(floats), key=floats.count, default=torch.float32)
         self.names: dict[int, tuple[str, ...]] = {}  # each tensor's names in the PEFT model: its fingerprint record's
         for name, tensor in [*adapted.model.named_parameters(remove_duplicate=False), *adapted.model.named_buffers()]:
             self.names[id(tensor)] = (*self.names.get(id(tensor), ()), name)
-        self.located = {}  # where each converted tensor lies in the folder's: the conversion's one dry run
-        for target, conversion in layout.conversions.items():
-            shapes = {key: stored[key][1] for key in conversion.keys}
-            try:
-                self.located[target] = conversions.located(self.inner, conversion, shapes, self.reverted)
-            except conversions.ConversionError as error:
-                raise self.refused(str(error)) from error
 
     def parts(self) -> MergedParts:
         named: list[tuple[Optional[str], Part]] = []
@@ -264,9 +264,8 @@ class _Description:
 
         return revert_weight_conversion(self.inner, dict(tensors))
 
-    def conversion(self, tensor: torch.Tensor) -> Optional[conversions.Conversion]:
-        found = self.adapted.layout.conversions
-        return next((found[n] for n in self.adapted.names_of.get(id(tensor), []) if n in found), None)
+    def converted(self, tensor: torch.Tensor) -> bool:
+        return any(n in self.adapted.layout.conversions for n in self.adapted.names_of.get(id(tensor), []))
 
     def dtype_of(self, key: Optional[str], fallback: torch.dtype) -> torch.dtype:
         own = self.stored[key][0] if key is not None else fallback
@@ -277,15 +276,11 @@ class _Description:
     def read(self, tensor: torch.Tensor) -> Optional[Read]:
         """Where a meta tensor of the model is read from in the folder (its own key, or the keys it is converted
         from); None where it is not there."""
-        conversion, keys = self.conversion(tensor), self.adapted.layout.keys
-        if conversion is not None:
-            key, (_, starts, build) = conversion.keys[0], self.located[conversion.target]
-        else:
-            key = next((keys[n] for n in self.adapted.names_of.get(id(tensor), []) if n in keys), None)
-            starts, build = [(key, 0)], None
-        if key is None:
+        name = next((n for n in self.adapted.names_of.get(id(tensor), []) if n in self.where), None)
+        if name is None:
             return None
-        dtype = self.dtype_of(key, tensor.dtype)
+        _, starts, build = self.where[name]
+        dtype = self.dtype_of(starts[0][0], tensor.dtype)
         return Read(self.names.get(id(tensor), ()), dtype, tuple(tensor.shape), tuple(starts), build)
 
     def written(self, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[Written]:
@@ -316,7 +311,7 @@ class _Description:
                 " run loaded its base from as `base=` (`--base` on the command line)."
             )
         written = self.written({name: (read.dtype, read.shape)})
-        if self.conversion(tensor) is None:
+        if not self.converted(tensor):
             return Part(written, [read])
         by_expert = self.by_expert([read], [tensor], written)
         if by_expert is not None:
@@ -363,7 +358,7 @@ class _Description:
         """The folder tensors written for ``reads`` (of ``tensors``) one expert at a time: where each is a converted
         tensor whose experts lie stacked, and transformers' reversal writes each back as the folder stores it; else
         None."""
-        if any(read.build is not None or self.conversion(t) is None for read, t in zip(reads, tensors)):
+        if any(read.build is not None or not self.converted(t) for read, t in zip(reads, tensors)):
             return None
         found = [
             Written(key, self.dtype_of(key, read.dtype), self.stored[key][1])
