@@ -1,4 +1,4 @@
-"""The merged export's plan and writer (``checkpoint/merge_plan.py``, ``checkpoint/merge_writer.py``) and the one
+"""The merged export's plan and its pass (``checkpoint/merge_plan.py``) and the one
 safetensors format they write with (``base/slice_reads.py``). The export's behaviour is held by
 ``tests/test_merged_export.py``; here, what the flow's split promises (issue 62)."""
 
@@ -29,7 +29,7 @@ def _imported(path: Path) -> set[str]:
 
 
 def test_the_plan_and_the_writer_know_nothing_of_peft_or_transformers() -> None:
-    planned = [PACKAGE / "checkpoint" / "merge_plan.py", PACKAGE / "checkpoint" / "merge_writer.py"]
+    planned = [PACKAGE / "checkpoint" / "merge_plan.py"]
     for path in [*planned, PACKAGE / "format" / "merged_parts.py"]:
         imported = _imported(path)
         assert not {m for m in imported if m.split(".")[0] in ("peft", "transformers")}, path

@@ -2,7 +2,7 @@
 
 One flow, data going one way: the checkpoint and the base folder's index (``base/slice_reads.py``); the adapted model
 built on the meta device, holding no memory, and described part by part, shape only (``hf/merging.py``); a plan of
-steps (``checkpoint/merge_plan.py``); a writer that runs it (``checkpoint/merge_writer.py``). Frozen tensors are read
+steps built from that description, and its one pass (``checkpoint/merge_plan.py``). Frozen tensors are read
 from the base folder by positioned reads, checksummed as read and verified against the fingerprint before the folder
 is published. Each tuner layer is merged by PEFT's own ``merge`` with its base weights read just for it; other tensors
 are copied through in chunks; a tensor transformers converts at load (a MoE's fused experts) is merged and written
@@ -24,8 +24,7 @@ from lightning_frozen.base import prequantized
 from lightning_frozen.base.slice_reads import INDEX_NAME, FolderIndex
 from lightning_frozen.checkpoint.atomic_files import check_output_folder, folder_written_whole
 from lightning_frozen.checkpoint.file import PathLike, checked_path, read_checkpoint
-from lightning_frozen.checkpoint.merge_plan import merge_plan
-from lightning_frozen.checkpoint.merge_writer import write_plan
+from lightning_frozen.checkpoint.merge_plan import write_merged
 from lightning_frozen.checkpoint.peft_export import peft_entry_of
 from lightning_frozen.errors import (
     BaseFolderError,
@@ -41,7 +40,7 @@ CONFIG_NAME = "config.json"
 # the base folder's files that are not copied: its weights (written merged) and its config (written anew)
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)$|.*\.index\.json$")
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-# bytes handed to the writing thread and not yet written, beyond one tensor (see merge_writer's _ShardWriter)
+# bytes handed to the writing thread and not yet written, beyond one tensor (see merge_plan's _ShardWriter)
 WRITE_AHEAD_BYTES = 16 << 20
 
 
@@ -107,12 +106,11 @@ def export_merged(
             f"lightning-frozen: the adapter changed {format_names(merged.untied)}, tied to other weights in the base:"
             " the merged model holds both, untied (`tie_word_embeddings: false` in its config.json)."
         )
-    plan = merge_plan(merged, index, checkpoint, str(checkpoint_path), lead, limit)
     # glibc gives each freed layer back: a process keeps no heap of the model's size after the pass
     give_back = frozen_compute_for(torch.device("cpu")).set_process_memory()
     with folder_written_whole(folder, replaceable) as written:
         try:
-            write_plan(plan, written, WRITE_AHEAD_BYTES)
+            write_merged(merged, index, checkpoint, str(checkpoint_path), lead, limit, written, WRITE_AHEAD_BYTES)
         finally:
             if give_back is not None:
                 give_back()
