@@ -214,15 +214,12 @@ class LoadedBase:
 
 def source_sha256(source: slice_reads.TensorSource, dtype: torch.dtype) -> str:
     """The sha256 of the whole tensor ``source`` gives, in ``dtype`` (``frozen_base``'s ``sha256`` mode): its runs read
-    a few MiB at a time, in the order they lie in it; one it builds is built whole."""
+    a few MiB at a time, in order; one it builds is built whole."""
+    total = math.prod(source.shape)
     if source.build is not None:
-        return tensor_sha256(source.read(0, math.prod(source.shape)).to(dtype))
+        return tensor_sha256(source.read(0, total).to(dtype))
     digest = hashlib.sha256()
-    reads = [
-        slice_reads.SliceRead(run.path, run.key, first, min(_HASH_ELEMENTS, run.count - first))
-        for run in sorted(source.runs, key=lambda run: run.start)
-        for first in range(0, run.count, _HASH_ELEMENTS)
-    ]
+    reads = [source.reads(first, min(_HASH_ELEMENTS, total - first)) for first in range(0, total, _HASH_ELEMENTS)]
     with slice_reads.read_ahead(reads) as pieces:
         for values in pieces:
             digest.update(values.to(dtype).view(torch.uint8).numpy().tobytes())

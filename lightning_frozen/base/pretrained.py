@@ -281,11 +281,6 @@ class _Item:
     source: slice_reads.TensorSource
     sliced: bool
 
-    @property
-    def keys(self) -> list[str]:
-        """The folder keys its values come from."""
-        return [run.key for run in self.source.runs]
-
 
 def _items(
     model: nn.Module,
@@ -350,7 +345,7 @@ def _load_slices(
 def _cache_part(plan: LoadPlan, item: _Item, target: torch.Tensor, index: slice_reads.FolderIndex) -> code_cache.Part:
     # as `store_slice` encodes them; a pre-quantized weight's values are its codes dequantized
     floating = isinstance(item.source, prequantized.PackedNF4Source) or all(
-        index.tensors[key][1].dtype.is_floating_point for key in item.keys
+        index.tensors[run.key][1].dtype.is_floating_point for run in item.source.runs
     )
     files = tuple(sorted({run.path for run in item.source.runs}))
     return code_cache.Part(item.name, target, item.sliced, files, plan.frozen_dtype if floating else None)
@@ -365,7 +360,7 @@ def _read_and_store(
 ) -> None:
     """Read, store and record each item's slice (or whole tensor), one item ahead; ``kept(item)`` once it is stored
     (the code cache copies it into its file then)."""
-    file_bytes = {item.name: sum(index.tensors[key][1].nbytes for key in item.keys) for item in items}
+    file_bytes = {item.name: sum(index.tensors[run.key][1].nbytes for run in item.source.runs) for item in items}
     progress = Progress(sum(file_bytes.values()))
     checksum, casts = Checksummer(KERNELS), CastBuffer()
     ranges = [shard_range(targets[item.name]) if item.sliced else (0, full_numel(targets[item.name])) for item in items]

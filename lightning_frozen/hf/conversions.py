@@ -150,8 +150,7 @@ def locations(
     revert: Optional[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = None,
 ) -> dict[str, tuple[tuple[int, ...], list[tuple[str, int]], Optional[Callable[[list[torch.Tensor]], torch.Tensor]]]]:
     """Where each model tensor that ``layout`` fills lies in the folder's tensors of ``shapes``, by model key, as
-    :func:`located` gives it; a tensor read as stored is its one key, from 0. The sliced loader and the merged export
-    both read the folder by it.
+    :func:`located` gives it (a tensor read as stored: its one key, from 0): for the sliced loader and the export.
 
     Raises:
         ConversionError: as :func:`located`.
