@@ -164,11 +164,10 @@ def write_merged(
                     for tensor in part.written:
                         writer.write(tensor, merged.pop(tensor.name))
                     continue
-                held: list = [None, None]  # the expert whose delta is held, and the delta
                 for piece in step.pieces:
-                    values = next(slices)
-                    if piece.read.delta is not None:
-                        values = _plus_delta(piece, values, held)
+                    values, read = next(slices), piece.read
+                    if read.delta is not None:  # PEFT's delta of its expert added, in the converted tensor's dtype
+                        values = values.to(read.dtype) + read.delta(piece.start, piece.count).to(read.dtype)
                     assert piece.written is not None
                     writer.write(piece.written, values)
     finally:
@@ -185,19 +184,6 @@ def write_merged(
         weight_map = {t.name: name for name, shard in plan.shards for t in shard}
         shards = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / slice_reads.INDEX_NAME).write_text(json.dumps(shards, indent=2, sort_keys=True) + "\n")
-
-
-def _plus_delta(piece: Piece, values: torch.Tensor, held: list) -> torch.Tensor:
-    """``values``, a folder tensor of a converted tensor, with its run of PEFT's delta of its expert added (as PEFT's
-    merge adds the whole delta, in the converted tensor's dtype); ``held`` keeps one expert's delta for its tensors."""
-    read = piece.read
-    assert read.delta is not None
-    size = math.prod(read.shape[1:])
-    expert = piece.start // size
-    if held[0] != (id(read), expert):
-        held[:] = [(id(read), expert), read.delta(expert).reshape(-1).to(read.dtype)]
-    begin = piece.start - expert * size
-    return values.to(read.dtype) + held[1][begin : begin + values.numel()]
 
 
 class _ShardWriter:

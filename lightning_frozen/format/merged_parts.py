@@ -30,15 +30,16 @@ class Written:
 class Read:
     """A base tensor a part reads from the folder: its ``names`` in the adapted model (its fingerprint record's among
     them), its shape and the dtype the merge takes; ``starts``, each folder key with the flat index its values start at
-    in it, or, with ``build``, the keys whose values transformers' converter turns into it. ``delta`` gives PEFT's
-    delta of one expert, where the part streams the experts of a converted tensor."""
+    in it, or, with ``build``, the keys whose values transformers' converter turns into it. ``delta`` gives the flat
+    elements ``[start, start + count)`` of PEFT's delta, within one expert, where the part streams the experts of a
+    converted tensor."""
 
     names: tuple[str, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
     starts: tuple[tuple[str, int], ...]
     build: Optional[Callable[[list[torch.Tensor]], torch.Tensor]] = None
-    delta: Optional[Callable[[int], torch.Tensor]] = None
+    delta: Optional[Callable[[int, int], torch.Tensor]] = None
 
 
 @dataclass
@@ -55,10 +56,9 @@ class Part:
 
 @dataclass
 class MergedParts:
-    """The parts of the merged model, its weights' dtype, the tied weights the adapter changed (which it holds
-    untied), and what writes its config into a folder."""
+    """The parts of the merged model, the tied weights the adapter changed (which it holds untied), and what writes
+    its config into a folder."""
 
     parts: list[Part]
-    dtype: torch.dtype
     untied: list[str]
     write_config: Callable[[Path], None]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -111,19 +111,6 @@ def _with_adapters(model: nn.Module, peft_configs: Mapping[str, Mapping[str, Any
     return peft_model
 
 
-@dataclass
-class _Adapted:
-    """The PEFT model a run trained, on the meta device, with the checkpoint's tensors of it in place: the base
-    folder's config, the active adapter, each tensor's names in the model without the adapter, where those names come
-    from in the folder."""
-
-    model: Any
-    config: Any
-    adapter: str
-    names_of: dict[int, list[str]]
-    layout: conversions.FolderLayout
-
-
 def merged_parts(
     folder: Path,
     stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -187,7 +174,7 @@ def merged_parts(
                     f" base ({reason}). Export it with `lightning_frozen.export_peft_adapter` and serve it as an"
                     " adapter."
                 )
-            return _Description(_Adapted(model, config, adapter_name, names_of, layout), stored, dtype).parts()
+            return _Description(model, config, adapter_name, names_of, layout, stored, dtype).parts()
         differences.append(
             f"{model_class.__name__}: lacks {format_names(sorted(expected - params - buffers))}, has"
             f" {format_names(sorted(params - expected))}"
@@ -200,13 +187,22 @@ def merged_parts(
 
 
 class _Description:
-    """:func:`merged_parts` of the adapted model, walking it once."""
+    """:func:`merged_parts` of the adapted ``model`` (the PEFT model a run trained, on the meta device, with the
+    checkpoint's tensors of it in place), walking it once: the base folder's ``config``, the active ``adapter``, each
+    tensor's names in the model without the adapter (``names_of``), where those names come from in the folder."""
 
     def __init__(
-        self, adapted: _Adapted, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: Optional[torch.dtype]
+        self,
+        model: Any,
+        config: Any,
+        adapter: str,
+        names_of: dict[int, list[str]],
+        layout: conversions.FolderLayout,
+        stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+        dtype: Optional[torch.dtype],
     ) -> None:
-        self.adapted, self.inner, self.stored, self.wanted = adapted, adapted.model.base_model.model, stored, dtype
-        layout = adapted.layout
+        self.inner, self.config, self.adapter = model.base_model.model, config, adapter
+        self.names_of, self.layout, self.stored, self.wanted = names_of, layout, stored, dtype
         if layout.used:  # its keys are written back as save_pretrained reverts them
             require(CONVERTED_EXPORT)
             conversions.record_conversions(self.inner, layout.used)  # as `from_pretrained` does: what it reverts
@@ -221,7 +217,7 @@ class _Description:
         ]
         self.dtype = dtype or max(set(floats), key=floats.count, default=torch.float32)
         self.names: dict[int, tuple[str, ...]] = {}  # each tensor's names in the PEFT model: its fingerprint record's
-        for name, tensor in [*adapted.model.named_parameters(remove_duplicate=False), *adapted.model.named_buffers()]:
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
             self.names[id(tensor)] = (*self.names.get(id(tensor), ()), name)
 
     def parts(self) -> MergedParts:
@@ -234,18 +230,16 @@ class _Description:
                 continue
             own = [(f"{lead}{k}", t) for k, t in module.state_dict(keep_vars=True).items() if "." not in k]
             named += [(k, self.tensor(k, t)) for k, t in own]
-        tied = [names for names in self.adapted.names_of.values() if len(names) > 1]
+        tied = [names for names in self.names_of.values() if len(names) > 1]
         # of weights tied in the base that no adapter changed, only the first name is written (as save_pretrained
         # writes them); from_pretrained ties them again
         dropped = {n for names in tied if not any(n in changed for n in names) for n in names[1:]}
         untied = sorted({n for names in tied if any(x in changed for x in names) for n in names})
         parts = [part for name, part in named if name not in dropped]
-        return MergedParts(
-            parts, self.dtype, untied, functools.partial(_write_config, self.adapted, self.dtype, untied)
-        )
+        return MergedParts(parts, untied, functools.partial(_write_config, self.inner, self.config, self.dtype, untied))
 
     def refused(self, what: str) -> UnsupportedConfigurationError:
-        model_type = getattr(self.adapted.config, "model_type", type(self.inner).__name__)
+        model_type = getattr(self.config, "model_type", type(self.inner).__name__)
         return UnsupportedConfigurationError(
             f"transformers converts the tensors of this {model_type!r} base as it loads them, and {what}, so the"
             f" merged export cannot write it as `save_pretrained` does. {_PEFT_WAY}"
@@ -258,14 +252,14 @@ class _Description:
         Raises:
             ValueError, NotImplementedError: transformers cannot revert a conversion.
         """
-        if not self.adapted.layout.used:  # nothing was converted or renamed: written as named
+        if not self.layout.used:  # nothing was converted or renamed: written as named
             return dict(tensors)
         from transformers.core_model_loading import revert_weight_conversion
 
         return revert_weight_conversion(self.inner, dict(tensors))
 
     def converted(self, tensor: torch.Tensor) -> bool:
-        return any(n in self.adapted.layout.conversions for n in self.adapted.names_of.get(id(tensor), []))
+        return any(n in self.layout.conversions for n in self.names_of.get(id(tensor), []))
 
     def dtype_of(self, key: Optional[str], fallback: torch.dtype) -> torch.dtype:
         own = self.stored[key][0] if key is not None else fallback
@@ -276,7 +270,7 @@ class _Description:
     def read(self, tensor: torch.Tensor) -> Optional[Read]:
         """Where a meta tensor of the model is read from in the folder (its own key, or the keys it is converted
         from); None where it is not there."""
-        name = next((n for n in self.adapted.names_of.get(id(tensor), []) if n in self.where), None)
+        name = next((n for n in self.names_of.get(id(tensor), []) if n in self.where), None)
         if name is None:
             return None
         _, starts, build = self.where[name]
@@ -341,7 +335,7 @@ class _Description:
         wrappers = [m for m in unit.modules() if hasattr(m, "get_delta_factors") and hasattr(m, "parameter_name")]
         adapting = {(id(m.get_base_layer()), m.parameter_name): m for m in wrappers}
         if hasattr(unit, "get_delta_factors") and not missing and all((id(m), a) in adapting for m, a, _ in targets):
-            adapter = self.adapted.adapter
+            adapter = self.adapter
             with_delta = [
                 dataclasses.replace(read, delta=_expert_delta(adapting[id(m), attr], adapter))
                 for read, (m, attr, _) in zip(reads, targets)
@@ -385,7 +379,7 @@ class _Description:
         for (module, attr, tensor), value in zip(targets, values):
             _put(module, attr, value.reshape(tensor.shape))
         try:
-            merged = _merged_module(unit, self.adapted.adapter).state_dict()
+            merged = _merged_module(unit, self.adapter).state_dict()
         except (RuntimeError, NotImplementedError):
             if not missing:
                 raise
@@ -494,9 +488,9 @@ def _merge_lora_by_rows(unit: nn.Module, adapter_name: str) -> bool:
 
 
 def _expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
-    """A function of an expert's index giving PEFT's delta of the param that ``wrapper`` (PEFT's ``ParamWrapper``)
-    adapts, for that expert alone: ``scaling * lhs @ rhs`` of its ``get_delta_factors``, in the adapter's dtype; None
-    where the wrapper holds no ``adapter_name``."""
+    """A function of ``(start, count)`` giving those flat elements, within one expert, of PEFT's delta of the param
+    that ``wrapper`` (PEFT's ``ParamWrapper``) adapts: ``scaling * lhs @ rhs`` of its ``get_delta_factors`` for that
+    expert alone, in the adapter's dtype; None where the wrapper holds no ``adapter_name``."""
     if adapter_name not in wrapper.lora_A:
         return None
     base, name = wrapper.get_base_layer(), wrapper.parameter_name
@@ -507,7 +501,13 @@ def _expert_delta(wrapper: nn.Module, adapter_name: str) -> Optional[Any]:
         lhs, rhs, scaling = wrapper.get_delta_factors(adapter_name)
     finally:
         setattr(base, name, own)
-    return lambda expert: (lhs[expert] @ rhs[expert]) * scaling
+    size = math.prod(own.shape[1:])
+
+    def delta(start: int, count: int) -> torch.Tensor:
+        expert, begin = divmod(start, size)
+        return ((lhs[expert] @ rhs[expert]) * scaling).reshape(-1)[begin : begin + count]
+
+    return delta
 
 
 def shard_bytes(size: Any) -> int:
@@ -521,11 +521,10 @@ def shard_bytes(size: Any) -> int:
     return int(convert_file_size_to_int(size))
 
 
-def _write_config(adapted: _Adapted, dtype: torch.dtype, untied: list[str], folder: Path) -> None:
+def _write_config(model: Any, config: Any, dtype: torch.dtype, untied: list[str], folder: Path) -> None:
     """Write the base folder's config as the merged folder's ``config.json``: the class of the model, the dtype of its
     weights, word embeddings untied where the adapter changed one side; and, for a model that generates and a base
     folder without one, the ``generation_config.json`` that ``save_pretrained`` writes."""
-    model, config = adapted.model.base_model.model, adapted.config
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     if untied:
