@@ -48,21 +48,14 @@ class Piece:
     written: Optional[Written] = None
 
 
-@dataclass(frozen=True)
-class Step:
-    """A part of the merged model and the pieces read for it, in order: its reads whole, for a merge; else each
-    folder tensor of its reads, in chunks."""
-
-    part: Part
-    pieces: list[Piece]
-
-
 @dataclass
 class MergePlan:
-    """The steps of the pass, the shards (file name, tensors), and the fingerprint records the reads are verified
-    against: ``recorded`` (the fingerprint, of the tensors read here), their ``stand_ins`` by name, the ``sums``."""
+    """The steps of the pass, each a part of the merged model and the pieces read for it in order (its reads whole,
+    for a merge; else each folder tensor of its reads, in chunks); the shards (file name, tensors); and the
+    fingerprint records the reads are verified against: ``recorded`` (the fingerprint, of the tensors read here),
+    their ``stand_ins`` by name, the ``sums``."""
 
-    steps: list[Step]
+    steps: list[tuple[Part, list[Piece]]]
     shards: list[tuple[str, list[Written]]]
     recorded: dict[str, Any]
     stand_ins: list[tuple[str, torch.Tensor]]
@@ -99,12 +92,12 @@ def merge_plan(
                 written, end = next(outputs), run.start + run.count
                 starts = list(range(run.start, end, CHUNK_ELEMENTS)) or [run.start]
                 pieces += [Piece(source, s, min(CHUNK_ELEMENTS, end - s), read, record, written) for s in starts]
-        steps.append(Step(part, pieces))
+        steps.append((part, pieces))
     # trained tensors alone after every read
-    steps.sort(key=lambda step: index.order(step.pieces[0].source.runs[0].key) if step.pieces else ("\uffff", 0))
+    steps.sort(key=lambda step: index.order(step[1][0].source.runs[0].key) if step[1] else ("\uffff", 0))
     recorded = {**fingerprint, layout.DIGEST: None, layout.TENSORS: verified}  # compared tensor by tensor
     sums = ReadSums(fingerprint.get(layout.FINGERPRINT_MODE, "none"), KERNELS)
-    shards = _shards([t for step in steps for t in step.part.written], limit)
+    shards = _shards([t for part, _ in steps for t in part.written], limit)
     return MergePlan(steps, shards, recorded, stand_ins, sums)
 
 
@@ -143,7 +136,7 @@ def write_merged(
         FrozenBaseMismatchError: the base folder's tensors are not those the checkpoint was trained on.
     """
     plan = merge_plan(merged, index, checkpoint, lead, limit)
-    pieces = [piece for step in plan.steps for piece in step.pieces]
+    pieces = [piece for _, step in plan.steps for piece in step]
 
     def taken(at: int, read: torch.Tensor) -> torch.Tensor:  # on the reading thread, beside the merge
         piece = pieces[at]
@@ -157,14 +150,13 @@ def write_merged(
     reads = [piece.source.reads(piece.start, piece.count) for piece in pieces]
     try:
         with torch.no_grad(), slice_reads.read_ahead(reads, taken) as slices:
-            for step in plan.steps:
-                part = step.part
+            for part, step in plan.steps:
                 if part.merge is not None:
-                    merged = part.merge([next(slices).to(p.read.dtype).reshape(p.read.shape) for p in step.pieces])
+                    merged = part.merge([next(slices).to(p.read.dtype).reshape(p.read.shape) for p in step])
                     for tensor in part.written:
                         writer.write(tensor, merged.pop(tensor.name))
                     continue
-                for piece in step.pieces:
+                for piece in step:
                     values, read = next(slices), piece.read
                     if read.delta is not None:  # PEFT's delta of its expert added, in the converted tensor's dtype
                         values = values.to(read.dtype) + read.delta(piece.start, piece.count).to(read.dtype)

@@ -121,10 +121,8 @@ def export_merged(
 
 
 def _dtype_argument(dtype: Optional[Union[str, torch.dtype]]) -> Optional[torch.dtype]:
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if isinstance(found, torch.dtype) and found.is_floating_point:
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if dtype is None or isinstance(found, torch.dtype) and found.is_floating_point:
         return found
     raise InvalidArgumentValueError(
         f'`export_merged`: `dtype` must be a floating-point torch dtype or its name ("bfloat16", "float16",'
