@@ -4,6 +4,7 @@ ranks that raise, fail to write or hang, or leave gloo work in flight at exit.""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -449,6 +450,37 @@ def test_gloo_workers_are_idle_only_when_no_collective_waits_for_a_peer() -> Non
     groups[1].allreduce([torch.ones(4)]).wait()
     waiting.wait()
     assert gloo_exit.wait_for_idle_gloo_workers(timeout=5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="reads Linux's /proc syscall numbers")
+def test_a_gloo_worker_waiting_to_lock_a_mutex_is_not_idle() -> None:
+    """A worker inside a collective that waits to lock a mutex gloo's transport thread holds (long, where that thread
+    waits for a CPU) waits in a futex without a timeout, as an idle worker does, but with FUTEX_WAIT, not
+    FUTEX_WAIT_BITSET. The exit hook took it for idle; its collective then ended during finalization and the rank
+    aborted with "terminate called without an active exception" (a CI run on torch 2.14.1). Here a thread named as
+    gloo's workers are waits to lock a pthread mutex this thread holds."""
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER (40 bytes on x86_64, 48 on aarch64)
+    assert libc.pthread_mutex_lock(mutex) == 0
+
+    def wait_for_the_mutex() -> None:
+        Path("/proc/thread-self/comm").write_text(gloo_exit.GLOO_WORKER_THREAD)
+        libc.pthread_mutex_lock(mutex)  # ctypes lets go of the GIL meanwhile
+        libc.pthread_mutex_unlock(mutex)
+
+    waiter = threading.Thread(target=wait_for_the_mutex)
+    waiter.start()
+    try:
+        syscall = Path(f"/proc/self/task/{waiter.native_id}/syscall")
+        futex = {"x86_64": "202", "aarch64": "98"}[platform.machine()]
+        deadline = time.monotonic() + 30
+        while syscall.read_text().split()[0] != futex and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert syscall.read_text().split()[0] == futex
+        assert not gloo_exit.wait_for_idle_gloo_workers(timeout=0.3)
+    finally:
+        libc.pthread_mutex_unlock(mutex)
+        waiter.join()
 
 
 @pytest.mark.slow

@@ -28,6 +28,12 @@ def destroy_gloo_group_at_exit() -> None:
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 # the futex syscall's number, the first field of /proc/self/task/<tid>/syscall while a thread waits in it
 _FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}
+# futex's 2nd arg: the command, with FUTEX_PRIVATE_FLAG (128) and FUTEX_CLOCK_REALTIME (256) masked off. An idle
+# worker waits on its queue's condition variable, which glibc (2.25 on; torch's wheels need 2.28) waits in with
+# FUTEX_WAIT_BITSET; a worker inside a collective that waits to lock a mutex (one gloo's transport thread holds while
+# it reads the socket) waits in FUTEX_WAIT, also without a timeout, and is not idle.
+_FUTEX_CMD_MASK = ~(128 | 256)
+_FUTEX_WAIT_BITSET = 9
 
 
 def end_gloo_work(timeout: float = 10.0) -> None:
@@ -47,9 +53,9 @@ def end_gloo_work(timeout: float = 10.0) -> None:
 
 
 def wait_for_idle_gloo_workers(timeout: float = 10.0, poll: float = 0.002, polls_in_a_row: int = 5) -> bool:
-    """Wait until every gloo worker thread of this process has been idle (in a futex without a timeout) for
-    ``polls_in_a_row`` polls ``poll`` seconds apart, or ``timeout`` seconds passed; whether they became idle. Linux
-    on x86_64 and aarch64 only: elsewhere, or without ``/proc``, False at once."""
+    """Wait until every gloo worker thread of this process has been idle (on a condition variable, in a futex without a
+    timeout) for ``polls_in_a_row`` polls ``poll`` seconds apart, or ``timeout`` seconds passed; whether they became
+    idle. Linux on x86_64 and aarch64 only: elsewhere, or without ``/proc``, False at once."""
     futex = _FUTEX_SYSCALL.get(platform.machine())
     deadline = time.monotonic() + timeout
     idle_polls = 0
@@ -67,7 +73,8 @@ def wait_for_idle_gloo_workers(timeout: float = 10.0, poll: float = 0.002, polls
 
 
 def _gloo_workers_idle(futex: int) -> Optional[list[bool]]:
-    """For each gloo worker thread, whether it waits in ``futex`` without a timeout; None where /proc does not say."""
+    """For each gloo worker thread, whether it waits on a condition variable (``futex`` with FUTEX_WAIT_BITSET) without
+    a timeout; None where /proc does not say."""
     idle = []
     try:
         tasks = os.listdir("/proc/self/task")
@@ -79,12 +86,17 @@ def _gloo_workers_idle(futex: int) -> Optional[list[bool]]:
                 if comm.read().strip() != GLOO_WORKER_THREAD:
                     continue
             with open(f"/proc/self/task/{task}/syscall") as syscall:
-                # "number arg1 ... arg6 sp pc" in a syscall, "running" or "-1 sp pc" outside one; futex's 4th arg
-                # is its timeout
+                # "number arg1 ... arg6 sp pc" in a syscall, "running" or "-1 sp pc" outside one; futex's 2nd arg is
+                # its command, its 4th its timeout
                 fields = syscall.read().split()
-        except FileNotFoundError:  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile (ENOENT, or ESRCH while it goes)
             continue
         except OSError:
             return None
-        idle.append(len(fields) > 4 and fields[0] == str(futex) and int(fields[4], 16) == 0)
+        idle.append(
+            len(fields) > 4
+            and fields[0] == str(futex)
+            and int(fields[2], 16) & _FUTEX_CMD_MASK == _FUTEX_WAIT_BITSET
+            and int(fields[4], 16) == 0
+        )
     return idle
